@@ -1,0 +1,57 @@
+# The two set-up commands are `make run` and `make test`; both work on a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+RUN_STAMP  := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+PYTEST_ARGS ?=
+
+.PHONY: run test proto lint bench gpu-check redis clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(TEST_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@ $(RUN_STAMP)
+
+## run: start kvstore-server on embedded defaults, drive the demo workload, print stats, stop
+run: $(RUN_STAMP)
+	$(BIN)/python -m kvstore.demo
+
+## redis: make sure a redis-server binary exists (Debian package, installed when root)
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "redis-server is missing: run 'sudo apt-get install -y redis-server'" >&2; exit 1; \
+	  fi; }
+	@command -v redis-server >/dev/null || { echo "redis-server still missing" >&2; exit 1; }
+
+## test: install with test extras, make sure redis-server exists, run the whole suite
+test: $(TEST_STAMP) redis
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+## proto: regenerate the committed gRPC stubs from proto/kvstore/v1/kvstore.proto
+proto: $(TEST_STAMP)
+	$(BIN)/python proto/generate.py
+
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+## bench: the store benchmark (prints `ours vs baseline = ratio` lines)
+bench: $(TEST_STAMP) redis
+	$(BIN)/python bench/store_bench.py
+
+## gpu-check: GPU tests and GPU benchmarks in one script, for a lent GPU machine
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The paged-attention inference engine; filled in by the engine issues."""

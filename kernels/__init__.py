@@ -1,0 +1,1 @@
+"""Compute kernels (torch reference and CUDA); filled in by the engine issues."""

@@ -1,0 +1,72 @@
+"""Block keys: the chained SHA-256 scheme of DESIGN.md §3, and their validation.
+
+key[-1] = SHA-256(b"kvstore/v1" || namespace), key[i] = SHA-256(key[i-1] || tokens of block i
+as little-endian uint32). Deterministic across processes and hosts; no seeds. The published
+test vectors (proto/kvstore/v1/key_vectors.json) let other languages reproduce them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import NewType
+
+BlockKey = NewType("BlockKey", bytes)
+
+KEY_BYTES = 32
+MAX_NAMESPACE_BYTES = 256
+_DOMAIN = b"kvstore/v1"
+_MAX_TOKEN = 2**32 - 1
+
+
+class InvalidKeyError(ValueError):
+    """A key, token list or namespace that breaks the scheme; the message names the field."""
+
+
+def check_namespace(namespace: str) -> str:
+    """Return namespace if it is a valid one, else raise naming the rule it breaks."""
+    if not isinstance(namespace, str):
+        raise InvalidKeyError(f"namespace must be a string, got {type(namespace).__name__}")
+    size = len(namespace.encode("utf-8"))
+    if size == 0:
+        raise InvalidKeyError("namespace must not be empty")
+    if size > MAX_NAMESPACE_BYTES:
+        raise InvalidKeyError(f"namespace is {size} bytes; the limit is {MAX_NAMESPACE_BYTES}")
+    return namespace
+
+
+def check_key(key: bytes, field: str = "key") -> BlockKey:
+    """Return key as a BlockKey if it is exactly 32 bytes, else raise naming `field`."""
+    if not isinstance(key, (bytes, bytearray)):
+        raise InvalidKeyError(f"{field} must be bytes, got {type(key).__name__}")
+    if len(key) != KEY_BYTES:
+        raise InvalidKeyError(f"{field} is {len(key)} bytes; keys are {KEY_BYTES}-byte digests")
+    return BlockKey(bytes(key))
+
+
+def namespace_root(namespace: str) -> BlockKey:
+    """key[-1]: the digest every chain of `namespace` starts from."""
+    check_namespace(namespace)
+    return BlockKey(hashlib.sha256(_DOMAIN + namespace.encode("utf-8")).digest())
+
+
+def chain_key(parent: BlockKey, block_tokens: Sequence[int]) -> BlockKey:
+    """The key of one block given its parent's key and its token ids."""
+    for token in block_tokens:
+        if not 0 <= token <= _MAX_TOKEN:
+            raise InvalidKeyError(f"token id {token} is outside uint32")
+    payload = struct.pack(f"<{len(block_tokens)}I", *block_tokens)
+    return BlockKey(hashlib.sha256(parent + payload).digest())
+
+
+def prefix_keys(tokens: Sequence[int], block_size: int, namespace: str) -> list[BlockKey]:
+    """Keys of every full block of `tokens`; a trailing partial block has no key."""
+    if block_size <= 0:
+        raise InvalidKeyError(f"block_size must be positive, got {block_size}")
+    key = namespace_root(namespace)
+    keys: list[BlockKey] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        key = chain_key(key, tokens[start : start + block_size])
+        keys.append(key)
+    return keys

@@ -1,0 +1,286 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HBM: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_NVME: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
+
+class GetMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GET_MODE_INLINE: _ClassVar[GetMode]
+    GET_MODE_SHARED_MEMORY: _ClassVar[GetMode]
+TIER_UNSPECIFIED: Tier
+TIER_HBM: Tier
+TIER_DRAM: Tier
+TIER_NVME: Tier
+TIER_REMOTE: Tier
+GET_MODE_INLINE: GetMode
+GET_MODE_SHARED_MEMORY: GetMode
+
+class Extent(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class BlockLocation(_message.Message):
+    __slots__ = ("extents",)
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    extents: _containers.RepeatedCompositeFieldContainer[Extent]
+    def __init__(self, extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "sizes", "data", "reservation_id", "parent_key", "independent")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    INDEPENDENT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    reservation_id: str
+    parent_key: bytes
+    independent: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., reservation_id: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., independent: _Optional[bool] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored", "existing", "evicted")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    EXISTING_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    existing: int
+    evicted: int
+    def __init__(self, stored: _Optional[int] = ..., existing: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "mode", "lease_timeout_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    mode: GetMode
+    lease_timeout_ms: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., mode: _Optional[_Union[GetMode, str]] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("found", "sizes", "checksums", "data", "lease_id", "locations", "shm_name", "lease_expires_in_ms")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    found: _containers.RepeatedScalarFieldContainer[bool]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    lease_id: str
+    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    shm_name: str
+    lease_expires_in_ms: int
+    def __init__(self, found: _Optional[_Iterable[bool]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_in_ms: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("prefix_length", "tiers")
+    PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    prefix_length: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, prefix_length: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "target_tier", "deadline_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    target_tier: Tier
+    deadline_ms: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[Tier, str]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+
+class PrefetchProgress(_message.Message):
+    __slots__ = ("done", "missing", "failed", "total")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    done: int
+    missing: int
+    failed: int
+    total: int
+    def __init__(self, done: _Optional[int] = ..., missing: _Optional[int] = ..., failed: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "sizes", "timeout_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    timeout_ms: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "exists", "locations", "shm_name", "expires_in_ms")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    exists: _containers.RepeatedScalarFieldContainer[bool]
+    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    shm_name: str
+    expires_in_ms: int
+    def __init__(self, reservation_id: _Optional[str] = ..., exists: _Optional[_Iterable[bool]] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., shm_name: _Optional[str] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released", "unknown")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    unknown: int
+    def __init__(self, released: _Optional[int] = ..., unknown: _Optional[int] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "bytes", "all", "tier")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    bytes: int
+    all: bool
+    tier: Tier
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., bytes: _Optional[int] = ..., all: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted", "evicted_bytes", "skipped")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    evicted_bytes: int
+    skipped: int
+    def __init__(self, evicted: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("changed", "missing")
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    changed: int
+    missing: int
+    def __init__(self, changed: _Optional[int] = ..., missing: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("namespace", "include_config")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    include_config: bool
+    def __init__(self, namespace: _Optional[str] = ..., include_config: _Optional[bool] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "enabled", "capacity_bytes", "used_bytes", "objects", "hits", "misses", "bytes_in", "bytes_out", "evictions", "page_size_bytes", "free_pages", "largest_free_run_pages")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_RUN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    enabled: bool
+    capacity_bytes: int
+    used_bytes: int
+    objects: int
+    hits: int
+    misses: int
+    bytes_in: int
+    bytes_out: int
+    evictions: int
+    page_size_bytes: int
+    free_pages: int
+    largest_free_run_pages: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., free_pages: _Optional[int] = ..., largest_free_run_pages: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "shm_name", "shm_size_bytes", "host_id", "leases", "reservations", "pinned", "version", "config_json", "hits", "misses")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    shm_name: str
+    shm_size_bytes: int
+    host_id: str
+    leases: int
+    reservations: int
+    pinned: int
+    version: str
+    config_json: str
+    hits: int
+    misses: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., pinned: _Optional[int] = ..., version: _Optional[str] = ..., config_json: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
