@@ -1,0 +1,27 @@
+"""Typed errors of the daemon core; server.py maps each to one gRPC status code (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base of every error the store raises on purpose."""
+
+
+class InvalidArgument(StoreError):
+    """Malformed input; the message names the field."""
+
+
+class ResourceExhausted(StoreError):
+    """No room even after eviction, or a request larger than a limit allows."""
+
+
+class FailedPrecondition(StoreError):
+    """A tier or feature that is off."""
+
+
+class Aborted(StoreError):
+    """An entry vanished mid-operation; retrying may succeed."""
+
+
+class Unavailable(StoreError):
+    """Starting, draining or a backend down."""

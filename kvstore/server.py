@@ -1,0 +1,352 @@
+"""kvstore-server: the thin gRPC edge of the store (grpc.aio).
+
+Decode, call the store, encode; every error is mapped to a status code in one function,
+`status_for`. grpc.aio was chosen over a thread pool by measurement (docs/server-model.md):
+equal lookup latency, slightly more streaming bandwidth, and one thread touching the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore import __version__
+from kvstore.config import Config, ConfigError, add_arguments, config_from_args, config_to_dict
+from kvstore.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    StoreError,
+    Unavailable,
+)
+from kvstore.index import Tier
+from kvstore.metrics import Metrics
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
+from kvstore.shm import host_id
+from kvstore.store import Store, StoreStats
+
+log = logging.getLogger("kvstore.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+_STATUS = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Aborted: grpc.StatusCode.ABORTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one place that maps an exception to a gRPC status."""
+    for cls, code in _STATUS.items():
+        if isinstance(exc, cls):
+            return code, str(exc)
+    log.error("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _tier(value: int, field: str) -> Tier | None:
+    if value == pb.TIER_UNSPECIFIED:
+        return None
+    try:
+        return Tier(value)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field} {value} is not a tier") from exc
+
+
+def _locations(extents: list[list[tuple[int, int]]]) -> list[pb.BlockLocation]:
+    return [
+        pb.BlockLocation(extents=[pb.Extent(offset=o, length=n) for o, n in block])
+        for block in extents
+    ]
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class KVStoreServicer(rpc.KVStoreServicer):
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.config = store.config
+        self.host_id = host_id()
+
+    async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception,
+                    started: float) -> None:
+        code, message = status_for(exc)
+        self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
+        await context.abort(code, message)
+
+    def _ok(self, method: str, started: float) -> None:
+        self.metrics.observe_rpc(method, "OK", time.perf_counter() - started)
+
+    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest],
+                  context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        started = time.perf_counter()
+        session = None
+        try:
+            first = await anext(aiter(request_iterator), None)
+            if first is None:
+                raise InvalidArgument("PutRequest: the stream carried no message")
+            evictions = self.store.index.evictions.get(Tier.DRAM, 0) if self.store.dram else 0
+            if first.reservation_id:
+                if first.keys or first.data:
+                    raise InvalidArgument("reservation_id: a commit carries no keys and no data")
+                result = self.store.commit_reservation(first.namespace, first.reservation_id)
+            else:
+                session = self.store.begin_put(
+                    first.namespace, first.keys, first.sizes, first.parent_key, first.independent
+                )
+                if first.data:
+                    self.store.write(session, memoryview(first.data))
+                async for msg in request_iterator:
+                    if msg.keys or msg.sizes or msg.reservation_id or msg.namespace:
+                        raise InvalidArgument("keys: only the first PutRequest carries a header")
+                    self.store.write(session, memoryview(msg.data))
+                result = self.store.commit(session)
+                session = None
+            evicted = (self.store.index.evictions.get(Tier.DRAM, 0) if self.store.dram else 0)
+            self._ok("Put", started)
+            return pb.PutResponse(
+                stored=result.stored, existing=result.existing, evicted=evicted - evictions
+            )
+        except Exception as exc:
+            await self._fail(context, "Put", exc, started)
+            raise
+        finally:
+            if session is not None:
+                self.store.abort(session.plan_id)
+
+    async def Get(self, request: pb.GetRequest,
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+        started = time.perf_counter()
+        try:
+            shared = request.mode == pb.GET_MODE_SHARED_MEMORY
+            if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
+                raise InvalidArgument(f"mode {request.mode} is not a GetMode")
+            if shared and self.store.dram is None:
+                raise FailedPrecondition("mode SHARED_MEMORY needs the dram tier (dram.enabled)")
+            timeout_s = (request.lease_timeout_ms / 1000) if request.lease_timeout_ms else (
+                self.config.leases.lease_timeout_s)
+            result = self.store.read(request.namespace, request.keys, timeout_s)
+        except Exception as exc:
+            await self._fail(context, "Get", exc, started)
+            raise
+        found = [e is not None for e in result.entries]
+        hits = [e for e in result.entries if e is not None]
+        head = pb.GetResponse(
+            found=found,
+            sizes=[e.size_bytes for e in hits],
+            checksums=[e.checksum for e in hits],
+        )
+        if shared:
+            head.lease_id = result.lease_id if hits else ""
+            head.locations.extend(_locations(result.extents))
+            head.shm_name = self.store.dram.shm_name if self.store.dram else ""
+            head.lease_expires_in_ms = int(timeout_s * 1000)
+            self._ok("Get", started)
+            yield head
+            return
+        try:
+            yield head
+            for chunk in self.store.chunks(result, self.config.server.chunk_bytes):
+                yield pb.GetResponse(data=chunk)
+            self._ok("Get", started)
+        except Exception as exc:
+            await self._fail(context, "Get", exc, started)
+        finally:
+            if hits:
+                with contextlib.suppress(InvalidArgument):  # expired mid-stream: reported above
+                    self.store.release([result.lease_id])
+
+    async def _unary(self, method: str, context: grpc.aio.ServicerContext,
+                     fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            response = fn()
+        except Exception as exc:
+            await self._fail(context, method, exc, started)
+            raise
+        self._ok(method, started)
+        return response
+
+    async def Lookup(self, request: pb.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        def run() -> pb.LookupResponse:
+            prefix, tiers = self.store.lookup(request.namespace, request.keys)
+            return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
+        return await self._unary("Lookup", context, run)
+
+    async def Prefetch(self, request: pb.PrefetchRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PrefetchProgress]:
+        def run() -> pb.PrefetchProgress:
+            target = _tier(request.target_tier, "target_tier")
+            done, missing = self.store.prefetch(request.namespace, request.keys, target)
+            return pb.PrefetchProgress(done=done, missing=missing, total=len(request.keys))
+        yield await self._unary("Prefetch", context, run)
+
+    async def Reserve(self, request: pb.ReserveRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        def run() -> pb.ReserveResponse:
+            timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
+            r = self.store.reserve(request.namespace, request.keys, request.sizes,
+                                   timeout_s=timeout_s)
+            return pb.ReserveResponse(
+                reservation_id=r.reservation_id, exists=r.exists,
+                locations=_locations(r.extents),
+                shm_name=self.store.dram.shm_name if self.store.dram else "",
+                expires_in_ms=int(r.expires_in_s * 1000),
+            )
+        return await self._unary("Reserve", context, run)
+
+    async def Release(self, request: pb.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        def run() -> pb.ReleaseResponse:
+            return pb.ReleaseResponse(released=self.store.release(request.ids))
+        return await self._unary("Release", context, run)
+
+    async def Evict(self, request: pb.EvictRequest,
+                    context: grpc.aio.ServicerContext) -> pb.EvictResponse:
+        def run() -> pb.EvictResponse:
+            r = self.store.evict(request.namespace, request.keys, request.bytes, request.all,
+                                 _tier(request.tier, "tier"))
+            return pb.EvictResponse(evicted=r.evicted, evicted_bytes=r.evicted_bytes,
+                                    skipped=r.skipped)
+        return await self._unary("Evict", context, run)
+
+    async def Pin(self, request: pb.PinRequest,
+                  context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        def run() -> pb.PinResponse:
+            changed, missing = self.store.set_pinned(request.namespace, request.keys, True)
+            return pb.PinResponse(changed=changed, missing=missing)
+        return await self._unary("Pin", context, run)
+
+    async def Unpin(self, request: pb.PinRequest,
+                    context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        def run() -> pb.PinResponse:
+            changed, missing = self.store.set_pinned(request.namespace, request.keys, False)
+            return pb.PinResponse(changed=changed, missing=missing)
+        return await self._unary("Unpin", context, run)
+
+    async def Stats(self, request: pb.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        def run() -> pb.StatsResponse:
+            return self._stats_response(self.store.stats(request.namespace),
+                                        request.include_config)
+        return await self._unary("Stats", context, run)
+
+    def _stats_response(self, s: StoreStats, include_config: bool) -> pb.StatsResponse:
+        tiers = [
+            pb.TierStats(**{**dataclasses.asdict(t), "tier": Tier[t.tier.upper()].value})
+            for t in s.tiers
+        ]
+        return pb.StatsResponse(
+            tiers=tiers, shm_name=s.shm_name, shm_size_bytes=s.shm_size_bytes,
+            host_id=self.host_id, leases=s.leases, reservations=s.reservations, pinned=s.pinned,
+            version=__version__,
+            hits=s.hits, misses=s.misses,
+            config_json=json.dumps(config_to_dict(self.config)) if include_config else "",
+        )
+
+
+async def _sweep_forever(store: Store, interval_s: float,
+                         health_servicer: health.aio.HealthServicer) -> None:
+    """Expire leases and reservations. If this ever fails the daemon says so through
+    health (NOT_SERVING) and the log; it never dies silently."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            leases, reservations = store.sweep()
+        except Exception:
+            log.exception("lease sweeper failed; marking NOT_SERVING")
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            raise
+        if leases or reservations:
+            log.info("expired %d leases and %d reservations", leases, reservations)
+
+
+async def serve(config: Config, ready: Callable[[int, int], None] | None = None) -> None:
+    """Run the daemon until SIGINT/SIGTERM."""
+    store = Store(config)
+    metrics = Metrics(lambda: store.stats().tiers)
+    metrics_port = 0
+    if config.metrics.enabled:
+        metrics_port = metrics.start_http(config.metrics.host, config.metrics.port)
+    options = [
+        ("grpc.max_send_message_length", config.server.max_message_bytes),
+        ("grpc.max_receive_message_length", config.server.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    rpc.add_KVStoreServicer_to_server(KVStoreServicer(store, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.server.host}:{config.server.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    sweeper = asyncio.create_task(
+        _sweep_forever(store, config.leases.sweep_interval_s, health_servicer)
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    shm = store.dram.shm_name if store.dram else "off"
+    print(f"kvstore-server {__version__} listening on {config.server.host}:{port} "
+          f"(metrics port {metrics_port or 'off'}, L2 shm {shm})", flush=True)
+    if ready is not None:
+        ready(port, metrics_port)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        sweeper.cancel()
+        await server.stop(config.server.grace_s)
+        metrics.stop()
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore-server", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except (FileExistsError, OSError) as exc:
+        print(f"kvstore-server: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""The store: validates requests, composes the index with the tiers, owns leases and counters.
+
+Every public method checks its input first and raises a typed error naming the field
+(kvstore.errors), so a bad request never reaches the index or a tier and never damages
+stored data. Puts are two-phase (plan → write → commit, or abort); reads hold a lease while
+bytes are copied out, so the pages under a reader are never reused.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import xxhash
+
+from kvstore.config import Config, format_size
+from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.index import CommitResult, Entry, Index, Tier
+from kvstore.keys import BlockKey, InvalidKeyError, check_key, check_namespace
+from kvstore.pages import PageAllocator
+from kvstore.tiers.dram import DramTier, Extent
+
+TIER_NAMES = {Tier.HBM: "hbm", Tier.DRAM: "dram", Tier.NVME: "nvme", Tier.REMOTE: "remote"}
+
+
+@dataclass(slots=True)
+class TierStats:
+    tier: str
+    enabled: bool
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    objects: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    evictions: int = 0
+    page_size_bytes: int = 0
+    free_pages: int = 0
+    largest_free_run_pages: int = 0
+
+
+@dataclass(slots=True)
+class StoreStats:
+    tiers: list[TierStats]
+    shm_name: str
+    shm_size_bytes: int
+    leases: int
+    reservations: int
+    pinned: int
+    hits: int
+    misses: int
+
+
+@dataclass(slots=True)
+class PutSession:
+    """One put in flight: where each block's bytes go, and how many have arrived."""
+
+    plan_id: str
+    namespace: str
+    sizes: list[int]
+    targets: list[list[Extent] | None]  # per request position; None = already stored
+    hashers: list[xxhash.xxh3_64 | None]
+    total_bytes: int
+    received_bytes: int = 0
+    block: int = 0  # request position the next byte belongs to
+    block_offset: int = 0
+
+
+@dataclass(slots=True)
+class Reservation:
+    reservation_id: str
+    exists: list[bool]
+    extents: list[list[Extent]]  # per key; empty for keys that exist
+    expires_in_s: float
+
+
+@dataclass(slots=True)
+class ReadResult:
+    lease_id: str
+    entries: list[Entry | None]
+    extents: list[list[Extent]] = field(default_factory=list)  # per found entry
+    expires_in_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    evicted: int
+    evicted_bytes: int
+    skipped: int
+
+
+class Store:
+    """The daemon's data plane, independent of gRPC. Thread-safe (one lock)."""
+
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.dram: DramTier | None = None
+        if config.dram.enabled:
+            self.dram = DramTier(
+                config.dram.capacity_bytes,
+                config.dram.page_size_bytes,
+                config.dram.shm_name or f"kvstore-{config.server.port}-{secrets.token_hex(4)}",
+                config.dram.pin_memory,
+            )
+        allocators = {Tier.DRAM: PageAllocator(self.dram.num_pages)} if self.dram else {}
+        pages = {Tier.DRAM: config.dram.page_size_bytes}
+        self.index = Index(allocators, pages, clock)
+        self._stats = {t: TierStats(TIER_NAMES[t], t in allocators) for t in Tier}
+        self._hits = self._misses = 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self.dram is not None:
+                self.dram.close()
+                self.dram = None
+
+    # --- validation ------------------------------------------------------------------------
+
+    def _check_keys(self, namespace: str, keys: Sequence[bytes]) -> list[BlockKey]:
+        try:
+            check_namespace(namespace)
+            checked = [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        except InvalidKeyError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        limit = self.config.server.max_batch_keys
+        if len(checked) > limit:
+            raise InvalidArgument(
+                f"keys has {len(checked)} entries; the limit is {limit} (server.max_batch_keys)"
+            )
+        return checked
+
+    def _check_sizes(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> list[int]:
+        if len(sizes) != len(keys):
+            raise InvalidArgument(f"sizes has {len(sizes)} entries; keys has {len(keys)}")
+        limit = self.config.server.max_object_bytes
+        for i, size in enumerate(sizes):
+            if size <= 0:
+                raise InvalidArgument(f"sizes[{i}] is {size}; a block holds at least one byte")
+            if size > limit:
+                raise InvalidArgument(
+                    f"sizes[{i}] is {format_size(size)}; the limit is {format_size(limit)} "
+                    "(server.max_object_bytes)"
+                )
+        return list(sizes)
+
+    def _slot_tier(self) -> DramTier:
+        if self.dram is None:
+            raise FailedPrecondition("no slot tier is enabled (dram.enabled is false)")
+        return self.dram
+
+    @staticmethod
+    def _parents(
+        keys: Sequence[BlockKey], parent: bytes, independent: bool
+    ) -> list[BlockKey | None]:
+        if parent:
+            try:
+                first = check_key(parent, "parent_key")
+            except InvalidKeyError as exc:
+                raise InvalidArgument(str(exc)) from exc
+        if independent:
+            return [None] * len(keys)
+        return [first if parent else None, *keys[:-1]]
+
+    # --- puts ------------------------------------------------------------------------------
+
+    def _plan(
+        self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes,
+        independent: bool, timeout_s: float,
+    ) -> tuple[str, list[BlockKey], list[int], list[list[Extent] | None]]:
+        checked = self._check_keys(namespace, keys)
+        sizes = self._check_sizes(checked, sizes)
+        parents = self._parents(checked, parent, independent)
+        tier = self._slot_tier()
+        plan_id = secrets.token_hex(12)
+        with self._lock:
+            plan = self.index.prepare_store(
+                plan_id, namespace, checked, sizes, parents, Tier.DRAM, self._clock() + timeout_s
+            )
+            if plan is None:
+                need = sum(self.index.pages_per_object(Tier.DRAM, s) for s in sizes)
+                raise ResourceExhausted(
+                    f"sizes need {need} pages ({format_size(need * tier.page_size_bytes)}); the "
+                    f"dram tier cannot free that many (capacity {format_size(tier.capacity_bytes)},"
+                    " dram.capacity_bytes; pinned and leased blocks stay)"
+                )
+            targets: list[list[Extent] | None] = [None] * len(checked)
+            for block in plan.blocks:
+                targets[block.index] = tier.extents(block.pages, block.size_bytes)
+        return plan_id, checked, sizes, targets
+
+    def begin_put(
+        self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
+        parent: bytes = b"", independent: bool = False,
+    ) -> PutSession:
+        """Plan an inline put; feed its bytes with write(), then commit() or abort()."""
+        plan_id, _, sizes, targets = self._plan(
+            namespace, keys, sizes, parent, independent, self.config.leases.reservation_timeout_s
+        )
+        hashers = [xxhash.xxh3_64() if t is not None else None for t in targets]
+        return PutSession(plan_id, namespace, sizes, targets, hashers, sum(sizes))
+
+    def write(self, session: PutSession, data: memoryview) -> None:
+        """Append a chunk of the concatenated payloads."""
+        if session.received_bytes + len(data) > session.total_bytes:
+            raise InvalidArgument(
+                f"data: more than the {session.total_bytes} bytes that sizes add up to"
+            )
+        tier = self._slot_tier()
+        with self._lock:
+            if self.index.plan(session.plan_id) is None:
+                raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned")
+            self._write_locked(tier, session, data)
+
+    @staticmethod
+    def _write_locked(tier: DramTier, session: PutSession, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            i = session.block
+            n = min(session.sizes[i] - session.block_offset, len(data) - done)
+            targets, hasher = session.targets[i], session.hashers[i]
+            if targets is not None and hasher is not None:
+                chunk = data[done : done + n]
+                tier.write(targets, session.block_offset, chunk)
+                hasher.update(chunk)
+            done += n
+            session.block_offset += n
+            if session.block_offset == session.sizes[i]:
+                session.block += 1
+                session.block_offset = 0
+        session.received_bytes += len(data)
+
+    def commit(self, session: PutSession) -> CommitResult:
+        if session.received_bytes != session.total_bytes:
+            self.abort(session.plan_id)
+            raise InvalidArgument(
+                f"data: received {session.received_bytes} bytes; sizes add up to "
+                f"{session.total_bytes}"
+            )
+        checksums = [h.intdigest() for h in session.hashers if h is not None]
+        return self._complete(session.plan_id, checksums, session.total_bytes)
+
+    def abort(self, plan_id: str) -> None:
+        with self._lock:
+            if self.index.plan(plan_id) is not None:
+                self.index.complete_store(plan_id, None, success=False)
+
+    def _complete(self, plan_id: str, checksums: list[int], size_bytes: int) -> CommitResult:
+        with self._lock:
+            result = self.index.complete_store(plan_id, checksums, success=True)
+            self._stats[Tier.DRAM].bytes_in += size_bytes
+            return result
+
+    def reserve(
+        self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes = b"",
+        independent: bool = False, timeout_s: float | None = None,
+    ) -> Reservation:
+        """Pages for the client to write itself; commit_reservation() makes them entries."""
+        timeout_s = timeout_s or self.config.leases.reservation_timeout_s
+        plan_id, _, _, targets = self._plan(namespace, keys, sizes, parent, independent, timeout_s)
+        return Reservation(
+            plan_id, [t is None for t in targets], [t or [] for t in targets], timeout_s
+        )
+
+    def commit_reservation(self, namespace: str, reservation_id: str) -> CommitResult:
+        tier = self._slot_tier()
+        with self._lock:
+            plan = self.index.plan(reservation_id)
+            if plan is None or plan.namespace != namespace:
+                raise InvalidArgument(
+                    f"reservation_id {reservation_id!r} is unknown or expired in namespace "
+                    f"{namespace!r}"
+                )
+            # Checksums are computed here, from what the client actually wrote.
+            extents = [tier.extents(b.pages, b.size_bytes) for b in plan.blocks]
+            checksums = [tier.checksum(e) for e in extents]
+            size_bytes = sum(b.size_bytes for b in plan.blocks)
+            return self._complete(reservation_id, checksums, size_bytes)
+
+    # --- reads -----------------------------------------------------------------------------
+
+    def read(self, namespace: str, keys: Sequence[bytes], lease_timeout_s: float) -> ReadResult:
+        """Lease the found entries; the caller copies their bytes, then release()s."""
+        checked = self._check_keys(namespace, keys)
+        tier = self.dram
+        lease_id = secrets.token_hex(12)
+        with self._lock:
+            entries = self.index.lease(lease_id, namespace, checked, self._clock() + lease_timeout_s)
+            result = ReadResult(lease_id, entries, expires_in_s=lease_timeout_s)
+            stats = self._stats[Tier.DRAM]
+            for entry in entries:
+                if entry is None:
+                    stats.misses += 1  # L2 is the only tier a read looks in yet
+                    self._misses += 1
+                    continue
+                assert tier is not None, "entries exist only in enabled tiers"
+                self._hits += 1
+                stats.hits += 1
+                stats.bytes_out += entry.size_bytes
+                result.extents.append(tier.extents(entry.pages, entry.size_bytes))
+        return result
+
+    def chunks(self, result: ReadResult, chunk_bytes: int) -> Iterator[bytes]:
+        """The found payloads concatenated, as copies of at most chunk_bytes each. Each copy
+        is made under the lock with the lease checked, so the bytes are never a reused page."""
+        tier = self._slot_tier()
+        pending: list[memoryview] = []
+        pending_bytes = 0
+        for extents in result.extents:
+            for view in tier.views(extents):
+                while len(view):
+                    take = view[: chunk_bytes - pending_bytes]
+                    view = view[len(take) :]
+                    pending.append(take)
+                    pending_bytes += len(take)
+                    if pending_bytes == chunk_bytes:
+                        yield self._copy(result.lease_id, pending)
+                        pending, pending_bytes = [], 0
+        if pending:
+            yield self._copy(result.lease_id, pending)
+
+    def _copy(self, lease_id: str, views: list[memoryview]) -> bytes:
+        with self._lock:
+            if not self.index.has_lease(lease_id):
+                raise Aborted("the read outlived leases.lease_timeout_s and its lease expired")
+            return views[0].tobytes() if len(views) == 1 else b"".join(views)
+
+    def release(self, ids: Sequence[str]) -> int:
+        """End leases and abandon reservations; unknown or expired ids are an error (after
+        the known ones are released)."""
+        unknown: list[str] = []
+        released = 0
+        with self._lock:
+            for rid in ids:
+                if self.index.release(rid):
+                    released += 1
+                elif self.index.plan(rid) is not None:
+                    self.index.complete_store(rid, None, success=False)
+                    released += 1
+                else:
+                    unknown.append(rid)
+        if unknown:
+            raise InvalidArgument(f"ids: {unknown[:3]!r} unknown or expired ({len(unknown)} in all)")
+        return released
+
+    def lookup(self, namespace: str, keys: Sequence[bytes]) -> tuple[int, list[Tier | None]]:
+        checked = self._check_keys(namespace, keys)
+        with self._lock:
+            return self.index.lookup(namespace, checked)
+
+    def prefetch(
+        self, namespace: str, keys: Sequence[bytes], target: Tier | None
+    ) -> tuple[int, int]:
+        """(done, missing). Only L2 exists yet, so every cached key is already in place."""
+        checked = self._check_keys(namespace, keys)
+        if target is not None and not self._stats[target].enabled:
+            raise FailedPrecondition(f"target_tier {TIER_NAMES[target]} is not enabled")
+        _, tiers = self.lookup(namespace, checked)
+        done = sum(1 for t in tiers if t is not None)
+        return done, len(tiers) - done
+
+    # --- operators -------------------------------------------------------------------------
+
+    def evict(
+        self, namespace: str, keys: Sequence[bytes], min_bytes: int, everything: bool,
+        tier: Tier | None,
+    ) -> EvictResult:
+        modes = sum([bool(keys), min_bytes > 0, everything])
+        if modes != 1:
+            raise InvalidArgument("give exactly one of keys, bytes or all")
+        if tier is not None and not self._stats[tier].enabled:
+            raise FailedPrecondition(f"tier {TIER_NAMES[tier]} is not enabled")
+        if namespace:
+            try:
+                check_namespace(namespace)
+            except InvalidKeyError as exc:
+                raise InvalidArgument(str(exc)) from exc
+        with self._lock:
+            if keys:
+                if not namespace:
+                    raise InvalidArgument("namespace is required to evict keys")
+                evicted, skipped = self.index.evict_keys(namespace, self._check_keys(namespace, keys))
+            else:
+                evicted = []
+                for t in [tier] if tier is not None else self._enabled_slot_tiers():
+                    want = None if everything else min_bytes - sum(e.size_bytes for e in evicted)
+                    evicted += self.index.evict_lru(t, want, namespace or None)
+                skipped = self.index.unevictable(namespace or None) if everything else 0
+            return EvictResult(len(evicted), sum(e.size_bytes for e in evicted), skipped)
+
+    def _enabled_slot_tiers(self) -> list[Tier]:
+        return [Tier.DRAM] if self.dram is not None else []
+
+    def set_pinned(self, namespace: str, keys: Sequence[bytes], pinned: bool) -> tuple[int, int]:
+        checked = self._check_keys(namespace, keys)
+        with self._lock:
+            return self.index.set_pinned(namespace, checked, pinned)
+
+    def sweep(self) -> tuple[int, int]:
+        """Expire leases and reservations past their deadline; (leases, reservations)."""
+        with self._lock:
+            leases, plans = self.index.expire(self._clock())
+        return len(leases), len(plans)
+
+    def stats(self, namespace: str = "") -> StoreStats:
+        if namespace:
+            try:
+                check_namespace(namespace)
+            except InvalidKeyError as exc:
+                raise InvalidArgument(str(exc)) from exc
+        with self._lock:
+            out: list[TierStats] = []
+            for t in Tier:
+                row = replace(self._stats[t])
+                if t == Tier.DRAM and self.dram is not None:
+                    alloc = self.index.allocator_stats(t)
+                    row.capacity_bytes = self.dram.capacity_bytes
+                    row.page_size_bytes = self.dram.page_size_bytes
+                    row.free_pages = alloc.free_pages
+                    row.largest_free_run_pages = alloc.largest_free_run
+                    row.objects, row.used_bytes = self.index.usage(t, namespace or None)
+                    row.evictions = self.index.evictions[t]
+                out.append(row)
+            return StoreStats(
+                out,
+                self.dram.shm_name if self.dram else "",
+                self.dram.capacity_bytes if self.dram else 0,
+                self.index.num_leases,
+                self.index.num_plans,
+                self.index.pinned_count(),
+                self._hits,
+                self._misses,
+            )

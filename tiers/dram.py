@@ -1,0 +1,115 @@
+"""L2 DRAM tier: one shared-memory segment of fixed-size pages.
+
+The segment is mode 0600 and removed on clean shutdown. Co-located clients attach to it by
+name and read or write blocks with no copy through the daemon. When CUDA is present the
+segment is registered as pinned (page-locked) memory, so a GPU can DMA to and from it.
+This module does I/O on pages it is told about; which pages belong to what is the index's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.pages import PageRun
+from kvstore.shm import Segment, create_segment
+
+log = logging.getLogger(__name__)
+
+Extent = tuple[int, int]  # (byte offset in the segment, length in bytes)
+
+
+class DramTier:
+    """Byte-level access to page runs of the L2 segment."""
+
+    def __init__(
+        self, capacity_bytes: int, page_size_bytes: int, shm_name: str, pin_memory: bool
+    ) -> None:
+        self.page_size_bytes = page_size_bytes
+        self.num_pages = capacity_bytes // page_size_bytes
+        self.capacity_bytes = self.num_pages * page_size_bytes
+        self._segment: Segment = create_segment(shm_name, self.capacity_bytes)
+        self.shm_name = self._segment.name
+        self._buf = np.frombuffer(self._segment.view(), dtype=np.uint8)
+        self.pinned = pin_memory and _register_pinned(self._buf)
+
+    def extents(self, pages: Sequence[PageRun], size_bytes: int) -> list[Extent]:
+        """Byte ranges of the segment that hold an object of size_bytes on pages, in order."""
+        out: list[Extent] = []
+        remaining = size_bytes
+        for start, length in pages:
+            if remaining <= 0:
+                break
+            n = min(length * self.page_size_bytes, remaining)
+            out.append((start * self.page_size_bytes, n))
+            remaining -= n
+        return out
+
+    def write(self, extents: Sequence[Extent], offset: int, data: memoryview) -> None:
+        """Write data at byte `offset` of the object laid out on extents."""
+        src = np.frombuffer(data, dtype=np.uint8)
+        done = 0
+        for ext_offset, ext_length in extents:
+            if offset >= ext_length:
+                offset -= ext_length
+                continue
+            n = min(ext_length - offset, len(src) - done)
+            start = ext_offset + offset
+            self._buf[start : start + n] = src[done : done + n]
+            done += n
+            offset = 0
+            if done == len(src):
+                return
+        if done != len(src):
+            raise ValueError(f"write of {len(src)} bytes runs past the object's pages")
+
+    def views(self, extents: Sequence[Extent]) -> Iterator[memoryview]:
+        """Zero-copy views of the object's bytes, extent by extent."""
+        mv = self._buf.data
+        for offset, length in extents:
+            yield mv[offset : offset + length]
+
+    def checksum(self, extents: Sequence[Extent]) -> int:
+        h = xxhash.xxh3_64()
+        for view in self.views(extents):
+            h.update(view)
+        return h.intdigest()
+
+    def close(self) -> None:
+        """Unlink the segment (clients still attached keep their mapping until they close)."""
+        if self.pinned:
+            _unregister_pinned(self._buf)
+        del self._buf
+        self._segment.close()
+        self._segment.unlink()
+
+
+def _register_pinned(buf: np.ndarray) -> bool:
+    """cudaHostRegister the segment when cupy and a CUDA device are present."""
+    try:
+        import cupy  # type: ignore[import-not-found]
+    except ImportError:
+        log.info("L2 segment is plain memory: cupy is not installed")
+        return False
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            log.info("L2 segment is plain memory: no CUDA device")
+            return False
+        cupy.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, 0)
+    except Exception as exc:  # a driver error must not stop a CPU-only daemon
+        log.warning("L2 segment is plain memory: cudaHostRegister failed: %s", exc)
+        return False
+    log.info("L2 segment registered as CUDA pinned memory (%d bytes)", buf.nbytes)
+    return True
+
+
+def _unregister_pinned(buf: np.ndarray) -> None:
+    import cupy
+
+    try:
+        cupy.cuda.runtime.hostUnregister(buf.ctypes.data)
+    except Exception as exc:
+        log.warning("cudaHostUnregister failed: %s", exc)
