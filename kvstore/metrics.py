@@ -1,0 +1,171 @@
+"""Prometheus metrics of the daemon: per-tier gauges and counters, RPC latency, the HTTP exporter.
+
+Everything lives on a CollectorRegistry owned by one Metrics instance (never the process-wide
+default), so tests and embedded daemons can hold several. Tier figures are not mirrored into
+metric objects: a collector asks the store for fresh stats on every scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+#: RPC latency buckets in seconds: 50 µs (a shared-memory Lookup) up to 10 s (a large Prefetch).
+RPC_LATENCY_BUCKETS_S = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+
+class TierStatsLike(Protocol):
+    """What the collector reads from one tier's stats (read-only, so frozen dataclasses fit)."""
+
+    @property
+    def tier(self) -> str: ...  # "dram", "hbm", "nvme", "remote"
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def objects(self) -> int: ...
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
+    @property
+    def bytes_in(self) -> int: ...
+    @property
+    def bytes_out(self) -> int: ...
+    @property
+    def evictions(self) -> int: ...
+
+
+# (metric name, help, attribute of TierStatsLike)
+_TIER_GAUGES = (
+    ("kvstore_tier_enabled", "1 if the tier is enabled, else 0.", "enabled"),
+    ("kvstore_tier_capacity_bytes", "Bytes the tier can hold.", "capacity_bytes"),
+    ("kvstore_tier_used_bytes", "Bytes the tier holds now.", "used_bytes"),
+    ("kvstore_tier_objects", "Blocks the tier holds now.", "objects"),
+)
+_TIER_COUNTERS = (
+    ("kvstore_tier_hits_total", "Reads served by the tier.", "hits"),
+    ("kvstore_tier_misses_total", "Reads the tier could not serve.", "misses"),
+    ("kvstore_tier_bytes_in_total", "Bytes written into the tier.", "bytes_in"),
+    ("kvstore_tier_bytes_out_total", "Bytes read out of the tier.", "bytes_out"),
+    ("kvstore_tier_evictions_total", "Blocks evicted or demoted out of the tier.", "evictions"),
+)
+
+
+class _TierCollector(Collector):
+    """Asks stats_fn on each scrape; a failing stats_fn costs the tier metrics, not the scrape."""
+
+    def __init__(self, stats_fn: Callable[[], Sequence[TierStatsLike]]) -> None:
+        self._stats_fn = stats_fn
+        self._failures = 0  # scrapes whose stats_fn raised; exported so alerts can see it
+        self._failures_lock = threading.Lock()  # the exporter serves scrapes on many threads
+
+    def _failures_family(self) -> Metric:
+        family = CounterMetricFamily(
+            "kvstore_metrics_stats_errors_total",
+            "Scrapes whose tier stats could not be read (see the daemon log).",
+        )
+        family.add_metric([], float(self._failures))
+        return family
+
+    def describe(self) -> Iterator[Metric]:
+        # Names only, so the registry can refuse duplicates without calling stats_fn.
+        for name, doc, _ in _TIER_GAUGES:
+            yield GaugeMetricFamily(name, doc, labels=["tier"])
+        for name, doc, _ in _TIER_COUNTERS:
+            yield CounterMetricFamily(name, doc, labels=["tier"])
+        yield self._failures_family()
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            families = self._families(list(self._stats_fn()))
+        except Exception:
+            logger.exception("tier stats failed; this scrape has no kvstore_tier_* metrics")
+            with self._failures_lock:
+                self._failures += 1
+            yield self._failures_family()
+            return
+        yield from families
+        yield self._failures_family()
+
+    @staticmethod
+    def _families(stats: Sequence[TierStatsLike]) -> list[Metric]:
+        families: list[Metric] = []
+        kinds = ((GaugeMetricFamily, _TIER_GAUGES), (CounterMetricFamily, _TIER_COUNTERS))
+        for kind, table in kinds:
+            for name, doc, attr in table:
+                family = kind(name, doc, labels=["tier"])
+                for tier in stats:
+                    family.add_metric([tier.tier], float(getattr(tier, attr)))
+                families.append(family)
+        return families
+
+
+class Metrics:
+    """The daemon's metrics registry and its optional HTTP exporter."""
+
+    def __init__(self, stats_fn: Callable[[], Sequence[TierStatsLike]]) -> None:
+        self.registry = CollectorRegistry()
+        self._rpc_latency = Histogram(
+            "kvstore_rpc_latency_seconds",
+            "Server-side RPC latency by method and gRPC status code.",
+            labelnames=("method", "code"),
+            buckets=RPC_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.registry.register(_TierCollector(stats_fn))
+        self._lock = threading.Lock()
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    def observe_rpc(self, method: str, code: str, latency_s: float) -> None:
+        """Record one finished RPC, e.g. observe_rpc("Get", "OK", 0.0003)."""
+        self._rpc_latency.labels(method=method, code=code).observe(latency_s)
+
+    def render(self) -> bytes:
+        """The text exposition of everything, as an HTTP scrape would return it."""
+        return generate_latest(self.registry)
+
+    def start_http(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port in a daemon thread; return the bound port (port 0 = any)."""
+        with self._lock:
+            if self._server is not None:
+                raise RuntimeError(f"metrics exporter already serving on port {self.port}")
+            started = start_http_server(port, addr=host, registry=self.registry)
+            if started is None:  # prometheus_client < 0.21 returned nothing to stop it with
+                raise RuntimeError("prometheus_client >= 0.21 is needed to run the exporter")
+            server, thread = started
+            self._server, self._thread = server, thread
+            self.port = int(server.server_port)
+            logger.info("metrics exporter listening on %s:%d", host, self.port)
+            return self.port
+
+    def stop(self) -> None:
+        """Stop the exporter and free its port; a no-op when it is not running."""
+        with self._lock:
+            server, thread = self._server, self._thread
+            self._server = self._thread = None
+            self.port = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5.0)

@@ -1,0 +1,137 @@
+"""The Prometheus exporter: tier stats per scrape, RPC latency, a failing stats source."""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from kvstore.metrics import Metrics, TierStatsLike
+
+
+@dataclass(frozen=True)
+class _Stats:
+    tier: str
+    enabled: bool = True
+    capacity_bytes: int = 1 << 30
+    used_bytes: int = 4096
+    objects: int = 2
+    hits: int = 7
+    misses: int = 3
+    bytes_in: int = 8192
+    bytes_out: int = 16384
+    evictions: int = 1
+
+
+Served = tuple[Metrics, list[Sequence[TierStatsLike]]]
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.status == 200
+        return str(resp.read().decode())
+
+
+@pytest.fixture
+def served() -> Iterator[Served]:
+    # The collector reads whatever the list's last element is at scrape time.
+    current: list[Sequence[TierStatsLike]] = [[_Stats("dram"), _Stats("nvme", enabled=False)]]
+    metrics = Metrics(lambda: current[-1])
+    metrics.start_http("127.0.0.1", 0)
+    yield metrics, current
+    metrics.stop()
+
+
+def test_start_http_on_port_zero_returns_the_bound_port(served: Served) -> None:
+    metrics, _ = served
+    assert metrics.port is not None and metrics.port > 0
+
+
+def test_scrape_has_tier_metrics(served: Served) -> None:
+    metrics, _ = served
+    assert metrics.port is not None
+    text = _scrape(metrics.port)
+    assert 'kvstore_tier_capacity_bytes{tier="dram"} 1.073741824e+09' in text
+    assert 'kvstore_tier_used_bytes{tier="dram"} 4096.0' in text
+    assert 'kvstore_tier_objects{tier="dram"} 2.0' in text
+    assert 'kvstore_tier_hits_total{tier="dram"} 7.0' in text
+    assert 'kvstore_tier_misses_total{tier="dram"} 3.0' in text
+    assert 'kvstore_tier_bytes_in_total{tier="dram"} 8192.0' in text
+    assert 'kvstore_tier_bytes_out_total{tier="dram"} 16384.0' in text
+    assert 'kvstore_tier_evictions_total{tier="dram"} 1.0' in text
+    assert 'kvstore_tier_enabled{tier="nvme"} 0.0' in text
+    assert "# TYPE kvstore_tier_hits_total counter" in text
+    assert "# TYPE kvstore_tier_used_bytes gauge" in text
+
+
+def test_each_scrape_reads_fresh_stats(served: Served) -> None:
+    metrics, current = served
+    assert metrics.port is not None
+    current.append([_Stats("dram", hits=100)])
+    text = _scrape(metrics.port)
+    assert 'kvstore_tier_hits_total{tier="dram"} 100.0' in text
+    assert 'tier="nvme"' not in text
+
+
+def test_observe_rpc_shows_in_histogram(served: Served) -> None:
+    metrics, _ = served
+    assert metrics.port is not None
+    metrics.observe_rpc("Get", "OK", 0.0003)
+    metrics.observe_rpc("Get", "OK", 0.002)
+    metrics.observe_rpc("Put", "RESOURCE_EXHAUSTED", 20.0)
+    text = _scrape(metrics.port)
+    assert 'kvstore_rpc_latency_seconds_count{code="OK",method="Get"} 2.0' in text
+    assert 'kvstore_rpc_latency_seconds_bucket{code="OK",le="5e-05",method="Get"} 0.0' in text
+    assert 'kvstore_rpc_latency_seconds_bucket{code="OK",le="0.0005",method="Get"} 1.0' in text
+    assert 'kvstore_rpc_latency_seconds_bucket{code="OK",le="10.0",method="Get"} 2.0' in text
+    assert (
+        'kvstore_rpc_latency_seconds_bucket{code="RESOURCE_EXHAUSTED",le="10.0",method="Put"} 0.0'
+        in text
+    )
+    assert 'kvstore_rpc_latency_seconds_sum{code="RESOURCE_EXHAUSTED",method="Put"} 20.0' in text
+
+
+def test_failing_stats_fn_is_logged_and_the_scrape_still_works(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken() -> Sequence[TierStatsLike]:
+        raise RuntimeError("index lock poisoned")
+
+    metrics = Metrics(broken)
+    port = metrics.start_http("127.0.0.1", 0)
+    try:
+        metrics.observe_rpc("Lookup", "OK", 0.001)
+        with caplog.at_level(logging.ERROR, logger="kvstore.metrics"):
+            text = _scrape(port)
+        assert 'kvstore_rpc_latency_seconds_count{code="OK",method="Lookup"} 1.0' in text
+        assert "kvstore_tier_used_bytes{" not in text
+        assert "kvstore_metrics_stats_errors_total 1.0" in text
+        assert any("index lock poisoned" in (r.exc_text or "") for r in caplog.records)
+    finally:
+        metrics.stop()
+
+
+def test_registries_are_independent() -> None:
+    a, b = Metrics(lambda: [_Stats("dram")]), Metrics(lambda: [])
+    a.observe_rpc("Get", "OK", 0.01)
+    assert b'method="Get"' in a.render()
+    assert b'method="Get"' not in b.render()
+    assert b"kvstore_tier_objects{" not in b.render()
+
+
+def test_stop_frees_the_port_and_is_idempotent() -> None:
+    metrics = Metrics(lambda: [])
+    port = metrics.start_http("127.0.0.1", 0)
+    with pytest.raises(RuntimeError, match="already serving"):
+        metrics.start_http("127.0.0.1", 0)
+    metrics.stop()
+    metrics.stop()
+    assert metrics.port is None
+    with pytest.raises(OSError):
+        _scrape(port)
+    # and it can serve again after a stop
+    assert metrics.start_http("127.0.0.1", 0) > 0
+    metrics.stop()
