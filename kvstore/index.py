@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 
 from kvstore.keys import BlockKey
@@ -90,6 +90,10 @@ class _Usage:
     size_bytes: int = 0
 
 
+# (last access, touch sequence, namespace, key): the heap orders by recency, then touch order.
+_HeapItem = tuple[float, int, str, BlockKey]
+
+
 class Index:
     """All entries of one daemon, their pages in each slot tier, and who holds them."""
 
@@ -103,7 +107,7 @@ class Index:
         self._page_size = dict(page_size_bytes)
         self._clock = clock
         self._entries: dict[tuple[str, BlockKey], Entry] = {}
-        self._heaps: dict[Tier, list[tuple[float, int, str, BlockKey]]] = {t: [] for t in allocators}
+        self._heaps: dict[Tier, list[_HeapItem]] = {t: [] for t in allocators}
         self._touches = 0
         self._plans: dict[str, StorePlan] = {}
         self._leases: dict[str, Lease] = {}
@@ -181,7 +185,7 @@ class Index:
         blocks: list[PlannedBlock] = []
         existing: list[int] = []
         seen: set[BlockKey] = set()
-        for i, (key, size) in enumerate(zip(keys, sizes)):
+        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             if key in seen or (namespace, key) in self._entries:
                 existing.append(i)
                 continue
@@ -220,7 +224,7 @@ class Index:
         assert checksums is not None and len(checksums) == len(plan.blocks)
         now = self._clock()
         stored = 0
-        for block, checksum in zip(plan.blocks, checksums):
+        for block, checksum in zip(plan.blocks, checksums, strict=True):
             if (plan.namespace, block.key) in self._entries:
                 allocator.free(block.pages)
                 continue

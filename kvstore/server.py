@@ -30,7 +30,6 @@ from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
-    StoreError,
     Unavailable,
 )
 from kvstore.index import Tier

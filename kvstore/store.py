@@ -290,7 +290,8 @@ class Store:
         tier = self.dram
         lease_id = secrets.token_hex(12)
         with self._lock:
-            entries = self.index.lease(lease_id, namespace, checked, self._clock() + lease_timeout_s)
+            deadline = self._clock() + lease_timeout_s
+            entries = self.index.lease(lease_id, namespace, checked, deadline)
             result = ReadResult(lease_id, entries, expires_in_s=lease_timeout_s)
             stats = self._stats[Tier.DRAM]
             for entry in entries:
@@ -345,7 +346,9 @@ class Store:
                 else:
                     unknown.append(rid)
         if unknown:
-            raise InvalidArgument(f"ids: {unknown[:3]!r} unknown or expired ({len(unknown)} in all)")
+            raise InvalidArgument(
+                f"ids: {unknown[:3]!r} unknown or expired ({len(unknown)} in all)"
+            )
         return released
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> tuple[int, list[Tier | None]]:
@@ -384,7 +387,8 @@ class Store:
             if keys:
                 if not namespace:
                     raise InvalidArgument("namespace is required to evict keys")
-                evicted, skipped = self.index.evict_keys(namespace, self._check_keys(namespace, keys))
+                checked = self._check_keys(namespace, keys)
+                evicted, skipped = self.index.evict_keys(namespace, checked)
             else:
                 evicted = []
                 for t in [tier] if tier is not None else self._enabled_slot_tiers():
