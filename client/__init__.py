@@ -1,1 +1,80 @@
-"""kvstore client library."""
+"""kvstore client library: `KVStoreClient` (blocking) and `AsyncKVStoreClient` (asyncio), the
+key helpers, result types, the exception tree and retry policy.
+
+    from kvstore.client import KVStoreClient, prefix_keys
+
+    keys = prefix_keys(tokens, block_size=16, namespace="llama3-8b/tp0")
+    with KVStoreClient("127.0.0.1:50051", "llama3-8b/tp0") as kv:
+        kv.put(keys, blocks)
+        hits = kv.get_into(keys, buffers)
+"""
+
+from __future__ import annotations
+
+from kvstore.keys import BlockKey, prefix_keys
+
+from .aio import AsyncKVStoreClient
+from .errors import (
+    Aborted,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    from_rpc_error,
+)
+from .results import (
+    EvictResult,
+    LookupResult,
+    PinResult,
+    PrefetchResult,
+    PutResult,
+    ReleaseResult,
+    Stats,
+    TierStats,
+)
+from .retry import (
+    AbstractBackoff,
+    ConstantBackoff,
+    ExponentialBackoff,
+    NoBackoff,
+    Retry,
+)
+from .sync import KVStoreClient
+
+__all__ = [
+    "AbstractBackoff",
+    "Aborted",
+    "AsyncKVStoreClient",
+    "BlockKey",
+    "ConstantBackoff",
+    "DataLoss",
+    "DeadlineExceeded",
+    "EvictResult",
+    "ExponentialBackoff",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "KVStoreClient",
+    "KVStoreError",
+    "LookupResult",
+    "NoBackoff",
+    "NotFound",
+    "PermissionDenied",
+    "PinResult",
+    "PrefetchResult",
+    "PutResult",
+    "ReleaseResult",
+    "ResourceExhausted",
+    "Retry",
+    "Stats",
+    "TierStats",
+    "Unauthenticated",
+    "Unavailable",
+    "from_rpc_error",
+    "prefix_keys",
+]

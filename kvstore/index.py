@@ -113,6 +113,8 @@ class Index:
         self._leases: dict[str, Lease] = {}
         self._usage: dict[tuple[str, Tier], _Usage] = {}
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
+        # (namespace, key) -> how many cached entries name key as their parent
+        self._child_counts: dict[tuple[str, BlockKey], int] = {}
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -296,7 +298,8 @@ class Index:
     # --- eviction --------------------------------------------------------------------------
 
     def evict_keys(self, namespace: str, keys: Iterable[BlockKey]) -> tuple[list[Entry], int]:
-        """Remove exactly these (children of a removed entry stay, as roots); skip pinned or
+        """Remove exactly these (children of a removed entry stay, and count again if it is
+        stored again); skip pinned or
         leased ones. Returns (evicted, skipped)."""
         evicted: list[Entry] = []
         skipped = 0
@@ -373,8 +376,13 @@ class Index:
         usage = self._usage.setdefault((entry.namespace, entry.tier), _Usage())
         usage.objects += 1
         usage.size_bytes += entry.size_bytes
+        # Children may be cached before their parent (stored out of order, or the parent was
+        # evicted by key and stored again): count them whether or not the parent is here.
+        entry.children = self._child_counts.get((entry.namespace, entry.key), 0)
         if entry.parent is not None:
-            parent = self._entries.get((entry.namespace, entry.parent))
+            link = (entry.namespace, entry.parent)
+            self._child_counts[link] = self._child_counts.get(link, 0) + 1
+            parent = self._entries.get(link)
             if parent is not None:
                 parent.children += 1
         self._touch(entry, entry.last_access)
@@ -390,8 +398,14 @@ class Index:
         self.evictions[entry.tier] += 1
         entry.touch_seq = 0
         if entry.parent is not None:
-            parent = self._entries.get((entry.namespace, entry.parent))
-            if parent is not None and parent.children > 0:
+            link = (entry.namespace, entry.parent)
+            remaining = self._child_counts[link] - 1
+            if remaining:
+                self._child_counts[link] = remaining
+            else:
+                del self._child_counts[link]
+            parent = self._entries.get(link)
+            if parent is not None:
                 parent.children -= 1
                 self._maybe_push(parent)
 

@@ -105,8 +105,11 @@ class KVStoreServicer(rpc.KVStoreServicer):
                 raise InvalidArgument("PutRequest: the stream carried no message")
             evictions = self.store.index.evictions.get(Tier.DRAM, 0) if self.store.dram else 0
             if first.reservation_id:
-                if first.keys or first.data:
-                    raise InvalidArgument("reservation_id: a commit carries no keys and no data")
+                if first.keys or first.sizes or first.data or first.parent_key:
+                    raise InvalidArgument(
+                        "reservation_id: a commit carries no keys, sizes, data or parent_key "
+                        "(they were given to Reserve)"
+                    )
                 result = self.store.commit_reservation(first.namespace, first.reservation_id)
             else:
                 session = self.store.begin_put(
@@ -163,8 +166,10 @@ class KVStoreServicer(rpc.KVStoreServicer):
             yield head
             return
         try:
+            chunks = self.store.chunks(result, self.config.server.chunk_bytes)
+            head.data = next(chunks, b"")  # the first chunk rides with the header
             yield head
-            for chunk in self.store.chunks(result, self.config.server.chunk_bytes):
+            for chunk in chunks:
                 yield pb.GetResponse(data=chunk)
             self._ok("Get", started)
         except Exception as exc:
@@ -205,7 +210,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
         def run() -> pb.ReserveResponse:
             timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
             r = self.store.reserve(request.namespace, request.keys, request.sizes,
-                                   timeout_s=timeout_s)
+                                   request.parent_key, request.independent, timeout_s)
             return pb.ReserveResponse(
                 reservation_id=r.reservation_id, exists=r.exists,
                 locations=_locations(r.extents),

@@ -112,7 +112,7 @@ class Store:
         pages = {Tier.DRAM: config.dram.page_size_bytes}
         self.index = Index(allocators, pages, clock)
         self._stats = {t: TierStats(TIER_NAMES[t], t in allocators) for t in Tier}
-        self._hits = self._misses = 0
+        self._hits = self._misses = 0  # Lookup: keys inside / past the cached prefix
 
     def close(self) -> None:
         with self._lock:
@@ -297,10 +297,8 @@ class Store:
             for entry in entries:
                 if entry is None:
                     stats.misses += 1  # L2 is the only tier a read looks in yet
-                    self._misses += 1
                     continue
                 assert tier is not None, "entries exist only in enabled tiers"
-                self._hits += 1
                 stats.hits += 1
                 stats.bytes_out += entry.size_bytes
                 result.extents.append(tier.extents(entry.pages, entry.size_bytes))
@@ -354,7 +352,10 @@ class Store:
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> tuple[int, list[Tier | None]]:
         checked = self._check_keys(namespace, keys)
         with self._lock:
-            return self.index.lookup(namespace, checked)
+            prefix, tiers = self.index.lookup(namespace, checked)
+            self._hits += prefix
+            self._misses += len(checked) - prefix
+        return prefix, tiers
 
     def prefetch(
         self, namespace: str, keys: Sequence[bytes], target: Tier | None
@@ -363,7 +364,8 @@ class Store:
         checked = self._check_keys(namespace, keys)
         if target is not None and not self._stats[target].enabled:
             raise FailedPrecondition(f"target_tier {TIER_NAMES[target]} is not enabled")
-        _, tiers = self.lookup(namespace, checked)
+        with self._lock:
+            _, tiers = self.index.lookup(namespace, checked)
         done = sum(1 for t in tiers if t is not None)
         return done, len(tiers) - done
 

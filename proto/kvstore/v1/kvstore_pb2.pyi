@@ -142,16 +142,20 @@ class PrefetchProgress(_message.Message):
     def __init__(self, done: _Optional[int] = ..., missing: _Optional[int] = ..., failed: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "sizes", "timeout_ms")
+    __slots__ = ("namespace", "keys", "sizes", "timeout_ms", "parent_key", "independent")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    INDEPENDENT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     timeout_ms: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    parent_key: bytes
+    independent: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., independent: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "exists", "locations", "shm_name", "expires_in_ms")
@@ -174,12 +178,10 @@ class ReleaseRequest(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("released", "unknown")
+    __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
-    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     released: int
-    unknown: int
-    def __init__(self, released: _Optional[int] = ..., unknown: _Optional[int] = ...) -> None: ...
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("namespace", "keys", "bytes", "all", "tier")

@@ -1,0 +1,247 @@
+"""The same-host fast path: deciding whether to use the daemon's shared-memory segment, and
+copying blocks in and out of it.
+
+`ShmState` holds the decision (made once, from one Stats call: same host id and the segment
+attaches) and the attached segment. `SharedSegment` copies with numpy slices of one array over
+the whole mapping, so every copy is a single memcpy with no Python-level per-byte work.
+Extents from the daemon are bounds-checked before any copy; a bad one is DataLoss.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+
+from ._buffers import ByteArray, address, copy_bytes
+from ._wire import Fetched, GetHeader
+from .errors import DataLoss, FailedPrecondition
+
+logger = logging.getLogger("kvstore.client")
+
+Spans = list[tuple[int, int]]
+
+
+class SharedSegment:
+    """The daemon's L2 segment, attached read-write in this process."""
+
+    def __init__(self, segment: Any) -> None:
+        self._segment = segment
+        self.name: str = segment.name
+        self._view: memoryview | None = segment.view()
+        self.size_bytes: int = self._view.nbytes
+        self.array: ByteArray = np.frombuffer(self._view, dtype=np.uint8)
+        self.address = address(self.array)
+
+    def spans(self, location: pb.BlockLocation, size: int, field: str) -> Spans:
+        """(offset, length) pairs holding exactly `size` bytes, checked against the mapping."""
+        out: Spans = []
+        remaining = size
+        limit = self.size_bytes
+        for extent in location.extents:
+            if remaining == 0:
+                break
+            offset, length = extent.offset, extent.length
+            if offset + length > limit:
+                raise DataLoss(
+                    f"{field}: extent [{offset}, {offset + length}) lies outside the "
+                    f"{limit}-byte segment {self.name}"
+                )
+            take = min(length, remaining)
+            out.append((offset, take))
+            remaining -= take
+        if remaining:
+            raise DataLoss(f"{field}: extents hold {size - remaining} of {size} bytes")
+        return out
+
+    def read_bytes(self, spans: Spans) -> bytes:
+        arr = self.array
+        if len(spans) == 1:
+            offset, length = spans[0]
+            return arr[offset : offset + length].tobytes()
+        return b"".join([arr[o : o + n].data for o, n in spans])
+
+    def read_into(self, spans: Spans, dst: ByteArray, *, digest: bool) -> int | None:
+        """Copy the spans into dst; with digest, return the xxh3-64 of the bytes copied
+        (hashed from dst, so what is verified is what the caller got)."""
+        arr = self.array
+        skew_base = address(dst) - self.address
+        pos = 0
+        for offset, length in spans:
+            copy_bytes(
+                dst[pos : pos + length], arr[offset : offset + length], skew_base + pos - offset
+            )
+            pos += length
+        return xxhash.xxh3_64_intdigest(dst[:pos].data) if digest else None
+
+    def write(self, spans: Spans, src: memoryview) -> None:
+        if not src.nbytes:
+            return
+        source = np.frombuffer(src, dtype=np.uint8)
+        arr = self.array
+        skew_base = self.address - address(source)
+        pos = 0
+        for offset, length in spans:
+            copy_bytes(
+                arr[offset : offset + length], source[pos : pos + length], skew_base + offset - pos
+            )
+            pos += length
+
+    def close(self) -> None:
+        # Drop our exports first so the mapping can actually be unmapped. A view another
+        # thread still reads through keeps the mapping alive (never a dangling pointer); it
+        # is unmapped when the last one is collected.
+        self.array = np.empty(0, np.uint8)
+        view, self._view = self._view, None
+        if view is not None:
+            try:
+                view.release()
+            except BufferError:
+                logger.debug("kvstore: segment %s still in use; unmapped later", self.name)
+        self._segment.close()
+
+
+def attach(name: str) -> SharedSegment:
+    """Attach the named segment; FailedPrecondition (with why) when it cannot be."""
+    try:
+        from kvstore import shm
+    except ImportError as exc:
+        raise FailedPrecondition(f"shared memory is unavailable in this process: {exc}") from None
+    try:
+        return SharedSegment(shm.attach_segment(name))
+    except (OSError, ValueError) as exc:
+        raise FailedPrecondition(f"cannot attach shared-memory segment {name!r}: {exc}") from None
+
+
+def local_host_id() -> str:
+    from kvstore import shm
+
+    return str(shm.host_id())
+
+
+class ShmState:
+    """Whether the fast path is on, and the segment it uses.
+
+    mode None: use it when co-located; False: never; True: required (FailedPrecondition when
+    the daemon is on another host or its segment cannot be attached).
+    """
+
+    def __init__(self, mode: bool | None) -> None:
+        self.mode = mode
+        self.decided = mode is False
+        self.segment: SharedSegment | None = None
+        # Guards re-attaching and closing; never held across an RPC or an await.
+        self._lock = threading.Lock()
+
+    @property
+    def required(self) -> bool:
+        return self.mode is True
+
+    def adopt(self, stats: pb.StatsResponse) -> None:
+        """Decide from the daemon's Stats; attach when co-located."""
+        try:
+            self.segment = self._choose(stats)
+        except FailedPrecondition as exc:
+            if self.required:
+                raise
+            logger.info("kvstore: shared-memory path off: %s", exc)
+            self.segment = None
+        self.decided = True
+
+    def _choose(self, stats: pb.StatsResponse) -> SharedSegment:
+        if not stats.shm_name:
+            raise FailedPrecondition("the daemon has no shared-memory segment (shm_name is empty)")
+        try:
+            mine = local_host_id()
+        except ImportError as exc:
+            raise FailedPrecondition(
+                f"shared memory is unavailable in this process: {exc}"
+            ) from None
+        if stats.host_id != mine:
+            raise FailedPrecondition(
+                f"the daemon runs on another host (host_id {stats.host_id!r}, ours {mine!r})"
+            )
+        return attach(stats.shm_name)
+
+    def segment_named(self, name: str) -> SharedSegment:
+        """The segment a response names; re-attaches if the daemon moved to a new one."""
+        current = self.segment
+        if current is not None and (not name or name == current.name):
+            return current
+        if not name:
+            raise DataLoss("the response names no shared-memory segment")
+        with self._lock:
+            current = self.segment
+            if current is not None and name == current.name:
+                return current
+            fresh = attach(name)
+            self.segment = fresh
+        if current is not None:
+            current.close()
+        return fresh
+
+    def disable(self, reason: str) -> None:
+        """Fall back to inline transfers for the rest of this client's life."""
+        logger.info("kvstore: shared-memory path off: %s", reason)
+        self.decided = True
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            segment, self.segment = self.segment, None
+        if segment is not None:
+            segment.close()
+
+
+def read_shm_get(
+    segment: SharedSegment,
+    resp: pb.GetResponse,
+    header: GetHeader,
+    arrays: Sequence[ByteArray] | None,
+    verify_checksums: bool,
+) -> Fetched:
+    """Copy the found blocks out of shared memory: into arrays[request index] when given
+    (with their checksums computed on the way), else as bytes per found block."""
+    locations = resp.locations
+    if len(locations) != len(header.sizes):
+        raise DataLoss(
+            f"Get response has {len(locations)} locations for {len(header.sizes)} found keys"
+        )
+    if arrays is None:
+        payloads = [
+            segment.read_bytes(segment.spans(locations[j], size, f"locations[{j}]"))
+            for j, size in enumerate(header.sizes)
+        ]
+        return Fetched(header, payloads)
+    digests: list[int] = []
+    for j, size in enumerate(header.sizes):
+        spans = segment.spans(locations[j], size, f"locations[{j}]")
+        digest = segment.read_into(spans, arrays[header.found_index[j]], digest=verify_checksums)
+        if digest is not None:
+            digests.append(digest)
+    return Fetched(header, [], digests if verify_checksums else None)
+
+
+def write_reserved(
+    segment: SharedSegment, resp: pb.ReserveResponse, payloads: Sequence[memoryview]
+) -> int:
+    """Write every payload whose key does not exist into its reserved extents; the count."""
+    exists, locations = resp.exists, resp.locations
+    if len(exists) != len(payloads) or len(locations) != len(payloads):
+        raise DataLoss(
+            f"Reserve response has {len(exists)} exists flags and {len(locations)} locations "
+            f"for {len(payloads)} keys"
+        )
+    written = 0
+    for i, payload in enumerate(payloads):
+        if exists[i]:
+            continue
+        segment.write(segment.spans(locations[i], payload.nbytes, f"locations[{i}]"), payload)
+        written += 1
+    return written

@@ -1,0 +1,399 @@
+"""`AsyncKVStoreClient`: the asyncio twin of `KVStoreClient` over `grpc.aio`.
+
+Same verbs, arguments, results, errors, retry policy and shared-memory fast path as the
+blocking client (validation, framing and copying are the same functions); only the calls are
+awaited. Create and use it inside one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.keys import BlockKey
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+from . import _requests as rq
+from . import results as res
+from ._buffers import ByteArray
+from ._shm import SharedSegment, ShmState, read_shm_get, write_reserved
+from ._wire import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    GET_METHOD,
+    HEALTH_SERVICE,
+    PUT_METHOD,
+    Fetched,
+    InlineAssembler,
+    channel_options,
+    check_client_args,
+    check_keys,
+    chunk_of,
+    decode_get_response,
+    finish_get,
+    finish_get_into,
+    parse_get_header,
+    put_frames,
+)
+from .errors import DataLoss, FailedPrecondition, from_rpc_error
+from .retry import Retry
+
+__all__ = ["AsyncKVStoreClient"]
+
+logger = logging.getLogger("kvstore.client")
+T = TypeVar("T")
+
+
+def _identity(frame: bytes) -> bytes:
+    return frame
+
+
+def _capacities(arrays: list[ByteArray] | None) -> list[int] | None:
+    return None if arrays is None else [a.nbytes for a in arrays]
+
+
+class AsyncKVStoreClient:
+    """A grpc.aio connection to one kvstore daemon, bound to one namespace."""
+
+    def __init__(
+        self,
+        target: str,
+        namespace: str,
+        *,
+        shared_memory: bool | None = None,
+        retry: Retry | None = None,
+        timeout_s: float = 30.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        verify_checksums: bool = True,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        """The arguments of KVStoreClient."""
+        self.namespace = check_client_args(namespace, chunk_bytes, max_message_bytes, timeout_s)
+        self.target = target
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.verify_checksums = verify_checksums
+        self.retry = retry if retry is not None else Retry()
+        self._channel = grpc.aio.insecure_channel(
+            target, options=channel_options(max_message_bytes, sync=False)
+        )
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._put = self._channel.stream_unary(
+            PUT_METHOD,
+            request_serializer=_identity,
+            response_deserializer=pb.PutResponse.FromString,
+        )
+        self._get = self._channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=decode_get_response,
+        )
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._shm = ShmState(shared_memory)
+        self._shm_lock = asyncio.Lock()
+        self._closed = False
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    async def _rpc(self, fn: Callable[[], Awaitable[T]]) -> T:
+        async def attempt() -> T:
+            try:
+                return await fn()
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from exc
+
+        return await self.retry.call_async(attempt)
+
+    async def _segment(self) -> SharedSegment | None:
+        if not self._shm.decided:
+            async with self._shm_lock:
+                if not self._shm.decided:
+                    request = pb.StatsRequest(namespace=self.namespace)
+                    stats: pb.StatsResponse = await self._rpc(
+                        lambda: self._stub.Stats(request, timeout=self.timeout_s)
+                    )
+                    self._shm.adopt(stats)
+        return self._shm.segment
+
+    def _fall_back(self, exc: FailedPrecondition) -> None:
+        if self._shm.required:
+            raise exc
+        self._shm.disable(str(exc))
+
+    async def _release_quietly(self, ids: list[str]) -> None:
+        try:
+            await self._stub.Release(pb.ReleaseRequest(ids=ids), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            logger.warning(
+                "kvstore: Release(%s) failed, the daemon will expire it: %s",
+                ids,
+                from_rpc_error(exc),
+            )
+
+    async def _drop_corrupt(self, bad: list[bytes]) -> None:
+        for key in bad:
+            logger.warning(
+                "kvstore: checksum mismatch for key %s in namespace %r; treating it as a miss "
+                "and evicting it",
+                key.hex(),
+                self.namespace,
+            )
+            request = pb.EvictRequest(namespace=self.namespace, keys=[key])
+            try:
+                await self._stub.Evict(request, timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                logger.warning(
+                    "kvstore: evicting corrupt key %s failed: %s", key.hex(), from_rpc_error(exc)
+                )
+
+    # --- put ------------------------------------------------------------------------------
+
+    async def put(
+        self,
+        keys: Sequence[BlockKey],
+        values: Sequence[object],
+        *,
+        parent: BlockKey | None = None,
+        independent: bool = False,
+    ) -> res.PutResult:
+        """See KVStoreClient.put."""
+        plan = rq.put_plan(self.namespace, keys, values, parent, independent)
+        if not plan.keys:
+            return res.PutResult(stored=0, existing=0, evicted=0)
+        if await self._segment() is not None:
+            try:
+                return res.put_result(await self._rpc(lambda: self._put_shm(plan)))
+            except FailedPrecondition as exc:
+                self._fall_back(exc)
+        header = plan.inline_header()
+        response: pb.PutResponse = await self._rpc(
+            lambda: self._put(
+                put_frames(header, plan.payloads, self.chunk_bytes), timeout=self.timeout_s
+            )
+        )
+        return res.put_result(response)
+
+    async def _put_shm(self, plan: rq.PutPlan) -> pb.PutResponse:
+        reserved: pb.ReserveResponse = await self._stub.Reserve(
+            plan.reserve_request(), timeout=self.timeout_s
+        )
+        committed = False
+        try:
+            segment = self._shm.segment_named(reserved.shm_name)
+            write_reserved(segment, reserved, plan.payloads)
+            frame = plan.commit_frame(reserved.reservation_id)
+            response: pb.PutResponse = await self._put(iter([frame]), timeout=self.timeout_s)
+            committed = True
+            return response
+        finally:
+            if not committed and reserved.reservation_id:
+                await self._release_quietly([reserved.reservation_id])
+
+    # --- get ------------------------------------------------------------------------------
+
+    async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """See KVStoreClient.get."""
+        key_list = check_keys(keys)
+        if not key_list:
+            return []
+        fetched = await self._fetch(key_list, None)
+        out, bad = finish_get(key_list, fetched, self.verify_checksums)
+        await self._drop_corrupt(bad)
+        return out
+
+    async def get_into(
+        self, keys: Sequence[BlockKey], buffers: Sequence[object]
+    ) -> list[int | None]:
+        """See KVStoreClient.get_into."""
+        key_list = check_keys(keys)
+        arrays = rq.into_arrays(key_list, buffers)
+        if not key_list:
+            return []
+        fetched = await self._fetch(key_list, arrays)
+        out, bad = finish_get_into(key_list, fetched, arrays, self.verify_checksums)
+        await self._drop_corrupt(bad)
+        return out
+
+    async def _fetch(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
+        if await self._segment() is not None:
+            try:
+                return await self._rpc(lambda: self._get_shm(keys, arrays))
+            except FailedPrecondition as exc:
+                self._fall_back(exc)
+        return await self._rpc(lambda: self._get_inline(keys, arrays))
+
+    async def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
+        call = self._get(rq.get_request(self.namespace, keys, True), timeout=self.timeout_s)
+        messages = [message async for message in call]
+        if len(messages) != 1 or isinstance(messages[0], memoryview):
+            raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
+        response: pb.GetResponse = messages[0]
+        try:
+            header = parse_get_header(response, len(keys), _capacities(arrays))
+            if not header.found_index:
+                return Fetched(header, [])
+            segment = self._shm.segment_named(response.shm_name)
+            return read_shm_get(segment, response, header, arrays, self.verify_checksums)
+        finally:
+            if response.lease_id:
+                await self._release_quietly([response.lease_id])
+
+    async def _get_inline(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
+        call = self._get(rq.get_request(self.namespace, keys, False), timeout=self.timeout_s)
+        try:
+            stream = call.__aiter__()
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                raise DataLoss("Get stream ended without a header") from None
+            header = parse_get_header(first, len(keys), _capacities(arrays))
+            targets = None if arrays is None else [arrays[i] for i in header.found_index]
+            assembler = InlineAssembler(header, targets)
+            if isinstance(first, pb.GetResponse) and first.data:
+                assembler.feed(memoryview(first.data))
+            async for message in stream:
+                assembler.feed(chunk_of(message))
+            assembler.finish()
+        except BaseException:
+            call.cancel()
+            raise
+        return Fetched(header, [] if arrays is not None else assembler.payloads())
+
+    # --- control verbs --------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> res.LookupResult:
+        """See KVStoreClient.lookup."""
+        key_list = check_keys(keys)
+        if not key_list:
+            return res.LookupResult(prefix_length=0, tiers=[])
+        request = pb.LookupRequest(namespace=self.namespace, keys=key_list)
+        response: pb.LookupResponse = await self._rpc(
+            lambda: self._stub.Lookup(request, timeout=self.timeout_s)
+        )
+        return res.lookup_result(response)
+
+    async def prefetch(
+        self,
+        keys: Sequence[BlockKey],
+        *,
+        tier: str | None = None,
+        deadline_s: float | None = None,
+        on_progress: Callable[[res.PrefetchResult], object] | None = None,
+    ) -> res.PrefetchResult:
+        """See KVStoreClient.prefetch; on_progress may be a plain function or a coroutine
+        function."""
+        key_list = check_keys(keys)
+        request = rq.prefetch_request(self.namespace, key_list, tier, deadline_s)
+        timeout_s = rq.prefetch_timeout_s(self.timeout_s, deadline_s)
+        if not key_list:
+            return res.PrefetchResult(done=0, missing=0, failed=0, total=0)
+
+        async def attempt() -> res.PrefetchResult:
+            last = res.PrefetchResult(done=0, missing=0, failed=0, total=len(key_list))
+            async for message in self._stub.Prefetch(request, timeout=timeout_s):
+                last = res.prefetch_result(message)
+                if on_progress is not None:
+                    outcome = on_progress(last)
+                    if asyncio.iscoroutine(outcome):
+                        await outcome
+            return last
+
+        return await self._rpc(attempt)
+
+    async def evict(
+        self,
+        keys: Sequence[BlockKey] | None = None,
+        *,
+        bytes: int = 0,
+        all: bool = False,
+        tier: str | None = None,
+        namespace: str | None = None,
+    ) -> res.EvictResult:
+        """See KVStoreClient.evict."""
+        request = rq.evict_request(self.namespace, keys, bytes, all, tier, namespace)
+        response: pb.EvictResponse = await self._rpc(
+            lambda: self._stub.Evict(request, timeout=self.timeout_s)
+        )
+        return res.evict_result(response)
+
+    async def pin(self, keys: Sequence[BlockKey]) -> res.PinResult:
+        """See KVStoreClient.pin."""
+        key_list = check_keys(keys)
+        if not key_list:
+            return res.PinResult(changed=0, missing=0)
+        request = pb.PinRequest(namespace=self.namespace, keys=key_list)
+        response: pb.PinResponse = await self._rpc(
+            lambda: self._stub.Pin(request, timeout=self.timeout_s)
+        )
+        return res.pin_result(response)
+
+    async def unpin(self, keys: Sequence[BlockKey]) -> res.PinResult:
+        """See KVStoreClient.unpin."""
+        key_list = check_keys(keys)
+        if not key_list:
+            return res.PinResult(changed=0, missing=0)
+        request = pb.PinRequest(namespace=self.namespace, keys=key_list)
+        response: pb.PinResponse = await self._rpc(
+            lambda: self._stub.Unpin(request, timeout=self.timeout_s)
+        )
+        return res.pin_result(response)
+
+    async def stats(
+        self, *, include_config: bool = False, namespace: str | None = None
+    ) -> res.Stats:
+        """See KVStoreClient.stats."""
+        request = rq.stats_request(include_config, namespace)
+        response: pb.StatsResponse = await self._rpc(
+            lambda: self._stub.Stats(request, timeout=self.timeout_s)
+        )
+        return res.stats_result(response)
+
+    async def health(self, service: str = HEALTH_SERVICE) -> str:
+        """See KVStoreClient.health."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        response = await self._rpc(lambda: self._health.Check(request, timeout=self.timeout_s))
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+    async def release(self, ids: Sequence[str]) -> res.ReleaseResult:
+        """See KVStoreClient.release."""
+        request = rq.release_request(ids)
+        if not request.ids:
+            return res.ReleaseResult(released=0)
+        response: pb.ReleaseResponse = await self._rpc(
+            lambda: self._stub.Release(request, timeout=self.timeout_s)
+        )
+        return res.release_result(response)
+
+    @property
+    def uses_shared_memory(self) -> bool | None:
+        """True/False once decided (after the first data call), None before."""
+        return (self._shm.segment is not None) if self._shm.decided else None
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._shm.close()
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncKVStoreClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncKVStoreClient(target={self.target!r}, namespace={self.namespace!r})"

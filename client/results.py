@@ -1,0 +1,201 @@
+"""What the client's verbs return: frozen dataclasses mirroring the proto responses, with tiers
+as names ("hbm", "dram", "nvme", "remote"; None for a miss) instead of enum numbers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+
+__all__ = [
+    "EvictResult",
+    "LookupResult",
+    "PinResult",
+    "PrefetchResult",
+    "PutResult",
+    "ReleaseResult",
+    "Stats",
+    "TIER_NAMES",
+    "TierStats",
+    "tier_name",
+]
+
+TIER_NAMES: dict[int, str] = {
+    pb.TIER_HBM: "hbm",
+    pb.TIER_DRAM: "dram",
+    pb.TIER_NVME: "nvme",
+    pb.TIER_REMOTE: "remote",
+}
+
+
+def tier_name(tier: int) -> str | None:
+    """ "hbm"/"dram"/"nvme"/"remote", or None for TIER_UNSPECIFIED (a miss)."""
+    return TIER_NAMES.get(tier)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored: int
+    """Blocks newly stored."""
+    existing: int
+    """Blocks already present (unchanged: values are immutable)."""
+    evicted: int
+    """Entries the daemon evicted to make room."""
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    prefix_length: int
+    """keys[0:prefix_length] are all cached."""
+    tiers: list[str | None]
+    """The tier of each key, None for a miss."""
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    done: int
+    """Keys now in the target tier or above."""
+    missing: int
+    """Keys in no tier."""
+    failed: int
+    """Keys that could not be moved (no room, read error)."""
+    total: int
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    evicted: int
+    evicted_bytes: int
+    skipped: int
+    """Pinned, leased or in use."""
+
+
+@dataclass(frozen=True)
+class PinResult:
+    changed: int
+    missing: int
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    released: int
+
+
+@dataclass(frozen=True)
+class TierStats:
+    tier: str
+    enabled: bool
+    capacity_bytes: int
+    used_bytes: int
+    objects: int
+    hits: int
+    misses: int
+    bytes_in: int
+    bytes_out: int
+    evictions: int
+    page_size_bytes: int
+    free_pages: int
+    largest_free_run_pages: int
+
+    @property
+    def used_fraction(self) -> float:
+        return self.used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    @property
+    def hit_rate(self) -> float | None:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else None
+
+
+@dataclass(frozen=True)
+class Stats:
+    tiers: list[TierStats]
+    shm_name: str
+    """The L2 segment, for co-located clients ("" when there is none)."""
+    shm_size_bytes: int
+    host_id: str
+    leases: int
+    reservations: int
+    pinned: int
+    version: str
+    config_json: str
+    """The daemon's effective config, only when asked for (include_config=True)."""
+    hits: int
+    misses: int
+
+    def tier(self, name: str) -> TierStats | None:
+        """The stats of one tier by name, or None if the daemon does not report it."""
+        return next((t for t in self.tiers if t.tier == name), None)
+
+    def config(self) -> dict[str, Any] | None:
+        """config_json parsed, or None when it was not requested."""
+        if not self.config_json:
+            return None
+        parsed: dict[str, Any] = json.loads(self.config_json)
+        return parsed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def put_result(resp: pb.PutResponse) -> PutResult:
+    return PutResult(stored=resp.stored, existing=resp.existing, evicted=resp.evicted)
+
+
+def lookup_result(resp: pb.LookupResponse) -> LookupResult:
+    names = TIER_NAMES
+    return LookupResult(prefix_length=resp.prefix_length, tiers=[names.get(t) for t in resp.tiers])
+
+
+def prefetch_result(resp: pb.PrefetchProgress) -> PrefetchResult:
+    return PrefetchResult(
+        done=resp.done, missing=resp.missing, failed=resp.failed, total=resp.total
+    )
+
+
+def evict_result(resp: pb.EvictResponse) -> EvictResult:
+    return EvictResult(evicted=resp.evicted, evicted_bytes=resp.evicted_bytes, skipped=resp.skipped)
+
+
+def pin_result(resp: pb.PinResponse) -> PinResult:
+    return PinResult(changed=resp.changed, missing=resp.missing)
+
+
+def release_result(resp: pb.ReleaseResponse) -> ReleaseResult:
+    return ReleaseResult(released=resp.released)
+
+
+def stats_result(resp: pb.StatsResponse) -> Stats:
+    tiers = [
+        TierStats(
+            tier=tier_name(t.tier) or "unspecified",
+            enabled=t.enabled,
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            objects=t.objects,
+            hits=t.hits,
+            misses=t.misses,
+            bytes_in=t.bytes_in,
+            bytes_out=t.bytes_out,
+            evictions=t.evictions,
+            page_size_bytes=t.page_size_bytes,
+            free_pages=t.free_pages,
+            largest_free_run_pages=t.largest_free_run_pages,
+        )
+        for t in resp.tiers
+    ]
+    return Stats(
+        tiers=tiers,
+        shm_name=resp.shm_name,
+        shm_size_bytes=resp.shm_size_bytes,
+        host_id=resp.host_id,
+        leases=resp.leases,
+        reservations=resp.reservations,
+        pinned=resp.pinned,
+        version=resp.version,
+        config_json=resp.config_json,
+        hits=resp.hits,
+        misses=resp.misses,
+    )

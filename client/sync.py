@@ -1,0 +1,396 @@
+"""`KVStoreClient`: the blocking client, one method per verb of `kvstore.v1.KVStore`.
+
+Data moves through the daemon's shared-memory segment when the daemon runs on this host
+(decided once, from one Stats call) and inline in the gRPC stream otherwise; `put`, `get` and
+`get_into` look the same either way. Every RPC is retried on UNAVAILABLE by `Retry` and its
+failures surface as the `KVStoreError` tree. Thread-safe: share one client per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.keys import BlockKey
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+from . import _requests as rq
+from . import results as res
+from ._buffers import ByteArray
+from ._shm import SharedSegment, ShmState, read_shm_get, write_reserved
+from ._wire import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    GET_METHOD,
+    HEALTH_SERVICE,
+    PUT_METHOD,
+    Fetched,
+    InlineAssembler,
+    channel_options,
+    check_client_args,
+    check_keys,
+    chunk_of,
+    decode_get_response,
+    finish_get,
+    finish_get_into,
+    parse_get_header,
+    put_frames,
+)
+from .errors import DataLoss, FailedPrecondition, from_rpc_error
+from .retry import Retry
+
+__all__ = ["KVStoreClient"]
+
+logger = logging.getLogger("kvstore.client")
+T = TypeVar("T")
+
+
+def _identity(frame: bytes) -> bytes:
+    return frame
+
+
+def _capacities(arrays: list[ByteArray] | None) -> list[int] | None:
+    return None if arrays is None else [a.nbytes for a in arrays]
+
+
+class KVStoreClient:
+    """A connection to one kvstore daemon, bound to one namespace."""
+
+    def __init__(
+        self,
+        target: str,
+        namespace: str,
+        *,
+        shared_memory: bool | None = None,
+        retry: Retry | None = None,
+        timeout_s: float = 30.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        verify_checksums: bool = True,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        """shared_memory: None uses the daemon's segment when co-located, False never, True
+        requires it (FailedPrecondition on the first data call when it cannot be used)."""
+        self.namespace = check_client_args(namespace, chunk_bytes, max_message_bytes, timeout_s)
+        self.target = target
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.verify_checksums = verify_checksums
+        self.retry = retry if retry is not None else Retry()
+        self._channel = grpc.insecure_channel(
+            target, options=channel_options(max_message_bytes, sync=True)
+        )
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._put = self._channel.stream_unary(
+            PUT_METHOD,
+            request_serializer=_identity,
+            response_deserializer=pb.PutResponse.FromString,
+        )
+        self._get = self._channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=decode_get_response,
+        )
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._shm = ShmState(shared_memory)
+        self._shm_lock = threading.Lock()
+        self._closed = False
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _rpc(self, fn: Callable[[], T]) -> T:
+        def attempt() -> T:
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from exc
+
+        return self.retry.call(attempt)
+
+    def _segment(self) -> SharedSegment | None:
+        if not self._shm.decided:
+            with self._shm_lock:
+                if not self._shm.decided:
+                    request = pb.StatsRequest(namespace=self.namespace)
+                    stats: pb.StatsResponse = self._rpc(
+                        lambda: self._stub.Stats(request, timeout=self.timeout_s)
+                    )
+                    self._shm.adopt(stats)
+        return self._shm.segment
+
+    def _fall_back(self, exc: FailedPrecondition) -> None:
+        if self._shm.required:
+            raise exc
+        self._shm.disable(str(exc))
+
+    def _release_quietly(self, ids: list[str]) -> None:
+        try:
+            self._stub.Release(pb.ReleaseRequest(ids=ids), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            logger.warning(
+                "kvstore: Release(%s) failed, the daemon will expire it: %s",
+                ids,
+                from_rpc_error(exc),
+            )
+
+    def _drop_corrupt(self, bad: list[bytes]) -> None:
+        for key in bad:
+            logger.warning(
+                "kvstore: checksum mismatch for key %s in namespace %r; treating it as a miss "
+                "and evicting it",
+                key.hex(),
+                self.namespace,
+            )
+            request = pb.EvictRequest(namespace=self.namespace, keys=[key])
+            try:
+                self._stub.Evict(request, timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                logger.warning(
+                    "kvstore: evicting corrupt key %s failed: %s", key.hex(), from_rpc_error(exc)
+                )
+
+    # --- put ------------------------------------------------------------------------------
+
+    def put(
+        self,
+        keys: Sequence[BlockKey],
+        values: Sequence[object],
+        *,
+        parent: BlockKey | None = None,
+        independent: bool = False,
+    ) -> res.PutResult:
+        """Store one block per key (any contiguous CPU buffer). By default keys form one chain
+        (keys[i-1] the parent of keys[i]) whose first block follows `parent`; with
+        independent=True they are unrelated. Existing keys are acknowledged, unchanged."""
+        plan = rq.put_plan(self.namespace, keys, values, parent, independent)
+        if not plan.keys:
+            return res.PutResult(stored=0, existing=0, evicted=0)
+        if self._segment() is not None:
+            try:
+                return res.put_result(self._rpc(lambda: self._put_shm(plan)))
+            except FailedPrecondition as exc:
+                self._fall_back(exc)
+        header = plan.inline_header()
+        response: pb.PutResponse = self._rpc(
+            lambda: self._put(
+                put_frames(header, plan.payloads, self.chunk_bytes), timeout=self.timeout_s
+            )
+        )
+        return res.put_result(response)
+
+    def _put_shm(self, plan: rq.PutPlan) -> pb.PutResponse:
+        reserved: pb.ReserveResponse = self._stub.Reserve(
+            plan.reserve_request(), timeout=self.timeout_s
+        )
+        committed = False
+        try:
+            segment = self._shm.segment_named(reserved.shm_name)
+            write_reserved(segment, reserved, plan.payloads)
+            frame = plan.commit_frame(reserved.reservation_id)
+            response: pb.PutResponse = self._put(iter([frame]), timeout=self.timeout_s)
+            committed = True
+            return response
+        finally:
+            if not committed and reserved.reservation_id:
+                self._release_quietly([reserved.reservation_id])
+
+    # --- get ------------------------------------------------------------------------------
+
+    def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """Each key's block, or None for a miss (or a block that failed its checksum)."""
+        key_list = check_keys(keys)
+        if not key_list:
+            return []
+        fetched = self._fetch(key_list, None)
+        out, bad = finish_get(key_list, fetched, self.verify_checksums)
+        self._drop_corrupt(bad)
+        return out
+
+    def get_into(self, keys: Sequence[BlockKey], buffers: Sequence[object]) -> list[int | None]:
+        """Copy each found block into buffers[i] (writable, contiguous, CPU, at least the
+        block's size); return the block's size, or None for a miss."""
+        key_list = check_keys(keys)
+        arrays = rq.into_arrays(key_list, buffers)
+        if not key_list:
+            return []
+        fetched = self._fetch(key_list, arrays)
+        out, bad = finish_get_into(key_list, fetched, arrays, self.verify_checksums)
+        self._drop_corrupt(bad)
+        return out
+
+    def _fetch(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
+        if self._segment() is not None:
+            try:
+                return self._rpc(lambda: self._get_shm(keys, arrays))
+            except FailedPrecondition as exc:
+                self._fall_back(exc)
+        return self._rpc(lambda: self._get_inline(keys, arrays))
+
+    def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
+        messages = list(
+            self._get(rq.get_request(self.namespace, keys, True), timeout=self.timeout_s)
+        )
+        if len(messages) != 1 or isinstance(messages[0], memoryview):
+            raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
+        response: pb.GetResponse = messages[0]
+        try:
+            header = parse_get_header(response, len(keys), _capacities(arrays))
+            if not header.found_index:
+                return Fetched(header, [])
+            segment = self._shm.segment_named(response.shm_name)
+            return read_shm_get(segment, response, header, arrays, self.verify_checksums)
+        finally:
+            if response.lease_id:
+                self._release_quietly([response.lease_id])
+
+    def _get_inline(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
+        call = self._get(rq.get_request(self.namespace, keys, False), timeout=self.timeout_s)
+        try:
+            stream = iter(call)
+            first = next(stream, None)
+            if first is None:
+                raise DataLoss("Get stream ended without a header")
+            header = parse_get_header(first, len(keys), _capacities(arrays))
+            targets = None if arrays is None else [arrays[i] for i in header.found_index]
+            assembler = InlineAssembler(header, targets)
+            if isinstance(first, pb.GetResponse) and first.data:
+                assembler.feed(memoryview(first.data))
+            for message in stream:
+                assembler.feed(chunk_of(message))
+            assembler.finish()
+        except BaseException:
+            call.cancel()
+            raise
+        return Fetched(header, [] if arrays is not None else assembler.payloads())
+
+    # --- control verbs --------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> res.LookupResult:
+        """The longest cached prefix of `keys` (a chain, root first) and each key's tier."""
+        key_list = check_keys(keys)
+        if not key_list:
+            return res.LookupResult(prefix_length=0, tiers=[])
+        request = pb.LookupRequest(namespace=self.namespace, keys=key_list)
+        response: pb.LookupResponse = self._rpc(
+            lambda: self._stub.Lookup(request, timeout=self.timeout_s)
+        )
+        return res.lookup_result(response)
+
+    def prefetch(
+        self,
+        keys: Sequence[BlockKey],
+        *,
+        tier: str | None = None,
+        deadline_s: float | None = None,
+        on_progress: Callable[[res.PrefetchResult], None] | None = None,
+    ) -> res.PrefetchResult:
+        """Move keys up to `tier` (default: the highest enabled); the final progress."""
+        key_list = check_keys(keys)
+        request = rq.prefetch_request(self.namespace, key_list, tier, deadline_s)
+        timeout_s = rq.prefetch_timeout_s(self.timeout_s, deadline_s)
+        if not key_list:
+            return res.PrefetchResult(done=0, missing=0, failed=0, total=0)
+
+        def attempt() -> res.PrefetchResult:
+            last = res.PrefetchResult(done=0, missing=0, failed=0, total=len(key_list))
+            for message in self._stub.Prefetch(request, timeout=timeout_s):
+                last = res.prefetch_result(message)
+                if on_progress is not None:
+                    on_progress(last)
+            return last
+
+        return self._rpc(attempt)
+
+    def evict(
+        self,
+        keys: Sequence[BlockKey] | None = None,
+        *,
+        bytes: int = 0,
+        all: bool = False,
+        tier: str | None = None,
+        namespace: str | None = None,
+    ) -> res.EvictResult:
+        """Evict the named keys, at least `bytes` bytes (LRU, leaf-first), or `all`, from
+        `tier` (default every tier). namespace None is the client's; "" every namespace."""
+        request = rq.evict_request(self.namespace, keys, bytes, all, tier, namespace)
+        response: pb.EvictResponse = self._rpc(
+            lambda: self._stub.Evict(request, timeout=self.timeout_s)
+        )
+        return res.evict_result(response)
+
+    def pin(self, keys: Sequence[BlockKey]) -> res.PinResult:
+        """Keep these entries from eviction until unpinned."""
+        key_list = check_keys(keys)
+        if not key_list:
+            return res.PinResult(changed=0, missing=0)
+        request = pb.PinRequest(namespace=self.namespace, keys=key_list)
+        response: pb.PinResponse = self._rpc(
+            lambda: self._stub.Pin(request, timeout=self.timeout_s)
+        )
+        return res.pin_result(response)
+
+    def unpin(self, keys: Sequence[BlockKey]) -> res.PinResult:
+        key_list = check_keys(keys)
+        if not key_list:
+            return res.PinResult(changed=0, missing=0)
+        request = pb.PinRequest(namespace=self.namespace, keys=key_list)
+        response: pb.PinResponse = self._rpc(
+            lambda: self._stub.Unpin(request, timeout=self.timeout_s)
+        )
+        return res.pin_result(response)
+
+    def stats(self, *, include_config: bool = False, namespace: str | None = None) -> res.Stats:
+        """Daemon-wide stats; hits/misses filtered to `namespace` when one is given."""
+        request = rq.stats_request(include_config, namespace)
+        response: pb.StatsResponse = self._rpc(
+            lambda: self._stub.Stats(request, timeout=self.timeout_s)
+        )
+        return res.stats_result(response)
+
+    def health(self, service: str = HEALTH_SERVICE) -> str:
+        """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", ..."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        response = self._rpc(lambda: self._health.Check(request, timeout=self.timeout_s))
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+    def release(self, ids: Sequence[str]) -> res.ReleaseResult:
+        """End leases (from Get) or abandon reservations (from Reserve); low-level."""
+        request = rq.release_request(ids)
+        if not request.ids:
+            return res.ReleaseResult(released=0)
+        response: pb.ReleaseResponse = self._rpc(
+            lambda: self._stub.Release(request, timeout=self.timeout_s)
+        )
+        return res.release_result(response)
+
+    @property
+    def uses_shared_memory(self) -> bool | None:
+        """True/False once decided (after the first data call), None before."""
+        return (self._shm.segment is not None) if self._shm.decided else None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._shm.close()
+        self._channel.close()
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"KVStoreClient(target={self.target!r}, namespace={self.namespace!r})"

@@ -1,0 +1,357 @@
+"""`kvstore-admin`: the operator's command line for a running daemon, over the client library.
+
+    kvstore-admin [--target HOST:PORT] [--namespace NS] COMMAND
+      stats [--json] [--watch SECONDS]     per-tier table and summary; --watch refreshes
+      evict [--tier T] [--bytes SIZE] [--all] [--key HEX ...] [--namespace NS] [--json]
+      lookup KEYHEX... | --tokens 1,2,3 [--block-size 16]      prefix length, tier per key
+      pin KEYHEX... / unpin KEYHEX...
+      health                               prints SERVING etc.; exit 0 only when SERVING
+      config [--json]                      the daemon's effective config
+
+Exit codes: 0 success, 1 a request failed (`error: <message>` on stderr, or health not
+SERVING), 2 the daemon could not be reached (or the command line was wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from kvstore.client import (
+    DeadlineExceeded,
+    KVStoreClient,
+    KVStoreError,
+    Retry,
+    Stats,
+    Unavailable,
+    prefix_keys,
+)
+from kvstore.config import format_size, parse_size
+from kvstore.keys import KEY_BYTES, BlockKey
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+ENV_TARGET = "KVSTORE_TARGET"
+ENV_NAMESPACE = "KVSTORE_NAMESPACE"
+# The client needs a namespace; commands that are not about one never send it.
+_NO_NAMESPACE = "kvstore-admin"
+EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 2
+
+
+# --- argument types -------------------------------------------------------------------------
+
+
+def _key(text: str) -> BlockKey:
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"key {text!r} is not hex") from None
+    if len(raw) != KEY_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"key {text!r} is {len(raw)} bytes; keys are {KEY_BYTES} bytes ({2 * KEY_BYTES} hex)"
+        )
+    return BlockKey(raw)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--tokens {text!r} is not a comma-separated list of ints"
+        ) from None
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore-admin", description="Inspect and manage a running kvstore daemon."
+    )
+    parser.add_argument(
+        "--target",
+        default=os.environ.get(ENV_TARGET, DEFAULT_TARGET),
+        help=f"daemon address HOST:PORT (env {ENV_TARGET}, default {DEFAULT_TARGET})",
+    )
+    parser.add_argument(
+        "--namespace",
+        default=os.environ.get(ENV_NAMESPACE) or None,
+        help=f"namespace for key commands (env {ENV_NAMESPACE})",
+    )
+    parser.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds per call")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    stats = sub.add_parser("stats", help="per-tier capacity, use and counters")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.add_argument("--watch", type=_positive_float, metavar="SECONDS", help="refresh period")
+
+    evict = sub.add_parser("evict", help="evict named keys, a number of bytes, or everything")
+    evict.add_argument("--tier", choices=("hbm", "dram", "nvme", "remote"), help="default: all")
+    evict.add_argument("--bytes", type=_size, default=0, metavar="SIZE", help='e.g. "64MiB"')
+    evict.add_argument("--all", action="store_true", help="everything evictable")
+    evict.add_argument("--key", type=_key, action="append", default=[], metavar="HEX")
+    evict.add_argument(
+        "--namespace",
+        dest="evict_namespace",
+        default=None,
+        help='default: the global --namespace, else every namespace ("")',
+    )
+    evict.add_argument("--json", action="store_true")
+
+    lookup = sub.add_parser("lookup", help="cached prefix length and the tier of each key")
+    lookup.add_argument("keys", nargs="*", type=_key, metavar="KEYHEX")
+    lookup.add_argument("--tokens", type=_tokens, help="derive keys from token ids: 1,2,3")
+    lookup.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    lookup.add_argument("--json", action="store_true")
+
+    for name, verb in (("pin", "never evict"), ("unpin", "allow evicting again")):
+        cmd = sub.add_parser(name, help=f"{verb}: these keys")
+        cmd.add_argument("keys", nargs="+", type=_key, metavar="KEYHEX")
+        cmd.add_argument("--json", action="store_true")
+
+    health = sub.add_parser("health", help="grpc.health.v1 status; exit 0 only when SERVING")
+    health.add_argument("--service", default="", help='health service name (default "")')
+
+    config = sub.add_parser("config", help="the daemon's effective configuration")
+    config.add_argument("--json", action="store_true", help="raw JSON")
+    return parser
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def stats_view(stats: Stats, target: str) -> Group:
+    """The per-tier table and the summary table, as one renderable."""
+    tiers = Table(title=f"kvstore {stats.version or '?'} at {target}", title_justify="left")
+    for column in ("tier", "on"):
+        tiers.add_column(column, no_wrap=True)
+    for column in ("capacity", "used", "used%", "objects", "hits", "misses", "hit%", "evicted"):
+        tiers.add_column(column, justify="right", no_wrap=True)
+    for t in stats.tiers:
+        on = t.enabled
+        tiers.add_row(
+            t.tier,
+            "yes" if on else "no",
+            format_size(t.capacity_bytes) if on else "-",
+            format_size(t.used_bytes) if on else "-",
+            _percent(t.used_fraction) if on else "-",
+            f"{t.objects:,}",
+            f"{t.hits:,}",
+            f"{t.misses:,}",
+            _percent(t.hit_rate),
+            f"{t.evictions:,}",
+        )
+    summary = Table(show_header=False, box=None, padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    lookups = stats.hits + stats.misses
+    hit_rate = _percent(stats.hits / lookups if lookups else None)
+    shm = f"{stats.shm_name} ({format_size(stats.shm_size_bytes)})" if stats.shm_name else "none"
+    rows = [
+        ("leases", f"{stats.leases:,}"),
+        ("reservations", f"{stats.reservations:,}"),
+        ("pinned", f"{stats.pinned:,}"),
+        ("lookup hits / misses", f"{stats.hits:,} / {stats.misses:,} ({hit_rate})"),
+        ("shm segment", shm),
+        ("host", stats.host_id or "?"),
+        ("version", stats.version or "?"),
+    ]
+    for name, value in rows:
+        summary.add_row(name, value)
+    return Group(tiers, summary)
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+def cmd_stats(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    namespace = args.namespace
+    if args.json and not args.watch:
+        _print_json(client.stats(namespace=namespace).to_dict())
+        return EXIT_OK
+    if not args.watch:
+        console.print(stats_view(client.stats(namespace=namespace), client.target))
+        return EXIT_OK
+    try:
+        if args.json:
+            while True:
+                print(json.dumps(client.stats(namespace=namespace).to_dict()), flush=True)
+                time.sleep(args.watch)
+        view = stats_view(client.stats(namespace=namespace), client.target)
+        with Live(view, console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(args.watch)
+                live.update(stats_view(client.stats(namespace=namespace), client.target))
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def cmd_evict(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    if not (args.bytes or args.all or args.key):
+        raise_usage("evict needs --bytes, --all or --key")
+    namespace = args.evict_namespace
+    if namespace is None:
+        namespace = args.namespace if args.namespace is not None else ""
+    if args.key and not namespace:
+        raise_usage("evict --key needs --namespace")
+    result = client.evict(
+        args.key or None, bytes=args.bytes, all=args.all, tier=args.tier, namespace=namespace
+    )
+    if args.json:
+        _print_json(
+            {
+                "evicted": result.evicted,
+                "evicted_bytes": result.evicted_bytes,
+                "skipped": result.skipped,
+            }
+        )
+    else:
+        where = f"namespace {namespace!r}" if namespace else "every namespace"
+        tier = f"tier {args.tier}" if args.tier else "every tier"
+        print(
+            f"evicted {result.evicted} entries ({format_size(result.evicted_bytes)}) from {where}, "
+            f"{tier}; skipped {result.skipped} (pinned, leased or in use)"
+        )
+    return EXIT_OK
+
+
+def cmd_lookup(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    keys: list[BlockKey] = list(args.keys)
+    if args.tokens is not None:
+        if keys:
+            raise_usage("lookup takes KEYHEX arguments or --tokens, not both")
+        keys = prefix_keys(args.tokens, args.block_size, client.namespace)
+    if not keys:
+        raise_usage("lookup needs KEYHEX arguments or --tokens")
+    result = client.lookup(keys)
+    tiers = (list(result.tiers) + [None] * len(keys))[: len(keys)]
+    if args.json:
+        _print_json(
+            {
+                "prefix_length": result.prefix_length,
+                "keys": [{"key": k.hex(), "tier": t} for k, t in zip(keys, tiers, strict=True)],
+            }
+        )
+        return EXIT_OK
+    print(f"prefix length: {result.prefix_length} of {len(keys)}")
+    table = Table("#", "key", "tier")
+    for i, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
+        table.add_row(str(i), key.hex(), tier or "[dim]miss[/]")
+    console.print(table)
+    return EXIT_OK
+
+
+def cmd_pin(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    pinning = args.command == "pin"
+    result = client.pin(args.keys) if pinning else client.unpin(args.keys)
+    if args.json:
+        _print_json({"changed": result.changed, "missing": result.missing})
+    else:
+        print(f"{'pinned' if pinning else 'unpinned'} {result.changed}; missing {result.missing}")
+    return EXIT_OK
+
+
+def cmd_health(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    status = client.health(args.service)
+    print(status)
+    return EXIT_OK if status == "SERVING" else EXIT_FAILED
+
+
+def cmd_config(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    stats = client.stats(include_config=True)
+    if not stats.config_json:
+        print("error: the daemon returned no config", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(stats.config_json)
+    else:
+        console.print_json(stats.config_json)
+    return EXIT_OK
+
+
+Command = Callable[[KVStoreClient, argparse.Namespace, Console], int]
+COMMANDS: dict[str, Command] = {
+    "stats": cmd_stats,
+    "evict": cmd_evict,
+    "lookup": cmd_lookup,
+    "pin": cmd_pin,
+    "unpin": cmd_pin,
+    "health": cmd_health,
+    "config": cmd_config,
+}
+_NEEDS_NAMESPACE = frozenset({"lookup", "pin", "unpin"})
+
+
+class UsageError(Exception):
+    """A command-line mistake found after parsing."""
+
+
+def raise_usage(message: str) -> NoReturn:
+    raise UsageError(message)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in _NEEDS_NAMESPACE and not args.namespace:
+        parser.error(f"{args.command} needs --namespace (or {ENV_NAMESPACE})")
+    # Piped output keeps whole tables instead of squeezing them into 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    try:
+        client = KVStoreClient(
+            args.target,
+            args.namespace or _NO_NAMESPACE,
+            shared_memory=False,
+            timeout_s=args.timeout,
+            retry=Retry(attempts=2),
+        )
+    except KVStoreError as exc:
+        parser.error(str(exc))
+    try:
+        with client:
+            return COMMANDS[args.command](client, args, console)
+    except UsageError as exc:
+        parser.error(str(exc))
+    except (Unavailable, DeadlineExceeded) as exc:
+        print(f"error: kvstore daemon at {args.target} is unreachable: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KVStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except BrokenPipeError:  # `kvstore-admin stats --json | head`
+        return EXIT_OK
+    except KeyboardInterrupt:
+        # Ctrl-C is how --watch ends; it may land in a call or while the channel closes.
+        return EXIT_OK if getattr(args, "watch", None) else 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

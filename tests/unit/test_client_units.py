@@ -1,0 +1,417 @@
+"""The client's pure pieces, no daemon: error mapping, retry and backoff, buffer conversion,
+Put/Get framing and reassembly, shared-memory extents, and argument validation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore.client import (
+    DataLoss,
+    ExponentialBackoff,
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    NoBackoff,
+    NotFound,
+    Retry,
+    Unavailable,
+    from_rpc_error,
+)
+from kvstore.client import _requests as rq
+from kvstore.client._buffers import copy_bytes, readable_view, writable_array
+from kvstore.client._shm import SharedSegment, ShmState, read_shm_get, write_reserved
+from kvstore.client._wire import (
+    Fetched,
+    InlineAssembler,
+    check_keys,
+    decode_get_response,
+    finish_get,
+    finish_get_into,
+    parse_get_header,
+    put_frames,
+    tier_value,
+)
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+
+K = [bytes([i]) * 32 for i in range(8)]
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_status_codes_map_to_their_exception_with_code_and_details() -> None:
+    err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "keys[2] is 31 bytes"))
+    assert isinstance(err, InvalidArgument) and isinstance(err, ValueError)
+    assert err.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details == "keys[2] is 31 bytes" and str(err) == "keys[2] is 31 bytes"
+    assert isinstance(from_rpc_error(FakeRpcError(grpc.StatusCode.NOT_FOUND, "x")), NotFound)
+    assert isinstance(from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "x")), Unavailable)
+
+
+def test_unmapped_code_gives_the_base_class() -> None:
+    err = from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "boom"))
+    assert type(err) is KVStoreError and err.code is grpc.StatusCode.INTERNAL
+
+
+# --- retry ----------------------------------------------------------------------------------
+
+
+def test_exponential_backoff_doubles_up_to_the_cap_without_jitter() -> None:
+    backoff = ExponentialBackoff(base_s=0.05, cap_s=0.3, jitter=False)
+    assert [backoff.compute(n) for n in (1, 2, 3, 4, 5)] == [0.05, 0.1, 0.2, 0.3, 0.3]
+    assert backoff.compute(10_000) == 0.3
+
+
+def test_jitter_stays_within_zero_and_the_ceiling() -> None:
+    backoff = ExponentialBackoff(base_s=0.1, cap_s=1.0, rng=random.Random(7))
+    for n in range(1, 8):
+        assert 0.0 <= backoff.compute(n) <= backoff.ceiling(n)
+
+
+def test_retry_retries_unavailable_then_gives_up_after_attempts() -> None:
+    calls: list[int] = []
+    sleeps: list[float] = []
+
+    def flaky() -> str:
+        calls.append(1)
+        raise Unavailable("draining")
+
+    retry = Retry(ExponentialBackoff(jitter=False), attempts=3)
+    with pytest.raises(Unavailable):
+        retry.call(flaky, sleep=sleeps.append)
+    assert len(calls) == 3 and sleeps == [0.05, 0.1]
+
+
+def test_retry_returns_first_success_and_never_retries_other_errors() -> None:
+    outcomes: list[Any] = [Unavailable("x"), "ok"]
+
+    def once() -> str:
+        item = outcomes.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return str(item)
+
+    assert Retry(NoBackoff(), attempts=3).call(once, sleep=lambda s: None) == "ok"
+    calls: list[int] = []
+
+    def bad() -> None:
+        calls.append(1)
+        raise InvalidArgument("keys")
+
+    with pytest.raises(InvalidArgument):
+        Retry(NoBackoff(), attempts=5).call(bad)
+    assert calls == [1]
+
+
+def test_retry_async_and_validation() -> None:
+    attempts: list[int] = []
+
+    async def flaky() -> int:
+        attempts.append(1)
+        if len(attempts) < 2:
+            raise Unavailable("x")
+        return 42
+
+    async def no_sleep(_: float) -> None:
+        return None
+
+    assert asyncio.run(Retry(NoBackoff()).call_async(flaky, sleep=no_sleep)) == 42
+    with pytest.raises(ValueError, match="attempts"):
+        Retry(NoBackoff(), attempts=0)
+
+
+# --- buffers --------------------------------------------------------------------------------
+
+
+def test_readable_view_is_a_flat_zero_copy_byte_view() -> None:
+    array = np.arange(12, dtype=np.float16).reshape(3, 4)
+    view = readable_view(array, "values[0]")
+    assert view.format == "B" and view.nbytes == 24 and bytes(view) == array.tobytes()
+    array[0, 0] = 99  # same memory, no copy
+    assert bytes(view) == array.tobytes()
+    assert bytes(readable_view(bytearray(b"abc"), "v")) == b"abc"
+    assert bytes(readable_view(memoryview(b"xyz"), "v")) == b"xyz"
+
+
+def test_non_contiguous_or_non_buffer_values_are_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match=r"values\[3\].*contiguous"):
+        readable_view(np.zeros((4, 4), np.uint8)[:, ::2], "values[3]")
+    with pytest.raises(ValueError, match=r"values\[1\]"):
+        readable_view(object(), "values[1]")
+    with pytest.raises(ValueError, match=r"values\[0\]"):
+        readable_view(np.array([object()]), "values[0]")
+
+
+def test_writable_array_refuses_read_only_buffers() -> None:
+    with pytest.raises(ValueError, match=r"buffers\[0\].*read-only"):
+        writable_array(b"abc", "buffers[0]")
+    frozen = np.zeros(4, np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"buffers\[2\]"):
+        writable_array(frozen, "buffers[2]")
+    target = bytearray(4)
+    writable_array(target, "b")[:] = 7
+    assert target == bytearray(b"\x07" * 4)
+
+
+def test_dlpack_objects_on_a_device_are_rejected() -> None:
+    class OnGpu:
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 0)  # kDLCUDA
+
+    with pytest.raises(ValueError, match=r"buffers\[5\].*device"):
+        writable_array(OnGpu(), "buffers[5]")
+
+
+def test_torch_cpu_tensors_convert_without_copy() -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.arange(8, dtype=torch.bfloat16)
+    view = readable_view(tensor, "values[0]")
+    assert view.nbytes == 16
+    out = torch.zeros(8, dtype=torch.bfloat16)
+    writable_array(out, "buffers[0]")[:] = np.frombuffer(view, np.uint8)
+    assert torch.equal(out, tensor)
+
+
+@pytest.mark.parametrize("skew", [0, 8, 16, 63, 64, 4000])
+def test_copy_bytes_copies_exactly_whatever_the_path(skew: int) -> None:
+    src = np.frombuffer(os.urandom(10_000), np.uint8)
+    dst = np.zeros(10_000, np.uint8)
+    copy_bytes(dst, src, skew)
+    assert np.array_equal(dst, src)
+
+
+# --- Put framing ----------------------------------------------------------------------------
+
+
+def _parse_frames(frames: list[bytes]) -> list[pb.PutRequest]:
+    return [pb.PutRequest.FromString(f) for f in frames]
+
+
+def test_put_frames_split_payloads_into_bounded_chunks_in_key_order() -> None:
+    payloads = [os.urandom(n) for n in (5, 17, 1, 40)]
+    header = pb.PutRequest(namespace="ns", keys=K[:4], sizes=[len(p) for p in payloads])
+    frames = list(put_frames(header, [memoryview(p) for p in payloads], chunk_bytes=16))
+    messages = _parse_frames(frames)
+    assert messages[0].namespace == "ns" and list(messages[0].keys) == K[:4]
+    assert all(not m.keys and not m.namespace for m in messages[1:])
+    assert all(0 < len(m.data) <= 16 for m in messages)
+    assert b"".join(m.data for m in messages) == b"".join(payloads)
+
+
+def test_put_frames_send_one_header_message_when_payloads_fit() -> None:
+    header = pb.PutRequest(namespace="ns", keys=K[:2], sizes=[3, 4], independent=True)
+    messages = _parse_frames(
+        list(put_frames(header, [memoryview(b"abc"), memoryview(b"defg")], 1024))
+    )
+    assert len(messages) == 1 and messages[0].data == b"abcdefg" and messages[0].independent
+
+
+def test_put_frames_large_chunk_lengths_use_multi_byte_varints() -> None:
+    payload = os.urandom(300_000)
+    header = pb.PutRequest(namespace="n", keys=K[:1], sizes=[len(payload)])
+    messages = _parse_frames(list(put_frames(header, [memoryview(payload)], 200_000)))
+    assert [len(m.data) for m in messages] == [200_000, 100_000]
+    assert b"".join(m.data for m in messages) == payload
+
+
+# --- Get framing and reassembly -------------------------------------------------------------
+
+
+def test_data_only_get_messages_decode_to_a_view_others_parse() -> None:
+    data = os.urandom(70_000)
+    decoded = decode_get_response(pb.GetResponse(data=data).SerializeToString())
+    assert isinstance(decoded, memoryview) and bytes(decoded) == data
+    head = pb.GetResponse(found=[True], sizes=[3], checksums=[1], data=b"abc")
+    parsed = decode_get_response(head.SerializeToString())
+    assert isinstance(parsed, pb.GetResponse) and parsed.data == b"abc"
+    assert isinstance(decode_get_response(b""), pb.GetResponse)
+
+
+def _header(payloads: list[bytes | None]) -> pb.GetResponse:
+    found = [p for p in payloads if p is not None]
+    return pb.GetResponse(
+        found=[p is not None for p in payloads],
+        sizes=[len(p) for p in found],
+        checksums=[xxhash.xxh3_64_intdigest(p) for p in found],
+    )
+
+
+def test_assembler_rebuilds_blocks_across_chunk_boundaries() -> None:
+    payloads: list[bytes | None] = [os.urandom(10), None, os.urandom(25), os.urandom(3)]
+    header = parse_get_header(_header(payloads), 4)
+    stream = b"".join(p for p in payloads if p is not None)
+    assembler = InlineAssembler(header)
+    for start in range(0, len(stream), 7):
+        assembler.feed(memoryview(stream)[start : start + 7])
+    assembler.finish()
+    out, bad = finish_get(K[:4], Fetched(header, assembler.payloads()), True)
+    assert out == payloads and bad == []
+
+
+def test_assembler_copies_straight_into_targets() -> None:
+    payloads = [os.urandom(9), os.urandom(12)]
+    header = parse_get_header(_header(list(payloads)), 2, [16, 12])
+    arrays = [np.zeros(16, np.uint8), np.zeros(12, np.uint8)]
+    assembler = InlineAssembler(header, arrays)
+    stream = b"".join(payloads)
+    assembler.feed(memoryview(stream)[:5])
+    assembler.feed(memoryview(stream)[5:])
+    assembler.finish()
+    out, bad = finish_get_into(K[:2], Fetched(header, []), arrays, True)
+    assert out == [9, 12] and bad == []
+    assert arrays[0][:9].tobytes() == payloads[0] and arrays[1].tobytes() == payloads[1]
+
+
+def test_short_or_long_streams_are_data_loss() -> None:
+    header = parse_get_header(_header([b"abcd"]), 1)
+    short = InlineAssembler(header)
+    short.feed(memoryview(b"ab"))
+    with pytest.raises(DataLoss, match="2 of 4"):
+        short.finish()
+    with pytest.raises(DataLoss, match="more data"):
+        InlineAssembler(header).feed(memoryview(b"abcdef"))
+
+
+def test_header_inconsistencies_are_data_loss_and_small_buffers_value_errors() -> None:
+    with pytest.raises(DataLoss, match="found flags"):
+        parse_get_header(_header([b"a"]), 2)
+    bad = pb.GetResponse(found=[True, True], sizes=[1], checksums=[0])
+    with pytest.raises(DataLoss, match="sizes"):
+        parse_get_header(bad, 2)
+    with pytest.raises(DataLoss, match="header"):
+        parse_get_header(memoryview(b"x"), 1)
+    with pytest.raises(ValueError, match=r"buffers\[1\] holds 2 bytes; the block is 3"):
+        parse_get_header(_header([None, b"abc"]), 2, [10, 2])
+
+
+def test_checksum_mismatch_is_a_miss_reported_for_eviction() -> None:
+    header = parse_get_header(_header([b"good", b"evil"]), 2)
+    out, bad = finish_get(K[:2], Fetched(header, [b"good", b"EVIL"]), True)
+    assert out == [b"good", None] and bad == [K[1]]
+    out, bad = finish_get(K[:2], Fetched(header, [b"good", b"EVIL"]), False)
+    assert out == [b"good", b"EVIL"] and bad == []
+
+
+# --- shared memory --------------------------------------------------------------------------
+
+
+class FakeSegment:
+    def __init__(self, size: int, name: str = "seg") -> None:
+        self.name, self.size_bytes = name, size
+        self.buf = bytearray(size)
+        self.closed = False
+
+    def view(self) -> memoryview:
+        return memoryview(self.buf)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _location(*extents: tuple[int, int]) -> pb.BlockLocation:
+    return pb.BlockLocation(extents=[pb.Extent(offset=o, length=n) for o, n in extents])
+
+
+def test_reserved_writes_and_shm_reads_follow_extents_in_order() -> None:
+    segment = SharedSegment(FakeSegment(4096))
+    payloads = [os.urandom(100), os.urandom(10)]
+    reserve = pb.ReserveResponse(
+        reservation_id="r1",
+        exists=[False, True],
+        locations=[_location((1000, 64), (64, 64)), _location()],
+    )
+    assert write_reserved(segment, reserve, [memoryview(p) for p in payloads]) == 1
+    get = _header([payloads[0]])
+    get.locations.append(_location((1000, 64), (64, 64)))
+    header = parse_get_header(get, 1)
+    assert read_shm_get(segment, get, header, None, True).payloads == [payloads[0]]
+    target = [np.zeros(128, np.uint8)]
+    fetched = read_shm_get(segment, get, header, target, True)
+    assert target[0][:100].tobytes() == payloads[0]
+    assert finish_get_into(K[:1], fetched, target, True) == ([100], [])
+
+
+def test_extents_outside_the_segment_or_too_short_are_data_loss() -> None:
+    segment = SharedSegment(FakeSegment(1024))
+    with pytest.raises(DataLoss, match="outside"):
+        segment.spans(_location((1000, 100)), 100, "locations[0]")
+    with pytest.raises(DataLoss, match="50 of 100"):
+        segment.spans(_location((0, 50)), 100, "locations[0]")
+
+
+def test_shm_is_off_when_the_daemon_is_elsewhere_and_an_error_when_required() -> None:
+    stats = pb.StatsResponse(shm_name="kvstore-x", host_id="some-other-host")
+    auto = ShmState(None)
+    auto.adopt(stats)
+    assert auto.decided and auto.segment is None
+    with pytest.raises(FailedPrecondition, match="another host"):
+        ShmState(True).adopt(stats)
+    never = ShmState(False)
+    assert never.decided and never.segment is None
+
+
+# --- argument validation --------------------------------------------------------------------
+
+
+def test_keys_are_checked_before_the_wire() -> None:
+    assert check_keys([bytearray(32)]) == [bytes(32)]
+    with pytest.raises(InvalidArgument, match=r"keys\[1\] is 31 bytes"):
+        check_keys([bytes(32), bytes(31)])
+    with pytest.raises(InvalidArgument, match="not one key"):
+        check_keys(bytes(32))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"keys\[0\] must be bytes"):
+        check_keys(["a" * 32])  # type: ignore[list-item]
+
+
+def test_put_plan_checks_counts_sizes_and_parent() -> None:
+    with pytest.raises(InvalidArgument, match="values has 1 entries for 2 keys"):
+        rq.put_plan("ns", K[:2], [b"a"], None, False)
+    with pytest.raises(InvalidArgument, match=r"sizes\[0\] is 0"):
+        rq.put_plan("ns", K[:1], [b""], None, False)
+    with pytest.raises(InvalidArgument, match="parent_key"):
+        rq.put_plan("ns", K[:1], [b"a"], b"short", False)
+    plan = rq.put_plan("ns", K[:2], [b"ab", np.zeros(3, np.uint8)], K[7], True)
+    assert plan.sizes == [2, 3] and plan.parent_key == K[7] and plan.independent
+
+
+def test_evict_and_tier_arguments() -> None:
+    assert tier_value(None) == pb.TIER_UNSPECIFIED and tier_value("NVMe") == pb.TIER_NVME
+    with pytest.raises(InvalidArgument, match="tier must be one of"):
+        tier_value("l2")
+    with pytest.raises(InvalidArgument, match="keys, bytes or all"):
+        rq.evict_request("ns", None, 0, False, None, None)
+    with pytest.raises(InvalidArgument, match="namespace"):
+        rq.evict_request("ns", K[:1], 0, False, None, "")
+    every = rq.evict_request("ns", None, 1 << 20, False, "dram", "")
+    assert every.namespace == "" and every.bytes == 1 << 20 and every.tier == pb.TIER_DRAM
+    mine = rq.evict_request("ns", K[:1], 0, False, None, None)
+    assert mine.namespace == "ns" and list(mine.keys) == K[:1]
+
+
+def test_prefetch_deadline_becomes_milliseconds_and_extends_the_rpc_timeout() -> None:
+    request = rq.prefetch_request("ns", K[:1], "dram", 0.25)
+    assert request.deadline_ms == 250 and request.target_tier == pb.TIER_DRAM
+    assert rq.prefetch_timeout_s(30.0, None) == 30.0
+    assert rq.prefetch_timeout_s(1.0, 5.0) == 6.0
+    with pytest.raises(InvalidArgument, match="deadline_s"):
+        rq.prefetch_request("ns", K[:1], None, 0)
