@@ -9,11 +9,14 @@ to, which would tear the daemon's memory out from under it when a client exits.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
 import socket
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
@@ -42,11 +45,15 @@ def check_shm_name(name: str) -> str:
 class Segment:
     """One mapped shared-memory file. `buf` is the mmap; `view()` a memoryview over it."""
 
-    def __init__(self, name: str, size_bytes: int, buf: mmap.mmap) -> None:
+    def __init__(self, name: str, size_bytes: int, buf: mmap.mmap, owner_fd: int = -1) -> None:
         self.name = name
         self.size_bytes = size_bytes
         self.buf = buf
         self.path = SHM_DIR / name
+        # The creator holds an exclusive flock on this descriptor for its whole life; the
+        # kernel drops it when the process dies however it dies, which is how a later daemon
+        # tells a stale segment from a live one (remove_stale_segments).
+        self._owner_fd = owner_fd
 
     @property
     def closed(self) -> bool:
@@ -73,11 +80,15 @@ class Segment:
             )
 
     def unlink(self) -> None:
-        """Remove the segment's name from /dev/shm; mappings that exist stay valid."""
+        """Remove the segment's name from /dev/shm (mappings that exist stay valid), and give
+        up ownership."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             logger.info("shm segment %s was already unlinked", self.path)
+        if self._owner_fd >= 0:
+            os.close(self._owner_fd)
+            self._owner_fd = -1
 
     def __enter__(self) -> Segment:
         return self
@@ -131,6 +142,7 @@ def create_segment(name: str, size_bytes: int) -> Segment:
             str(path),
         ) from None
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.fchmod(fd, 0o600)  # the umask can only narrow the mode; make it exact
         os.ftruncate(fd, size_bytes)
         buf = _map(fd, size_bytes)
@@ -138,8 +150,42 @@ def create_segment(name: str, size_bytes: int) -> Segment:
         os.close(fd)
         os.unlink(path)
         raise
-    os.close(fd)
-    return Segment(name, size_bytes, buf)
+    return Segment(name, size_bytes, buf, owner_fd=fd)
+
+
+def remove_stale_segments(names: Iterable[str], min_age_s: float = 2.0) -> list[str]:
+    """Unlink the named segments whose creator is gone (nobody holds their flock): what a
+    crashed or killed daemon left behind. Segments younger than min_age_s are left alone,
+    so one being created this instant (opened, not yet locked) is never taken."""
+    removed = []
+    now = time.time()
+    for name in names:
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < min_age_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its daemon is alive
+            os.unlink(path)
+            removed.append(name)
+            logger.warning("removed stale shared-memory segment %s (its daemon is gone)", path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def list_segments(prefix: str) -> list[str]:
+    """Names of the segments under /dev/shm that start with prefix."""
+    try:
+        return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+    except FileNotFoundError:
+        return []
 
 
 def attach_segment(name: str) -> Segment:

@@ -15,11 +15,12 @@ import numpy as np
 import xxhash
 
 from kvstore.pages import PageRun
-from kvstore.shm import Segment, create_segment
+from kvstore.shm import Segment, create_segment, list_segments, remove_stale_segments
 
 log = logging.getLogger(__name__)
 
 Extent = tuple[int, int]  # (byte offset in the segment, length in bytes)
+STALE_PREFIX = "kvstore-"  # automatic segment names start so (kvstore/store.py)
 
 
 class DramTier:
@@ -31,6 +32,9 @@ class DramTier:
         self.page_size_bytes = page_size_bytes
         self.num_pages = capacity_bytes // page_size_bytes
         self.capacity_bytes = self.num_pages * page_size_bytes
+        # A daemon that crashed left its segment in /dev/shm (tmpfs: real memory); reclaim
+        # those, and this name if a crash left it, before taking more.
+        remove_stale_segments({*list_segments(STALE_PREFIX), shm_name})
         self._segment: Segment = create_segment(shm_name, self.capacity_bytes)
         self.shm_name = self._segment.name
         self._buf = np.frombuffer(self._segment.view(), dtype=np.uint8)

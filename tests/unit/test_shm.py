@@ -141,3 +141,29 @@ def test_host_id_is_stable_and_names_the_host() -> None:
     if Path("/proc/sys/kernel/random/boot_id").exists():
         boot_id, _, _ = hid.partition(":")
         assert len(boot_id) == 36
+
+
+def test_stale_segment_of_a_dead_creator_is_removed_and_a_live_one_kept(name: str) -> None:
+    """A segment whose creator died without unlinking (crash, SIGKILL) is reclaimed; one
+    whose creator is alive keeps its flock and is left alone."""
+    import subprocess
+    import sys
+
+    from kvstore.shm import remove_stale_segments
+
+    dead = name
+    code = (
+        "import os; from kvstore.shm import create_segment; "
+        f"create_segment({dead!r}, 65536); os._exit(0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert (SHM_DIR / dead).exists()
+    live = create_segment(f"{name}-live", 65536)
+    try:
+        removed = remove_stale_segments([dead, live.name, "kvstore-no-such"], min_age_s=0)
+        assert removed == [dead]
+        assert not (SHM_DIR / dead).exists()
+        assert live.path.exists()
+    finally:
+        live.close()
+        live.unlink()
