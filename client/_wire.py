@@ -18,6 +18,7 @@ import numpy as np
 import xxhash
 
 from kvstore.keys import KEY_BYTES, BlockKey, InvalidKeyError, check_namespace
+from kvstore.proto.frames import data_frame, data_of
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
 from ._buffers import ByteArray, address, copy_bytes
@@ -29,8 +30,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * MiB
 PUT_METHOD = "/kvstore.v1.KVStore/Put"
 GET_METHOD = "/kvstore.v1.KVStore/Get"
 HEALTH_SERVICE = ""
-
-_DATA_TAG = b"\x22"  # field 4, wire type 2 (length-delimited)
 
 TIER_VALUES: dict[str, int] = {
     "hbm": pb.TIER_HBM,
@@ -122,21 +121,6 @@ def tier_value(tier: str | None, field: str = "tier") -> int:
 # --- Put frames -----------------------------------------------------------------------------
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _frame(head: bytes, pieces: list[memoryview], size: int) -> bytes:
-    if not size:
-        return head
-    return b"".join([head, _DATA_TAG, _varint(size), *pieces])
-
-
 def put_frames(
     header: pb.PutRequest, payloads: Sequence[memoryview], chunk_bytes: int
 ) -> Iterator[bytes]:
@@ -154,10 +138,10 @@ def put_frames(
             filled += take
             offset += take
             if filled == chunk_bytes:
-                yield _frame(head, pieces, filled)
+                yield data_frame(head, pieces, filled)
                 head, pieces, filled = b"", [], 0
     if head or filled:
-        yield _frame(head, pieces, filled)
+        yield data_frame(head, pieces, filled)
 
 
 # --- Get frames -----------------------------------------------------------------------------
@@ -165,20 +149,8 @@ def put_frames(
 
 def decode_get_response(raw: bytes) -> pb.GetResponse | memoryview:
     """A data-only GetResponse as a memoryview of its data, anything else parsed."""
-    if raw[:1] == _DATA_TAG:
-        length = shift = 0
-        pos = 1
-        end = min(len(raw), 11)
-        while pos < end:
-            byte = raw[pos]
-            pos += 1
-            length |= (byte & 0x7F) << shift
-            shift += 7
-            if byte < 0x80:
-                if pos + length == len(raw):
-                    return memoryview(raw)[pos:]
-                break
-    return pb.GetResponse.FromString(raw)
+    data = data_of(raw)
+    return pb.GetResponse.FromString(raw) if data is None else data
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ class StorePlan:
 class CommitResult:
     stored: int
     existing: int
+    evicted: int = 0  # entries evicted to make room for the plan
 
 
 @dataclass(slots=True)
@@ -180,7 +181,7 @@ class Index:
         deadline: float,
     ) -> StorePlan | None:
         """Reserve pages for the keys not yet stored; None when they cannot fit even after
-        evicting every evictable entry of the tier (nothing is reserved then)."""
+        evicting every evictable entry of the tier (then nothing is reserved or evicted)."""
         if plan_id in self._plans:
             raise ValueError(f"plan {plan_id!r} exists")
         allocator = self._allocators[tier]
@@ -236,7 +237,9 @@ class Index:
             )
             self._insert(entry)
             stored += 1
-        return CommitResult(stored, len(plan.existing) + len(plan.blocks) - stored)
+        return CommitResult(
+            stored, len(plan.existing) + len(plan.blocks) - stored, len(plan.evicted)
+        )
 
     def expire(self, now: float) -> tuple[list[str], list[str]]:
         """End leases and abandon plans past their deadline; return (lease ids, plan ids)."""
@@ -344,17 +347,27 @@ class Index:
         )
 
     def _make_room(self, tier: Tier, needed_pages: int) -> list[Entry] | None:
+        """Evict leaf-first LRU entries until needed_pages are free; all or nothing."""
         allocator = self._allocators[tier]
-        evicted: list[Entry] = []
+        evicted: list[tuple[Entry, int]] = []
         while allocator.free_pages < needed_pages:
             entry = self._pop_victim(tier)
             if entry is None:
-                # Entries evicted while trying were the LRU ones anyway; they stay evicted
-                # and are counted in `evictions`.
+                self._restore(evicted)
                 return None
+            evicted.append((entry, entry.touch_seq))
             self._remove(entry)
-            evicted.append(entry)
-        return evicted
+        return [entry for entry, _ in evicted]
+
+    def _restore(self, evicted: list[tuple[Entry, int]]) -> None:
+        """Undo evictions whose pages nothing has reused: a refused put evicts nothing."""
+        for entry, touch_seq in reversed(evicted):
+            self._allocators[entry.tier].take(entry.pages)
+            self.evictions[entry.tier] -= 1
+            self._link(entry)
+            entry.touch_seq = touch_seq  # back to its old place in the LRU order
+            entry.in_heap = False
+            self._maybe_push(entry)
 
     def _pop_victim(self, tier: Tier) -> Entry | None:
         heap = self._heaps[tier]
@@ -372,6 +385,11 @@ class Index:
     # --- bookkeeping -----------------------------------------------------------------------
 
     def _insert(self, entry: Entry) -> None:
+        self._link(entry)
+        self._touch(entry, entry.last_access)
+
+    def _link(self, entry: Entry) -> None:
+        """Make entry visible: the map, usage, and parent/child counts."""
         self._entries[(entry.namespace, entry.key)] = entry
         usage = self._usage.setdefault((entry.namespace, entry.tier), _Usage())
         usage.objects += 1
@@ -385,7 +403,6 @@ class Index:
             parent = self._entries.get(link)
             if parent is not None:
                 parent.children += 1
-        self._touch(entry, entry.last_access)
 
     def _remove(self, entry: Entry) -> None:
         del self._entries[(entry.namespace, entry.key)]

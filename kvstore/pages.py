@@ -97,6 +97,23 @@ class PageAllocator:
                 self._remove_run(end)
             self._add_run(start, length)
 
+    def take(self, runs: tuple[PageRun, ...] | list[PageRun]) -> None:
+        """Claim exactly these free pages again (undoing a free that has not been followed by
+        an alloc); claiming a page that is not free is misuse."""
+        for start, length in runs:
+            i = bisect.bisect_right(self._starts, start) - 1
+            if i < 0 or length <= 0:
+                raise ValueError(f"page run {(start, length)} is not free")
+            free_start = self._starts[i]
+            free_length = self._length_at[free_start]
+            if start + length > free_start + free_length:
+                raise ValueError(f"page run {(start, length)} is not free")
+            self._remove_run(free_start)
+            if start > free_start:
+                self._add_run(free_start, start - free_start)
+            if free_start + free_length > start + length:
+                self._add_run(start + length, free_start + free_length - start - length)
+
     def _check_used(self, run: PageRun) -> None:
         start, length = run
         if length <= 0 or start < 0 or start + length > self.num_pages:

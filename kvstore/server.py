@@ -1,7 +1,7 @@
 """kvstore-server: the thin gRPC edge of the store (grpc.aio).
 
 Decode, call the store, encode; every error is mapped to a status code in one function,
-`status_for`. grpc.aio was chosen over a thread pool by measurement (docs/server-model.md):
+`status_for`. grpc.aio was chosen over a thread pool by measurement (docs/operations.md):
 equal lookup latency, slightly more streaming bandwidth, and one thread touching the store.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import json
 import logging
@@ -34,6 +35,7 @@ from kvstore.errors import (
 )
 from kvstore.index import Tier
 from kvstore.metrics import Metrics
+from kvstore.proto.frames import data_frame, data_of
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.shm import host_id
@@ -95,7 +97,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
     def _ok(self, method: str, started: float) -> None:
         self.metrics.observe_rpc(method, "OK", time.perf_counter() - started)
 
-    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest],
+    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest | memoryview],
                   context: grpc.aio.ServicerContext) -> pb.PutResponse:
         started = time.perf_counter()
         session = None
@@ -103,7 +105,8 @@ class KVStoreServicer(rpc.KVStoreServicer):
             first = await anext(aiter(request_iterator), None)
             if first is None:
                 raise InvalidArgument("PutRequest: the stream carried no message")
-            evictions = self.store.index.evictions.get(Tier.DRAM, 0) if self.store.dram else 0
+            if isinstance(first, memoryview):
+                raise InvalidArgument("PutRequest: the stream began with data and no header")
             if first.reservation_id:
                 if first.keys or first.sizes or first.data or first.parent_key:
                     raise InvalidArgument(
@@ -118,15 +121,17 @@ class KVStoreServicer(rpc.KVStoreServicer):
                 if first.data:
                     self.store.write(session, memoryview(first.data))
                 async for msg in request_iterator:
+                    if isinstance(msg, memoryview):  # a data-only frame, not copied
+                        self.store.write(session, msg)
+                        continue
                     if msg.keys or msg.sizes or msg.reservation_id or msg.namespace:
                         raise InvalidArgument("keys: only the first PutRequest carries a header")
                     self.store.write(session, memoryview(msg.data))
                 result = self.store.commit(session)
                 session = None
-            evicted = (self.store.index.evictions.get(Tier.DRAM, 0) if self.store.dram else 0)
             self._ok("Put", started)
             return pb.PutResponse(
-                stored=result.stored, existing=result.existing, evicted=evicted - evictions
+                stored=result.stored, existing=result.existing, evicted=result.evicted
             )
         except Exception as exc:
             await self._fail(context, "Put", exc, started)
@@ -136,7 +141,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
                 self.store.abort(session.plan_id)
 
     async def Get(self, request: pb.GetRequest,
-                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:
         started = time.perf_counter()
         try:
             shared = request.mode == pb.GET_MODE_SHARED_MEMORY
@@ -166,11 +171,20 @@ class KVStoreServicer(rpc.KVStoreServicer):
             yield head
             return
         try:
-            chunks = self.store.chunks(result, self.config.server.chunk_bytes)
-            head.data = next(chunks, b"")  # the first chunk rides with the header
-            yield head
-            for chunk in chunks:
-                yield pb.GetResponse(data=chunk)
+            # Data messages are pre-framed bytes (kvstore.proto.frames): one copy out of
+            # shared memory, none by protobuf. The first chunk rides with the header.
+            first = [head.SerializeToString()]
+
+            def frame(views: list[memoryview], size: int) -> bytes:
+                prefix = first.pop() if first else b""
+                return data_frame(prefix, views, size)
+
+            sent_head = False
+            for chunk in self.store.chunks(result, self.config.server.chunk_bytes, frame):
+                sent_head = True
+                yield chunk
+            if not sent_head:
+                yield head
             self._ok("Get", started)
         except Exception as exc:
             await self._fail(context, "Get", exc, started)
@@ -269,6 +283,45 @@ class KVStoreServicer(rpc.KVStoreServicer):
         )
 
 
+def _decode_put(raw: bytes) -> pb.PutRequest | memoryview:
+    data = data_of(raw)
+    return pb.PutRequest.FromString(raw) if data is None else data
+
+
+def _encode_get(message: pb.GetResponse | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
+    """The service's method table: the generated one, except that Put and Get move their
+    bulk bytes as raw frames (kvstore.proto.frames)."""
+    def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
+    table = {
+        "Put": grpc.stream_unary_rpc_method_handler(
+            s.Put, request_deserializer=_decode_put,
+            response_serializer=pb.PutResponse.SerializeToString),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            s.Get, request_deserializer=pb.GetRequest.FromString, response_serializer=_encode_get),
+        "Prefetch": grpc.unary_stream_rpc_method_handler(
+            s.Prefetch, request_deserializer=pb.PrefetchRequest.FromString,
+            response_serializer=pb.PrefetchProgress.SerializeToString),
+        "Lookup": unary(s.Lookup, pb.LookupRequest, pb.LookupResponse),
+        "Reserve": unary(s.Reserve, pb.ReserveRequest, pb.ReserveResponse),
+        "Release": unary(s.Release, pb.ReleaseRequest, pb.ReleaseResponse),
+        "Evict": unary(s.Evict, pb.EvictRequest, pb.EvictResponse),
+        "Pin": unary(s.Pin, pb.PinRequest, pb.PinResponse),
+        "Unpin": unary(s.Unpin, pb.PinRequest, pb.PinResponse),
+        "Stats": unary(s.Stats, pb.StatsRequest, pb.StatsResponse),
+    }
+    declared = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
+    if set(table) != declared:  # the .proto grew a method this table does not serve
+        raise RuntimeError(f"method table {sorted(table)} != kvstore.proto {sorted(declared)}")
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, table)
+
+
 async def _sweep_forever(store: Store, interval_s: float,
                          health_servicer: health.aio.HealthServicer) -> None:
     """Expire leases and reservations. If this ever fails the daemon says so through
@@ -286,26 +339,49 @@ async def _sweep_forever(store: Store, interval_s: float,
             log.info("expired %d leases and %d reservations", leases, reservations)
 
 
-async def serve(config: Config, ready: Callable[[int, int], None] | None = None) -> None:
-    """Run the daemon until SIGINT/SIGTERM."""
+class StartupError(Exception):
+    """The daemon cannot start (a port is taken, shared memory is short); the message says
+    what to change."""
+
+
+async def serve(config: Config) -> None:
+    """Run the daemon until SIGINT/SIGTERM. Whatever startup made is undone if it fails."""
     store = Store(config)
     metrics = Metrics(lambda: store.stats().tiers)
+    try:
+        await _serve(config, store, metrics)
+    finally:
+        metrics.stop()
+        store.close()
+
+
+async def _serve(config: Config, store: Store, metrics: Metrics) -> None:
     metrics_port = 0
     if config.metrics.enabled:
-        metrics_port = metrics.start_http(config.metrics.host, config.metrics.port)
+        try:
+            metrics_port = metrics.start_http(config.metrics.host, config.metrics.port)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot serve metrics on {config.metrics.host}:{config.metrics.port}: {exc} "
+                "(metrics.port)"
+            ) from exc
     options = [
         ("grpc.max_send_message_length", config.server.max_message_bytes),
         ("grpc.max_receive_message_length", config.server.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    rpc.add_KVStoreServicer_to_server(KVStoreServicer(store, metrics), server)
+    server.add_generic_rpc_handlers((_handlers(KVStoreServicer(store, metrics)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{config.server.host}:{config.server.port}")
+    address = f"{config.server.host}:{config.server.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {address}: {exc} (server.port)") from exc
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -319,8 +395,6 @@ async def serve(config: Config, ready: Callable[[int, int], None] | None = None)
     shm = store.dram.shm_name if store.dram else "off"
     print(f"kvstore-server {__version__} listening on {config.server.host}:{port} "
           f"(metrics port {metrics_port or 'off'}, L2 shm {shm})", flush=True)
-    if ready is not None:
-        ready(port, metrics_port)
     try:
         await stop.wait()
     finally:
@@ -329,8 +403,25 @@ async def serve(config: Config, ready: Callable[[int, int], None] | None = None)
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         sweeper.cancel()
         await server.stop(config.server.grace_s)
-        metrics.stop()
-        store.close()
+
+
+def _keep_freed_buffers() -> None:
+    """Let glibc keep freed multi-MiB buffers instead of returning them to the OS: every
+    streamed chunk is a fresh buffer, and page-faulting it in anew ran copies at ~0.8 GB/s
+    instead of ~7 GB/s (bench/store_bench.py). The same as MALLOC_MMAP_THRESHOLD_ etc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        log.info("not glibc; allocator left as it is")
+        return
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = all([
+        libc.mallopt(m_mmap_threshold, 32 << 20),  # glibc's maximum
+        libc.mallopt(m_trim_threshold, 1 << 30),
+        libc.mallopt(m_top_pad, 64 << 20),
+    ])
+    if not ok:
+        log.warning("mallopt refused a setting; large copies may run slower")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,9 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _keep_freed_buffers()
     try:
         asyncio.run(serve(config))
-    except (FileExistsError, OSError) as exc:
+    except (StartupError, OSError) as exc:
         print(f"kvstore-server: cannot start: {exc}", file=sys.stderr)
         return 2
     return 0

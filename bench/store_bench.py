@@ -1,0 +1,458 @@
+"""The store against its baselines, in one run: a real `kvstore-server` subprocess and a real
+`redis-server` on free ports, driven from this process through `kvstore.client` and redis-py.
+
+For each object size (default 256 KiB and 2 MiB), in batches of 32:
+
+- shm_get_into: `get_into` through the shared-memory segment vs a single-thread memcpy
+  (`np.copyto`) of the same 32 blocks into the same destination arrays (target >= 0.5x);
+- shm_put: `put` through the segment (Reserve, copy, commit) vs the same memcpy;
+- inline_get: `get` in the gRPC stream, returning bytes, vs redis-py GET x 32 in one
+  non-transactional pipeline (target >= 1.0x);
+- inline_put: `put` in the gRPC stream vs redis-py SET x 32, pipelined.
+
+And `lookup` of a cached 1,024-key chain (p50 and p99; target p50 <= 2 ms) vs redis-py EXISTS
+of the same 1,024 keys in one pipeline.
+
+Every figure is warmed up, then ours and its baseline run alternately, repeat by repeat, so
+background load hits both alike; the median per-batch figure is reported. Puts write new keys
+every repeat (a re-put is an acknowledged no-op) and are evicted/deleted outside the timing.
+Prints `bench <name>: <ours> <unit> vs <baseline> <baseline> <unit> = <ratio>x` per figure
+(ratio > 1: we are better; latency ratios are baseline/ours) and, with --json, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.client import KVStoreClient
+from kvstore.config import KiB, MiB, parse_size
+
+ByteArray = npt.NDArray[np.uint8]
+NAMESPACE = "bench"
+LOOKUP_KEYS = 1024
+PAGE_BYTES = 64 * KiB
+SLACK_BYTES = 64 * MiB
+PAGE_ALIGN = 4096
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def kvstore_daemon(workdir: Path, capacity_bytes: int, shm_name: str) -> Iterator[str]:
+    """A kvstore-server subprocess, SERVING; yields its target. Its segment is gone after."""
+    port, metrics_port = free_port(), free_port()
+    log_path = workdir / "kvstore-server.log"
+    args = [sys.executable, "-m", "kvstore.server", "--port", str(port),
+            "--metrics-port", str(metrics_port),
+            "--set", f"dram.capacity_bytes={capacity_bytes}",
+            "--set", f"dram.page_size_bytes={PAGE_BYTES}",
+            "--set", f"dram.shm_name={shm_name}",
+            "--set", "log_level=WARNING"]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_serving(f"127.0.0.1:{port}", proc, log_path)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+        leftover = Path("/dev/shm") / shm_name
+        if leftover.exists():  # only after a kill; a clean shutdown unlinks it
+            leftover.unlink()
+            print(f"store_bench: removed {leftover} left by kvstore-server "
+                  f"(exit {proc.returncode})", file=sys.stderr)
+
+
+def _wait_serving(target: str, proc: subprocess.Popen[Any], log_path: Path,
+                  timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvstore-server exited with {proc.returncode}:\n"
+                                   f"{log_path.read_text()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.05)
+    raise RuntimeError(f"kvstore-server not SERVING after {timeout_s}s:\n{log_path.read_text()}")
+
+
+@contextmanager
+def redis_server(workdir: Path, read_bytes: int) -> Iterator[redis.Redis]:
+    """A redis-server subprocess without persistence; yields a connected redis-py client that
+    reads the socket `read_bytes` at a time (redis-py's default, 64 KiB, is slower for MiB
+    values with its pure-Python parser)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (`make redis` installs it)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_read_size=read_bytes)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        try:
+            yield client
+        finally:
+            client.close()
+    finally:
+        _stop(proc)
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+@dataclass
+class Op:
+    """One thing to time: setup() (untimed) -> state; run(state) (timed); teardown(state)."""
+
+    run: Callable[[Any], object]
+    setup: Callable[[], Any] = lambda: None
+    teardown: Callable[[Any], object] = lambda state: None
+
+    def once(self) -> float:
+        state = self.setup()
+        start = time.perf_counter()
+        self.run(state)
+        elapsed = time.perf_counter() - start
+        self.teardown(state)
+        return elapsed
+
+
+def paired(ours: Op, base: Op, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Seconds per run of each, warmed up, alternating which goes first."""
+    for _ in range(warmup):
+        ours.once()
+        base.once()
+    ours_s: list[float] = []
+    base_s: list[float] = []
+    for i in range(repeats):
+        if i % 2:
+            base_s.append(base.once())
+            ours_s.append(ours.once())
+        else:
+            ours_s.append(ours.once())
+            base_s.append(base.once())
+    return ours_s, base_s
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+@dataclass
+class Figure:
+    name: str
+    ours: float
+    baseline_name: str
+    baseline: float
+    unit: str
+    lower_is_better: bool = False
+    target: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.baseline / self.ours if self.lower_is_better else self.ours / self.baseline
+
+    def line(self) -> str:
+        digits = 3 if self.unit == "ms" else 2
+        target = f" (target {self.target})" if self.target else ""
+        return (f"bench {self.name}: {self.ours:.{digits}f} {self.unit} vs {self.baseline_name} "
+                f"{self.baseline:.{digits}f} {self.unit} = {self.ratio:.2f}x{target}")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"ours": self.ours, "baseline_name": self.baseline_name,
+                "baseline": self.baseline, "unit": self.unit, "ratio": self.ratio,
+                "target": self.target, **self.extra}
+
+
+def gbps_figure(name: str, batch_bytes: int, ours_s: list[float], base_name: str,
+                base_s: list[float], target: str = "") -> Figure:
+    ours = batch_bytes / statistics.median(ours_s) / 1e9
+    base = batch_bytes / statistics.median(base_s) / 1e9
+    return Figure(name, ours, base_name, base, "GB/s", target=target,
+                  extra={"batch_bytes": batch_bytes, "repeats": len(ours_s)})
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def size_label(size_bytes: int) -> str:
+    for unit, name in ((MiB, "MiB"), (KiB, "KiB")):
+        if size_bytes % unit == 0:
+            return f"{size_bytes // unit}{name}"
+    return f"{size_bytes}B"
+
+
+def new_keys(n: int) -> list[bytes]:
+    return [secrets.token_bytes(32) for _ in range(n)]
+
+
+def aligned_empty(nbytes: int, offset: int) -> ByteArray:
+    """An uninitialised uint8 array whose address is `offset` mod 4096."""
+    raw = np.empty(nbytes + 2 * PAGE_ALIGN, dtype=np.uint8)
+    start = (offset - raw.ctypes.data) % PAGE_ALIGN
+    return raw[start : start + nbytes]
+
+
+@dataclass
+class Blocks:
+    """One size's data: 32 payloads (as bytes and as numpy source views) and 32 destination
+    arrays, source and destination at the same offset mod 4096 so memcpy runs at full speed
+    (no 4K-aliasing penalty flattering us)."""
+
+    size_bytes: int
+    payloads: list[bytes]
+    sources: list[ByteArray]
+    destinations: list[ByteArray]
+
+    @classmethod
+    def make(cls, size_bytes: int, batch: int, rng: np.random.Generator) -> Blocks:
+        dst_all = np.empty(size_bytes * batch, dtype=np.uint8)
+        dst_all.fill(0)  # fault the pages in: "warm"
+        src_all = aligned_empty(size_bytes * batch, dst_all.ctypes.data % PAGE_ALIGN)
+        src_all[:] = rng.integers(0, 256, size_bytes * batch, dtype=np.uint8)
+        sources = [src_all[i * size_bytes : (i + 1) * size_bytes] for i in range(batch)]
+        return cls(size_bytes, [s.tobytes() for s in sources], sources,
+                   [dst_all[i * size_bytes : (i + 1) * size_bytes] for i in range(batch)])
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.size_bytes * len(self.payloads)
+
+    def memcpy(self, _state: object = None) -> None:
+        for dst, src in zip(self.destinations, self.sources, strict=True):
+            np.copyto(dst, src)
+
+
+# --- the figures -----------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    shm: KVStoreClient
+    inline: KVStoreClient
+    redis: redis.Redis
+    repeats: int
+    warmup: int
+
+    def _redis_get(self, keys: list[bytes]) -> list[bytes | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        return pipe.execute()
+
+    def _redis_set(self, keys: list[bytes], values: list[bytes]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for key, value in zip(keys, values, strict=True):
+            pipe.set(key, value)
+        pipe.execute()
+
+    def _evict(self, keys: list[bytes]) -> None:
+        evicted = self.shm.evict(keys).evicted
+        if evicted != len(keys):
+            raise RuntimeError(f"evicted {evicted} of {len(keys)} put keys; the put lost some")
+
+    def per_size(self, blocks: Blocks) -> list[Figure]:
+        label, nbytes = size_label(blocks.size_bytes), blocks.batch_bytes
+        keys = new_keys(len(blocks.payloads))
+        self.shm.put(keys, blocks.payloads)
+        self._redis_set(keys, blocks.payloads)
+        self._check_reads(keys, blocks)
+        memcpy = Op(blocks.memcpy)
+        out = []
+
+        into = Op(lambda _: self.shm.get_into(keys, blocks.destinations))
+        ours, base = paired(into, memcpy, self.repeats, self.warmup)
+        out.append(gbps_figure(f"shm_get_into_{label}", nbytes, ours, "memcpy", base,
+                               target=">= 0.5x"))
+
+        ours, base = paired(self._put_op(self.shm, blocks), memcpy, self.repeats, self.warmup)
+        out.append(gbps_figure(f"shm_put_{label}", nbytes, ours, "memcpy", base))
+
+        ours, base = paired(Op(lambda _: self.inline.get(keys)),
+                            Op(lambda _: self._redis_get(keys)), self.repeats, self.warmup)
+        out.append(gbps_figure(f"inline_get_{label}", nbytes, ours, "redis GET", base,
+                               target=">= 1.0x"))
+
+        redis_put = Op(lambda ks: self._redis_set(ks, blocks.payloads),
+                       setup=lambda: new_keys(len(blocks.payloads)),
+                       teardown=lambda ks: self.redis.delete(*ks))
+        ours, base = paired(self._put_op(self.inline, blocks), redis_put, self.repeats,
+                            self.warmup)
+        out.append(gbps_figure(f"inline_put_{label}", nbytes, ours, "redis SET", base))
+
+        self._evict(keys)
+        self.redis.delete(*keys)
+        return out
+
+    def _put_op(self, client: KVStoreClient, blocks: Blocks) -> Op:
+        def run(keys: list[bytes]) -> None:
+            result = client.put(keys, blocks.payloads)
+            if result.stored != len(keys):
+                raise RuntimeError(f"put stored {result.stored} of {len(keys)} new keys")
+
+        return Op(run, setup=lambda: new_keys(len(blocks.payloads)), teardown=self._evict)
+
+    def _check_reads(self, keys: list[bytes], blocks: Blocks) -> None:
+        """Every path returns the bytes that were put, so no figure measures misses."""
+        if self.inline.get(keys) != blocks.payloads or self._redis_get(keys) != blocks.payloads:
+            raise RuntimeError("a read returned other bytes than were put")
+        for dst in blocks.destinations:
+            dst.fill(0)
+        sizes = self.shm.get_into(keys, blocks.destinations)
+        if sizes != [blocks.size_bytes] * len(keys) or any(
+            not np.array_equal(d, s) for d, s in zip(blocks.destinations, blocks.sources,
+                                                     strict=True)):
+            raise RuntimeError("get_into returned other bytes than were put")
+        if not self.shm.uses_shared_memory or self.inline.uses_shared_memory:
+            raise RuntimeError("the shm client is not on shared memory, or the inline one is")
+
+    def lookup(self, lookups: int) -> list[Figure]:
+        keys = new_keys(LOOKUP_KEYS)
+        self.shm.put(keys, [b"x"] * LOOKUP_KEYS)  # one chain, so the whole prefix hits
+        self.redis.mset({k: b"x" for k in keys})
+        if self.shm.lookup(keys).prefix_length != LOOKUP_KEYS:
+            raise RuntimeError("the lookup chain is not fully cached")
+
+        def exists(_: object) -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            if sum(pipe.execute()) != LOOKUP_KEYS:
+                raise RuntimeError("redis lost lookup keys")
+
+        ours_s, base_s = paired(Op(lambda _: self.shm.lookup(keys)), Op(exists), lookups,
+                                self.warmup * 5)
+        ours_ms = [s * 1e3 for s in ours_s]
+        base_ms = [s * 1e3 for s in base_s]
+        extra = {"keys": LOOKUP_KEYS, "samples": lookups}
+        return [
+            Figure(f"lookup_{LOOKUP_KEYS}_p50", percentile(ours_ms, 0.5), "redis EXISTS",
+                   percentile(base_ms, 0.5), "ms", lower_is_better=True, target="p50 <= 2 ms",
+                   extra={**extra, "target_ms": 2.0}),
+            Figure(f"lookup_{LOOKUP_KEYS}_p99", percentile(ours_ms, 0.99), "redis EXISTS",
+                   percentile(base_ms, 0.99), "ms", lower_is_better=True, extra=extra),
+        ]
+
+
+def capacity_for(sizes: list[int], batch: int) -> int:
+    """L2 bytes for every size's read set, one put batch in flight, the lookup chain."""
+    def pages(size: int) -> int:
+        return -(-size // PAGE_BYTES) * PAGE_BYTES
+
+    reads = sum(pages(s) * batch for s in sizes)
+    puts = 2 * max(pages(s) for s in sizes) * batch
+    return reads + puts + LOOKUP_KEYS * PAGE_BYTES + SLACK_BYTES
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    shm_name = f"kvstore-bench-{os.getpid()}-{secrets.token_hex(4)}"
+    capacity = capacity_for(sizes, args.batch)
+    rng = np.random.default_rng(0)
+    load_before = os.getloadavg()[0]
+    figures: list[Figure] = []
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="store-bench-")))
+        target = stack.enter_context(kvstore_daemon(workdir, capacity, shm_name))
+        redis_client = stack.enter_context(redis_server(workdir, args.redis_read_bytes))
+        shm = stack.enter_context(KVStoreClient(target, NAMESPACE, shared_memory=True))
+        inline = stack.enter_context(KVStoreClient(target, NAMESPACE, shared_memory=False))
+        bench = Bench(shm, inline, redis_client, args.repeats, args.warmup)
+        for size in sizes:
+            figures += bench.per_size(Blocks.make(size, args.batch, rng))
+        figures += bench.lookup(args.lookups)
+    setup = {
+        "batch": args.batch, "repeats": args.repeats, "warmup": args.warmup,
+        "lookups": args.lookups, "sizes_bytes": sizes, "dram_capacity_bytes": capacity,
+        "shm_name": shm_name, "cpus": os.cpu_count(), "redis_py": redis.__version__,
+        "redis_parser": "hiredis" if importlib.util.find_spec("hiredis") else "python",
+        "redis_read_bytes": args.redis_read_bytes, "loadavg_1m": [load_before, os.getloadavg()[0]],
+    }
+    return figures, setup
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="256KiB,2MiB", help="object sizes, comma-separated")
+    parser.add_argument("--batch", type=int, default=32, help="objects per batch")
+    parser.add_argument("--repeats", type=int, default=20, help="timed batches per figure")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed batches per figure")
+    parser.add_argument("--lookups", type=int, default=300, help="timed lookups")
+    parser.add_argument("--redis-read-bytes", type=parse_size, default=MiB,
+                        help="redis-py socket_read_size (default 1MiB: its fastest for MiB values)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny smoke run: 3 repeats, 1 warm-up, 20 lookups (overrides)")
+    parser.add_argument("--json", action="store_true", help="also print one JSON object")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup, args.lookups = 3, 1, 20
+    if args.batch < 1 or args.repeats < 1 or args.warmup < 0 or args.lookups < 1:
+        parser.error("--batch, --repeats and --lookups must be >= 1, --warmup >= 0")
+    figures, setup = run(args)
+    for figure in figures:
+        print(figure.line(), flush=True)
+    if args.json:
+        print(json.dumps({"figures": {f.name: f.as_json() for f in figures}, "setup": setup}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

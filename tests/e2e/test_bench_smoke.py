@@ -1,0 +1,59 @@
+"""bench/store_bench.py runs end to end: `--quick --json` starts a real daemon and a real
+redis-server, prints one `bench <name>: ... = <ratio>x` line per figure and a JSON object of
+positive numbers, and leaves no shared-memory segment behind. Speed is not asserted here;
+the targets live in the bench."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+BENCH = REPO / "bench" / "store_bench.py"
+FIGURES = {
+    f"{kind}_{size}" for kind in ("shm_get_into", "shm_put", "inline_get", "inline_put")
+    for size in ("256KiB", "2MiB")
+} | {"lookup_1024_p50", "lookup_1024_p99"}
+LINE = re.compile(
+    r"^bench (?P<name>\S+): (?P<ours>\d+\.\d+) (?P<unit>GB/s|ms) vs (?P<base_name>.+?) "
+    r"(?P<base>\d+\.\d+) (?P=unit) = (?P<ratio>\d+\.\d+)x( \(target [^)]+\))?$"
+)
+
+
+def test_store_bench_quick_json() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+
+    printed = {}
+    for line in lines:
+        if line.startswith("bench "):
+            match = LINE.match(line)
+            assert match, f"not in the house format: {line!r}"
+            printed[match["name"]] = match
+    assert set(printed) == FIGURES
+
+    report = json.loads(lines[-1])
+    figures = report["figures"]
+    assert set(figures) == FIGURES
+    for name, figure in figures.items():
+        for field in ("ours", "baseline", "ratio"):
+            value = figure[field]
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, field)
+        assert figure["unit"] == printed[name]["unit"]
+        assert figure["baseline_name"] == printed[name]["base_name"]
+        assert f"{figure['ratio']:.2f}" == printed[name]["ratio"]
+    for name in FIGURES - {"lookup_1024_p50", "lookup_1024_p99"}:
+        assert figures[name]["batch_bytes"] == 32 * (256 << 10 if "256KiB" in name else 2 << 20)
+
+    shm_name = report["setup"]["shm_name"]
+    assert shm_name.startswith("kvstore-")
+    assert not (Path("/dev/shm") / shm_name).exists(), "the bench left its segment behind"

@@ -1,0 +1,193 @@
+"""The daemon's endpoints besides the KVStore verbs: gRPC health and reflection, the Prometheus
+exporter, clean shutdown on SIGTERM (the shared-memory segment is removed), and a bad config
+value refusing to start."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.client import KVStoreClient
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
+from tests.conftest import REPO, Daemon, free_port, start_daemon
+
+CAPACITY = 8 << 20
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = start_daemon(tmp_path_factory.mktemp("endpoints"), f"dram.capacity_bytes={CAPACITY}",
+                     "dram.page_size_bytes=64KiB")
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture
+def channel(daemon: Daemon) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(daemon.target) as ch:
+        yield ch
+
+
+def test_health_is_serving_for_the_server_and_the_service(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "kvstore.v1.KVStore"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+    with pytest.raises(grpc.RpcError) as info:
+        health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_and_describes_the_service(channel: grpc.Channel) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvstore.v1.KVStore"),
+    ]
+    listed, described = list(stub.ServerReflectionInfo(iter(requests), timeout=5))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"kvstore.v1.KVStore", "grpc.health.v1.Health"} <= names
+
+    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+             for raw in described.file_descriptor_response.file_descriptor_proto]
+    services = {f"{f.package}.{s.name}": s for f in files for s in f.service}
+    methods = {m.name for m in services["kvstore.v1.KVStore"].method}
+    assert methods == {"Put", "Get", "Lookup", "Prefetch", "Reserve", "Release", "Evict",
+                       "Pin", "Unpin", "Stats"}
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(daemon: Daemon) -> Samples:
+    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_prometheus_metrics_count_what_the_clients_did(daemon: Daemon,
+                                                       channel: grpc.Channel) -> None:
+    before = scrape(daemon)
+    assert metric(before, "kvstore_tier_capacity_bytes", tier="dram") == CAPACITY
+    assert metric(before, "kvstore_tier_enabled", tier="dram") == 1
+
+    with KVStoreClient(daemon.target, "metrics", shared_memory=False) as kv:
+        kv.evict(all=True, namespace="")
+        keys = [bytes([i]) * 32 for i in range(3)]
+        for k, size in zip(keys, (10, 70_000, 3), strict=True):
+            assert kv.put([k], [b"v" * size]).stored == 1
+        assert kv.get([keys[0], keys[1], bytes([9]) * 32]) == [b"v" * 10, b"v" * 70_000, None]
+    with pytest.raises(grpc.RpcError) as info:
+        rpc.KVStoreStub(channel).Lookup(pb.LookupRequest(namespace="metrics", keys=[b"short"]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    after = scrape(daemon)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert metric(after, "kvstore_tier_capacity_bytes", tier="dram") == CAPACITY
+    assert metric(after, "kvstore_tier_objects", tier="dram") == 3
+    assert metric(after, "kvstore_tier_used_bytes", tier="dram") == 70_013
+    assert delta("kvstore_tier_hits_total", tier="dram") == 2
+    assert delta("kvstore_tier_misses_total", tier="dram") == 1
+    assert delta("kvstore_tier_bytes_in_total", tier="dram") == 70_013
+    assert delta("kvstore_tier_bytes_out_total", tier="dram") == 70_010
+    assert delta("kvstore_rpc_latency_seconds_count", code="OK", method="Put") >= 3
+    assert delta("kvstore_rpc_latency_seconds_count", code="OK", method="Get") >= 1
+    assert delta("kvstore_rpc_latency_seconds_count", code="INVALID_ARGUMENT",
+                 method="Lookup") == 1
+    assert metric(after, "kvstore_metrics_stats_errors_total") == 0
+
+
+def test_sigterm_removes_the_shared_memory_segment_and_exits_0(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory("dram.capacity_bytes=4MiB")
+    kv = KVStoreClient(d.target, "sigterm", shared_memory=True)
+    try:
+        assert kv.put([b"k" * 32], [b"held by an attached client"]).stored == 1
+        name = kv.stats().shm_name
+        assert name
+        assert (Path("/dev/shm") / name).exists()
+        assert kv.uses_shared_memory is True  # this process has the segment mapped
+
+        assert d.stop() == 0, d.log()  # Daemon.stop sends SIGTERM
+        assert not (Path("/dev/shm") / name).exists()
+        assert "shutting down" in d.log()
+    finally:
+        kv.close()
+
+
+@pytest.mark.parametrize(("setting", "named", "says"), [
+    ("dram.capacity_bytes=4XB", "dram.capacity_bytes", "'4XB'"),
+    ("dram.page_size_bytes=3000", "dram.page_size_bytes", "power of two"),
+    ("leases.lease_timeout_s=0", "leases.lease_timeout_s", "must be > 0"),
+    ("dram.capacity_byte=1GiB", "dram.capacity_bytes", "did you mean"),  # a typo
+])
+def test_a_bad_config_value_exits_2_naming_the_setting(setting: str, named: str,
+                                                       says: str) -> None:
+    port = free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.server", "--port", str(port),
+         "--metrics-port", str(free_port()), "--set", setting],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")},
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert named in done.stderr
+    assert says in done.stderr
+    assert "listening" not in done.stdout
+    assert list(Path("/dev/shm").glob(f"kvstore-{port}-*")) == []
+
+
+@pytest.mark.parametrize("busy", [
+    "grpc",
+    "metrics",
+])
+def test_a_busy_port_exits_2_and_leaves_no_segment(busy: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy_port = taken.getsockname()[1]
+        port = busy_port if busy == "grpc" else free_port()
+        metrics_port = busy_port if busy == "metrics" else free_port()
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "kvstore.server", "--port", str(port),
+                 "--metrics-port", str(metrics_port), "--set", "dram.capacity_bytes=4MiB"],
+                capture_output=True, text=True, timeout=60, cwd=REPO,
+                env={k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")},
+            )
+            leaked = list(Path("/dev/shm").glob(f"kvstore-{port}-*"))
+        finally:
+            for path in Path("/dev/shm").glob(f"kvstore-{port}-*"):
+                path.unlink()  # this test's daemon made it: the port is ours
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "cannot start" in done.stderr
+    assert str(busy_port) in done.stderr or "in use" in done.stderr
+    assert leaked == []
