@@ -104,9 +104,17 @@ def into_arrays(keys: Sequence[bytes], buffers: Sequence[object]) -> list[ByteAr
     return [writable_array(b, f"buffers[{i}]") for i, b in enumerate(buffer_list)]
 
 
-def get_request(namespace: str, keys: list[bytes], shared_memory: bool) -> pb.GetRequest:
-    mode = pb.GET_MODE_SHARED_MEMORY if shared_memory else pb.GET_MODE_INLINE
-    return pb.GetRequest(namespace=namespace, keys=keys, mode=mode)
+def get_request(
+    namespace: str, keys: list[bytes], shared_memory: bool, verify_checksums: bool
+) -> pb.GetRequest:
+    """A shared-memory read by a client that verifies checksums takes no lease: a block
+    evicted while it is copied fails its checksum and reads as a miss, and the read saves
+    the Release round trip."""
+    if not shared_memory:
+        return pb.GetRequest(namespace=namespace, keys=keys, mode=pb.GET_MODE_INLINE)
+    return pb.GetRequest(
+        namespace=namespace, keys=keys, mode=pb.GET_MODE_SHARED_MEMORY, no_lease=verify_checksums
+    )
 
 
 def prefetch_request(

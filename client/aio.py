@@ -138,6 +138,9 @@ class AsyncKVStoreClient:
                 from_rpc_error(exc),
             )
 
+    def _get_request(self, keys: list[bytes], shared_memory: bool) -> pb.GetRequest:
+        return rq.get_request(self.namespace, keys, shared_memory, self.verify_checksums)
+
     async def _drop_corrupt(self, bad: list[bytes]) -> None:
         for key in bad:
             logger.warning(
@@ -231,7 +234,7 @@ class AsyncKVStoreClient:
         return await self._rpc(lambda: self._get_inline(keys, arrays))
 
     async def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
-        call = self._get(rq.get_request(self.namespace, keys, True), timeout=self.timeout_s)
+        call = self._get(self._get_request(keys, True), timeout=self.timeout_s)
         messages = [message async for message in call]
         if len(messages) != 1 or isinstance(messages[0], memoryview):
             raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
@@ -247,7 +250,7 @@ class AsyncKVStoreClient:
                 await self._release_quietly([response.lease_id])
 
     async def _get_inline(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
-        call = self._get(rq.get_request(self.namespace, keys, False), timeout=self.timeout_s)
+        call = self._get(self._get_request(keys, False), timeout=self.timeout_s)
         try:
             stream = call.__aiter__()
             try:

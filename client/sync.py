@@ -139,6 +139,9 @@ class KVStoreClient:
                 from_rpc_error(exc),
             )
 
+    def _get_request(self, keys: list[bytes], shared_memory: bool) -> pb.GetRequest:
+        return rq.get_request(self.namespace, keys, shared_memory, self.verify_checksums)
+
     def _drop_corrupt(self, bad: list[bytes]) -> None:
         for key in bad:
             logger.warning(
@@ -234,7 +237,7 @@ class KVStoreClient:
 
     def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
         messages = list(
-            self._get(rq.get_request(self.namespace, keys, True), timeout=self.timeout_s)
+            self._get(self._get_request(keys, True), timeout=self.timeout_s)
         )
         if len(messages) != 1 or isinstance(messages[0], memoryview):
             raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
@@ -250,7 +253,7 @@ class KVStoreClient:
                 self._release_quietly([response.lease_id])
 
     def _get_inline(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
-        call = self._get(rq.get_request(self.namespace, keys, False), timeout=self.timeout_s)
+        call = self._get(self._get_request(keys, False), timeout=self.timeout_s)
         try:
             stream = iter(call)
             first = next(stream, None)

@@ -13,7 +13,7 @@ leased and not-yet-committed entries are never evicted.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -107,7 +107,8 @@ class Index:
         self._allocators = dict(allocators)
         self._page_size = dict(page_size_bytes)
         self._clock = clock
-        self._entries: dict[tuple[str, BlockKey], Entry] = {}
+        self._entries: dict[str, dict[BlockKey, Entry]] = {}  # namespace -> key -> entry
+        self._num_entries = 0
         self._heaps: dict[Tier, list[_HeapItem]] = {t: [] for t in allocators}
         self._touches = 0
         self._plans: dict[str, StorePlan] = {}
@@ -120,21 +121,19 @@ class Index:
     # --- queries ---------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._num_entries
 
     def get(self, namespace: str, key: BlockKey) -> Entry | None:
-        return self._entries.get((namespace, key))
+        return self._entries.get(namespace, {}).get(key)
 
     def lookup(self, namespace: str, keys: Sequence[BlockKey]) -> tuple[int, list[Tier | None]]:
         """Longest cached prefix of keys, and each key's tier (None for a miss)."""
-        tiers: list[Tier | None] = []
-        prefix = -1
-        for i, key in enumerate(keys):
-            entry = self._entries.get((namespace, key))
-            tiers.append(entry.tier if entry else None)
-            if entry is None and prefix < 0:
-                prefix = i
-        return (len(keys) if prefix < 0 else prefix), tiers
+        get = self._entries.get(namespace, {}).get
+        tiers = [e.tier if e is not None else None for e in map(get, keys)]
+        try:
+            return tiers.index(None), tiers
+        except ValueError:
+            return len(tiers), tiers
 
     def usage(self, tier: Tier, namespace: str | None = None) -> tuple[int, int]:
         """(objects, bytes) committed in tier, for one namespace or all."""
@@ -163,7 +162,7 @@ class Index:
         return len(self._plans)
 
     def pinned_count(self) -> int:
-        return sum(1 for e in self._entries.values() if e.pinned)
+        return sum(1 for e in self._all_entries() if e.pinned)
 
     def pages_per_object(self, tier: Tier, size_bytes: int) -> int:
         return max(1, -(-size_bytes // self._page_size[tier]))
@@ -189,7 +188,7 @@ class Index:
         existing: list[int] = []
         seen: set[BlockKey] = set()
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            if key in seen or (namespace, key) in self._entries:
+            if key in seen or key in self._entries.get(namespace, {}):
                 existing.append(i)
                 continue
             seen.add(key)
@@ -228,7 +227,7 @@ class Index:
         now = self._clock()
         stored = 0
         for block, checksum in zip(plan.blocks, checksums, strict=True):
-            if (plan.namespace, block.key) in self._entries:
+            if block.key in self._entries.get(plan.namespace, {}):
                 allocator.free(block.pages)
                 continue
             entry = Entry(
@@ -254,23 +253,24 @@ class Index:
     # --- reads and leases ------------------------------------------------------------------
 
     def lease(
-        self, lease_id: str, namespace: str, keys: Sequence[BlockKey], deadline: float
+        self, lease_id: str | None, namespace: str, keys: Sequence[BlockKey], deadline: float
     ) -> list[Entry | None]:
-        """Touch and hold the entries of keys (None for a miss) until release/expiry.
-        No lease is recorded when nothing was found."""
-        if lease_id in self._leases:
+        """Touch and hold the entries of keys (None for a miss) until release/expiry; with
+        lease_id None only touch them. No lease is recorded when nothing was found."""
+        if lease_id is not None and lease_id in self._leases:
             raise ValueError(f"lease {lease_id!r} exists")
         now = self._clock()
         found: list[Entry | None] = []
         held: list[Entry] = []
         for key in keys:
-            entry = self._entries.get((namespace, key))
+            entry = self.get(namespace, key)
             found.append(entry)
             if entry is not None:
-                entry.leases += 1
-                held.append(entry)
+                if lease_id is not None:
+                    entry.leases += 1
+                    held.append(entry)
                 self._touch(entry, now)
-        if held:
+        if held and lease_id is not None:
             self._leases[lease_id] = Lease(lease_id, held, deadline)
         return found
 
@@ -289,7 +289,7 @@ class Index:
         """(changed, missing)."""
         changed = missing = 0
         for key in keys:
-            entry = self._entries.get((namespace, key))
+            entry = self.get(namespace, key)
             if entry is None:
                 missing += 1
             elif entry.pinned != pinned:
@@ -307,7 +307,7 @@ class Index:
         evicted: list[Entry] = []
         skipped = 0
         for key in keys:
-            entry = self._entries.get((namespace, key))
+            entry = self.get(namespace, key)
             if entry is None:
                 continue
             if entry.pinned or entry.leases:
@@ -342,7 +342,7 @@ class Index:
     def unevictable(self, namespace: str | None = None) -> int:
         """Entries that a full eviction would skip: pinned, leased, or parents of those."""
         return sum(
-            1 for e in self._entries.values()
+            1 for e in self._all_entries()
             if (namespace is None or e.namespace == namespace) and not e.evictable
         )
 
@@ -373,7 +373,7 @@ class Index:
         heap = self._heaps[tier]
         while heap:
             _, seq, namespace, key = heapq.heappop(heap)
-            entry = self._entries.get((namespace, key))
+            entry = self.get(namespace, key)
             if entry is None or entry.touch_seq != seq:
                 continue  # stale item: the entry was touched again or removed
             entry.in_heap = False
@@ -390,7 +390,8 @@ class Index:
 
     def _link(self, entry: Entry) -> None:
         """Make entry visible: the map, usage, and parent/child counts."""
-        self._entries[(entry.namespace, entry.key)] = entry
+        self._entries.setdefault(entry.namespace, {})[entry.key] = entry
+        self._num_entries += 1
         usage = self._usage.setdefault((entry.namespace, entry.tier), _Usage())
         usage.objects += 1
         usage.size_bytes += entry.size_bytes
@@ -400,12 +401,16 @@ class Index:
         if entry.parent is not None:
             link = (entry.namespace, entry.parent)
             self._child_counts[link] = self._child_counts.get(link, 0) + 1
-            parent = self._entries.get(link)
+            parent = self.get(*link)
             if parent is not None:
                 parent.children += 1
 
     def _remove(self, entry: Entry) -> None:
-        del self._entries[(entry.namespace, entry.key)]
+        bucket = self._entries[entry.namespace]
+        del bucket[entry.key]
+        if not bucket:
+            del self._entries[entry.namespace]
+        self._num_entries -= 1
         usage = self._usage[(entry.namespace, entry.tier)]
         usage.objects -= 1
         usage.size_bytes -= entry.size_bytes
@@ -421,7 +426,7 @@ class Index:
                 self._child_counts[link] = remaining
             else:
                 del self._child_counts[link]
-            parent = self._entries.get(link)
+            parent = self.get(*link)
             if parent is not None:
                 parent.children -= 1
                 self._maybe_push(parent)
@@ -433,7 +438,7 @@ class Index:
         entry.in_heap = True
         heap = self._heaps[entry.tier]
         heapq.heappush(heap, (now, self._touches, entry.namespace, entry.key))
-        if len(heap) > 2 * len(self._entries) + 64:
+        if len(heap) > 2 * self._num_entries + 64:
             self._compact(entry.tier)
 
     def _maybe_push(self, entry: Entry) -> None:
@@ -444,10 +449,14 @@ class Index:
                 (entry.last_access, entry.touch_seq, entry.namespace, entry.key),
             )
 
+    def _all_entries(self) -> Iterator[Entry]:
+        for bucket in self._entries.values():
+            yield from bucket.values()
+
     def _compact(self, tier: Tier) -> None:
         live = [
             (e.last_access, e.touch_seq, e.namespace, e.key)
-            for e in self._entries.values()
+            for e in self._all_entries()
             if e.tier == tier and e.in_heap
         ]
         heapq.heapify(live)

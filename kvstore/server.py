@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -78,7 +78,7 @@ def _locations(extents: list[list[tuple[int, int]]]) -> list[pb.BlockLocation]:
     ]
 
 
-F = TypeVar("F", bound=Callable[..., Any])
+MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages that long
 
 
 class KVStoreServicer(rpc.KVStoreServicer):
@@ -151,7 +151,12 @@ class KVStoreServicer(rpc.KVStoreServicer):
                 raise FailedPrecondition("mode SHARED_MEMORY needs the dram tier (dram.enabled)")
             timeout_s = (request.lease_timeout_ms / 1000) if request.lease_timeout_ms else (
                 self.config.leases.lease_timeout_s)
-            result = self.store.read(request.namespace, request.keys, timeout_s)
+            if timeout_s > MAX_LEASE_S:
+                raise InvalidArgument(
+                    f"lease_timeout_ms {request.lease_timeout_ms} exceeds {MAX_LEASE_S * 1000}"
+                )
+            leased = not (shared and request.no_lease)  # inline reads lease while streaming
+            result = self.store.read(request.namespace, request.keys, timeout_s, leased)
         except Exception as exc:
             await self._fail(context, "Get", exc, started)
             raise
@@ -163,7 +168,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
             checksums=[e.checksum for e in hits],
         )
         if shared:
-            head.lease_id = result.lease_id if hits else ""
+            head.lease_id = result.lease_id if hits and leased else ""
             head.locations.extend(_locations(result.extents))
             head.shm_name = self.store.dram.shm_name if self.store.dram else ""
             head.lease_expires_in_ms = int(timeout_s * 1000)

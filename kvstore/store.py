@@ -129,12 +129,13 @@ class Store:
             raise InvalidArgument(
                 f"keys has {len(keys)} entries; the limit is {limit} (server.max_batch_keys)"
             )
+        keys = list(keys)
         try:
             check_namespace(namespace)
-            # Lookup of 1,024 keys is latency-critical: check lengths in one pass and name
-            # the offending field only when there is one.
-            if all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):
-                return cast(list[BlockKey], list(keys))
+            # Lookup of 1,024 keys is latency-critical: check types and lengths at C speed
+            # and name the offending field only when there is one.
+            if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
+                return cast(list[BlockKey], keys)
             return [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
         except InvalidKeyError as exc:
             raise InvalidArgument(str(exc)) from exc
@@ -288,14 +289,17 @@ class Store:
 
     # --- reads -----------------------------------------------------------------------------
 
-    def read(self, namespace: str, keys: Sequence[bytes], lease_timeout_s: float) -> ReadResult:
-        """Lease the found entries; the caller copies their bytes, then release()s."""
+    def read(
+        self, namespace: str, keys: Sequence[bytes], lease_timeout_s: float, leased: bool = True
+    ) -> ReadResult:
+        """Lease the found entries (the caller copies their bytes, then release()s), or with
+        leased=False only touch them (for readers that verify checksums)."""
         checked = self._check_keys(namespace, keys)
         tier = self.dram
         lease_id = secrets.token_hex(12)
         with self._lock:
             deadline = self._clock() + lease_timeout_s
-            entries = self.index.lease(lease_id, namespace, checked, deadline)
+            entries = self.index.lease(lease_id if leased else None, namespace, checked, deadline)
             result = ReadResult(lease_id, entries, expires_in_s=lease_timeout_s)
             stats = self._stats[Tier.DRAM]
             for entry in entries:

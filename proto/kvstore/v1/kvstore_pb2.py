@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"(\n\x06\x45xtent\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"4\n\rBlockLocation\x12#\n\x07\x65xtents\x18\x01 \x03(\x0b\x32\x12.kvstore.v1.Extent\"\x8b\x01\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x12\n\nparent_key\x18\x06 \x01(\x0c\x12\x13\n\x0bindependent\x18\x07 \x01(\x08\"@\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x10\n\x08\x65xisting\x18\x02 \x01(\r\x12\x0f\n\x07\x65victed\x18\x03 \x01(\r\"j\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x04mode\x18\x03 \x01(\x0e\x32\x13.kvstore.v1.GetMode\x12\x18\n\x10lease_timeout_ms\x18\x04 \x01(\r\"\xbb\x01\n\x0bGetResponse\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12,\n\tlocations\x18\x06 \x03(\x0b\x32\x19.kvstore.v1.BlockLocation\x12\x10\n\x08shm_name\x18\x07 \x01(\t\x12\x1b\n\x13lease_expires_in_ms\x18\x08 \x01(\x04\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"H\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\"n\n\x0fPrefetchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12%\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\"P\n\x10PrefetchProgress\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\r\x12\r\n\x05total\x18\x04 \x01(\r\"}\n\x0eReserveRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12\x12\n\nparent_key\x18\x05 \x01(\x0c\x12\x13\n\x0bindependent\x18\x06 \x01(\x08\"\x90\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65xists\x18\x02 \x03(\x08\x12,\n\tlocations\x18\x03 \x03(\x0b\x32\x19.kvstore.v1.BlockLocation\x12\x10\n\x08shm_name\x18\x04 \x01(\t\x12\x15\n\rexpires_in_ms\x18\x05 \x01(\x04\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"2\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\rJ\x04\x08\x02\x10\x03R\x07unknown\"k\n\x0c\x45victRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0b\n\x03\x61ll\x18\x04 \x01(\x08\x12\x1e\n\x04tier\x18\x05 \x01(\x0e\x32\x10.kvstore.v1.Tier\"H\n\rEvictResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\x12\x15\n\revicted_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07skipped\x18\x03 \x01(\r\"-\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"/\n\x0bPinResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x01(\r\"9\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x16\n\x0einclude_config\x18\x02 \x01(\x08\"\x9c\x02\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07objects\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x17\n\x0fpage_size_bytes\x18\x0b \x01(\x04\x12\x12\n\nfree_pages\x18\x0c \x01(\x04\x12\x1e\n\x16largest_free_run_pages\x18\r \x01(\x04\"\xea\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x16\n\x0eshm_size_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x0e\n\x06leases\x18\x05 \x01(\x04\x12\x14\n\x0creservations\x18\x06 \x01(\x04\x12\x0e\n\x06pinned\x18\x07 \x01(\x04\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\t \x01(\t\x12\x0c\n\x04hits\x18\n \x01(\x04\x12\x0e\n\x06misses\x18\x0b \x01(\x04*Y\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*:\n\x07GetMode\x12\x13\n\x0fGET_MODE_INLINE\x10\x00\x12\x1a\n\x16GET_MODE_SHARED_MEMORY\x10\x01\x32\xfd\x04\n\x07KVStore\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12G\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchProgress0\x01\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12<\n\x05\x45vict\x12\x18.kvstore.v1.EvictRequest\x1a\x19.kvstore.v1.EvictResponse\x12\x36\n\x03Pin\x12\x16.kvstore.v1.PinRequest\x1a\x17.kvstore.v1.PinResponse\x12\x38\n\x05Unpin\x12\x16.kvstore.v1.PinRequest\x1a\x17.kvstore.v1.PinResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"(\n\x06\x45xtent\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"4\n\rBlockLocation\x12#\n\x07\x65xtents\x18\x01 \x03(\x0b\x32\x12.kvstore.v1.Extent\"\x8b\x01\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x12\n\nparent_key\x18\x06 \x01(\x0c\x12\x13\n\x0bindependent\x18\x07 \x01(\x08\"@\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x10\n\x08\x65xisting\x18\x02 \x01(\r\x12\x0f\n\x07\x65victed\x18\x03 \x01(\r\"|\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x04mode\x18\x03 \x01(\x0e\x32\x13.kvstore.v1.GetMode\x12\x18\n\x10lease_timeout_ms\x18\x04 \x01(\r\x12\x10\n\x08no_lease\x18\x05 \x01(\x08\"\xbb\x01\n\x0bGetResponse\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12,\n\tlocations\x18\x06 \x03(\x0b\x32\x19.kvstore.v1.BlockLocation\x12\x10\n\x08shm_name\x18\x07 \x01(\t\x12\x1b\n\x13lease_expires_in_ms\x18\x08 \x01(\x04\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"H\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\"n\n\x0fPrefetchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12%\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\"P\n\x10PrefetchProgress\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\r\x12\r\n\x05total\x18\x04 \x01(\r\"}\n\x0eReserveRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12\x12\n\nparent_key\x18\x05 \x01(\x0c\x12\x13\n\x0bindependent\x18\x06 \x01(\x08\"\x90\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65xists\x18\x02 \x03(\x08\x12,\n\tlocations\x18\x03 \x03(\x0b\x32\x19.kvstore.v1.BlockLocation\x12\x10\n\x08shm_name\x18\x04 \x01(\t\x12\x15\n\rexpires_in_ms\x18\x05 \x01(\x04\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"2\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\rJ\x04\x08\x02\x10\x03R\x07unknown\"k\n\x0c\x45victRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0b\n\x03\x61ll\x18\x04 \x01(\x08\x12\x1e\n\x04tier\x18\x05 \x01(\x0e\x32\x10.kvstore.v1.Tier\"H\n\rEvictResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\x12\x15\n\revicted_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07skipped\x18\x03 \x01(\r\"-\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"/\n\x0bPinResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x01(\r\"9\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x16\n\x0einclude_config\x18\x02 \x01(\x08\"\x9c\x02\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07objects\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x17\n\x0fpage_size_bytes\x18\x0b \x01(\x04\x12\x12\n\nfree_pages\x18\x0c \x01(\x04\x12\x1e\n\x16largest_free_run_pages\x18\r \x01(\x04\"\xea\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x16\n\x0eshm_size_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x0e\n\x06leases\x18\x05 \x01(\x04\x12\x14\n\x0creservations\x18\x06 \x01(\x04\x12\x0e\n\x06pinned\x18\x07 \x01(\x04\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\t \x01(\t\x12\x0c\n\x04hits\x18\n \x01(\x04\x12\x0e\n\x06misses\x18\x0b \x01(\x04*Y\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*:\n\x07GetMode\x12\x13\n\x0fGET_MODE_INLINE\x10\x00\x12\x1a\n\x16GET_MODE_SHARED_MEMORY\x10\x01\x32\xfd\x04\n\x07KVStore\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12G\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchProgress0\x01\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12<\n\x05\x45vict\x12\x18.kvstore.v1.EvictRequest\x1a\x19.kvstore.v1.EvictResponse\x12\x36\n\x03Pin\x12\x16.kvstore.v1.PinRequest\x1a\x17.kvstore.v1.PinResponse\x12\x38\n\x05Unpin\x12\x16.kvstore.v1.PinRequest\x1a\x17.kvstore.v1.PinResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2179
-  _globals['_TIER']._serialized_end=2268
-  _globals['_GETMODE']._serialized_start=2270
-  _globals['_GETMODE']._serialized_end=2328
+  _globals['_TIER']._serialized_start=2197
+  _globals['_TIER']._serialized_end=2286
+  _globals['_GETMODE']._serialized_start=2288
+  _globals['_GETMODE']._serialized_end=2346
   _globals['_EXTENT']._serialized_start=40
   _globals['_EXTENT']._serialized_end=80
   _globals['_BLOCKLOCATION']._serialized_start=82
@@ -44,39 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTRESPONSE']._serialized_start=278
   _globals['_PUTRESPONSE']._serialized_end=342
   _globals['_GETREQUEST']._serialized_start=344
-  _globals['_GETREQUEST']._serialized_end=450
-  _globals['_GETRESPONSE']._serialized_start=453
-  _globals['_GETRESPONSE']._serialized_end=640
-  _globals['_LOOKUPREQUEST']._serialized_start=642
-  _globals['_LOOKUPREQUEST']._serialized_end=690
-  _globals['_LOOKUPRESPONSE']._serialized_start=692
-  _globals['_LOOKUPRESPONSE']._serialized_end=764
-  _globals['_PREFETCHREQUEST']._serialized_start=766
-  _globals['_PREFETCHREQUEST']._serialized_end=876
-  _globals['_PREFETCHPROGRESS']._serialized_start=878
-  _globals['_PREFETCHPROGRESS']._serialized_end=958
-  _globals['_RESERVEREQUEST']._serialized_start=960
-  _globals['_RESERVEREQUEST']._serialized_end=1085
-  _globals['_RESERVERESPONSE']._serialized_start=1088
-  _globals['_RESERVERESPONSE']._serialized_end=1232
-  _globals['_RELEASEREQUEST']._serialized_start=1234
-  _globals['_RELEASEREQUEST']._serialized_end=1263
-  _globals['_RELEASERESPONSE']._serialized_start=1265
-  _globals['_RELEASERESPONSE']._serialized_end=1315
-  _globals['_EVICTREQUEST']._serialized_start=1317
-  _globals['_EVICTREQUEST']._serialized_end=1424
-  _globals['_EVICTRESPONSE']._serialized_start=1426
-  _globals['_EVICTRESPONSE']._serialized_end=1498
-  _globals['_PINREQUEST']._serialized_start=1500
-  _globals['_PINREQUEST']._serialized_end=1545
-  _globals['_PINRESPONSE']._serialized_start=1547
-  _globals['_PINRESPONSE']._serialized_end=1594
-  _globals['_STATSREQUEST']._serialized_start=1596
-  _globals['_STATSREQUEST']._serialized_end=1653
-  _globals['_TIERSTATS']._serialized_start=1656
-  _globals['_TIERSTATS']._serialized_end=1940
-  _globals['_STATSRESPONSE']._serialized_start=1943
-  _globals['_STATSRESPONSE']._serialized_end=2177
-  _globals['_KVSTORE']._serialized_start=2331
-  _globals['_KVSTORE']._serialized_end=2968
+  _globals['_GETREQUEST']._serialized_end=468
+  _globals['_GETRESPONSE']._serialized_start=471
+  _globals['_GETRESPONSE']._serialized_end=658
+  _globals['_LOOKUPREQUEST']._serialized_start=660
+  _globals['_LOOKUPREQUEST']._serialized_end=708
+  _globals['_LOOKUPRESPONSE']._serialized_start=710
+  _globals['_LOOKUPRESPONSE']._serialized_end=782
+  _globals['_PREFETCHREQUEST']._serialized_start=784
+  _globals['_PREFETCHREQUEST']._serialized_end=894
+  _globals['_PREFETCHPROGRESS']._serialized_start=896
+  _globals['_PREFETCHPROGRESS']._serialized_end=976
+  _globals['_RESERVEREQUEST']._serialized_start=978
+  _globals['_RESERVEREQUEST']._serialized_end=1103
+  _globals['_RESERVERESPONSE']._serialized_start=1106
+  _globals['_RESERVERESPONSE']._serialized_end=1250
+  _globals['_RELEASEREQUEST']._serialized_start=1252
+  _globals['_RELEASEREQUEST']._serialized_end=1281
+  _globals['_RELEASERESPONSE']._serialized_start=1283
+  _globals['_RELEASERESPONSE']._serialized_end=1333
+  _globals['_EVICTREQUEST']._serialized_start=1335
+  _globals['_EVICTREQUEST']._serialized_end=1442
+  _globals['_EVICTRESPONSE']._serialized_start=1444
+  _globals['_EVICTRESPONSE']._serialized_end=1516
+  _globals['_PINREQUEST']._serialized_start=1518
+  _globals['_PINREQUEST']._serialized_end=1563
+  _globals['_PINRESPONSE']._serialized_start=1565
+  _globals['_PINRESPONSE']._serialized_end=1612
+  _globals['_STATSREQUEST']._serialized_start=1614
+  _globals['_STATSREQUEST']._serialized_end=1671
+  _globals['_TIERSTATS']._serialized_start=1674
+  _globals['_TIERSTATS']._serialized_end=1958
+  _globals['_STATSRESPONSE']._serialized_start=1961
+  _globals['_STATSRESPONSE']._serialized_end=2195
+  _globals['_KVSTORE']._serialized_start=2349
+  _globals['_KVSTORE']._serialized_end=2986
 # @@protoc_insertion_point(module_scope)

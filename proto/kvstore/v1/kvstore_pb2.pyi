@@ -70,16 +70,18 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., existing: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "mode", "lease_timeout_ms")
+    __slots__ = ("namespace", "keys", "mode", "lease_timeout_ms", "no_lease")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    NO_LEASE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     mode: GetMode
     lease_timeout_ms: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., mode: _Optional[_Union[GetMode, str]] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
+    no_lease: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., mode: _Optional[_Union[GetMode, str]] = ..., lease_timeout_ms: _Optional[int] = ..., no_lease: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("found", "sizes", "checksums", "data", "lease_id", "locations", "shm_name", "lease_expires_in_ms")
