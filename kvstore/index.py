@@ -223,7 +223,8 @@ class Index:
             for block in plan.blocks:
                 allocator.free(block.pages)
             return CommitResult(0, 0)
-        assert checksums is not None and len(checksums) == len(plan.blocks)
+        if checksums is None or len(checksums) != len(plan.blocks):
+            raise ValueError(f"a commit needs one checksum per planned block ({len(plan.blocks)})")
         now = self._clock()
         stored = 0
         for block, checksum in zip(plan.blocks, checksums, strict=True):
@@ -340,7 +341,8 @@ class Index:
         return evicted
 
     def unevictable(self, namespace: str | None = None) -> int:
-        """Entries that a full eviction would skip: pinned, leased, or parents of those."""
+        """Entries not evictable now (pinned, leased, or with a cached child); right after a
+        full eviction, exactly the pinned and leased ones and their ancestors."""
         return sum(
             1 for e in self._all_entries()
             if (namespace is None or e.namespace == namespace) and not e.evictable
@@ -398,12 +400,28 @@ class Index:
         # Children may be cached before their parent (stored out of order, or the parent was
         # evicted by key and stored again): count them whether or not the parent is here.
         entry.children = self._child_counts.get((entry.namespace, entry.key), 0)
+        if (entry.children or entry.parent == entry.key) and self._closes_cycle(entry):
+            entry.parent = None  # honest keys are prefix hashes and cannot loop; bad input can
         if entry.parent is not None:
             link = (entry.namespace, entry.parent)
             self._child_counts[link] = self._child_counts.get(link, 0) + 1
             parent = self.get(*link)
             if parent is not None:
                 parent.children += 1
+
+    def _closes_cycle(self, entry: Entry) -> bool:
+        """Whether entry's cached ancestors lead back to entry. A cycle would make every
+        entry on it a parent of a cached child for ever, so never evictable. Only an entry
+        with cached children can close one, so in-order stores never walk."""
+        seen = {entry.key}
+        key = entry.parent
+        while key is not None:
+            if key in seen:
+                return True
+            seen.add(key)
+            ancestor = self.get(entry.namespace, key)
+            key = ancestor.parent if ancestor is not None else None
+        return False
 
     def _remove(self, entry: Entry) -> None:
         bucket = self._entries[entry.namespace]

@@ -170,6 +170,11 @@ class Store:
                 raise InvalidArgument(str(exc)) from exc
         if independent:
             return [None] * len(keys)
+        if len(set(keys)) != len(keys) or (parent and first in keys):
+            raise InvalidArgument(
+                "keys: a chained put names a block twice (in keys or as parent_key), which "
+                "would make it its own ancestor; set independent for unrelated blocks"
+            )
         return [first if parent else None, *keys[:-1]]
 
     # --- puts ------------------------------------------------------------------------------

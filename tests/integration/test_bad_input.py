@@ -76,6 +76,8 @@ def test_barrage_of_bad_requests_leaves_stored_data_intact(stub: rpc.KVStoreStub
                                                                      sizes=[1]))),
         (INVALID, "parent_key", lambda: stub.Put(iter([put_request([k], [b"a"],
                                                                    parent_key=b"p")]))),
+        (INVALID, "keys", lambda: stub.Put(iter([put_request([k], [b"a"], parent_key=k)]))),
+        (INVALID, "keys", lambda: stub.Put(iter([put_request([k, keys[0], k], [b"a"] * 3)]))),
         # namespaces
         (INVALID, "namespace", lambda: stub.Lookup(pb.LookupRequest(namespace="", keys=[k]))),
         (INVALID, "namespace", lambda: stub.Lookup(pb.LookupRequest(namespace="n" * 300,
