@@ -74,14 +74,18 @@ class Daemon:
 def wait_serving(target: str, proc: subprocess.Popen[str], log_path: Path,
                  timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    # A refused first connection would put a shared channel into gRPC's reconnect backoff
+    # (1 s, then longer); a short backoff makes the check answer as soon as the daemon does.
+    options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200)]
+    with grpc.insecure_channel(target, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"kvstore-server exited with {proc.returncode}:\n"
                                    f"{log_path.read_text()}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0,
+                                   wait_for_ready=True)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
