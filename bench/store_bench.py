@@ -27,10 +27,7 @@ import importlib.util
 import json
 import os
 import secrets
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,14 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client import KVStoreClient
 from kvstore.config import KiB, MiB, parse_size
+from kvstore.testing import start_daemon, start_redis
 
 ByteArray = npt.NDArray[np.uint8]
 NAMESPACE = "bench"
@@ -60,96 +56,31 @@ PAGE_ALIGN = 4096
 # --- processes -------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _stop(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @contextmanager
 def kvstore_daemon(workdir: Path, capacity_bytes: int, shm_name: str) -> Iterator[str]:
-    """A kvstore-server subprocess, SERVING; yields its target. Its segment is gone after."""
-    port, metrics_port = free_port(), free_port()
-    log_path = workdir / "kvstore-server.log"
-    args = [sys.executable, "-m", "kvstore.server", "--port", str(port),
-            "--metrics-port", str(metrics_port),
-            "--set", f"dram.capacity_bytes={capacity_bytes}",
-            "--set", f"dram.page_size_bytes={PAGE_BYTES}",
-            "--set", f"dram.shm_name={shm_name}",
-            "--set", "log_level=WARNING"]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    """A kvstore-server subprocess, SERVING; yields its target."""
+    daemon = start_daemon(workdir, f"dram.capacity_bytes={capacity_bytes}",
+                          f"dram.page_size_bytes={PAGE_BYTES}", f"dram.shm_name={shm_name}",
+                          "log_level=WARNING")
     try:
-        _wait_serving(f"127.0.0.1:{port}", proc, log_path)
-        yield f"127.0.0.1:{port}"
+        yield daemon.target
     finally:
-        _stop(proc)
-        leftover = Path("/dev/shm") / shm_name
-        if leftover.exists():  # only after a kill; a clean shutdown unlinks it
-            leftover.unlink()
-            print(f"store_bench: removed {leftover} left by kvstore-server "
-                  f"(exit {proc.returncode})", file=sys.stderr)
-
-
-def _wait_serving(target: str, proc: subprocess.Popen[Any], log_path: Path,
-                  timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvstore-server exited with {proc.returncode}:\n"
-                                   f"{log_path.read_text()}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.05)
-    raise RuntimeError(f"kvstore-server not SERVING after {timeout_s}s:\n{log_path.read_text()}")
+        daemon.stop()
 
 
 @contextmanager
 def redis_server(workdir: Path, read_bytes: int) -> Iterator[redis.Redis]:
-    """A redis-server subprocess without persistence; yields a connected redis-py client that
-    reads the socket `read_bytes` at a time (redis-py's default, 64 KiB, is slower for MiB
-    values with its pure-Python parser)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (`make redis` installs it)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    """A redis-server subprocess; yields a redis-py client that reads the socket `read_bytes`
+    at a time (redis-py's default, 64 KiB, is slower for MiB values with its pure-Python
+    parser, so this makes the baseline stronger)."""
+    server = start_redis(workdir)
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_read_size=read_bytes)
     try:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_read_size=read_bytes)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-        try:
-            yield client
-        finally:
-            client.close()
+        client.ping()
+        yield client
     finally:
-        _stop(proc)
+        client.close()
+        server.stop()
 
 
 # --- measuring -------------------------------------------------------------------------------

@@ -13,14 +13,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import cast
 
 import xxhash
 
+from kvstore import checks
 from kvstore.config import Config, format_size
+from kvstore.entries import CommitResult, Entry, Tier
 from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstore.index import CommitResult, Entry, Index, Tier
-from kvstore.keys import KEY_BYTES, BlockKey, InvalidKeyError, check_key, check_namespace
+from kvstore.index import Index
+from kvstore.keys import BlockKey
 from kvstore.pages import PageAllocator
 from kvstore.tiers.dram import DramTier, Extent
 
@@ -121,61 +122,13 @@ class Store:
                 self.dram.close()
                 self.dram = None
 
-    # --- validation ------------------------------------------------------------------------
-
     def _check_keys(self, namespace: str, keys: Sequence[bytes]) -> list[BlockKey]:
-        limit = self.config.server.max_batch_keys
-        if len(keys) > limit:
-            raise InvalidArgument(
-                f"keys has {len(keys)} entries; the limit is {limit} (server.max_batch_keys)"
-            )
-        keys = list(keys)
-        try:
-            check_namespace(namespace)
-            # Lookup of 1,024 keys is latency-critical: check types and lengths at C speed
-            # and name the offending field only when there is one.
-            if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
-                return cast(list[BlockKey], keys)
-            return [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
-        except InvalidKeyError as exc:
-            raise InvalidArgument(str(exc)) from exc
-
-    def _check_sizes(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> list[int]:
-        if len(sizes) != len(keys):
-            raise InvalidArgument(f"sizes has {len(sizes)} entries; keys has {len(keys)}")
-        limit = self.config.server.max_object_bytes
-        for i, size in enumerate(sizes):
-            if size <= 0:
-                raise InvalidArgument(f"sizes[{i}] is {size}; a block holds at least one byte")
-            if size > limit:
-                raise InvalidArgument(
-                    f"sizes[{i}] is {format_size(size)}; the limit is {format_size(limit)} "
-                    "(server.max_object_bytes)"
-                )
-        return list(sizes)
+        return checks.keys(namespace, keys, self.config.server.max_batch_keys)
 
     def _slot_tier(self) -> DramTier:
         if self.dram is None:
             raise FailedPrecondition("no slot tier is enabled (dram.enabled is false)")
         return self.dram
-
-    @staticmethod
-    def _parents(
-        keys: Sequence[BlockKey], parent: bytes, independent: bool
-    ) -> list[BlockKey | None]:
-        if parent:
-            try:
-                first = check_key(parent, "parent_key")
-            except InvalidKeyError as exc:
-                raise InvalidArgument(str(exc)) from exc
-        if independent:
-            return [None] * len(keys)
-        if len(set(keys)) != len(keys) or (parent and first in keys):
-            raise InvalidArgument(
-                "keys: a chained put names a block twice (in keys or as parent_key), which "
-                "would make it its own ancestor; set independent for unrelated blocks"
-            )
-        return [first if parent else None, *keys[:-1]]
 
     # --- puts ------------------------------------------------------------------------------
 
@@ -184,8 +137,8 @@ class Store:
         independent: bool, timeout_s: float,
     ) -> tuple[str, list[BlockKey], list[int], list[list[Extent] | None]]:
         checked = self._check_keys(namespace, keys)
-        sizes = self._check_sizes(checked, sizes)
-        parents = self._parents(checked, parent, independent)
+        sizes = checks.sizes(checked, sizes, self.config.server.max_object_bytes)
+        parents = checks.chain_parents(checked, parent, independent)
         tier = self._slot_tier()
         plan_id = secrets.token_hex(12)
         with self._lock:
@@ -400,10 +353,7 @@ class Store:
         if tier is not None and not self._stats[tier].enabled:
             raise FailedPrecondition(f"tier {TIER_NAMES[tier]} is not enabled")
         if namespace:
-            try:
-                check_namespace(namespace)
-            except InvalidKeyError as exc:
-                raise InvalidArgument(str(exc)) from exc
+            checks.namespace(namespace)
         with self._lock:
             if keys:
                 if not namespace:
@@ -434,10 +384,7 @@ class Store:
 
     def stats(self, namespace: str = "") -> StoreStats:
         if namespace:
-            try:
-                check_namespace(namespace)
-            except InvalidKeyError as exc:
-                raise InvalidArgument(str(exc)) from exc
+            checks.namespace(namespace)
         with self._lock:
             out: list[TierStats] = []
             for t in Tier:

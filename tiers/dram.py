@@ -94,7 +94,7 @@ class DramTier:
 def _register_pinned(buf: np.ndarray) -> bool:
     """cudaHostRegister the segment when cupy and a CUDA device are present."""
     try:
-        import cupy  # type: ignore[import-not-found]
+        import cupy
     except ImportError:
         log.info("L2 segment is plain memory: cupy is not installed")
         return False

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.client import KVStoreClient, prefix_keys
-from tests.conftest import REPO, Daemon, free_port, start_daemon
+from kvstore.testing import Daemon, free_port, start_daemon
+from tests.conftest import REPO
 
 CAPACITY = 8 << 20
 PAGE = 64 << 10

@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from tests.conftest import Daemon
+from kvstore.testing import Daemon
 
 NS = "bad-input"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.client import KVStoreClient
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from tests.conftest import REPO, Daemon, free_port, start_daemon
+from kvstore.testing import Daemon, free_port, start_daemon
+from tests.conftest import REPO
 
 CAPACITY = 8 << 20
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import FailedPrecondition, KVStoreClient, ResourceExhausted
-from tests.conftest import Daemon, start_daemon
+from kvstore.testing import Daemon, start_daemon
 
 PAGE = 64 << 10
 NUM_PAGES = 16

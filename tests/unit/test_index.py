@@ -23,7 +23,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvstore.index import CommitResult, Entry, Index, StorePlan, Tier
+from kvstore.entries import CommitResult, Entry, StorePlan, Tier
+from kvstore.index import Index
 from kvstore.keys import BlockKey
 from kvstore.pages import PageAllocator, PageRun
 

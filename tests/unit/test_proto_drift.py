@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvstore.proto.generate import OUTPUTS, PROTO_ROOT, generate
 from kvstore.proto.kvstore.v1 import kvstore_pb2
 

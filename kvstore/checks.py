@@ -1,0 +1,74 @@
+"""Request checks: every field a request carries, checked before anything is touched.
+
+Pure functions that raise InvalidArgument with a message naming the field (and the setting
+to change, where a limit is configurable). The store calls them first in every verb, so a bad
+request never reaches the index or a tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+from kvstore.config import format_size
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KEY_BYTES, BlockKey, InvalidKeyError, check_key, check_namespace
+
+
+def namespace(name: str) -> str:
+    try:
+        return check_namespace(name)
+    except InvalidKeyError as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def keys(name: str, raw: Sequence[bytes], max_batch_keys: int) -> list[BlockKey]:
+    """The namespace and the keys of one request."""
+    if len(raw) > max_batch_keys:
+        raise InvalidArgument(
+            f"keys has {len(raw)} entries; the limit is {max_batch_keys} (server.max_batch_keys)"
+        )
+    namespace(name)
+    checked = list(raw)
+    # Lookup of 1,024 keys is latency-critical: check types and lengths at C speed and
+    # name the offending field only when there is one.
+    if set(map(type, checked)) <= {bytes} and set(map(len, checked)) <= {KEY_BYTES}:
+        return cast(list[BlockKey], checked)
+    try:
+        return [check_key(k, f"keys[{i}]") for i, k in enumerate(checked)]
+    except InvalidKeyError as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def sizes(keys: Sequence[BlockKey], raw: Sequence[int], max_object_bytes: int) -> list[int]:
+    if len(raw) != len(keys):
+        raise InvalidArgument(f"sizes has {len(raw)} entries; keys has {len(keys)}")
+    for i, size in enumerate(raw):
+        if size <= 0:
+            raise InvalidArgument(f"sizes[{i}] is {size}; a block holds at least one byte")
+        if size > max_object_bytes:
+            raise InvalidArgument(
+                f"sizes[{i}] is {format_size(size)}; the limit is "
+                f"{format_size(max_object_bytes)} (server.max_object_bytes)"
+            )
+    return list(raw)
+
+
+def chain_parents(
+    keys: Sequence[BlockKey], parent: bytes, independent: bool
+) -> list[BlockKey | None]:
+    """Each key's parent: keys[i-1] (parent_key for keys[0]), or none for independent keys."""
+    first: BlockKey | None = None
+    if parent:
+        try:
+            first = check_key(parent, "parent_key")
+        except InvalidKeyError as exc:
+            raise InvalidArgument(str(exc)) from exc
+    if independent:
+        return [None] * len(keys)
+    if len(set(keys)) != len(keys) or (first is not None and first in keys):
+        raise InvalidArgument(
+            "keys: a chained put names a block twice (in keys or as parent_key), which "
+            "would make it its own ancestor; set independent for unrelated blocks"
+        )
+    return [first, *keys[:-1]]

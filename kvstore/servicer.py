@@ -1,0 +1,323 @@
+"""The KVStore servicer: decode each request, call the store, encode the reply.
+
+Thin on purpose (STYLE.md): every error is mapped to a status code in one function,
+`status_for`, and Put and Get move their bulk bytes as raw frames (kvstore.proto.frames),
+registered through `handlers()` instead of the generated add_KVStoreServicer_to_server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from kvstore import __version__
+from kvstore.config import config_to_dict
+from kvstore.entries import Tier
+from kvstore.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvstore.metrics import Metrics
+from kvstore.proto.frames import data_frame, data_of
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.shm import host_id
+from kvstore.store import Store, StoreStats
+
+log = logging.getLogger("kvstore.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+_STATUS = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Aborted: grpc.StatusCode.ABORTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one place that maps an exception to a gRPC status."""
+    for cls, code in _STATUS.items():
+        if isinstance(exc, cls):
+            return code, str(exc)
+    log.error("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _tier(value: int, field: str) -> Tier | None:
+    if value == pb.TIER_UNSPECIFIED:
+        return None
+    try:
+        return Tier(value)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field} {value} is not a tier") from exc
+
+
+def _locations(extents: list[list[tuple[int, int]]]) -> list[pb.BlockLocation]:
+    return [
+        pb.BlockLocation(extents=[pb.Extent(offset=o, length=n) for o, n in block])
+        for block in extents
+    ]
+
+
+MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages that long
+
+
+class KVStoreServicer:
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.config = store.config
+        self.host_id = host_id()
+
+    async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception,
+                    started: float) -> None:
+        code, message = status_for(exc)
+        self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
+        await context.abort(code, message)
+
+    def _ok(self, method: str, started: float) -> None:
+        self.metrics.observe_rpc(method, "OK", time.perf_counter() - started)
+
+    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest | memoryview],
+                  context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        started = time.perf_counter()
+        session = None
+        try:
+            first = await anext(aiter(request_iterator), None)
+            if first is None:
+                raise InvalidArgument("PutRequest: the stream carried no message")
+            if isinstance(first, memoryview):
+                raise InvalidArgument("PutRequest: the stream began with data and no header")
+            if first.reservation_id:
+                if first.keys or first.sizes or first.data or first.parent_key:
+                    raise InvalidArgument(
+                        "reservation_id: a commit carries no keys, sizes, data or parent_key "
+                        "(they were given to Reserve)"
+                    )
+                result = self.store.commit_reservation(first.namespace, first.reservation_id)
+            else:
+                session = self.store.begin_put(
+                    first.namespace, first.keys, first.sizes, first.parent_key, first.independent
+                )
+                if first.data:
+                    self.store.write(session, memoryview(first.data))
+                async for msg in request_iterator:
+                    if isinstance(msg, memoryview):  # a data-only frame, not copied
+                        self.store.write(session, msg)
+                        continue
+                    if msg.keys or msg.sizes or msg.reservation_id or msg.namespace:
+                        raise InvalidArgument("keys: only the first PutRequest carries a header")
+                    self.store.write(session, memoryview(msg.data))
+                result = self.store.commit(session)
+                session = None
+            self._ok("Put", started)
+            return pb.PutResponse(
+                stored=result.stored, existing=result.existing, evicted=result.evicted
+            )
+        except Exception as exc:
+            await self._fail(context, "Put", exc, started)
+            raise
+        finally:
+            if session is not None:
+                self.store.abort(session.plan_id)
+
+    async def Get(self, request: pb.GetRequest,
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:
+        started = time.perf_counter()
+        try:
+            shared = request.mode == pb.GET_MODE_SHARED_MEMORY
+            if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
+                raise InvalidArgument(f"mode {request.mode} is not a GetMode")
+            if shared and self.store.dram is None:
+                raise FailedPrecondition("mode SHARED_MEMORY needs the dram tier (dram.enabled)")
+            timeout_s = (request.lease_timeout_ms / 1000) if request.lease_timeout_ms else (
+                self.config.leases.lease_timeout_s)
+            if timeout_s > MAX_LEASE_S:
+                raise InvalidArgument(
+                    f"lease_timeout_ms {request.lease_timeout_ms} exceeds {MAX_LEASE_S * 1000}"
+                )
+            leased = not (shared and request.no_lease)  # inline reads lease while streaming
+            result = self.store.read(request.namespace, request.keys, timeout_s, leased)
+        except Exception as exc:
+            await self._fail(context, "Get", exc, started)
+            raise
+        found = [e is not None for e in result.entries]
+        hits = [e for e in result.entries if e is not None]
+        head = pb.GetResponse(
+            found=found,
+            sizes=[e.size_bytes for e in hits],
+            checksums=[e.checksum for e in hits],
+        )
+        if shared:
+            head.lease_id = result.lease_id if hits and leased else ""
+            head.locations.extend(_locations(result.extents))
+            head.shm_name = self.store.dram.shm_name if self.store.dram else ""
+            head.lease_expires_in_ms = int(timeout_s * 1000)
+            self._ok("Get", started)
+            yield head
+            return
+        try:
+            # Data messages are pre-framed bytes (kvstore.proto.frames): one copy out of
+            # shared memory, none by protobuf. The first chunk rides with the header.
+            first = [head.SerializeToString()]
+
+            def frame(views: list[memoryview], size: int) -> bytes:
+                prefix = first.pop() if first else b""
+                framed: bytes = data_frame(prefix, views, size)
+                return framed
+
+            sent_head = False
+            for chunk in self.store.chunks(result, self.config.server.chunk_bytes, frame):
+                sent_head = True
+                yield chunk
+            if not sent_head:
+                yield head
+            self._ok("Get", started)
+        except Exception as exc:
+            await self._fail(context, "Get", exc, started)
+        finally:
+            if hits:
+                with contextlib.suppress(InvalidArgument):  # expired mid-stream: reported above
+                    self.store.release([result.lease_id])
+
+    async def _unary(self, method: str, context: grpc.aio.ServicerContext,
+                     fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            response = fn()
+        except Exception as exc:
+            await self._fail(context, method, exc, started)
+            raise
+        self._ok(method, started)
+        return response
+
+    async def Lookup(self, request: pb.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        def run() -> pb.LookupResponse:
+            prefix, tiers = self.store.lookup(request.namespace, request.keys)
+            return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
+        return await self._unary("Lookup", context, run)
+
+    async def Prefetch(self, request: pb.PrefetchRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PrefetchProgress]:
+        def run() -> pb.PrefetchProgress:
+            target = _tier(request.target_tier, "target_tier")
+            done, missing = self.store.prefetch(request.namespace, request.keys, target)
+            return pb.PrefetchProgress(done=done, missing=missing, total=len(request.keys))
+        yield await self._unary("Prefetch", context, run)
+
+    async def Reserve(self, request: pb.ReserveRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        def run() -> pb.ReserveResponse:
+            timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
+            r = self.store.reserve(request.namespace, request.keys, request.sizes,
+                                   request.parent_key, request.independent, timeout_s)
+            return pb.ReserveResponse(
+                reservation_id=r.reservation_id, exists=r.exists,
+                locations=_locations(r.extents),
+                shm_name=self.store.dram.shm_name if self.store.dram else "",
+                expires_in_ms=int(r.expires_in_s * 1000),
+            )
+        return await self._unary("Reserve", context, run)
+
+    async def Release(self, request: pb.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        def run() -> pb.ReleaseResponse:
+            return pb.ReleaseResponse(released=self.store.release(request.ids))
+        return await self._unary("Release", context, run)
+
+    async def Evict(self, request: pb.EvictRequest,
+                    context: grpc.aio.ServicerContext) -> pb.EvictResponse:
+        def run() -> pb.EvictResponse:
+            r = self.store.evict(request.namespace, request.keys, request.bytes, request.all,
+                                 _tier(request.tier, "tier"))
+            return pb.EvictResponse(evicted=r.evicted, evicted_bytes=r.evicted_bytes,
+                                    skipped=r.skipped)
+        return await self._unary("Evict", context, run)
+
+    async def Pin(self, request: pb.PinRequest,
+                  context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        def run() -> pb.PinResponse:
+            changed, missing = self.store.set_pinned(request.namespace, request.keys, True)
+            return pb.PinResponse(changed=changed, missing=missing)
+        return await self._unary("Pin", context, run)
+
+    async def Unpin(self, request: pb.PinRequest,
+                    context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        def run() -> pb.PinResponse:
+            changed, missing = self.store.set_pinned(request.namespace, request.keys, False)
+            return pb.PinResponse(changed=changed, missing=missing)
+        return await self._unary("Unpin", context, run)
+
+    async def Stats(self, request: pb.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        def run() -> pb.StatsResponse:
+            return self._stats_response(self.store.stats(request.namespace),
+                                        request.include_config)
+        return await self._unary("Stats", context, run)
+
+    def _stats_response(self, s: StoreStats, include_config: bool) -> pb.StatsResponse:
+        tiers = [
+            pb.TierStats(**{**dataclasses.asdict(t), "tier": Tier[t.tier.upper()].value})
+            for t in s.tiers
+        ]
+        return pb.StatsResponse(
+            tiers=tiers, shm_name=s.shm_name, shm_size_bytes=s.shm_size_bytes,
+            host_id=self.host_id, leases=s.leases, reservations=s.reservations, pinned=s.pinned,
+            version=__version__,
+            hits=s.hits, misses=s.misses,
+            config_json=json.dumps(config_to_dict(self.config)) if include_config else "",
+        )
+
+
+def _decode_put(raw: bytes) -> pb.PutRequest | memoryview:
+    data = data_of(raw)
+    return pb.PutRequest.FromString(raw) if data is None else data
+
+
+def _encode_get(message: pb.GetResponse | bytes) -> bytes:
+    if isinstance(message, bytes):
+        return message
+    encoded: bytes = message.SerializeToString()
+    return encoded
+
+
+def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
+    """The service's method table: the generated one, except that Put and Get move their
+    bulk bytes as raw frames (kvstore.proto.frames)."""
+    def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
+    table = {
+        "Put": grpc.stream_unary_rpc_method_handler(
+            s.Put, request_deserializer=_decode_put,
+            response_serializer=pb.PutResponse.SerializeToString),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            s.Get, request_deserializer=pb.GetRequest.FromString, response_serializer=_encode_get),
+        "Prefetch": grpc.unary_stream_rpc_method_handler(
+            s.Prefetch, request_deserializer=pb.PrefetchRequest.FromString,
+            response_serializer=pb.PrefetchProgress.SerializeToString),
+        "Lookup": unary(s.Lookup, pb.LookupRequest, pb.LookupResponse),
+        "Reserve": unary(s.Reserve, pb.ReserveRequest, pb.ReserveResponse),
+        "Release": unary(s.Release, pb.ReleaseRequest, pb.ReleaseResponse),
+        "Evict": unary(s.Evict, pb.EvictRequest, pb.EvictResponse),
+        "Pin": unary(s.Pin, pb.PinRequest, pb.PinResponse),
+        "Unpin": unary(s.Unpin, pb.PinRequest, pb.PinResponse),
+        "Stats": unary(s.Stats, pb.StatsRequest, pb.StatsResponse),
+    }
+    declared = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
+    if set(table) != declared:  # the .proto grew a method this table does not serve
+        raise RuntimeError(f"method table {sorted(table)} != kvstore.proto {sorted(declared)}")
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, table)
