@@ -200,6 +200,15 @@ class Fetched:
     """get_into() through shared memory: checksums computed while copying."""
 
 
+def identity(frame: bytes) -> bytes:
+    """The serializer of pre-framed requests (put_frames)."""
+    return frame
+
+
+def capacities(arrays: list[ByteArray] | None) -> list[int] | None:
+    return None if arrays is None else [a.nbytes for a in arrays]
+
+
 def check_buffer_sizes(header: GetHeader, capacities: Sequence[int]) -> None:
     """ValueError naming buffers[i] when a found block does not fit its buffer."""
     for i, size in zip(header.found_index, header.sizes, strict=True):

@@ -33,6 +33,7 @@ from ._wire import (
     PUT_METHOD,
     Fetched,
     InlineAssembler,
+    capacities,
     channel_options,
     check_client_args,
     check_keys,
@@ -40,6 +41,7 @@ from ._wire import (
     decode_get_response,
     finish_get,
     finish_get_into,
+    identity,
     parse_get_header,
     put_frames,
 )
@@ -50,14 +52,6 @@ __all__ = ["AsyncKVStoreClient"]
 
 logger = logging.getLogger("kvstore.client")
 T = TypeVar("T")
-
-
-def _identity(frame: bytes) -> bytes:
-    return frame
-
-
-def _capacities(arrays: list[ByteArray] | None) -> list[int] | None:
-    return None if arrays is None else [a.nbytes for a in arrays]
 
 
 class AsyncKVStoreClient:
@@ -88,7 +82,7 @@ class AsyncKVStoreClient:
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._put = self._channel.stream_unary(
             PUT_METHOD,
-            request_serializer=_identity,
+            request_serializer=identity,
             response_deserializer=pb.PutResponse.FromString,
         )
         self._get = self._channel.unary_stream(
@@ -240,7 +234,7 @@ class AsyncKVStoreClient:
             raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
         response: pb.GetResponse = messages[0]
         try:
-            header = parse_get_header(response, len(keys), _capacities(arrays))
+            header = parse_get_header(response, len(keys), capacities(arrays))
             if not header.found_index:
                 return Fetched(header, [])
             segment = self._shm.segment_named(response.shm_name)
@@ -257,7 +251,7 @@ class AsyncKVStoreClient:
                 first = await stream.__anext__()
             except StopAsyncIteration:
                 raise DataLoss("Get stream ended without a header") from None
-            header = parse_get_header(first, len(keys), _capacities(arrays))
+            header = parse_get_header(first, len(keys), capacities(arrays))
             targets = None if arrays is None else [arrays[i] for i in header.found_index]
             assembler = InlineAssembler(header, targets)
             if isinstance(first, pb.GetResponse) and first.data:
