@@ -169,20 +169,16 @@ class KVStoreServicer:
             return
         try:
             # Data messages are pre-framed bytes (kvstore.proto.frames): one copy out of
-            # shared memory, none by protobuf. The first chunk rides with the header.
-            first = [head.SerializeToString()]
+            # shared memory, none by protobuf. The header goes alone, so the client parses
+            # only it and takes every chunk as a view (merged, protobuf copied the chunk).
+            yield head
 
             def frame(views: list[memoryview], size: int) -> bytes:
-                prefix = first.pop() if first else b""
-                framed: bytes = data_frame(prefix, views, size)
+                framed: bytes = data_frame(b"", views, size)
                 return framed
 
-            sent_head = False
             for chunk in self.store.chunks(result, self.config.server.chunk_bytes, frame):
-                sent_head = True
                 yield chunk
-            if not sent_head:
-                yield head
             self._ok("Get", started)
         except Exception as exc:
             await self._fail(context, "Get", exc, started)
