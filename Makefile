@@ -6,7 +6,7 @@ RUN_STAMP  := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
-.PHONY: run test proto lint bench gpu-check redis clean
+.PHONY: run test proto lint bench gpu-check gpu-wheels redis clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ bench: $(TEST_STAMP) redis
 ## gpu-check: GPU tests and GPU benchmarks in one script, for a lent GPU machine
 gpu-check:
 	bash scripts/gpu_check.sh
+
+## gpu-wheels: the wheels a GPU machine without a package index lacks, into .whl/ (carry it)
+gpu-wheels: $(RUN_STAMP)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 lz4 redis
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

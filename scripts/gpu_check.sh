@@ -4,8 +4,8 @@
 # $OUT/gpu-check.txt (or ./gpu-check.txt when OUT is unset).
 #
 # The GPU machine cannot reach a package index. It has python3 with torch, cupy, numpy,
-# grpcio, protobuf, pyyaml, rich, xxhash and prometheus-client; carry the rest as wheels in
-# .whl/ (grpcio-health-checking, grpcio-reflection, lz4, redis) -- see the device tool README.
+# grpcio, protobuf, pyyaml, rich, xxhash and prometheus-client; `make gpu-wheels` (run where
+# pip works) puts the rest in .whl/, which the device run must carry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report="${OUT:-.}/gpu-check.txt"
