@@ -1,6 +1,7 @@
 """Which gRPC server model should the daemon use? Measures grpc.aio against a thread-pool
 server on the same servicer shape (a 1,024-key Lookup; a Get that streams 32 x 2 MiB in
-4 MiB messages), the client in another process, in one run.
+4 MiB messages). Each server runs in its own process and the client alternates between them
+round by round, so the machine's drift hits both alike.
 
 Prints `bench server_model_<figure>: aio <x> vs threads <y> = <ratio>x`. The result that chose
 grpc.aio for kvstore/server.py is in docs/operations.md.
@@ -12,6 +13,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -32,6 +34,7 @@ OPTIONS = [
     ("grpc.max_receive_message_length", 16 << 20),
 ]
 TIERS = [pb.TIER_DRAM] * 1024
+MODELS = ("threads", "aio")
 
 
 def _chunks() -> Iterator[pb.GetResponse]:
@@ -58,64 +61,82 @@ class AioServicer(rpc.KVStoreServicer):
             yield message
 
 
-def _client(port: int, lookups: int, gets: int) -> dict[str, float]:
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) as channel:
-        stub = rpc.KVStoreStub(channel)
+def _serve(model: str, ports: Any) -> None:
+    """Run one server model in this (spawned) process until it is terminated."""
+    if model == "threads":
+        server = grpc.server(futures.ThreadPoolExecutor(8), options=OPTIONS)
+        rpc.add_KVStoreServicer_to_server(ThreadServicer(), server)
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        server.start()
+        server.wait_for_termination()
+        return
+
+    async def serve_aio() -> None:
+        server = grpc.aio.server(options=OPTIONS)
+        rpc.add_KVStoreServicer_to_server(AioServicer(), server)
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve_aio())
+
+
+def measure(rounds: int, lookups_per_round: int) -> dict[str, dict[str, float]]:
+    """Both servers run at once, each in its own process; the client alternates between
+    them round by round, so drift in the machine's speed hits both alike."""
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    procs = {m: ctx.Process(target=_serve, args=(m, ports), daemon=True) for m in MODELS}
+    stubs: dict[str, Any] = {}
+    channels = []
+    try:
+        for model, proc in procs.items():
+            proc.start()
+            channel = grpc.insecure_channel(f"127.0.0.1:{ports.get(timeout=30)}", options=OPTIONS)
+            channels.append(channel)
+            stubs[model] = rpc.KVStoreStub(channel)
         keys = [bytes(32)] * 1024
-        latencies = []
-        for _ in range(lookups):
-            start = time.perf_counter()
-            stub.Lookup(pb.LookupRequest(namespace="bench", keys=keys))
-            latencies.append(time.perf_counter() - start)
-        latencies.sort()
-        received = 0
-        start = time.perf_counter()
-        for _ in range(gets):
-            for message in stub.Get(pb.GetRequest(namespace="bench", keys=keys[:BLOCKS])):
-                received += len(message.data)
-        elapsed = time.perf_counter() - start
-    return {
-        "lookup_p50_ms": latencies[len(latencies) // 2] * 1e3,
-        "lookup_p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3,
-        "get_gbps": received / elapsed / 1e9,
-    }
-
-
-def _run_client(port: int, lookups: int, gets: int) -> dict[str, float]:
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_client, (port, lookups, gets))
-
-
-def measure_threads(lookups: int, gets: int) -> dict[str, float]:
-    server = grpc.server(futures.ThreadPoolExecutor(8), options=OPTIONS)
-    rpc.add_KVStoreServicer_to_server(ThreadServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        return _run_client(port, lookups, gets)
+        lookup = pb.LookupRequest(namespace="bench", keys=keys)
+        get = pb.GetRequest(namespace="bench", keys=keys[:BLOCKS])
+        latencies: dict[str, list[float]] = {m: [] for m in MODELS}
+        get_s: dict[str, list[float]] = {m: [] for m in MODELS}
+        for stub in stubs.values():  # warm up
+            stub.Lookup(lookup)
+            sum(len(m.data) for m in stub.Get(get))
+        for _ in range(rounds):
+            for model, stub in stubs.items():
+                for _ in range(lookups_per_round):
+                    start = time.perf_counter()
+                    stub.Lookup(lookup)
+                    latencies[model].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                received = sum(len(m.data) for m in stub.Get(get))
+                get_s[model].append(time.perf_counter() - start)
+        out = {}
+        for model in MODELS:
+            lat = sorted(latencies[model])
+            out[model] = {
+                "lookup_p50_ms": lat[len(lat) // 2] * 1e3,
+                "lookup_p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
+                "get_gbps": received / statistics.median(get_s[model]) / 1e9,
+            }
+        return out
     finally:
-        server.stop(0)
-
-
-async def _measure_aio(lookups: int, gets: int) -> dict[str, float]:
-    server = grpc.aio.server(options=OPTIONS)
-    rpc.add_KVStoreServicer_to_server(AioServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        return await asyncio.to_thread(_run_client, port, lookups, gets)
-    finally:
-        await server.stop(0)
+        for channel in channels:
+            channel.close()
+        for proc in procs.values():
+            proc.terminate()
+            proc.join(10)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--lookups", type=int, default=300)
-    parser.add_argument("--gets", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--lookups", type=int, default=50, help="lookups per server per round")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    threads = measure_threads(args.lookups, args.gets)
-    aio = asyncio.run(_measure_aio(args.lookups, args.gets))
+    results = measure(args.rounds, args.lookups)
+    threads, aio = results["threads"], results["aio"]
     for figure, unit, lower_is_better in (
         ("lookup_p50_ms", "ms", True), ("lookup_p99_ms", "ms", True), ("get_gbps", "GB/s", False),
     ):

@@ -1,18 +1,19 @@
-"""kvstore-server: start the store, serve it over gRPC (grpc.aio), stop cleanly.
+"""kvstore-server: start the store, serve it over gRPC, stop cleanly.
 
-grpc.aio was chosen over a thread pool by measurement (docs/operations.md): equal lookup
-latency, equal or more streaming bandwidth, and one thread touching the store. The servicer
-itself is kvstore/servicer.py.
+A thread-pool server was chosen over grpc.aio by measurement (bench/server_model_bench.py,
+docs/operations.md): lower Lookup latency, equal streaming bandwidth. The store is
+thread-safe (one lock). The servicer itself is kvstore/servicer.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import logging
 import signal
 import sys
+import threading
+from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,19 +28,22 @@ from kvstore.store import Store
 log = logging.getLogger("kvstore.server")
 
 
-async def _sweep_forever(store: Store, interval_s: float,
-                         health_servicer: health.aio.HealthServicer) -> None:
+def _set_health(health_servicer: health.HealthServicer, status: int) -> None:
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, status)
+
+
+def _sweep_forever(store: Store, interval_s: float, stop: threading.Event,
+                   health_servicer: health.HealthServicer) -> None:
     """Expire leases and reservations. If this ever fails the daemon says so through
     health (NOT_SERVING) and the log; it never dies silently."""
-    while True:
-        await asyncio.sleep(interval_s)
+    while not stop.wait(interval_s):
         try:
             leases, reservations = store.sweep()
         except Exception:
             log.exception("lease sweeper failed; marking NOT_SERVING")
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-            raise
+            _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+            return
         if leases or reservations:
             log.info("expired %d leases and %d reservations", leases, reservations)
 
@@ -49,18 +53,18 @@ class StartupError(Exception):
     what to change."""
 
 
-async def serve(config: Config) -> None:
-    """Run the daemon until SIGINT/SIGTERM. Whatever startup made is undone if it fails."""
+def serve(config: Config, stop: threading.Event) -> None:
+    """Run the daemon until stop is set. Whatever startup made is undone if it fails."""
     store = Store(config)
     metrics = Metrics(lambda: store.stats().tiers)
     try:
-        await _serve(config, store, metrics)
+        _serve(config, store, metrics, stop)
     finally:
         metrics.stop()
         store.close()
 
 
-async def _serve(config: Config, store: Store, metrics: Metrics) -> None:
+def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event) -> None:
     metrics_port = 0
     if config.metrics.enabled:
         try:
@@ -75,9 +79,10 @@ async def _serve(config: Config, store: Store, metrics: Metrics) -> None:
         ("grpc.max_receive_message_length", config.server.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+    pool = futures.ThreadPoolExecutor(config.server.workers, thread_name_prefix="rpc")
+    server = grpc.server(pool, options=options)
     server.add_generic_rpc_handlers((handlers(KVStoreServicer(store, metrics)),))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -87,27 +92,25 @@ async def _serve(config: Config, store: Store, metrics: Metrics) -> None:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {address}: {exc} (server.port)") from exc
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    sweeper = asyncio.create_task(
-        _sweep_forever(store, config.leases.sweep_interval_s, health_servicer)
+    server.start()
+    _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    sweeper = threading.Thread(
+        target=_sweep_forever, name="lease-sweeper", daemon=True,
+        args=(store, config.leases.sweep_interval_s, stop, health_servicer),
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    sweeper.start()
     shm = store.dram.shm_name if store.dram else "off"
     print(f"kvstore-server {__version__} listening on {config.server.host}:{port} "
           f"(metrics port {metrics_port or 'off'}, L2 shm {shm})", flush=True)
     try:
-        await stop.wait()
+        stop.wait()
     finally:
         log.info("shutting down")
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        sweeper.cancel()
-        await server.stop(config.server.grace_s)
+        stop.set()
+        _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.stop(config.server.grace_s).wait()
+        sweeper.join()
+        pool.shutdown()
 
 
 def _keep_freed_buffers() -> None:
@@ -141,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _keep_freed_buffers()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        asyncio.run(serve(config))
+        serve(config, stop)
     except (StartupError, OSError) as exc:
         print(f"kvstore-server: cannot start: {exc}", file=sys.stderr)
         return 2

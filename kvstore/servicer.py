@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -80,21 +80,21 @@ class KVStoreServicer:
         self.config = store.config
         self.host_id = host_id()
 
-    async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception,
+    def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception,
                     started: float) -> None:
         code, message = status_for(exc)
         self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
-        await context.abort(code, message)
+        context.abort(code, message)
 
     def _ok(self, method: str, started: float) -> None:
         self.metrics.observe_rpc(method, "OK", time.perf_counter() - started)
 
-    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest | memoryview],
-                  context: grpc.aio.ServicerContext) -> pb.PutResponse:
+    def Put(self, request_iterator: Iterator[pb.PutRequest | memoryview],
+                  context: grpc.ServicerContext) -> pb.PutResponse:
         started = time.perf_counter()
         session = None
         try:
-            first = await anext(aiter(request_iterator), None)
+            first = next(request_iterator, None)
             if first is None:
                 raise InvalidArgument("PutRequest: the stream carried no message")
             if isinstance(first, memoryview):
@@ -112,7 +112,7 @@ class KVStoreServicer:
                 )
                 if first.data:
                     self.store.write(session, memoryview(first.data))
-                async for msg in request_iterator:
+                for msg in request_iterator:
                     if isinstance(msg, memoryview):  # a data-only frame, not copied
                         self.store.write(session, msg)
                         continue
@@ -126,14 +126,14 @@ class KVStoreServicer:
                 stored=result.stored, existing=result.existing, evicted=result.evicted
             )
         except Exception as exc:
-            await self._fail(context, "Put", exc, started)
+            self._fail(context, "Put", exc, started)
             raise
         finally:
             if session is not None:
                 self.store.abort(session.plan_id)
 
-    async def Get(self, request: pb.GetRequest,
-                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:
+    def Get(self, request: pb.GetRequest,
+                  context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         started = time.perf_counter()
         try:
             shared = request.mode == pb.GET_MODE_SHARED_MEMORY
@@ -150,7 +150,7 @@ class KVStoreServicer:
             leased = not (shared and request.no_lease)  # inline reads lease while streaming
             result = self.store.read(request.namespace, request.keys, timeout_s, leased)
         except Exception as exc:
-            await self._fail(context, "Get", exc, started)
+            self._fail(context, "Get", exc, started)
             raise
         found = [e is not None for e in result.entries]
         hits = [e for e in result.entries if e is not None]
@@ -177,44 +177,43 @@ class KVStoreServicer:
                 framed: bytes = data_frame(b"", views, size)
                 return framed
 
-            for chunk in self.store.chunks(result, self.config.server.chunk_bytes, frame):
-                yield chunk
+            yield from self.store.chunks(result, self.config.server.chunk_bytes, frame)
             self._ok("Get", started)
         except Exception as exc:
-            await self._fail(context, "Get", exc, started)
+            self._fail(context, "Get", exc, started)
         finally:
             if hits:
                 with contextlib.suppress(InvalidArgument):  # expired mid-stream: reported above
                     self.store.release([result.lease_id])
 
-    async def _unary(self, method: str, context: grpc.aio.ServicerContext,
+    def _unary(self, method: str, context: grpc.ServicerContext,
                      fn: Callable[[], Any]) -> Any:
         started = time.perf_counter()
         try:
             response = fn()
         except Exception as exc:
-            await self._fail(context, method, exc, started)
+            self._fail(context, method, exc, started)
             raise
         self._ok(method, started)
         return response
 
-    async def Lookup(self, request: pb.LookupRequest,
-                     context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest,
+                     context: grpc.ServicerContext) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             prefix, tiers = self.store.lookup(request.namespace, request.keys)
             return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
-        return await self._unary("Lookup", context, run)
+        return self._unary("Lookup", context, run)
 
-    async def Prefetch(self, request: pb.PrefetchRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PrefetchProgress]:
+    def Prefetch(self, request: pb.PrefetchRequest,
+                       context: grpc.ServicerContext) -> Iterator[pb.PrefetchProgress]:
         def run() -> pb.PrefetchProgress:
             target = _tier(request.target_tier, "target_tier")
             done, missing = self.store.prefetch(request.namespace, request.keys, target)
             return pb.PrefetchProgress(done=done, missing=missing, total=len(request.keys))
-        yield await self._unary("Prefetch", context, run)
+        yield self._unary("Prefetch", context, run)
 
-    async def Reserve(self, request: pb.ReserveRequest,
-                      context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+    def Reserve(self, request: pb.ReserveRequest,
+                      context: grpc.ServicerContext) -> pb.ReserveResponse:
         def run() -> pb.ReserveResponse:
             timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
             r = self.store.reserve(request.namespace, request.keys, request.sizes,
@@ -225,43 +224,43 @@ class KVStoreServicer:
                 shm_name=self.store.dram.shm_name if self.store.dram else "",
                 expires_in_ms=int(r.expires_in_s * 1000),
             )
-        return await self._unary("Reserve", context, run)
+        return self._unary("Reserve", context, run)
 
-    async def Release(self, request: pb.ReleaseRequest,
-                      context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+    def Release(self, request: pb.ReleaseRequest,
+                      context: grpc.ServicerContext) -> pb.ReleaseResponse:
         def run() -> pb.ReleaseResponse:
             return pb.ReleaseResponse(released=self.store.release(request.ids))
-        return await self._unary("Release", context, run)
+        return self._unary("Release", context, run)
 
-    async def Evict(self, request: pb.EvictRequest,
-                    context: grpc.aio.ServicerContext) -> pb.EvictResponse:
+    def Evict(self, request: pb.EvictRequest,
+                    context: grpc.ServicerContext) -> pb.EvictResponse:
         def run() -> pb.EvictResponse:
             r = self.store.evict(request.namespace, request.keys, request.bytes, request.all,
                                  _tier(request.tier, "tier"))
             return pb.EvictResponse(evicted=r.evicted, evicted_bytes=r.evicted_bytes,
                                     skipped=r.skipped)
-        return await self._unary("Evict", context, run)
+        return self._unary("Evict", context, run)
 
-    async def Pin(self, request: pb.PinRequest,
-                  context: grpc.aio.ServicerContext) -> pb.PinResponse:
+    def Pin(self, request: pb.PinRequest,
+                  context: grpc.ServicerContext) -> pb.PinResponse:
         def run() -> pb.PinResponse:
             changed, missing = self.store.set_pinned(request.namespace, request.keys, True)
             return pb.PinResponse(changed=changed, missing=missing)
-        return await self._unary("Pin", context, run)
+        return self._unary("Pin", context, run)
 
-    async def Unpin(self, request: pb.PinRequest,
-                    context: grpc.aio.ServicerContext) -> pb.PinResponse:
+    def Unpin(self, request: pb.PinRequest,
+                    context: grpc.ServicerContext) -> pb.PinResponse:
         def run() -> pb.PinResponse:
             changed, missing = self.store.set_pinned(request.namespace, request.keys, False)
             return pb.PinResponse(changed=changed, missing=missing)
-        return await self._unary("Unpin", context, run)
+        return self._unary("Unpin", context, run)
 
-    async def Stats(self, request: pb.StatsRequest,
-                    context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+    def Stats(self, request: pb.StatsRequest,
+                    context: grpc.ServicerContext) -> pb.StatsResponse:
         def run() -> pb.StatsResponse:
             return self._stats_response(self.store.stats(request.namespace),
                                         request.include_config)
-        return await self._unary("Stats", context, run)
+        return self._unary("Stats", context, run)
 
     def _stats_response(self, s: StoreStats, include_config: bool) -> pb.StatsResponse:
         tiers = [
