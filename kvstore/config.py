@@ -50,7 +50,7 @@ class ServerConfig:
     chunk_bytes: int = 4 * MiB  #: Payload bytes per streamed message.
     max_object_bytes: int = 64 * MiB  #: Largest single block.
     max_batch_keys: int = 4096  #: Most keys in one request.
-    workers: int = 8  #: Threads for blocking work.
+    workers: int = 8  #: RPC worker threads; each streaming transfer in flight holds one.
     grace_s: float = 5.0  #: Shutdown grace period.
 
 
