@@ -85,7 +85,6 @@ class ReadResult:
     lease_id: str
     entries: list[Entry | None]
     extents: list[list[Extent]] = field(default_factory=list)  # per found entry
-    expires_in_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +257,7 @@ class Store:
         with self._lock:
             deadline = self._clock() + lease_timeout_s
             entries = self.index.lease(lease_id if leased else None, namespace, checked, deadline)
-            result = ReadResult(lease_id, entries, expires_in_s=lease_timeout_s)
+            result = ReadResult(lease_id, entries)
             stats = self._stats[Tier.DRAM]
             for entry in entries:
                 if entry is None:
