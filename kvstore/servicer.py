@@ -216,6 +216,10 @@ class KVStoreServicer:
                       context: grpc.ServicerContext) -> pb.ReserveResponse:
         def run() -> pb.ReserveResponse:
             timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
+            if timeout_s is not None and timeout_s > MAX_LEASE_S:
+                raise InvalidArgument(
+                    f"timeout_ms {request.timeout_ms} exceeds {MAX_LEASE_S * 1000}"
+                )
             r = self.store.reserve(request.namespace, request.keys, request.sizes,
                                    request.parent_key, request.independent, timeout_s)
             return pb.ReserveResponse(

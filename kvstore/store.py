@@ -205,7 +205,8 @@ class Store:
                 f"{session.total_bytes}"
             )
         checksums = [h.intdigest() for h in session.hashers if h is not None]
-        return self._complete(session.plan_id, checksums, session.total_bytes)
+        written = sum(s for s, t in zip(session.sizes, session.targets, strict=True) if t)
+        return self._complete(session.plan_id, checksums, written)
 
     def abort(self, plan_id: str) -> None:
         with self._lock:
@@ -214,6 +215,8 @@ class Store:
 
     def _complete(self, plan_id: str, checksums: list[int], size_bytes: int) -> CommitResult:
         with self._lock:
+            if self.index.plan(plan_id) is None:  # the sweeper expired it after the last write
+                raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned")
             result = self.index.complete_store(plan_id, checksums, success=True)
             self._stats[Tier.DRAM].bytes_in += size_bytes
             return result

@@ -103,6 +103,12 @@ def test_barrage_of_bad_requests_leaves_stored_data_intact(stub: rpc.KVStoreStub
         (INVALID, "ids", lambda: stub.Release(pb.ReleaseRequest(ids=["no-such-lease"]))),
         (INVALID, "reservation_id", lambda: stub.Put(iter([pb.PutRequest(
             namespace=NS, reservation_id="no-such-reservation")]))),
+        # leases and reservations longer than the daemon allows (a dead client would pin
+        # their pages that long)
+        (INVALID, "lease_timeout_ms", lambda: list(stub.Get(pb.GetRequest(
+            namespace=NS, keys=[k], mode=pb.GET_MODE_SHARED_MEMORY, lease_timeout_ms=10**9)))),
+        (INVALID, "timeout_ms", lambda: stub.Reserve(pb.ReserveRequest(
+            namespace=NS, keys=[k], sizes=[1], timeout_ms=10**9))),
         # a reservation larger than the tier
         (EXHAUSTED, "sizes", lambda: stub.Reserve(pb.ReserveRequest(
             namespace=NS, keys=[os.urandom(32) for _ in range(9)], sizes=[1 << 20] * 9))),
