@@ -241,3 +241,28 @@ def test_a_refused_get_into_leaves_no_lease_behind(daemon: Daemon, kv: KVStoreCl
     assert stats.leases == 0  # released at once, not left to expire
     result = kv.evict(all=True)
     assert (result.evicted, result.skipped) == (2, 0)
+
+
+def test_an_inline_put_that_stalls_past_the_reservation_timeout_is_aborted(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """An inline put holds its pages like a reservation; a sender that stalls past
+    leases.reservation_timeout_s loses them (ABORTED), and nothing half-written is visible."""
+    d = daemon_factory("dram.capacity_bytes=1MiB", "leases.reservation_timeout_s=0.3",
+                       "leases.sweep_interval_s=0.05")
+    k = key(7)
+
+    def stalled() -> Iterator[pb.PutRequest]:
+        yield pb.PutRequest(namespace=NS, keys=[k], sizes=[PAGE], data=b"x" * 100)
+        time.sleep(1.0)
+        yield pb.PutRequest(data=b"y" * (PAGE - 100))
+
+    with grpc.insecure_channel(d.target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            rpc.KVStoreStub(channel).Put(stalled())
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert "reservation_timeout_s" in info.value.details()
+    with KVStoreClient(d.target, NS) as kv:
+        assert kv.lookup([k]).prefix_length == 0
+        stats = kv.stats()
+        assert stats.reservations == 0 and free_pages(stats) == NUM_PAGES
