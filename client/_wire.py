@@ -80,6 +80,8 @@ def check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
     if isinstance(keys, (bytes, bytearray, memoryview, str)):
         raise InvalidArgument(f"{field} must be a sequence of {KEY_BYTES}-byte keys, not one key")
     out = keys if isinstance(keys, list) else list(keys)
+    if set(map(type, out)) <= {bytes} and set(map(len, out)) <= {KEY_BYTES}:
+        return out  # the common case, checked at C speed (Lookup of 1,024 keys)
     for i, key in enumerate(out):
         if type(key) is bytes and len(key) == KEY_BYTES:
             continue

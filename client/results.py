@@ -145,8 +145,9 @@ def put_result(resp: pb.PutResponse) -> PutResult:
 
 
 def lookup_result(resp: pb.LookupResponse) -> LookupResult:
-    names = TIER_NAMES
-    return LookupResult(prefix_length=resp.prefix_length, tiers=[names.get(t) for t in resp.tiers])
+    return LookupResult(
+        prefix_length=resp.prefix_length, tiers=list(map(TIER_NAMES.get, resp.tiers))
+    )
 
 
 def prefetch_result(resp: pb.PrefetchProgress) -> PrefetchResult:
