@@ -40,9 +40,10 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _pick_port(default: int) -> int:
-    if _port_free(default):
-        return default
+def _pick_port(wanted: int) -> int:
+    """wanted if it is free, else (or for 0) a free one."""
+    if wanted and _port_free(wanted):
+        return wanted
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -110,11 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--block-bytes", type=int, default=256 << 10)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
     args = parser.parse_args(argv)
     console = Console(width=max(100, Console().width))
-    port, metrics_port = _pick_port(DEFAULT_PORT), _pick_port(DEFAULT_METRICS_PORT)
-    if (port, metrics_port) != (DEFAULT_PORT, DEFAULT_METRICS_PORT):
-        console.print(f"[yellow]default ports busy; using {port} and {metrics_port}[/]")
+    port, metrics_port = _pick_port(args.port), _pick_port(args.metrics_port)
+    if (args.port, args.metrics_port) != (port, metrics_port) and args.port and args.metrics_port:
+        console.print(f"[yellow]ports {args.port}/{args.metrics_port} busy; using {port} and "
+                      f"{metrics_port}[/]")
     cmd = [sys.executable, "-m", "kvstore.server", "--port", str(port),
            "--metrics-port", str(metrics_port)]
     console.print(f"[bold]starting[/] {' '.join(['kvstore-server', *cmd[3:]])}")

@@ -17,7 +17,8 @@ def test_demo_runs_verifies_blocks_and_cleans_up() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["COLUMNS"] = "200"  # rich: keep lines and table rows whole in captured output
     done = subprocess.run(
-        [sys.executable, "-m", "kvstore.demo", "--requests", "8", "--block-bytes", "65536"],
+        [sys.executable, "-m", "kvstore.demo", "--requests", "8", "--block-bytes", "65536",
+         "--port", "0", "--metrics-port", "0"],  # not the defaults: `make run` may be running
         capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
     )
     output = done.stdout + done.stderr
