@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -159,3 +162,35 @@ def test_a_bad_key_is_refused_before_any_request(daemon: Daemon, key: str, says:
     assert says in done.stderr
     assert key in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_stats_watch_refreshes_until_interrupted(daemon: Daemon, kv: KVStoreClient) -> None:
+    """--watch --json prints a fresh stats line every period: a put made while it runs shows
+    up in the next lines, and Ctrl-C (SIGINT) ends it with exit code 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.admin", "--target", daemon.target, "stats",
+         "--watch", "0.1", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout or []])
+    reader.start()
+
+    def next_objects() -> int:
+        stats = json.loads(lines.get(timeout=20))
+        return next(int(t["objects"]) for t in stats["tiers"] if t["tier"] == "dram")
+
+    try:
+        assert next_objects() == 0
+        keys, values = blocks(5)
+        kv.put(keys, values)
+        seen = [next_objects()]
+        while seen[-1] != 5 and len(seen) < 100:  # lines printed before the put show 0
+            seen.append(next_objects())
+        assert seen[-1] == 5 and set(seen) <= {0, 5}, seen
+    finally:
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=20)
+        reader.join(10)
+    assert watch.returncode == 0, err
