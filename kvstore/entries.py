@@ -20,6 +20,11 @@ class Tier(IntEnum):
     NVME = 3
     REMOTE = 4
 
+    @property
+    def label(self) -> str:
+        """The name operators see: "hbm", "dram", "nvme", "remote"."""
+        return self.name.lower()
+
 
 @dataclass(eq=False, slots=True)
 class Entry:

@@ -45,6 +45,7 @@ class Index:
         self._clock = clock
         self._entries: dict[str, dict[BlockKey, Entry]] = {}  # namespace -> key -> entry
         self._num_entries = 0
+        self._num_pinned = 0  # only set_pinned changes it: eviction never takes a pinned entry
         self._heaps: dict[Tier, list[_HeapItem]] = {t: [] for t in allocators}
         self._touches = 0
         self._plans: dict[str, StorePlan] = {}
@@ -98,7 +99,7 @@ class Index:
         return len(self._plans)
 
     def pinned_count(self) -> int:
-        return sum(1 for e in self._all_entries() if e.pinned)
+        return self._num_pinned
 
     def pages_per_object(self, tier: Tier, size_bytes: int) -> int:
         return max(1, -(-size_bytes // self._page_size[tier]))
@@ -231,6 +232,7 @@ class Index:
                 missing += 1
             elif entry.pinned != pinned:
                 entry.pinned = pinned
+                self._num_pinned += 1 if pinned else -1
                 changed += 1
                 self._maybe_push(entry)
         return changed, missing

@@ -25,8 +25,6 @@ from kvstore.keys import BlockKey
 from kvstore.pages import PageAllocator
 from kvstore.tiers.dram import DramTier, Extent
 
-TIER_NAMES = {Tier.HBM: "hbm", Tier.DRAM: "dram", Tier.NVME: "nvme", Tier.REMOTE: "remote"}
-
 
 @dataclass(slots=True)
 class TierStats:
@@ -112,7 +110,7 @@ class Store:
         allocators = {Tier.DRAM: PageAllocator(self.dram.num_pages)} if self.dram else {}
         pages = {Tier.DRAM: config.dram.page_size_bytes}
         self.index = Index(allocators, pages, clock)
-        self._stats = {t: TierStats(TIER_NAMES[t], t in allocators) for t in Tier}
+        self._stats = {t: TierStats(t.label, t in allocators) for t in Tier}
         self._hits = self._misses = 0  # Lookup: keys inside / past the cached prefix
 
     def close(self) -> None:
@@ -337,7 +335,7 @@ class Store:
         """(done, missing). Only L2 exists yet, so every cached key is already in place."""
         checked = self._check_keys(namespace, keys)
         if target is not None and not self._stats[target].enabled:
-            raise FailedPrecondition(f"target_tier {TIER_NAMES[target]} is not enabled")
+            raise FailedPrecondition(f"target_tier {target.label} is not enabled")
         with self._lock:
             _, tiers = self.index.lookup(namespace, checked)
         done = sum(1 for t in tiers if t is not None)
@@ -353,7 +351,7 @@ class Store:
         if modes != 1:
             raise InvalidArgument("give exactly one of keys, bytes or all")
         if tier is not None and not self._stats[tier].enabled:
-            raise FailedPrecondition(f"tier {TIER_NAMES[tier]} is not enabled")
+            raise FailedPrecondition(f"tier {tier.label} is not enabled")
         if namespace:
             checks.namespace(namespace)
         with self._lock:
