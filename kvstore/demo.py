@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 from rich.console import Console
@@ -25,28 +24,23 @@ from rich.progress import Progress
 
 from kvstore.admin import stats_view
 from kvstore.client import KVStoreClient, KVStoreError, prefix_keys
+from kvstore.testing import free_port, wait_serving
 
 DEFAULT_PORT, DEFAULT_METRICS_PORT = 50051, 9400
 BLOCK_SIZE = 16  # tokens per block
 NAMESPACE = "demo-llama/bf16/L8-H8-D128/bs16/tp0"
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _pick_port(wanted: int) -> int:
     """wanted if it is free, else (or for 0) a free one."""
-    if wanted and _port_free(wanted):
-        return wanted
+    if not wanted:
+        return free_port()
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", wanted))
+        except OSError:  # busy
+            return free_port()
+    return wanted
 
 
 def block_payload(key: bytes, size_bytes: int) -> np.ndarray:
@@ -94,19 +88,6 @@ def run_workload(kv: KVStoreClient, num_requests: int, block_bytes: int, console
     )
 
 
-def _wait_serving(
-    kv: KVStoreClient, server: subprocess.Popen[bytes], timeout_s: float = 30
-) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while server.poll() is None and time.monotonic() < deadline:
-        try:
-            if kv.health() == "SERVING":
-                return True
-        except KVStoreError:
-            time.sleep(0.1)  # not listening yet
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=60)
@@ -124,13 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"[bold]starting[/] {' '.join(['kvstore-server', *cmd[3:]])}")
     server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
+        wait_serving(f"127.0.0.1:{port}", server)
         with KVStoreClient(f"127.0.0.1:{port}", NAMESPACE) as kv:
-            if not _wait_serving(kv, server):
-                console.print("[red]kvstore-server did not become SERVING[/]")
-                return 1
             run_workload(kv, args.requests, args.block_bytes, console)
             console.print(stats_view(kv.stats(), f"127.0.0.1:{port}"))
-    except KVStoreError as exc:
+    except (KVStoreError, RuntimeError) as exc:
         console.print(f"[red]demo failed: {exc}[/]")
         return 1
     finally:

@@ -1,7 +1,8 @@
-"""Real processes for tests and benchmarks: a `kvstore-server` and a `redis-server`, each on a
-free loopback port, started, waited for and stopped. No mocks: what runs is what ships.
+"""Real processes for tests, benchmarks and the demo: a `kvstore-server` and a `redis-server`,
+each on a free loopback port, started, waited for and stopped. No mocks: what runs is what
+ships.
 
-Used by tests/conftest.py and bench/; not imported by the daemon or the client.
+Used by tests/conftest.py, bench/ and kvstore/demo.py; not imported by the daemon or the client.
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ class Daemon:
         return stop_process(self.proc, timeout_s)
 
 
-def wait_serving(target: str, proc: subprocess.Popen[bytes], log_path: Path,
+def wait_serving(target: str, proc: subprocess.Popen[bytes], log_path: Path | None = None,
                  timeout_s: float = 30.0) -> None:
-    """Return once the daemon's health says SERVING; raise with its log if it exits first."""
+    """Return once the daemon's health says SERVING; raise (with its log, when it writes one)
+    if it exits first or never gets there."""
+    def log() -> str:
+        return log_path.read_text() if log_path is not None else "(its output is above)"
+
     deadline = time.monotonic() + timeout_s
     # A refused first connection would put a shared channel into gRPC's reconnect backoff
     # (1 s, then longer); a short backoff makes the check answer as soon as the daemon does.
@@ -68,8 +73,7 @@ def wait_serving(target: str, proc: subprocess.Popen[bytes], log_path: Path,
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"kvstore-server exited with {proc.returncode}:\n"
-                                   f"{log_path.read_text()}")
+                raise RuntimeError(f"kvstore-server exited with {proc.returncode}:\n{log()}")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0,
                                    wait_for_ready=True)
@@ -77,7 +81,7 @@ def wait_serving(target: str, proc: subprocess.Popen[bytes], log_path: Path,
                     return
             except grpc.RpcError:
                 time.sleep(0.05)
-    raise RuntimeError(f"kvstore-server not SERVING after {timeout_s}s:\n{log_path.read_text()}")
+    raise RuntimeError(f"kvstore-server not SERVING after {timeout_s}s:\n{log()}")
 
 
 def start_daemon(workdir: Path, *settings: str, env: dict[str, str] | None = None) -> Daemon:
