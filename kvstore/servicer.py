@@ -81,7 +81,7 @@ class KVStoreServicer:
         self.host_id = host_id()
 
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception,
-                    started: float) -> None:
+              started: float) -> None:
         code, message = status_for(exc)
         self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
         context.abort(code, message)
@@ -90,7 +90,7 @@ class KVStoreServicer:
         self.metrics.observe_rpc(method, "OK", time.perf_counter() - started)
 
     def Put(self, request_iterator: Iterator[pb.PutRequest | memoryview],
-                  context: grpc.ServicerContext) -> pb.PutResponse:
+            context: grpc.ServicerContext) -> pb.PutResponse:
         started = time.perf_counter()
         session = None
         try:
@@ -133,7 +133,7 @@ class KVStoreServicer:
                 self.store.abort(session.plan_id)
 
     def Get(self, request: pb.GetRequest,
-                  context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
+            context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         started = time.perf_counter()
         try:
             shared = request.mode == pb.GET_MODE_SHARED_MEMORY
@@ -187,7 +187,7 @@ class KVStoreServicer:
                     self.store.release([result.lease_id])
 
     def _unary(self, method: str, context: grpc.ServicerContext,
-                     fn: Callable[[], Any]) -> Any:
+               fn: Callable[[], Any]) -> Any:
         started = time.perf_counter()
         try:
             response = fn()
@@ -198,14 +198,14 @@ class KVStoreServicer:
         return response
 
     def Lookup(self, request: pb.LookupRequest,
-                     context: grpc.ServicerContext) -> pb.LookupResponse:
+               context: grpc.ServicerContext) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             prefix, tiers = self.store.lookup(request.namespace, request.keys)
             return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
         return self._unary("Lookup", context, run)
 
     def Prefetch(self, request: pb.PrefetchRequest,
-                       context: grpc.ServicerContext) -> Iterator[pb.PrefetchProgress]:
+                 context: grpc.ServicerContext) -> Iterator[pb.PrefetchProgress]:
         def run() -> pb.PrefetchProgress:
             target = _tier(request.target_tier, "target_tier")
             done, missing = self.store.prefetch(request.namespace, request.keys, target)
@@ -213,7 +213,7 @@ class KVStoreServicer:
         yield self._unary("Prefetch", context, run)
 
     def Reserve(self, request: pb.ReserveRequest,
-                      context: grpc.ServicerContext) -> pb.ReserveResponse:
+                context: grpc.ServicerContext) -> pb.ReserveResponse:
         def run() -> pb.ReserveResponse:
             timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
             if timeout_s is not None and timeout_s > MAX_LEASE_S:
@@ -231,13 +231,13 @@ class KVStoreServicer:
         return self._unary("Reserve", context, run)
 
     def Release(self, request: pb.ReleaseRequest,
-                      context: grpc.ServicerContext) -> pb.ReleaseResponse:
+                context: grpc.ServicerContext) -> pb.ReleaseResponse:
         def run() -> pb.ReleaseResponse:
             return pb.ReleaseResponse(released=self.store.release(request.ids))
         return self._unary("Release", context, run)
 
     def Evict(self, request: pb.EvictRequest,
-                    context: grpc.ServicerContext) -> pb.EvictResponse:
+              context: grpc.ServicerContext) -> pb.EvictResponse:
         def run() -> pb.EvictResponse:
             r = self.store.evict(request.namespace, request.keys, request.bytes, request.all,
                                  _tier(request.tier, "tier"))
@@ -246,21 +246,21 @@ class KVStoreServicer:
         return self._unary("Evict", context, run)
 
     def Pin(self, request: pb.PinRequest,
-                  context: grpc.ServicerContext) -> pb.PinResponse:
+            context: grpc.ServicerContext) -> pb.PinResponse:
         def run() -> pb.PinResponse:
             changed, missing = self.store.set_pinned(request.namespace, request.keys, True)
             return pb.PinResponse(changed=changed, missing=missing)
         return self._unary("Pin", context, run)
 
     def Unpin(self, request: pb.PinRequest,
-                    context: grpc.ServicerContext) -> pb.PinResponse:
+              context: grpc.ServicerContext) -> pb.PinResponse:
         def run() -> pb.PinResponse:
             changed, missing = self.store.set_pinned(request.namespace, request.keys, False)
             return pb.PinResponse(changed=changed, missing=missing)
         return self._unary("Unpin", context, run)
 
     def Stats(self, request: pb.StatsRequest,
-                    context: grpc.ServicerContext) -> pb.StatsResponse:
+              context: grpc.ServicerContext) -> pb.StatsResponse:
         def run() -> pb.StatsResponse:
             return self._stats_response(self.store.stats(request.namespace),
                                         request.include_config)
