@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvstore import shm
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
 from ._buffers import ByteArray, address, copy_bytes
@@ -110,19 +111,9 @@ class SharedSegment:
 def attach(name: str) -> SharedSegment:
     """Attach the named segment; FailedPrecondition (with why) when it cannot be."""
     try:
-        from kvstore import shm
-    except ImportError as exc:
-        raise FailedPrecondition(f"shared memory is unavailable in this process: {exc}") from None
-    try:
         return SharedSegment(shm.attach_segment(name))
     except (OSError, ValueError) as exc:
         raise FailedPrecondition(f"cannot attach shared-memory segment {name!r}: {exc}") from None
-
-
-def local_host_id() -> str:
-    from kvstore import shm
-
-    return str(shm.host_id())
 
 
 class ShmState:
@@ -157,12 +148,7 @@ class ShmState:
     def _choose(self, stats: pb.StatsResponse) -> SharedSegment:
         if not stats.shm_name:
             raise FailedPrecondition("the daemon has no shared-memory segment (shm_name is empty)")
-        try:
-            mine = local_host_id()
-        except ImportError as exc:
-            raise FailedPrecondition(
-                f"shared memory is unavailable in this process: {exc}"
-            ) from None
+        mine = shm.host_id()
         if stats.host_id != mine:
             raise FailedPrecondition(
                 f"the daemon runs on another host (host_id {stats.host_id!r}, ours {mine!r})"
