@@ -239,11 +239,11 @@ class Store:
                     f"reservation_id {reservation_id!r} is unknown or expired in namespace "
                     f"{namespace!r}"
                 )
-            # Checksums are computed here, from what the client actually wrote.
             extents = [tier.extents(b.pages, b.size_bytes) for b in plan.blocks]
-            checksums = [tier.checksum(e) for e in extents]
-            size_bytes = sum(b.size_bytes for b in plan.blocks)
-            return self._complete(reservation_id, checksums, size_bytes)
+        # Checksums of what the client actually wrote, read without the lock: the pages are
+        # the plan's alone, and _complete refuses the commit if the plan expired meanwhile.
+        checksums = [tier.checksum(e) for e in extents]
+        return self._complete(reservation_id, checksums, sum(b.size_bytes for b in plan.blocks))
 
     # --- reads -----------------------------------------------------------------------------
 
