@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvstore.keys import KEY_BYTES, BlockKey, InvalidKeyError, check_namespace
+from kvstore.keys import KEY_BYTES, BlockKey, InvalidKeyError, all_keys, check_namespace
 from kvstore.proto.frames import data_frame, data_of
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
@@ -80,8 +80,8 @@ def check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
     if isinstance(keys, (bytes, bytearray, memoryview, str)):
         raise InvalidArgument(f"{field} must be a sequence of {KEY_BYTES}-byte keys, not one key")
     out = keys if isinstance(keys, list) else list(keys)
-    if set(map(type, out)) <= {bytes} and set(map(len, out)) <= {KEY_BYTES}:
-        return out  # the common case, checked at C speed (Lookup of 1,024 keys)
+    if all_keys(out):
+        return out
     for i, key in enumerate(out):
         if type(key) is bytes and len(key) == KEY_BYTES:
             continue

@@ -12,7 +12,7 @@ from typing import cast
 
 from kvstore.config import format_size
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES, BlockKey, InvalidKeyError, check_key, check_namespace
+from kvstore.keys import BlockKey, InvalidKeyError, all_keys, check_key, check_namespace
 
 
 def namespace(name: str) -> str:
@@ -30,9 +30,7 @@ def keys(name: str, raw: Sequence[bytes], max_batch_keys: int) -> list[BlockKey]
         )
     namespace(name)
     checked = list(raw)
-    # Lookup of 1,024 keys is latency-critical: check types and lengths at C speed and
-    # name the offending field only when there is one.
-    if set(map(type, checked)) <= {bytes} and set(map(len, checked)) <= {KEY_BYTES}:
+    if all_keys(checked):
         return cast(list[BlockKey], checked)
     try:
         return [check_key(k, f"keys[{i}]") for i, k in enumerate(checked)]

@@ -45,6 +45,12 @@ def check_key(key: bytes, field: str = "key") -> BlockKey:
     return BlockKey(bytes(key))
 
 
+def all_keys(items: Sequence[object]) -> bool:
+    """Whether every item is a 32-byte `bytes`, checked at C speed (a 1,024-key Lookup is
+    latency-critical); callers check item by item only to name the bad one."""
+    return set(map(type, items)) <= {bytes} and set(map(len, items)) <= {KEY_BYTES}  # type: ignore[arg-type]
+
+
 def namespace_root(namespace: str) -> BlockKey:
     """key[-1]: the digest every chain of `namespace` starts from."""
     check_namespace(namespace)
