@@ -16,6 +16,7 @@ import xxhash
 
 from kvstore.pages import PageRun
 from kvstore.shm import Segment, create_segment, list_segments, remove_stale_segments
+from kvstore.tiers.base import Transfer, padded_size
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,10 @@ STALE_PREFIX = "kvstore-"  # automatic segment names start so (kvstore/store.py)
 
 
 class DramTier:
-    """Byte-level access to page runs of the L2 segment."""
+    """Byte-level access to page runs of the L2 segment; a SlotTier (tiers/base.py)."""
+
+    name = "dram"
+    backend = "shm"
 
     def __init__(
         self, capacity_bytes: int, page_size_bytes: int, shm_name: str, pin_memory: bool
@@ -52,7 +56,7 @@ class DramTier:
             remaining -= n
         return out
 
-    def write(self, extents: Sequence[Extent], offset: int, data: memoryview) -> None:
+    def write_at(self, extents: Sequence[Extent], offset: int, data: memoryview) -> None:
         """Write data at byte `offset` of the object laid out on extents."""
         src = np.frombuffer(data, dtype=np.uint8)
         done = 0
@@ -76,6 +80,46 @@ class DramTier:
         for offset, length in extents:
             yield mv[offset : offset + length]
 
+    def buffers(
+        self, pages: Sequence[PageRun], size_bytes: int, pad: bool = True
+    ) -> list[memoryview]:
+        """Zero-copy views of an object's bytes in the segment, run by run: padded_size(size_bytes)
+        bytes when pad (what an O_DIRECT or GDS read into these pages needs), else size_bytes."""
+        n = padded_size(size_bytes) if pad else size_bytes
+        self._check_pages(pages, n)
+        return list(self.views(self.extents(pages, n)))
+
+    def write(self, batch: Sequence[Transfer]) -> list[OSError | None]:
+        """Copy each transfer's buffers into its pages; one None per transfer (memory copies
+        do not fail). Short buffers or pages are misuse: ValueError before anything is copied."""
+        for t in batch:
+            self._check_transfer(t, for_read=False)
+        for t in batch:
+            _copy(list(self.views(self.extents(t.pages, t.size_bytes))), t.buffers)
+        return [None] * len(batch)
+
+    def read(self, batch: Sequence[Transfer]) -> list[OSError | None]:
+        """Copy each transfer's pages into its buffers; one None per transfer."""
+        for t in batch:
+            self._check_transfer(t, for_read=True)
+        for t in batch:
+            _copy(t.buffers, list(self.views(self.extents(t.pages, t.size_bytes))))
+        return [None] * len(batch)
+
+    def _check_transfer(self, t: Transfer, for_read: bool) -> None:
+        self._check_pages(t.pages, t.size_bytes)
+        if sum(b.nbytes for b in t.buffers) < t.size_bytes:
+            raise ValueError(f"buffers hold fewer than the transfer's {t.size_bytes} bytes")
+        if for_read and any(b.readonly for b in t.buffers):
+            raise ValueError("a read's buffers must be writable")
+
+    def _check_pages(self, pages: Sequence[PageRun], size_bytes: int) -> None:
+        for start, length in pages:
+            if start < 0 or length <= 0 or start + length > self.num_pages:
+                raise ValueError(f"page run {(start, length)} is outside 0..{self.num_pages}")
+        if sum(length for _, length in pages) * self.page_size_bytes < size_bytes:
+            raise ValueError(f"pages {tuple(pages)} hold fewer than {size_bytes} bytes")
+
     def checksum(self, extents: Sequence[Extent]) -> int:
         h = xxhash.xxh3_64()
         for view in self.views(extents):
@@ -89,6 +133,24 @@ class DramTier:
         del self._buf
         self._segment.close()
         self._segment.unlink()
+
+
+def _copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> None:
+    """Copy the bytes of src (concatenated) onto the start of dst (concatenated), stopping at
+    whichever ends first."""
+    dst_arrays = [np.frombuffer(d, dtype=np.uint8) for d in dst]
+    src_arrays = [np.frombuffer(s, dtype=np.uint8) for s in src]
+    di = si = d_off = s_off = 0
+    while di < len(dst_arrays) and si < len(src_arrays):
+        d, s = dst_arrays[di], src_arrays[si]
+        n = min(len(d) - d_off, len(s) - s_off)
+        d[d_off : d_off + n] = s[s_off : s_off + n]
+        d_off += n
+        s_off += n
+        if d_off == len(d):
+            di, d_off = di + 1, 0
+        if s_off == len(s):
+            si, s_off = si + 1, 0
 
 
 def _register_pinned(buf: np.ndarray) -> bool:

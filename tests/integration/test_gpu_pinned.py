@@ -21,7 +21,7 @@ def test_l2_segment_is_pinned_and_round_trips_through_hbm() -> None:
         assert tier.pinned
         payload = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
         extents = [(0, 1 << 20), (4 << 20, 2 << 20)]
-        tier.write(extents, 0, memoryview(payload))
+        tier.write_at(extents, 0, memoryview(payload))
         views = list(tier.views(extents))
         on_device = cupy.concatenate([cupy.asarray(np.frombuffer(v, np.uint8)) for v in views])
         back = cupy.asnumpy(on_device)
