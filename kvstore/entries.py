@@ -1,15 +1,22 @@
-"""The records the index keeps and hands out: tiers, entries, store plans, leases.
+"""The records the index and the store keep and hand out: tiers, entries, store plans,
+leases, put sessions, reservations, read results and stats.
 
-Pure data; `kvstore.index` owns every rule about them.
+Pure data; `kvstore.index` and `kvstore.store` own every rule about them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from kvstore.keys import BlockKey
 from kvstore.pages import PageRun
+
+if TYPE_CHECKING:
+    import xxhash
+
+Extent = tuple[int, int]  # (byte offset in the L2 shared-memory segment, length in bytes)
 
 
 class Tier(IntEnum):
@@ -26,25 +33,58 @@ class Tier(IntEnum):
         return self.name.lower()
 
 
+NUM_TIERS = len(Tier) + 1  # per-tier counters are indexed by tier number; slot 0 unused
+
+
 @dataclass(eq=False, slots=True)
 class Entry:
+    """One block, with a copy in one or more slot tiers (`places`: tier -> its pages there).
+
+    `tier` is the highest (fastest) tier holding it. A second copy exists when placement is
+    inclusive (the L3 copy stays after a promotion) and for L1, which always keeps its L2 copy.
+    """
+
     namespace: str
     key: BlockKey
     size_bytes: int
-    tier: Tier
-    pages: tuple[PageRun, ...]
+    places: dict[Tier, tuple[PageRun, ...]]
     checksum: int
     parent: BlockKey | None
     last_access: float = 0.0
-    children: int = 0
+    # Cached children by their highest tier (shared with the index's child counts): a copy
+    # in tier t is a leaf there when no child is cached in t or above.
+    child_tiers: list[int] = field(default_factory=lambda: [0] * NUM_TIERS)
     pinned: bool = False
     leases: int = 0
-    touch_seq: int = 0  # which heap item is current; 0 = none
-    in_heap: bool = False
+    busy: int = 0  # moves and loads in flight: the entry and its pages stay put meanwhile
+    seen: int = 1  # puts and reads of this key: the L3 admission policy counts them
+    touch_seq: int = 0  # which heap items are current; 0 = none
+    in_heaps: int = 0  # bit per tier whose LRU heap holds a current item
+
+    @property
+    def tier(self) -> Tier:
+        return min(self.places)
+
+    @property
+    def pages(self) -> tuple[PageRun, ...]:
+        return self.places[min(self.places)]
+
+    @property
+    def children(self) -> int:
+        return sum(self.child_tiers)
+
+    @property
+    def movable(self) -> bool:
+        """Nobody holds it: not pinned, leased, or being moved or loaded."""
+        return not self.pinned and self.leases == 0 and self.busy == 0
 
     @property
     def evictable(self) -> bool:
-        return not self.pinned and self.leases == 0 and self.children == 0
+        return self.movable and self.children == 0
+
+    def evictable_from(self, tier: Tier) -> bool:
+        """Whether its copy in tier may go: movable, and no child cached in tier or above."""
+        return self.movable and not any(self.child_tiers[1 : tier + 1])
 
 
 @dataclass(slots=True)
@@ -79,3 +119,80 @@ class Lease:
     lease_id: str
     entries: list[Entry]
     deadline: float
+
+
+@dataclass(slots=True)
+class TierStats:
+    """One tier's figures, as in the wire contract's TierStats."""
+
+    tier: str
+    enabled: bool
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    objects: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_in: int = 0  # written into the tier
+    bytes_out: int = 0  # read out of the tier
+    evictions: int = 0
+    page_size_bytes: int = 0
+    free_pages: int = 0
+    largest_free_run_pages: int = 0
+    backend: str = ""
+    promotions: int = 0
+    demotions: int = 0
+    admissions_refused: int = 0
+    checksum_failures: int = 0
+    io_errors: int = 0
+    queue_depth: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class StoreStats:
+    tiers: list[TierStats]
+    shm_name: str
+    shm_size_bytes: int
+    leases: int
+    reservations: int
+    pinned: int
+    hits: int
+    misses: int
+
+
+@dataclass(slots=True)
+class PutSession:
+    """One put in flight: where each block's bytes go, and how many have arrived."""
+
+    plan_id: str
+    namespace: str
+    sizes: list[int]
+    targets: list[list[Extent] | None]  # per request position; None = already stored
+    hashers: list[xxhash.xxh3_64 | None]
+    total_bytes: int
+    received_bytes: int = 0
+    block: int = 0  # request position the next byte belongs to
+    block_offset: int = 0
+
+
+@dataclass(slots=True)
+class Reservation:
+    reservation_id: str
+    exists: list[bool]
+    extents: list[list[Extent]]  # per key; empty for keys that exist
+    expires_in_s: float
+
+
+@dataclass(slots=True)
+class ReadResult:
+    lease_id: str
+    entries: list[Entry | None]
+    extents: list[list[Extent]] = field(default_factory=list)  # per found entry
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    evicted: int
+    evicted_bytes: int
+    skipped: int

@@ -6,19 +6,24 @@ the caller fills; `complete_store(plan, ...)` makes the entries visible, or free
 Reads take a lease on entries (`lease`), which `release` or `expire` ends.
 
 Eviction takes the least-recently-used *leaf* of a tier: an entry with a cached child (the
-next block of its prefix) goes only after that child, as in SGLang's radix cache. Pinned,
-leased and not-yet-committed entries are never evicted.
+next block of its prefix) goes only after that child, as in SGLang's radix cache; a copy in
+tier t is a leaf there when no child is cached in t or a faster tier, so a parent can be
+demoted to L3 after its child. Pinned, leased, moving and uncommitted entries never go.
+An entry may have copies in several tiers (`Entry.places`); movers use `pick` .. `done`.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvstore.chains import ChildCounts
 from kvstore.entries import CommitResult, Entry, Lease, PlannedBlock, StorePlan, Tier
 from kvstore.keys import BlockKey
-from kvstore.pages import AllocatorStats, PageAllocator
+from kvstore.lru import TierLru
+from kvstore.pages import AllocatorStats, PageAllocator, PageRun
+
+Pages = tuple[PageRun, ...]
 
 
 @dataclass(slots=True)
@@ -27,33 +32,23 @@ class _Usage:
     size_bytes: int = 0
 
 
-# (last access, touch sequence, namespace, key): the heap orders by recency, then touch order.
-_HeapItem = tuple[float, int, str, BlockKey]
-
-
 class Index:
     """All entries of one daemon, their pages in each slot tier, and who holds them."""
 
-    def __init__(
-        self,
-        allocators: Mapping[Tier, PageAllocator],
-        page_size_bytes: Mapping[Tier, int],
-        clock: Callable[[], float],
-    ) -> None:
+    def __init__(self, allocators: Mapping[Tier, PageAllocator],
+                 page_size_bytes: Mapping[Tier, int], clock: Callable[[], float]) -> None:
         self._allocators = dict(allocators)
         self._page_size = dict(page_size_bytes)
         self._clock = clock
         self._entries: dict[str, dict[BlockKey, Entry]] = {}  # namespace -> key -> entry
         self._num_entries = 0
         self._num_pinned = 0  # only set_pinned changes it: eviction never takes a pinned entry
-        self._heaps: dict[Tier, list[_HeapItem]] = {t: [] for t in allocators}
-        self._touches = 0
+        self._lru = TierLru(allocators, self.get)
         self._plans: dict[str, StorePlan] = {}
         self._leases: dict[str, Lease] = {}
         self._usage: dict[tuple[str, Tier], _Usage] = {}
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
-        # (namespace, key) -> how many cached entries name key as their parent
-        self._child_counts: dict[tuple[str, BlockKey], int] = {}
+        self._chains = ChildCounts(self.get)
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -104,20 +99,20 @@ class Index:
     def pages_per_object(self, tier: Tier, size_bytes: int) -> int:
         return max(1, -(-size_bytes // self._page_size[tier]))
 
+    def free_pages(self, tier: Tier) -> int:
+        return self._allocators[tier].free_pages
+    def entries(self, tier: Tier | None = None) -> Iterator[Entry]:  # with a copy in tier
+        return (e for e in self._all_entries() if tier is None or tier in e.places)
+
     # --- two-phase store -------------------------------------------------------------------
 
     def prepare_store(
-        self,
-        plan_id: str,
-        namespace: str,
-        keys: Sequence[BlockKey],
-        sizes: Sequence[int],
-        parents: Sequence[BlockKey | None],
-        tier: Tier,
-        deadline: float,
+        self, plan_id: str, namespace: str, keys: Sequence[BlockKey], sizes: Sequence[int],
+        parents: Sequence[BlockKey | None], tier: Tier, deadline: float, evict: bool = True,
     ) -> StorePlan | None:
         """Reserve pages for the keys not yet stored; None when they cannot fit even after
-        evicting every evictable entry of the tier (then nothing is reserved or evicted)."""
+        evicting every evictable entry of the tier (then nothing is reserved or evicted), or
+        with evict=False when they do not fit in the free pages."""
         if plan_id in self._plans:
             raise ValueError(f"plan {plan_id!r} exists")
         allocator = self._allocators[tier]
@@ -125,7 +120,10 @@ class Index:
         existing: list[int] = []
         seen: set[BlockKey] = set()
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            if key in seen or key in self._entries.get(namespace, {}):
+            stored = self.get(namespace, key)
+            if stored is not None:
+                stored.seen += 1  # a put of a cached key counts towards L3 admission
+            if key in seen or stored is not None:
                 existing.append(i)
                 continue
             seen.add(key)
@@ -133,7 +131,8 @@ class Index:
         needed = sum(self.pages_per_object(tier, b.size_bytes) for b in blocks)
         if needed > allocator.num_pages:
             return None
-        evicted = self._make_room(tier, needed)
+        evicted = self.make_room(tier, needed) if evict else (
+            [] if allocator.free_pages >= needed else None)
         if evicted is None:
             return None
         for block in blocks:
@@ -166,10 +165,10 @@ class Index:
         stored = 0
         for block, checksum in zip(plan.blocks, checksums, strict=True):
             if block.key in self._entries.get(plan.namespace, {}):
-                allocator.free(block.pages)
+                allocator.free(block.pages)  # stored meanwhile by another plan
                 continue
             entry = Entry(
-                plan.namespace, block.key, block.size_bytes, plan.tier, block.pages, checksum,
+                plan.namespace, block.key, block.size_bytes, {plan.tier: block.pages}, checksum,
                 block.parent, last_access=now,
             )
             self._insert(entry)
@@ -190,11 +189,11 @@ class Index:
 
     # --- reads and leases ------------------------------------------------------------------
 
-    def lease(
-        self, lease_id: str | None, namespace: str, keys: Sequence[BlockKey], deadline: float
-    ) -> list[Entry | None]:
-        """Touch and hold the entries of keys (None for a miss) until release/expiry; with
-        lease_id None only touch them. No lease is recorded when nothing was found."""
+    def lease(self, lease_id: str | None, namespace: str, keys: Sequence[BlockKey],
+              deadline: float, need: Tier | None = None) -> list[Entry | None]:
+        """Touch and hold the entries of keys (None for a miss, or for an entry with no copy
+        in tier `need`) until release/expiry; with lease_id None only touch them. No lease
+        is recorded when nothing was found."""
         if lease_id is not None and lease_id in self._leases:
             raise ValueError(f"lease {lease_id!r} exists")
         now = self._clock()
@@ -202,12 +201,15 @@ class Index:
         held: list[Entry] = []
         for key in keys:
             entry = self.get(namespace, key)
+            if entry is not None and need is not None and need not in entry.places:
+                entry = None
             found.append(entry)
             if entry is not None:
                 if lease_id is not None:
                     entry.leases += 1
                     held.append(entry)
-                self._touch(entry, now)
+                entry.seen += 1
+                self._lru.touch(entry, now, self._num_entries)
         if held and lease_id is not None:
             self._leases[lease_id] = Lease(lease_id, held, deadline)
         return found
@@ -218,7 +220,7 @@ class Index:
             return False
         for entry in lease.entries:
             entry.leases -= 1
-            self._maybe_push(entry)
+            self._lru.push(entry)
         return True
 
     # --- pins ------------------------------------------------------------------------------
@@ -234,186 +236,226 @@ class Index:
                 entry.pinned = pinned
                 self._num_pinned += 1 if pinned else -1
                 changed += 1
-                self._maybe_push(entry)
+                self._lru.push(entry)
         return changed, missing
 
     # --- eviction --------------------------------------------------------------------------
 
     def evict_keys(self, namespace: str, keys: Iterable[BlockKey]) -> tuple[list[Entry], int]:
-        """Remove exactly these (children of a removed entry stay, and count again if it is
-        stored again); skip pinned or
-        leased ones. Returns (evicted, skipped)."""
+        """Remove exactly these, every copy (children of a removed entry stay, and count
+        again if it is stored again); skip pinned, leased or moving ones. (evicted, skipped)"""
         evicted: list[Entry] = []
         skipped = 0
         for key in keys:
             entry = self.get(namespace, key)
             if entry is None:
                 continue
-            if entry.pinned or entry.leases:
+            if not entry.movable:
                 skipped += 1
                 continue
-            self._remove(entry)
+            self._remove(entry, counted=True)
             evicted.append(entry)
         return evicted, skipped
 
-    def evict_lru(
-        self, tier: Tier, min_bytes: int | None, namespace: str | None = None
-    ) -> list[Entry]:
-        """Evict leaf-first LRU entries of tier (of one namespace, or all) until min_bytes
+    def evict_lru(self, tier: Tier, min_bytes: int | None,
+                  namespace: str | None = None) -> list[Entry]:
+        """Evict leaf-first LRU copies in tier (of one namespace, or all) until min_bytes
         are freed, or everything evictable when min_bytes is None."""
         evicted: list[Entry] = []
         freed = 0
         others: list[Entry] = []
         while min_bytes is None or freed < min_bytes:
-            entry = self._pop_victim(tier)
+            entry = self._lru.pop_victim(tier)
             if entry is None:
                 break
             if namespace is not None and entry.namespace != namespace:
                 others.append(entry)
                 continue
-            self._remove(entry)
+            self._drop(entry, tier, counted=True)
             evicted.append(entry)
             freed += entry.size_bytes
         for entry in others:
-            self._maybe_push(entry)
+            self._lru.push(entry)
         return evicted
 
     def unevictable(self, namespace: str | None = None) -> int:
-        """Entries not evictable now (pinned, leased, or with a cached child); right after a
-        full eviction, exactly the pinned and leased ones and their ancestors."""
+        """Entries not evictable now (pinned, leased, moving, or with a cached child); right
+        after a full eviction, exactly the pinned and leased ones and their ancestors."""
         return sum(
             1 for e in self._all_entries()
             if (namespace is None or e.namespace == namespace) and not e.evictable
         )
 
-    def _make_room(self, tier: Tier, needed_pages: int) -> list[Entry] | None:
-        """Evict leaf-first LRU entries until needed_pages are free; all or nothing."""
+    def make_room(self, tier: Tier, needed_pages: int) -> list[Entry] | None:
+        """Evict leaf-first LRU copies in tier until needed_pages are free; all or nothing.
+        Returns the entries whose copy in tier went (some may keep a copy elsewhere)."""
         allocator = self._allocators[tier]
-        evicted: list[tuple[Entry, int]] = []
+        evicted: list[tuple[Entry, Pages, int, bool]] = []
         while allocator.free_pages < needed_pages:
-            entry = self._pop_victim(tier)
+            entry = self._lru.pop_victim(tier)
             if entry is None:
-                self._restore(evicted)
+                self._restore(tier, evicted)
                 return None
-            evicted.append((entry, entry.touch_seq))
-            self._remove(entry)
-        return [entry for entry, _ in evicted]
+            pages, seq = entry.places[tier], entry.touch_seq
+            evicted.append((entry, pages, seq, self._drop(entry, tier, counted=True)))
+        return [entry for entry, *_ in evicted]
 
-    def _restore(self, evicted: list[tuple[Entry, int]]) -> None:
+    def _restore(self, tier: Tier, evicted: list[tuple[Entry, Pages, int, bool]]) -> None:
         """Undo evictions whose pages nothing has reused: a refused put evicts nothing."""
-        for entry, touch_seq in reversed(evicted):
-            self._allocators[entry.tier].take(entry.pages)
-            self.evictions[entry.tier] -= 1
-            self._link(entry)
+        for entry, pages, touch_seq, removed in reversed(evicted):
+            self._allocators[tier].take(pages)
+            self.evictions[tier] -= 1
+            if removed:
+                entry.places = {tier: pages}
+                self._link(entry)
+            else:
+                self._add_place(entry, tier, pages)
             entry.touch_seq = touch_seq  # back to its old place in the LRU order
-            entry.in_heap = False
-            self._maybe_push(entry)
+            entry.in_heaps = 0
+            self._lru.push(entry)
 
-    def _pop_victim(self, tier: Tier) -> Entry | None:
-        heap = self._heaps[tier]
-        while heap:
-            _, seq, namespace, key = heapq.heappop(heap)
-            entry = self.get(namespace, key)
-            if entry is None or entry.touch_seq != seq:
-                continue  # stale item: the entry was touched again or removed
-            entry.in_heap = False
-            if entry.evictable:
-                return entry
-            # Not evictable now; _maybe_push puts it back when it becomes evictable.
-        return None
+    # --- moves between tiers (the store's movers and loads) --------------------------------
+
+    def alloc(self, tier: Tier, size_bytes: int) -> Pages | None:
+        """Free pages for an object in tier, evicting nothing; None when they are not free."""
+        return self._allocators[tier].alloc(self.pages_per_object(tier, size_bytes))
+
+    def free(self, tier: Tier, pages: Pages) -> None:
+        """Give back pages from alloc() that never became a copy (a failed move)."""
+        self._allocators[tier].free(pages)
+
+    def pick(self, tier: Tier, max_bytes: int) -> list[Entry]:
+        """Leaf-first LRU copies in tier to move elsewhere, about max_bytes of them; each is
+        marked busy (stays put, is not evicted) until done(). A parent follows as soon as
+        every child it has in tier (or above) is picked, as if they had already moved."""
+        picked: list[Entry] = []
+        under: dict[tuple[str, BlockKey], int] = {}  # picked children per parent
+        follow: list[Entry] = []
+        total = 0
+        while total < max_bytes:
+            entry = follow.pop() if follow else self._lru.pop_victim(tier)
+            if entry is None:
+                break
+            entry.busy += 1
+            picked.append(entry)
+            total += entry.size_bytes
+            if entry.parent is not None:
+                link = (entry.namespace, entry.parent)
+                under[link] = under.get(link, 0) + 1
+                parent = self.get(*link)
+                if (parent is not None and tier in parent.places and parent.movable
+                        and sum(parent.child_tiers[1 : tier + 1]) == under[link]):
+                    follow.append(parent)
+        return picked
+
+    def hold(self, entry: Entry) -> None:
+        """Mark entry busy (a load in flight): not evicted or moved until done()."""
+        entry.busy += 1
+
+    def done(self, entry: Entry) -> None:
+        entry.busy -= 1
+        self._lru.push(entry)
+
+    def add_copy(self, entry: Entry, tier: Tier, pages: Pages) -> None:
+        """A copy of entry now lies on pages of tier (allocated by alloc())."""
+        self._add_place(entry, tier, pages)
+        self._lru.push(entry)
+
+    def drop_copy(self, entry: Entry, tier: Tier) -> bool:
+        """Free entry's copy in tier (moved elsewhere); True when that was its last copy."""
+        return self._drop(entry, tier, counted=False)
+
+    def discard(self, entry: Entry) -> None:
+        """Remove every copy of entry (its bytes are damaged or unreadable)."""
+        if self.get(entry.namespace, entry.key) is entry:
+            self._remove(entry, counted=False)
+
+    def adopt(
+        self, namespace: str, key: BlockKey, size_bytes: int, checksum: int,
+        parent: BlockKey | None, tier: Tier, pages: Pages,
+    ) -> Entry | None:
+        """Re-adopt an object a previous run left in tier (from the L3 manifest); None when
+        the key is cached already or its pages are not free."""
+        if self.get(namespace, key) is not None:
+            return None
+        try:
+            self._allocators[tier].take(pages)
+        except ValueError:
+            return None
+        entry = Entry(namespace, key, size_bytes, {tier: pages}, checksum, parent,
+                      last_access=self._clock())
+        self._insert(entry)
+        return entry
 
     # --- bookkeeping -----------------------------------------------------------------------
 
     def _insert(self, entry: Entry) -> None:
         self._link(entry)
-        self._touch(entry, entry.last_access)
+        self._lru.touch(entry, entry.last_access, self._num_entries)
 
     def _link(self, entry: Entry) -> None:
         """Make entry visible: the map, usage, and parent/child counts."""
         self._entries.setdefault(entry.namespace, {})[entry.key] = entry
         self._num_entries += 1
-        usage = self._usage.setdefault((entry.namespace, entry.tier), _Usage())
-        usage.objects += 1
-        usage.size_bytes += entry.size_bytes
-        # Children may be cached before their parent (stored out of order, or the parent was
-        # evicted by key and stored again): count them whether or not the parent is here.
-        entry.children = self._child_counts.get((entry.namespace, entry.key), 0)
-        if (entry.children or entry.parent == entry.key) and self._closes_cycle(entry):
-            entry.parent = None  # honest keys are prefix hashes and cannot loop; bad input can
-        if entry.parent is not None:
-            link = (entry.namespace, entry.parent)
-            self._child_counts[link] = self._child_counts.get(link, 0) + 1
-            parent = self.get(*link)
-            if parent is not None:
-                parent.children += 1
+        for tier in entry.places:
+            self._count_usage(entry, tier, +1)
+        self._chains.link(entry)
 
-    def _closes_cycle(self, entry: Entry) -> bool:
-        """Whether entry's cached ancestors lead back to entry. A cycle would make every
-        entry on it a parent of a cached child for ever, so never evictable. Only an entry
-        with cached children can close one, so in-order stores never walk."""
-        seen = {entry.key}
-        key = entry.parent
-        while key is not None:
-            if key in seen:
+    def _count_usage(self, entry: Entry, tier: Tier, sign: int) -> None:
+        usage = self._usage.setdefault((entry.namespace, tier), _Usage())
+        usage.objects += sign
+        usage.size_bytes += sign * entry.size_bytes
+        if not usage.objects:
+            del self._usage[(entry.namespace, tier)]
+
+    def _add_place(self, entry: Entry, tier: Tier, pages: Pages) -> None:
+        before = entry.tier
+        entry.places[tier] = pages
+        self._count_usage(entry, tier, +1)
+        self._moved(entry, before)
+
+    def _drop(self, entry: Entry, tier: Tier, counted: bool) -> bool:
+        """Free entry's copy in tier (and its L1 copy with its L2 one: L1 holds only blocks
+        that L2 holds); remove the entry when no copy is left. True when removed."""
+        if counted:
+            self.evictions[tier] += 1
+        if len(entry.places) == 1:
+            self._remove(entry, counted=False)
+            return True
+        if tier == Tier.DRAM and Tier.HBM in entry.places:
+            self._drop(entry, Tier.HBM, counted=False)
+            if len(entry.places) == 1:  # only its L2 copy was left
+                self._remove(entry, counted=False)
                 return True
-            seen.add(key)
-            ancestor = self.get(entry.namespace, key)
-            key = ancestor.parent if ancestor is not None else None
+        before = entry.tier
+        self._allocators[tier].free(entry.places.pop(tier))
+        self._count_usage(entry, tier, -1)
+        self._lru.forget(entry, tier)
+        self._moved(entry, before)
         return False
 
-    def _remove(self, entry: Entry) -> None:
+    def _moved(self, entry: Entry, before: Tier) -> None:
+        parent = self._chains.moved(entry, before)
+        if parent is not None:
+            self._lru.push(parent)  # a copy of the parent may have become a leaf
+
+    def _remove(self, entry: Entry, counted: bool) -> None:
         bucket = self._entries[entry.namespace]
         del bucket[entry.key]
         if not bucket:
             del self._entries[entry.namespace]
         self._num_entries -= 1
-        usage = self._usage[(entry.namespace, entry.tier)]
-        usage.objects -= 1
-        usage.size_bytes -= entry.size_bytes
-        if not usage.objects:
-            del self._usage[(entry.namespace, entry.tier)]
-        self._allocators[entry.tier].free(entry.pages)
-        self.evictions[entry.tier] += 1
+        for tier, pages in entry.places.items():
+            self._count_usage(entry, tier, -1)
+            self._allocators[tier].free(pages)
+            if counted:
+                self.evictions[tier] += 1
         entry.touch_seq = 0
-        if entry.parent is not None:
-            link = (entry.namespace, entry.parent)
-            remaining = self._child_counts[link] - 1
-            if remaining:
-                self._child_counts[link] = remaining
-            else:
-                del self._child_counts[link]
-            parent = self.get(*link)
-            if parent is not None:
-                parent.children -= 1
-                self._maybe_push(parent)
-
-    def _touch(self, entry: Entry, now: float) -> None:
-        self._touches += 1
-        entry.last_access = now
-        entry.touch_seq = self._touches
-        entry.in_heap = True
-        heap = self._heaps[entry.tier]
-        heapq.heappush(heap, (now, self._touches, entry.namespace, entry.key))
-        if len(heap) > 2 * self._num_entries + 64:
-            self._compact(entry.tier)
-
-    def _maybe_push(self, entry: Entry) -> None:
-        if entry.evictable and not entry.in_heap and entry.touch_seq:
-            entry.in_heap = True
-            heapq.heappush(
-                self._heaps[entry.tier],
-                (entry.last_access, entry.touch_seq, entry.namespace, entry.key),
-            )
+        entry.in_heaps = 0
+        parent = self._chains.unlink(entry)
+        if parent is not None:
+            self._lru.push(parent)
 
     def _all_entries(self) -> Iterator[Entry]:
         for bucket in self._entries.values():
             yield from bucket.values()
-
-    def _compact(self, tier: Tier) -> None:
-        live = [
-            (e.last_access, e.touch_seq, e.namespace, e.key)
-            for e in self._all_entries()
-            if e.tier == tier and e.in_heap
-        ]
-        heapq.heapify(live)
-        self._heaps[tier] = live

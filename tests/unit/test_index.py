@@ -662,10 +662,11 @@ def oracle_victims(
     by_bytes: bool,
 ) -> tuple[list[tuple[str, BlockKey]], int]:
     """Leaf-first LRU from scratch: repeatedly take the evictable entry with the smallest
-    (last_access, touch_seq) until `stop` bytes (or pages) are freed or none is left.
+    (last_access, touch_seq) until `stop` bytes (or pages) are freed or none is left. A copy
+    in tier is a leaf when no child is cached in tier or a faster one.
     Returns the victims in order and what they free."""
     live = {
-        (e.namespace, e.key): [e.last_access, e.touch_seq, e.children, e]
+        (e.namespace, e.key): [e.last_access, e.touch_seq, sum(e.child_tiers[1 : tier + 1]), e]
         for e in entries
         if e.tier == tier
     }

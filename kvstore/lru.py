@@ -1,0 +1,83 @@
+"""Per-tier LRU queues of the index: which copy of which entry goes first in each tier.
+
+Pure. Each slot tier has a heap of (last access, touch sequence, namespace, key). Items go
+stale instead of being removed: an entry touched again gets a new sequence, and an entry
+whose copy left the tier has that tier's bit cleared in `Entry.in_heaps`. A copy that is
+not evictable when popped drops out of the heap; the index pushes it back (`push`) when it
+becomes evictable, so the heap holds at most about one current item per copy.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+
+from kvstore.entries import Entry, Tier
+from kvstore.keys import BlockKey
+
+# (last access, touch sequence, namespace, key): the heap orders by recency, then touch order.
+_HeapItem = tuple[float, int, str, BlockKey]
+
+
+class TierLru:
+    """One heap per tier over the copies kept there."""
+
+    def __init__(self, tiers: Iterable[Tier], lookup: Callable[[str, BlockKey], Entry | None]):
+        self._heaps: dict[Tier, list[_HeapItem]] = {t: [] for t in tiers}
+        self._lookup = lookup
+        self._touches = 0
+
+    def touch(self, entry: Entry, now: float, live_entries: int) -> None:
+        """Make entry the most recently used in every tier that holds a copy."""
+        self._touches += 1
+        entry.last_access = now
+        entry.touch_seq = self._touches
+        entry.in_heaps = 0
+        for tier in entry.places:
+            self._push(entry, tier)
+            if len(self._heaps[tier]) > 2 * live_entries + 64:
+                self._compact(tier)
+
+    def push(self, entry: Entry) -> None:
+        """Queue every copy of entry that is evictable now and not queued yet."""
+        if not entry.touch_seq:
+            return
+        for tier in entry.places:
+            if not entry.in_heaps & (1 << tier) and entry.evictable_from(tier):
+                self._push(entry, tier)
+
+    def forget(self, entry: Entry, tier: Tier) -> None:
+        """The copy in tier is gone: its queued item is stale."""
+        entry.in_heaps &= ~(1 << tier)
+
+    def pop_victim(self, tier: Tier) -> Entry | None:
+        """The least recently used copy in tier that may go now; it leaves the queue."""
+        heap = self._heaps[tier]
+        bit = 1 << tier
+        while heap:
+            _, seq, namespace, key = heapq.heappop(heap)
+            entry = self._lookup(namespace, key)
+            if entry is None or entry.touch_seq != seq or not entry.in_heaps & bit:
+                continue  # stale: touched again, moved out of the tier, or removed
+            entry.in_heaps &= ~bit
+            if tier in entry.places and entry.evictable_from(tier):
+                return entry
+            # Not evictable now; push() queues it again when it becomes evictable.
+        return None
+
+    def _push(self, entry: Entry, tier: Tier) -> None:
+        entry.in_heaps |= 1 << tier
+        heapq.heappush(
+            self._heaps[tier], (entry.last_access, entry.touch_seq, entry.namespace, entry.key)
+        )
+
+    def _compact(self, tier: Tier) -> None:
+        bit = 1 << tier
+        live: dict[tuple[str, BlockKey], _HeapItem] = {}
+        for item in self._heaps[tier]:
+            entry = self._lookup(item[2], item[3])
+            if entry is not None and entry.touch_seq == item[1] and entry.in_heaps & bit:
+                live[(item[2], item[3])] = item
+        heap = list(live.values())
+        heapq.heapify(heap)
+        self._heaps[tier] = heap
