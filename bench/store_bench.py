@@ -42,8 +42,8 @@ import numpy.typing as npt
 import redis
 
 from kvstore.client import KVStoreClient
-from kvstore.config import KiB, MiB, parse_size
 from kvstore.testing import start_daemon, start_redis
+from kvstore.units import KiB, MiB, parse_size
 
 ByteArray = npt.NDArray[np.uint8]
 NAMESPACE = "bench"

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from kvstore.config import format_size
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, InvalidKeyError, all_keys, check_key, check_namespace
+from kvstore.units import format_size
 
 
 def namespace(name: str) -> str:

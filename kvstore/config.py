@@ -16,18 +16,14 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvstore.shm import check_shm_name
+from kvstore.units import GiB, KiB, MiB, format_size, parse_size
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-TiB = 1 << 40
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENV_PREFIX = "KVSTORE_"
 ENV_CONFIG_FILE = "KVSTORE_CONFIG"
@@ -66,6 +62,46 @@ class DramConfig:
 
 
 @dataclass(frozen=True)
+class HbmConfig:
+    """The L1 tier: one arena of GPU memory (section `hbm`)."""
+
+    mode: str = "auto"  #: auto = on when CUDA is present; on = required (start fails without).
+    capacity_bytes: int = 0  #: Arena size; 0 = fraction_of_free of the free HBM at start.
+    fraction_of_free: float = 0.2  #: Share of free HBM taken when capacity_bytes is 0.
+    page_size_bytes: int = 64 * KiB  #: Allocation page; a power of two, >= 4 KiB.
+    device: int = 0  #: CUDA device index.
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """The L3 tier: one preallocated file of pages on local NVMe, plus its manifest."""
+
+    enabled: bool = True  #: Keep an L3 tier on local disk.
+    #: Folder for the L3 file and manifest; "" = $XDG_CACHE_HOME/kvstore/<port> (~/.cache).
+    dir: str = ""
+    capacity_bytes: int = 4 * GiB  #: L3 file size (preallocated).
+    page_size_bytes: int = 64 * KiB  #: Allocation page; a power of two, >= 4 KiB.
+    backend: str = "auto"  #: auto (kvikio when an NVIDIA driver is present), kvikio or posix.
+    io_threads: int = 4  #: Parallel reads and writes of the POSIX backend.
+    #: exclusive: a block lives in one of L2/L3; inclusive: its L3 copy stays after promotion.
+    placement: str = "exclusive"
+    admit_min_seen: int = 1  #: Demote to L3 only blocks put or read at least this often.
+    sync: bool = False  #: fdatasync each manifest record (survives power loss, not only crashes).
+    compact_after_records: int = 100_000  #: Snapshot the manifest after this many records.
+
+
+@dataclass(frozen=True)
+class MoverConfig:
+    """The background mover: demotion under pressure (section `movers`)."""
+
+    high_watermark: float = 0.90  #: Start demoting when a tier is this full (0..1).
+    low_watermark: float = 0.75  #: Demote until the tier is this full.
+    batch_bytes: int = 64 * MiB  #: Most bytes demoted per step.
+    put_wait_s: float = 0.5  #: How long a put waits for the mover before evicting instead.
+    interval_s: float = 0.1  #: How often the mover checks the watermarks when idle.
+
+
+@dataclass(frozen=True)
 class LeaseConfig:
     """Shared-memory read leases and Reserve expiry (section `leases`)."""
 
@@ -90,6 +126,9 @@ class Config:
 
     server: ServerConfig = field(default_factory=ServerConfig)  #: gRPC server and request limits.
     dram: DramConfig = field(default_factory=DramConfig)  #: L2 shared-memory tier.
+    hbm: HbmConfig = field(default_factory=HbmConfig)  #: L1 GPU memory tier.
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)  #: L3 NVMe tier.
+    movers: MoverConfig = field(default_factory=MoverConfig)  #: Demotion between tiers.
     leases: LeaseConfig = field(default_factory=LeaseConfig)  #: Read leases and reservations.
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  #: Prometheus exporter.
     log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR.
@@ -98,6 +137,9 @@ class Config:
 SECTIONS: dict[str, type[Any]] = {
     "server": ServerConfig,
     "dram": DramConfig,
+    "hbm": HbmConfig,
+    "nvme": NvmeConfig,
+    "movers": MoverConfig,
     "leases": LeaseConfig,
     "metrics": MetricsConfig,
 }
@@ -113,41 +155,6 @@ def _settings() -> dict[str, tuple[str, object]]:
 KINDS = {key: kind for key, (kind, _) in _settings().items()}
 DEFAULTS = {key: default for key, (_, default) in _settings().items()}
 ENV_NAMES = {ENV_PREFIX + path.replace(".", "_").upper(): path for path in KINDS}
-
-# --- sizes -------------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in "64GiB", "1.5GiB", "512MB", "4096"; binary and decimal units; rounds down."""
-    if isinstance(text, bool):
-        raise ValueError(f"{text!r} is not a size")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"{text} is negative; sizes are >= 0")
-        return text
-    match = _SIZE_RE.fullmatch(str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    if not unit and "." in match.group(1):
-        raise ValueError(f"{text!r} is not a whole number of bytes")
-    try:
-        return int(Decimal(match.group(1)) * _UNITS[unit])
-    except InvalidOperation:
-        raise ValueError(f"{text!r} is not a size") from None
-
-
-def format_size(n: int) -> str:
-    """"512 B", "64.0 KiB", "1.0 GiB": the largest binary unit that keeps the number >= 1."""
-    for name, unit in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= unit:
-            return f"{n / unit:.1f} {name}"
-    return f"{n} B"
-
 
 # --- converting raw values ---------------------------------------------------------------
 
@@ -226,6 +233,38 @@ def _problems(cfg: Config) -> list[tuple[str, str]]:
         value = getattr(le, name)
         need(math.isfinite(value) and value > 0, f"leases.{name}", "must be > 0; use e.g. 30")
     need(cfg.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+    return out + _tier_problems(cfg)
+
+
+def _tier_problems(cfg: Config) -> list[tuple[str, str]]:
+    h, n, mv = cfg.hbm, cfg.nvme, cfg.movers
+    out: list[tuple[str, str]] = []
+
+    def need(ok: bool, path: str, msg: str) -> None:
+        if not ok:
+            out.append((path, msg))
+
+    need(h.mode in ("auto", "on", "off"), "hbm.mode", "must be auto, on or off")
+    need(0 < h.fraction_of_free <= 0.9, "hbm.fraction_of_free", "must be in (0, 0.9]; use 0.2")
+    need(h.device >= 0, "hbm.device", "must be >= 0")
+    for path, page in (("hbm.page_size_bytes", h.page_size_bytes),
+                       ("nvme.page_size_bytes", n.page_size_bytes)):
+        need(page >= 4 * KiB and page & (page - 1) == 0, path,
+             "must be a power of two >= 4KiB; use e.g. 64KiB")
+    need(not n.enabled or n.capacity_bytes >= n.page_size_bytes, "nvme.capacity_bytes",
+         "must be >= nvme.page_size_bytes; use e.g. 64GiB, or set nvme.enabled=false")
+    need(n.backend in ("auto", "kvikio", "posix"), "nvme.backend", "must be auto, kvikio or posix")
+    need(1 <= n.io_threads <= 256, "nvme.io_threads", "must be 1..256; use e.g. 4")
+    need(n.placement in ("exclusive", "inclusive"), "nvme.placement",
+         "must be exclusive or inclusive")
+    need(n.admit_min_seen >= 1, "nvme.admit_min_seen", "must be >= 1 (1 = admit every block)")
+    need(n.compact_after_records >= 1, "nvme.compact_after_records", "must be >= 1")
+    need(0 < mv.low_watermark < mv.high_watermark <= 1, "movers.low_watermark",
+         "must satisfy 0 < movers.low_watermark < movers.high_watermark <= 1; use 0.75 and 0.9")
+    need(mv.batch_bytes >= 1, "movers.batch_bytes", "must be > 0; use e.g. 64MiB")
+    for name in ("put_wait_s", "interval_s"):
+        value = getattr(mv, name)
+        need(math.isfinite(value) and value >= 0, f"movers.{name}", "must be >= 0")
     return out
 
 
