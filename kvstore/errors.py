@@ -25,3 +25,8 @@ class Aborted(StoreError):
 
 class Unavailable(StoreError):
     """Starting, draining or a backend down."""
+
+
+class StartupError(Exception):
+    """The daemon cannot start (a port is taken, shared memory is short, the L3 folder is in
+    use); the message says what to change."""

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
 from kvstore.config import Config, ConfigError, add_arguments, config_from_args
+from kvstore.errors import StartupError
 from kvstore.metrics import Metrics
 from kvstore.servicer import SERVICE_NAME, KVStoreServicer, handlers
 from kvstore.store import Store
@@ -46,11 +47,6 @@ def _sweep_forever(store: Store, interval_s: float, stop: threading.Event,
             return
         if leases or reservations:
             log.info("expired %d leases and %d reservations", leases, reservations)
-
-
-class StartupError(Exception):
-    """The daemon cannot start (a port is taken, shared memory is short); the message says
-    what to change."""
 
 
 def serve(config: Config, stop: threading.Event) -> None:
@@ -94,6 +90,12 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
         raise StartupError(f"cannot listen on {address}: {exc} (server.port)") from exc
     server.start()
     _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+
+    def mover_failed(reason: str) -> None:
+        log.error("tier mover stopped (%s); health is NOT_SERVING", reason)
+        _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    store.start(mover_failed)
     sweeper = threading.Thread(
         target=_sweep_forever, name="lease-sweeper", daemon=True,
         args=(store, config.leases.sweep_interval_s, stop, health_servicer),
@@ -101,7 +103,8 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
     sweeper.start()
     shm = store.dram.shm_name if store.dram else "off"
     print(f"kvstore-server {__version__} listening on {config.server.host}:{port} "
-          f"(metrics port {metrics_port or 'off'}, L2 shm {shm})", flush=True)
+          f"(metrics port {metrics_port or 'off'}, L2 shm {shm}, {store.describe_l3()})",
+          flush=True)
     try:
         stop.wait()
     finally:

@@ -19,7 +19,7 @@ import grpc
 
 from kvstore import __version__
 from kvstore.config import config_to_dict
-from kvstore.entries import Tier
+from kvstore.entries import StoreStats, Tier
 from kvstore.errors import (
     Aborted,
     FailedPrecondition,
@@ -31,7 +31,7 @@ from kvstore.metrics import Metrics
 from kvstore.proto.frames import data_frame, data_of
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.shm import host_id
-from kvstore.store import Store, StoreStats
+from kvstore.store import Store
 
 log = logging.getLogger("kvstore.server")
 
@@ -206,11 +206,20 @@ class KVStoreServicer:
 
     def Prefetch(self, request: pb.PrefetchRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.PrefetchProgress]:
-        def run() -> pb.PrefetchProgress:
+        started = time.perf_counter()
+        try:
             target = _tier(request.target_tier, "target_tier")
-            done, missing = self.store.prefetch(request.namespace, request.keys, target)
-            return pb.PrefetchProgress(done=done, missing=missing, total=len(request.keys))
-        yield self._unary("Prefetch", context, run)
+            deadline_s = request.deadline_ms / 1000 if request.deadline_ms else None
+            progress = self.store.prefetch(request.namespace, request.keys, target, deadline_s,
+                                           cancelled=lambda: not context.is_active())
+            for p in progress:
+                yield pb.PrefetchProgress(
+                    done=p.done, missing=p.missing, failed=p.failed, total=p.total,
+                    prefix_length=p.prefix_length, deadline_exceeded=p.deadline_exceeded)
+        except Exception as exc:
+            self._fail(context, "Prefetch", exc, started)
+            raise
+        self._ok("Prefetch", started)
 
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:

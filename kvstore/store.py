@@ -11,85 +11,36 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 
 import xxhash
 
 from kvstore import checks
-from kvstore.config import Config, format_size
-from kvstore.entries import CommitResult, Entry, Tier
+from kvstore.config import Config
+from kvstore.entries import (
+    CommitResult,
+    Entry,
+    EvictResult,
+    Extent,
+    PutSession,
+    ReadResult,
+    Reservation,
+    StorePlan,
+    StoreStats,
+    Tier,
+    TierStats,
+)
 from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.index import Index
 from kvstore.keys import BlockKey
+from kvstore.movers import Mover
 from kvstore.pages import PageAllocator
-from kvstore.tiers.dram import DramTier, Extent
-
-
-@dataclass(slots=True)
-class TierStats:
-    tier: str
-    enabled: bool
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-    objects: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    evictions: int = 0
-    page_size_bytes: int = 0
-    free_pages: int = 0
-    largest_free_run_pages: int = 0
-
-
-@dataclass(slots=True)
-class StoreStats:
-    tiers: list[TierStats]
-    shm_name: str
-    shm_size_bytes: int
-    leases: int
-    reservations: int
-    pinned: int
-    hits: int
-    misses: int
-
-
-@dataclass(slots=True)
-class PutSession:
-    """One put in flight: where each block's bytes go, and how many have arrived."""
-
-    plan_id: str
-    namespace: str
-    sizes: list[int]
-    targets: list[list[Extent] | None]  # per request position; None = already stored
-    hashers: list[xxhash.xxh3_64 | None]
-    total_bytes: int
-    received_bytes: int = 0
-    block: int = 0  # request position the next byte belongs to
-    block_offset: int = 0
-
-
-@dataclass(slots=True)
-class Reservation:
-    reservation_id: str
-    exists: list[bool]
-    extents: list[list[Extent]]  # per key; empty for keys that exist
-    expires_in_s: float
-
-
-@dataclass(slots=True)
-class ReadResult:
-    lease_id: str
-    entries: list[Entry | None]
-    extents: list[list[Extent]] = field(default_factory=list)  # per found entry
-
-
-@dataclass(frozen=True, slots=True)
-class EvictResult:
-    evicted: int
-    evicted_bytes: int
-    skipped: int
+from kvstore.prefetch import PrefetchProgress, prefetch
+from kvstore.tier_setup import open_tiers
+from kvstore.tiering import Load, Tiering
+from kvstore.tiers.dram import DramTier
+from kvstore.units import format_size
 
 
 class Store:
@@ -99,25 +50,45 @@ class Store:
         self.config = config
         self._clock = clock
         self._lock = threading.RLock()
-        self.dram: DramTier | None = None
-        if config.dram.enabled:
-            self.dram = DramTier(
-                config.dram.capacity_bytes,
-                config.dram.page_size_bytes,
-                config.dram.shm_name or f"kvstore-{config.server.port}-{secrets.token_hex(4)}",
-                config.dram.pin_memory,
-            )
-        allocators = {Tier.DRAM: PageAllocator(self.dram.num_pages)} if self.dram else {}
-        pages = {Tier.DRAM: config.dram.page_size_bytes}
-        self.index = Index(allocators, pages, clock)
-        self._stats = {t: TierStats(t.label, t in allocators) for t in Tier}
+        self._opened = open_tiers(config)
+        tiers = self._opened.tiers
+        dram = tiers.get(Tier.DRAM)
+        self.dram: DramTier | None = dram if isinstance(dram, DramTier) else None
+        self.index = Index({t: PageAllocator(x.num_pages) for t, x in tiers.items()},
+                           {t: x.page_size_bytes for t, x in tiers.items()}, clock)
+        self._stats = {t: TierStats(t.label, t in tiers) for t in Tier}
+        for t, tier in tiers.items():
+            self._stats[t].backend = tier.backend
         self._hits = self._misses = 0  # Lookup: keys inside / past the cached prefix
+        self.tiering = Tiering(config, self.index, self._lock, tiers, self._opened.manifest,
+                               self._stats, clock)
+        self._mover: Mover | None = None
+        try:
+            self.adopted = self.tiering.adopt()
+        except BaseException:
+            self.close()
+            raise
+
+    def describe_l3(self) -> str:
+        nvme = self._opened.tiers.get(Tier.NVME)
+        if nvme is None:
+            return "L3 off"
+        return (f"L3 {nvme.backend} in {self._opened.l3_dir}, "
+                f"{format_size(nvme.capacity_bytes)}, {self.adopted} blocks re-adopted")
+
+    def start(self, on_failure: Callable[[str], None]) -> None:
+        """Start the background mover; on_failure(reason) if it ever fails."""
+        self._mover = Mover(self.tiering, self.config.movers.interval_s, on_failure)
+        self._mover.start()
 
     def close(self) -> None:
+        if self._mover is not None:
+            self._mover.stop()
+            self._mover = None
+        self.tiering.close()
         with self._lock:
-            if self.dram is not None:
-                self.dram.close()
-                self.dram = None
+            self._opened.close()
+            self.dram = None
 
     def _check_keys(self, namespace: str, keys: Sequence[bytes]) -> list[BlockKey]:
         return checks.keys(namespace, keys, self.config.server.max_batch_keys)
@@ -139,9 +110,7 @@ class Store:
         tier = self._slot_tier()
         plan_id = secrets.token_hex(12)
         with self._lock:
-            plan = self.index.prepare_store(
-                plan_id, namespace, checked, sizes, parents, Tier.DRAM, self._clock() + timeout_s
-            )
+            plan = self._prepare(plan_id, namespace, checked, sizes, parents, timeout_s)
             if plan is None:
                 need = sum(self.index.pages_per_object(Tier.DRAM, s) for s in sizes)
                 raise ResourceExhausted(
@@ -153,6 +122,25 @@ class Store:
             for block in plan.blocks:
                 targets[block.index] = tier.extents(block.pages, block.size_bytes)
         return plan_id, checked, sizes, targets
+
+    def _prepare(
+        self, plan_id: str, namespace: str, keys: list[BlockKey], sizes: list[int],
+        parents: list[BlockKey | None], timeout_s: float,
+    ) -> StorePlan | None:
+        """With the lock held: L2 pages for a put. When L2 is full, wait (at most
+        movers.put_wait_s) for the mover to demote blocks to L3, then evict instead."""
+        deadline = self._clock() + timeout_s
+        args = (plan_id, namespace, keys, sizes, parents, Tier.DRAM, deadline)
+        plan = self.index.prepare_store(*args, evict=False)
+        if plan is None:
+            need = sum(self.index.pages_per_object(Tier.DRAM, s) for s in sizes)
+            if self.tiering.wait_for_room(Tier.DRAM, need, self.config.movers.put_wait_s):
+                plan = self.index.prepare_store(*args, evict=False)
+        if plan is None:
+            plan = self.index.prepare_store(*args, evict=True)
+        if self.tiering.fullness(Tier.DRAM) >= self.config.movers.high_watermark:
+            self.tiering.wake.set()
+        return plan
 
     def begin_put(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
@@ -186,7 +174,7 @@ class Store:
             targets, hasher = session.targets[i], session.hashers[i]
             if targets is not None and hasher is not None:
                 chunk = data[done : done + n]
-                tier.write(targets, session.block_offset, chunk)
+                tier.write_at(targets, session.block_offset, chunk)
                 hasher.update(chunk)
             done += n
             session.block_offset += n
@@ -251,24 +239,49 @@ class Store:
         self, namespace: str, keys: Sequence[bytes], lease_timeout_s: float, leased: bool = True
     ) -> ReadResult:
         """Lease the found entries (the caller copies their bytes, then release()s), or with
-        leased=False only touch them (for readers that verify checksums)."""
+        leased=False only touch them (for readers that verify checksums). Blocks only in L3
+        are loaded into L2 first; a load already in flight is waited for, not repeated."""
         checked = self._check_keys(namespace, keys)
         tier = self.dram
         lease_id = secrets.token_hex(12)
         with self._lock:
+            loads = self._start_loads(namespace, checked, Tier.DRAM)
+        for load in loads.values():
+            load.wait()
+        with self._lock:
             deadline = self._clock() + lease_timeout_s
-            entries = self.index.lease(lease_id if leased else None, namespace, checked, deadline)
+            entries = self.index.lease(
+                lease_id if leased else None, namespace, checked, deadline, need=Tier.DRAM)
             result = ReadResult(lease_id, entries)
-            stats = self._stats[Tier.DRAM]
-            for entry in entries:
-                if entry is None:
-                    stats.misses += 1  # L2 is the only tier a read looks in yet
-                    continue
-                assert tier is not None, "entries exist only in enabled tiers"
-                stats.hits += 1
-                stats.bytes_out += entry.size_bytes
-                result.extents.append(tier.extents(entry.pages, entry.size_bytes))
+            for key, entry in zip(checked, entries, strict=True):
+                self._count_read(entry, loads.get(key))
+                if entry is not None:
+                    assert tier is not None, "entries exist only in enabled tiers"
+                    result.extents.append(
+                        tier.extents(entry.places[Tier.DRAM], entry.size_bytes))
         return result
+
+    def _start_loads(self, namespace: str, keys: Sequence[BlockKey],
+                     target: Tier) -> dict[BlockKey, Load]:
+        """With the lock held: loads of the keys cached only below target."""
+        loads: dict[BlockKey, Load] = {}
+        for key in keys:
+            entry = self.index.get(namespace, key)
+            if entry is not None and entry.tier > target and key not in loads:
+                loads[key] = self.tiering.load(entry, target)
+        return loads
+
+    def _count_read(self, entry: Entry | None, load: Load | None) -> None:
+        dram, nvme = self._stats[Tier.DRAM], self._stats[Tier.NVME]
+        if entry is not None and load is None:
+            dram.hits += 1
+            dram.bytes_out += entry.size_bytes
+            return
+        dram.misses += 1
+        if entry is not None:
+            nvme.hits += 1
+        elif nvme.enabled:
+            nvme.misses += 1
 
     def chunks(
         self, result: ReadResult, chunk_bytes: int, copy: Callable[[list[memoryview], int], bytes]
@@ -330,16 +343,22 @@ class Store:
         return prefix, tiers
 
     def prefetch(
-        self, namespace: str, keys: Sequence[bytes], target: Tier | None
-    ) -> tuple[int, int]:
-        """(done, missing). Only L2 exists yet, so every cached key is already in place."""
+        self, namespace: str, keys: Sequence[bytes], target: Tier | None,
+        deadline_s: float | None = None, cancelled: Callable[[], bool] = lambda: False,
+    ) -> Iterator[PrefetchProgress]:
+        """Bring keys up to target (default: the highest enabled tier); see kvstore.prefetch.
+        Input is checked here, before the first progress message."""
         checked = self._check_keys(namespace, keys)
-        if target is not None and not self._stats[target].enabled:
+        tiers = self._opened.tiers
+        if target is None:
+            target = min(tiers, default=Tier.DRAM)
+        if target not in tiers:
             raise FailedPrecondition(f"target_tier {target.label} is not enabled")
-        with self._lock:
-            _, tiers = self.index.lookup(namespace, checked)
-        done = sum(1 for t in tiers if t is not None)
-        return done, len(tiers) - done
+        if deadline_s is not None and not deadline_s > 0:
+            raise InvalidArgument(f"deadline_ms must be > 0, got {deadline_s * 1000:g}")
+        deadline = self._clock() + deadline_s if deadline_s is not None else None
+        return prefetch(self._lock, self.index, self.tiering, namespace, checked, target,
+                        deadline, cancelled, self._clock, 2 * self.config.nvme.io_threads)
 
     # --- operators -------------------------------------------------------------------------
 
@@ -355,21 +374,31 @@ class Store:
         if namespace:
             checks.namespace(namespace)
         with self._lock:
+            gone: dict[int, Entry] = {}  # entries that lost a copy, once each
             if keys:
                 if not namespace:
                     raise InvalidArgument("namespace is required to evict keys")
                 checked = self._check_keys(namespace, keys)
                 evicted, skipped = self.index.evict_keys(namespace, checked)
+                self._forget_l3(e for e in evicted if Tier.NVME in e.places)
+                gone.update((id(e), e) for e in evicted)
             else:
-                evicted = []
-                for t in [tier] if tier is not None else self._enabled_slot_tiers():
-                    want = None if everything else min_bytes - sum(e.size_bytes for e in evicted)
-                    evicted += self.index.evict_lru(t, want, namespace or None)
+                for t in [tier] if tier is not None else sorted(self._opened.tiers):
+                    freed = sum(e.size_bytes for e in gone.values())
+                    want = None if everything else min_bytes - freed
+                    if want is not None and want <= 0:
+                        break
+                    evicted = self.index.evict_lru(t, want, namespace or None)
+                    if t == Tier.NVME:
+                        self._forget_l3(evicted)
+                    gone.update((id(e), e) for e in evicted)
                 skipped = self.index.unevictable(namespace or None) if everything else 0
-            return EvictResult(len(evicted), sum(e.size_bytes for e in evicted), skipped)
+            self.tiering.room.notify_all()
+            return EvictResult(len(gone), sum(e.size_bytes for e in gone.values()), skipped)
 
-    def _enabled_slot_tiers(self) -> list[Tier]:
-        return [Tier.DRAM] if self.dram is not None else []
+    def _forget_l3(self, entries: Iterable[Entry]) -> None:
+        for entry in entries:
+            self.tiering.journal_free(entry)
 
     def set_pinned(self, namespace: str, keys: Sequence[bytes], pinned: bool) -> tuple[int, int]:
         checked = self._check_keys(namespace, keys)
@@ -389,10 +418,11 @@ class Store:
             out: list[TierStats] = []
             for t in Tier:
                 row = replace(self._stats[t])
-                if t == Tier.DRAM and self.dram is not None:
+                tier = self._opened.tiers.get(t)
+                if tier is not None:
                     alloc = self.index.allocator_stats(t)
-                    row.capacity_bytes = self.dram.capacity_bytes
-                    row.page_size_bytes = self.dram.page_size_bytes
+                    row.capacity_bytes = tier.capacity_bytes
+                    row.page_size_bytes = tier.page_size_bytes
                     row.free_pages = alloc.free_pages
                     row.largest_free_run_pages = alloc.largest_free_run
                     row.objects, row.used_bytes = self.index.usage(t, namespace or None)

@@ -91,7 +91,9 @@ def start_daemon(workdir: Path, *settings: str, env: dict[str, str] | None = Non
     log_path = workdir / f"kvstore-server-{port}.log"
     args = [sys.executable, "-m", "kvstore.server", "--port", str(port),
             "--metrics-port", str(metrics_port)]
-    for setting in settings:
+    # L3 lives in workdir and is small unless settings say otherwise (later --set wins).
+    defaults = (f"nvme.dir={workdir / f'l3-{port}'}", "nvme.capacity_bytes=64MiB")
+    for setting in (*defaults, *settings):
         args += ["--set", setting]
     with log_path.open("w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,

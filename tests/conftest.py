@@ -47,5 +47,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
 
 @pytest.fixture
 def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
-    """A daemon with a small (32 MiB) L2 and 64 KiB pages."""
-    return daemon_factory("dram.capacity_bytes=32MiB", "dram.page_size_bytes=64KiB")
+    """A daemon with a small (32 MiB) L2 and 64 KiB pages, and no L3: blocks evicted from L2
+    are gone (tests of L3 start their own, see tests/integration/test_tiering.py)."""
+    return daemon_factory(
+        "dram.capacity_bytes=32MiB", "dram.page_size_bytes=64KiB", "nvme.enabled=false")

@@ -30,7 +30,7 @@ def test_demo_runs_verifies_blocks_and_cleans_up() -> None:
     assert "kvstore-server stopped (exit 0)" in flat
 
     port = re.search(r"starting.*--port (\d+)", flat)
-    segment = re.search(r"L2 shm (kvstore-[\w.-]+)\)", flat)
+    segment = re.search(r"L2 shm (kvstore-[\w.-]+)[,)]", flat)
     assert port and segment, output
     assert not (Path("/dev/shm") / segment.group(1)).exists()
     assert list(Path("/dev/shm").glob(f"kvstore-{port.group(1)}-*")) == []

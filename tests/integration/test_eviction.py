@@ -18,8 +18,8 @@ NUM_PAGES = 16
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("eviction"), "dram.capacity_bytes=1MiB",
-                     "dram.page_size_bytes=64KiB")
+    d = start_daemon(tmp_path_factory.mktemp("eviction"), "nvme.enabled=false",
+                     "dram.capacity_bytes=1MiB", "dram.page_size_bytes=64KiB")
     yield d
     assert d.stop() == 0, d.log()
 

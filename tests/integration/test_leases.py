@@ -26,8 +26,9 @@ NS = "leases"
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("leases"), "dram.capacity_bytes=1MiB",
-                     "dram.page_size_bytes=64KiB", f"leases.lease_timeout_s={LEASE_TIMEOUT_S}",
+    d = start_daemon(tmp_path_factory.mktemp("leases"), "nvme.enabled=false",
+                     "dram.capacity_bytes=1MiB", "dram.page_size_bytes=64KiB",
+                     f"leases.lease_timeout_s={LEASE_TIMEOUT_S}",
                      "leases.sweep_interval_s=0.1", "leases.reservation_timeout_s=30")
     yield d
     assert d.stop() == 0, d.log()
@@ -248,8 +249,8 @@ def test_an_inline_put_that_stalls_past_the_reservation_timeout_is_aborted(
 ) -> None:
     """An inline put holds its pages like a reservation; a sender that stalls past
     leases.reservation_timeout_s loses them (ABORTED), and nothing half-written is visible."""
-    d = daemon_factory("dram.capacity_bytes=1MiB", "leases.reservation_timeout_s=0.3",
-                       "leases.sweep_interval_s=0.05")
+    d = daemon_factory("nvme.enabled=false", "dram.capacity_bytes=1MiB",
+                       "leases.reservation_timeout_s=0.3", "leases.sweep_interval_s=0.05")
     k = key(7)
 
     def stalled() -> Iterator[pb.PutRequest]:

@@ -132,16 +132,20 @@ class PrefetchRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[Tier, str]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class PrefetchProgress(_message.Message):
-    __slots__ = ("done", "missing", "failed", "total")
+    __slots__ = ("done", "missing", "failed", "total", "prefix_length", "deadline_exceeded")
     DONE_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_EXCEEDED_FIELD_NUMBER: _ClassVar[int]
     done: int
     missing: int
     failed: int
     total: int
-    def __init__(self, done: _Optional[int] = ..., missing: _Optional[int] = ..., failed: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+    prefix_length: int
+    deadline_exceeded: bool
+    def __init__(self, done: _Optional[int] = ..., missing: _Optional[int] = ..., failed: _Optional[int] = ..., total: _Optional[int] = ..., prefix_length: _Optional[int] = ..., deadline_exceeded: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace", "keys", "sizes", "timeout_ms", "parent_key", "independent")
@@ -234,7 +238,7 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., include_config: _Optional[bool] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "enabled", "capacity_bytes", "used_bytes", "objects", "hits", "misses", "bytes_in", "bytes_out", "evictions", "page_size_bytes", "free_pages", "largest_free_run_pages")
+    __slots__ = ("tier", "enabled", "capacity_bytes", "used_bytes", "objects", "hits", "misses", "bytes_in", "bytes_out", "evictions", "page_size_bytes", "free_pages", "largest_free_run_pages", "backend", "promotions", "demotions", "admissions_refused", "checksum_failures", "io_errors", "queue_depth", "read_seconds", "write_seconds")
     TIER_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +252,15 @@ class TierStats(_message.Message):
     PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     LARGEST_FREE_RUN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    IO_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     enabled: bool
     capacity_bytes: int
@@ -261,7 +274,16 @@ class TierStats(_message.Message):
     page_size_bytes: int
     free_pages: int
     largest_free_run_pages: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., free_pages: _Optional[int] = ..., largest_free_run_pages: _Optional[int] = ...) -> None: ...
+    backend: str
+    promotions: int
+    demotions: int
+    admissions_refused: int
+    checksum_failures: int
+    io_errors: int
+    queue_depth: int
+    read_seconds: float
+    write_seconds: float
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., free_pages: _Optional[int] = ..., largest_free_run_pages: _Optional[int] = ..., backend: _Optional[str] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., io_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., read_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "shm_name", "shm_size_bytes", "host_id", "leases", "reservations", "pinned", "version", "config_json", "hits", "misses")

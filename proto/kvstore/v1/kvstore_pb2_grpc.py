@@ -118,7 +118,10 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefetch(self, request, context):
-        """Move keys up to a target tier before they are needed; streams progress.
+        """Move keys up to a target tier before they are needed, in key order (a prefix chain,
+        root first). Streams progress each time a key is ready; stops at the deadline with the
+        ready prefix, and stops working when the caller goes away. A key already being loaded
+        (by a Get or another Prefetch) is waited for, not read twice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

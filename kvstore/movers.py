@@ -1,0 +1,58 @@
+"""The supervised background mover: demotes blocks when a tier passes its high watermark.
+
+It wakes every `movers.interval_s`, or at once when a put or load is short of room
+(`Tiering.wake`), and steps until nothing is over its watermark. If a step raises, the
+mover logs why, calls `on_failure` (the server marks health NOT_SERVING) and stops: it never
+dies silently, and puts then fall back to evicting after `movers.put_wait_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvstore.tiering import Tiering
+
+log = logging.getLogger(__name__)
+
+
+class Mover:
+    def __init__(self, tiering: Tiering, interval_s: float,
+                 on_failure: Callable[[str], None]) -> None:
+        self._tiering = tiering
+        self._interval_s = interval_s
+        self._on_failure = on_failure
+        self._stop = threading.Event()
+        self.failure = ""  # why the mover stopped, when it failed
+        self._thread = threading.Thread(target=self._run, name="mover", daemon=True)
+
+    def start(self) -> None:
+        self._tiering.mover_running = True
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._tiering.mover_running = False
+        self._stop.set()
+        self._tiering.wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        wake = self._tiering.wake
+        while not self._stop.is_set():
+            wake.wait(self._interval_s)
+            wake.clear()
+            try:
+                while not self._stop.is_set() and self._tiering.step():
+                    pass
+            except Exception as exc:
+                self._tiering.mover_running = False
+                self.failure = f"{type(exc).__name__}: {exc}"
+                log.exception("the tier mover failed; marking NOT_SERVING")
+                self._on_failure(self.failure)
+                return

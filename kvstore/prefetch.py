@@ -1,0 +1,91 @@
+"""Prefetch: bring a prefix chain of blocks up to a target tier, reporting as keys get ready.
+
+Keys are loaded in key order (root first) with up to `window` loads in flight, through the
+same coalescing loads as Get (kvstore.tiering), so a key that a Get or another Prefetch is
+already loading is waited for, not read twice. Progress is yielded whenever the caller would
+otherwise wait, and at the end. At the deadline the last message carries the ready prefix
+and `deadline_exceeded`; loads not yet started are never started. When `cancelled()` turns
+true (the client went away) the generator stops starting loads and returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from kvstore.entries import Tier
+from kvstore.index import Index
+from kvstore.keys import BlockKey
+from kvstore.tiering import Load, Tiering
+
+_POLL_S = 0.05  # how often a wait looks at the deadline and the caller
+
+
+@dataclass(slots=True)
+class PrefetchProgress:
+    done: int = 0  # keys now in the target tier or above
+    missing: int = 0  # keys in no tier
+    failed: int = 0  # keys that could not be moved (no room, read error)
+    total: int = 0
+    prefix_length: int = 0  # keys[0:prefix_length] are all in the target tier
+    deadline_exceeded: bool = False
+
+
+def prefetch(
+    lock: threading.RLock, index: Index, tiering: Tiering, namespace: str,
+    keys: Sequence[BlockKey], target: Tier, deadline: float | None,
+    cancelled: Callable[[], bool], clock: Callable[[], float], window: int,
+) -> Iterator[PrefetchProgress]:
+    progress = PrefetchProgress(total=len(keys))
+    pending: deque[str | Load] = deque()  # per key, in order: "done", "missing" or a load
+    started = 0
+    prefix_open = True
+    while started < len(keys) or pending:
+        with lock:
+            while started < len(keys) and len(pending) < window:
+                pending.append(_start(index, tiering, namespace, keys[started], target))
+                started += 1
+        head = pending[0]
+        if isinstance(head, Load):
+            if not head.done:
+                yield replace(progress)
+            while not head.wait(_wait_s(deadline, clock)):
+                if cancelled():
+                    return
+                if deadline is not None and clock() >= deadline:
+                    progress.deadline_exceeded = True
+                    yield progress
+                    return
+            head = "done" if head.ok else "failed"
+        pending.popleft()
+        if head == "done":
+            progress.done += 1
+        elif head == "missing":
+            progress.missing += 1
+        else:
+            progress.failed += 1
+        prefix_open = prefix_open and head == "done"
+        progress.prefix_length += prefix_open
+        if cancelled():
+            return
+    yield progress
+
+
+def _start(index: Index, tiering: Tiering, namespace: str, key: BlockKey,
+           target: Tier) -> str | Load:
+    """With the lock held: what prefetching key takes."""
+    entry = index.get(namespace, key)
+    if entry is None:
+        return "missing"
+    if entry.tier <= target:
+        index.lease(None, namespace, [key], 0.0)  # fresh in the LRU: needed soon
+        return "done"
+    return tiering.load(entry, target)
+
+
+def _wait_s(deadline: float | None, clock: Callable[[], float]) -> float:
+    if deadline is None:
+        return _POLL_S
+    return max(0.0, min(_POLL_S, deadline - clock()))

@@ -1,0 +1,124 @@
+"""Opening the slot tiers a config asks for: L1 HBM, L2 DRAM, L3 NVMe and its manifest.
+
+Each failure that an operator can fix is a StartupError naming the setting: L1 demanded on
+a host without CUDA, an L3 folder another daemon holds, an L3 file that cannot be created.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.config import Config
+from kvstore.entries import Tier
+from kvstore.errors import StartupError
+from kvstore.manifest import Manifest
+from kvstore.tiers.base import SlotTier
+from kvstore.tiers.dram import DramTier
+
+log = logging.getLogger(__name__)
+
+L3_FILE = "l3.data"
+LOCK_FILE = "lock"
+
+
+@dataclass
+class OpenTiers:
+    tiers: dict[Tier, SlotTier] = field(default_factory=dict)
+    manifest: Manifest | None = None
+    l3_dir: Path | None = None
+    _stack: ExitStack = field(default_factory=ExitStack)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def l3_dir(config: Config) -> Path:
+    """nvme.dir, or a per-port folder under $XDG_CACHE_HOME (~/.cache) so a restarted daemon
+    on the same port finds what it left."""
+    if config.nvme.dir:
+        return Path(config.nvme.dir).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "kvstore" / str(config.server.port)
+
+
+def open_tiers(config: Config) -> OpenTiers:
+    """Every enabled tier, opened; on failure whatever was opened is closed again."""
+    opened = OpenTiers()
+    with ExitStack() as undo:
+        undo.callback(opened.close)
+        if config.dram.enabled:
+            dram = DramTier(
+                config.dram.capacity_bytes, config.dram.page_size_bytes,
+                config.dram.shm_name or f"kvstore-{config.server.port}-{secrets.token_hex(4)}",
+                config.dram.pin_memory,
+            )
+            opened._stack.callback(dram.close)
+            opened.tiers[Tier.DRAM] = dram
+        _open_hbm(config, opened)
+        if config.nvme.enabled:
+            if not config.dram.enabled:
+                raise StartupError("nvme.enabled needs the L2 tier (dram.enabled=true): blocks "
+                                   "reach L3 through L2; set nvme.enabled=false")
+            _open_nvme(config, opened)
+        undo.pop_all()
+    return opened
+
+
+def _open_hbm(config: Config, opened: OpenTiers) -> None:
+    h = config.hbm
+    if h.mode == "off":
+        return
+    from kvstore.tiers.hbm import HbmTier, HbmUnavailable, cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason(h.device)
+    if reason is not None:
+        if h.mode == "on":
+            raise StartupError(f"hbm.mode=on but the L1 tier cannot start: {reason}; "
+                               "set hbm.mode=auto or off")
+        log.info("L1 HBM tier off: %s", reason)
+        return
+    if Tier.DRAM not in opened.tiers:
+        raise StartupError("the L1 tier copies through L2: set dram.enabled=true or hbm.mode=off")
+    try:
+        hbm = HbmTier(h.capacity_bytes, h.fraction_of_free, h.page_size_bytes, h.device)
+    except (HbmUnavailable, ValueError) as exc:
+        raise StartupError(f"cannot start the L1 tier: {exc}") from exc
+    opened._stack.callback(hbm.close)
+    opened.tiers[Tier.HBM] = hbm
+
+
+def _open_nvme(config: Config, opened: OpenTiers) -> None:
+    from kvstore.tiers.nvme import NvmeTier
+
+    n = config.nvme
+    folder = l3_dir(config)
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock_fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise StartupError(f"cannot use the L3 folder {folder}: {exc.strerror} "
+                           "(nvme.dir)") from exc
+    opened._stack.callback(os.close, lock_fd)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise StartupError(f"the L3 folder {folder} is in use by another kvstore-server; give "
+                           "each daemon its own nvme.dir") from None
+    try:
+        nvme = NvmeTier(folder / L3_FILE, n.capacity_bytes, n.page_size_bytes, n.backend,
+                        n.io_threads)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise StartupError(f"cannot open the L3 file in {folder}: {exc} "
+                           "(nvme.dir, nvme.capacity_bytes, nvme.backend)") from exc
+    opened._stack.callback(nvme.close)
+    opened.tiers[Tier.NVME] = nvme
+    manifest = Manifest(folder, nvme.page_size_bytes, nvme.num_pages, sync=n.sync)
+    opened._stack.callback(manifest.close)
+    opened.manifest = manifest
+    opened.l3_dir = folder

@@ -1,0 +1,424 @@
+"""Moving blocks between the slot tiers: demotion under pressure, loads (promotion) with
+coalescing, and the L3 manifest that lets a restarted daemon re-adopt what L3 held.
+
+The store's lock guards the index; every method here takes it only to plan and to finish a
+move, never around I/O. An entry being moved or loaded is `busy` in the index, so neither
+its copy nor its pages change under the transfer. Order for crash safety: a block's bytes
+are written to L3 before its manifest COMMIT record, and a FREE record is appended before
+its L3 pages can be handed to anything else; every L3 read is checked against the block's
+checksum, so whatever a crash leaves behind is a miss, never wrong bytes.
+
+Placement: L1 (HBM) holds copies of blocks that L2 also holds, so demoting out of L1 only
+drops the copy. L2 -> L3 is exclusive by default (the L2 copy is freed once the L3 copy is
+committed, and a promotion frees the L3 copy); `nvme.placement=inclusive` keeps the L3 copy
+on promotion, so demoting that block again costs no write.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstore.config import Config
+from kvstore.entries import Entry, Tier, TierStats
+from kvstore.index import Index, Pages
+from kvstore.keys import BlockKey
+from kvstore.manifest import Manifest, ManifestRecord
+from kvstore.tiers.base import SlotTier, Transfer
+from kvstore.tiers.dram import DramTier
+
+log = logging.getLogger(__name__)
+
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+class Load:
+    """One load of a block into a tier; every reader wanting it waits on the same one."""
+
+    __slots__ = ("_done", "ok")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.ok = False
+
+    def finish(self, ok: bool) -> None:
+        self.ok = ok
+        self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """True once finished (then `ok` says whether the block is in place)."""
+        return self._done.wait(timeout_s)
+
+
+@dataclass(slots=True)
+class _Demotion:
+    entry: Entry
+    pages: Pages  # its new L3 pages
+
+
+class Tiering:
+    """The movers and loads of one store (see the module docstring)."""
+
+    def __init__(self, config: Config, index: Index, lock: threading.RLock,
+                 tiers: dict[Tier, SlotTier], manifest: Manifest | None,
+                 stats: dict[Tier, TierStats], clock: Callable[[], float]) -> None:
+        self.config = config
+        self.index = index
+        self.tiers = tiers
+        self.manifest = manifest
+        self.stats = stats
+        self._clock = clock
+        self.room = threading.Condition(lock)  # notified whenever pages are freed
+        self.wake = threading.Event()  # asks the mover for a step now
+        self._loads: dict[tuple[str, BlockKey, Tier], Load] = {}
+        self.coalesced = 0  # loads joined instead of started
+        self.mover_running = False  # set by the mover: whether waiting for room can help
+        self._io_lock = threading.Lock()  # I/O accounting, updated outside the store lock
+        self._in_flight: dict[tuple[Tier, str], int] = {}
+        self._busy_since: dict[tuple[Tier, str], float] = {}
+        self._waiting: dict[Tier, list[int]] = {}  # free pages each waiting put or load needs
+        threads = 2 * config.nvme.io_threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="load")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+    @property
+    def dram(self) -> DramTier:
+        tier = self.tiers[Tier.DRAM]
+        assert isinstance(tier, DramTier)
+        return tier
+
+    # --- start-up --------------------------------------------------------------------------
+
+    def adopt(self) -> int:
+        """Re-adopt what the L3 manifest lists; then compact it. Returns blocks adopted."""
+        if self.manifest is None:
+            return 0
+        report = self.manifest.load()
+        if report.discarded:
+            log.warning("L3 manifest discarded: %s; L3 starts empty", report.discarded)
+        if report.torn_bytes:
+            log.warning("L3 manifest: ignored a torn tail of %d bytes", report.torn_bytes)
+        adopted = 0
+        with self.room:
+            for r in report.records:
+                if self.index.adopt(r.namespace, BlockKey(r.key), r.size_bytes, r.checksum,
+                                    BlockKey(r.parent) if r.parent else None, Tier.NVME,
+                                    r.pages) is not None:
+                    adopted += 1
+            self.manifest.snapshot(self._records())
+        log.info("L3: re-adopted %d blocks from the manifest", adopted)
+        return adopted
+
+    def _records(self) -> list[ManifestRecord]:
+        return [_record(e) for e in self.index.entries(Tier.NVME)]
+
+    # --- pressure ----------------------------------------------------------------------------
+
+    def fullness(self, tier: Tier) -> float:
+        total: int = self.tiers[tier].num_pages
+        return 1.0 - self.index.free_pages(tier) / total
+
+    def wait_for_room(self, tier: Tier, num_pages: int, timeout_s: float) -> bool:
+        """With the lock held: ask the mover for room and wait up to timeout_s for
+        num_pages free pages in tier. False at once when no mover can free pages there."""
+        if not self.mover_running or (tier == Tier.DRAM and Tier.NVME not in self.tiers):
+            return False
+        waiting = self._waiting.setdefault(tier, [])
+        waiting.append(num_pages)
+        self.wake.set()
+        try:
+            return self.room.wait_for(
+                lambda: self.index.free_pages(tier) >= num_pages, timeout_s)
+        finally:
+            waiting.remove(num_pages)
+
+    def step(self) -> int:
+        """One mover step: demote from every tier above its high watermark down towards its
+        low watermark (or until a waiting put or load fits). Returns the bytes moved."""
+        moved = 0
+        # Without L3 there is nowhere to demote L2 blocks to: puts evict on demand instead.
+        movable = [t for t in (Tier.HBM, Tier.DRAM) if t in self.tiers and (
+            t == Tier.HBM or Tier.NVME in self.tiers)]
+        for tier in movable:
+            want = self._want_bytes(tier)
+            if want > 0:
+                moved += self._drop_l1(want) if tier == Tier.HBM else self._demote_l2(want)
+        if self.manifest is not None and (
+            self.manifest.journal_records >= self.config.nvme.compact_after_records
+        ):
+            with self.room:
+                self.manifest.snapshot(self._records())
+        return moved
+
+    def _want_bytes(self, tier: Tier) -> int:
+        """Bytes to demote from tier now: down to the low watermark once past the high one,
+        or enough for what a waiting put or load needs, at most movers.batch_bytes."""
+        mv = self.config.movers
+        slot = self.tiers[tier]
+        want = 0
+        if self.fullness(tier) >= mv.high_watermark:
+            want = int((self.fullness(tier) - mv.low_watermark) * slot.capacity_bytes) + 1
+        short = max(self._waiting.get(tier, [0]), default=0) - self.index.free_pages(tier)
+        page_bytes: int = slot.page_size_bytes
+        return min(mv.batch_bytes, max(want, short * page_bytes))
+
+    def _drop_l1(self, want_bytes: int) -> int:
+        """L1 holds copies of L2 blocks: demoting out of it is dropping the copy."""
+        with self.room:
+            picked = self.index.pick(Tier.HBM, want_bytes)
+            for entry in picked:
+                self.index.done(entry)
+                if entry.movable:
+                    self.index.drop_copy(entry, Tier.HBM)
+                    self.stats[Tier.HBM].demotions += 1
+            self.room.notify_all()
+        return sum(e.size_bytes for e in picked)
+
+    # --- demotion L2 -> L3 -------------------------------------------------------------------
+
+    def _demote_l2(self, want_bytes: int) -> int:
+        with self.room:
+            picked = self.index.pick(Tier.DRAM, want_bytes)
+            moves = [m for m in map(self._plan_demotion, picked) if m is not None]
+            batch = [Transfer(m.pages, m.entry.size_bytes,
+                              self.dram.buffers(m.entry.places[Tier.DRAM], m.entry.size_bytes))
+                     for m in moves]
+        errors = self._io(Tier.NVME, "write", batch)
+        with self.room:
+            for move, error in zip(moves, errors, strict=True):
+                self._finish_demotion(move, error)
+            self.room.notify_all()
+        return sum(e.size_bytes for e in picked)
+
+    def _plan_demotion(self, entry: Entry) -> _Demotion | None:
+        """With the lock held: L3 pages for entry, or None when it needs no write (already in
+        L3) or is not admitted (then its L2 copy simply goes)."""
+        if Tier.NVME in entry.places:
+            self.index.done(entry)
+            if entry.movable:
+                self.index.drop_copy(entry, Tier.DRAM)
+                self.stats[Tier.DRAM].demotions += 1
+            return None
+        if entry.seen < self.config.nvme.admit_min_seen:
+            self.stats[Tier.NVME].admissions_refused += 1
+            self._evict_l2(entry)
+            return None
+        pages = self._l3_pages(entry.size_bytes)
+        if pages is None:
+            self.stats[Tier.NVME].admissions_refused += 1
+            self._evict_l2(entry)
+            return None
+        return _Demotion(entry, pages)
+
+    def _l3_pages(self, size_bytes: int) -> Pages | None:
+        """Pages in L3, evicting (and journaling) least-recently-used L3 blocks if needed."""
+        pages = self.index.alloc(Tier.NVME, size_bytes)
+        if pages is not None:
+            return pages
+        needed = self.index.pages_per_object(Tier.NVME, size_bytes)
+        evicted = self.index.make_room(Tier.NVME, needed)
+        if evicted is None:
+            return None
+        for gone in evicted:
+            self.journal_free(gone)
+        return self.index.alloc(Tier.NVME, size_bytes)
+
+    def _evict_l2(self, entry: Entry) -> None:
+        """entry leaves L2 without going to L3 (not admitted, no room, or no L3)."""
+        self.index.done(entry)
+        if entry.movable:
+            self.index.drop_copy(entry, Tier.DRAM)
+            self.index.evictions[Tier.DRAM] += 1
+
+    def _finish_demotion(self, move: _Demotion, error: OSError | None) -> None:
+        entry = move.entry
+        if error is None:
+            try:
+                self._journal_commit(entry, move.pages)
+            except OSError as exc:
+                error = exc
+        if error is not None:
+            self.index.free(Tier.NVME, move.pages)
+            self.stats[Tier.NVME].admissions_refused += 1
+            if error.errno not in _NO_ROOM:
+                self.stats[Tier.NVME].io_errors += 1
+            log.warning("L3 write failed, block not admitted: %s", error)
+            self._evict_l2(entry)
+            return
+        self.index.add_copy(entry, Tier.NVME, move.pages)
+        self.stats[Tier.NVME].bytes_in += entry.size_bytes
+        self.stats[Tier.DRAM].demotions += 1
+        self.index.done(entry)
+        if entry.movable:  # a reader leased it meanwhile: the next step drops the L2 copy
+            self.index.drop_copy(entry, Tier.DRAM)
+
+    # --- loads (promotion) -------------------------------------------------------------------
+
+    def load(self, entry: Entry, target: Tier) -> Load:
+        """With the lock held: bring entry up to target (DRAM or HBM), or join the load
+        already doing so. The entry stays busy until the load finishes."""
+        key = (entry.namespace, entry.key, target)
+        load = self._loads.get(key)
+        if load is not None:
+            self.coalesced += 1
+            return load
+        load = self._loads[key] = Load()
+        self.index.hold(entry)
+        self._pool.submit(self._run_load, entry, target, key, load)
+        return load
+
+    def _run_load(self, entry: Entry, target: Tier, key: tuple[str, BlockKey, Tier],
+                  load: Load) -> None:
+        ok = False
+        try:
+            ok = Tier.DRAM in entry.places or self._load_l3(entry)
+            if ok and target == Tier.HBM and Tier.HBM not in entry.places:
+                ok = self._load_l1(entry)
+        except Exception:
+            log.exception("load of a block into %s failed", target.label)
+        finally:
+            with self.room:
+                del self._loads[key]
+                self.index.done(entry)
+                self.room.notify_all()
+            load.finish(ok)
+
+    def _room(self, tier: Tier, size_bytes: int) -> Pages | None:
+        """Pages in tier for a load: free ones, else the mover's, else evicted ones."""
+        with self.room:
+            pages = self.index.alloc(tier, size_bytes)
+            if pages is None and tier == Tier.DRAM:  # L1 copies are dropped at once instead
+                need = self.index.pages_per_object(tier, size_bytes)
+                self.wait_for_room(tier, need, self.config.movers.put_wait_s)
+                pages = self.index.alloc(tier, size_bytes)
+            if pages is None and self.index.make_room(
+                    tier, self.index.pages_per_object(tier, size_bytes)) is not None:
+                pages = self.index.alloc(tier, size_bytes)
+            return pages
+
+    def _load_l3(self, entry: Entry) -> bool:
+        """L3 -> L2, straight into the new L2 pages, checked against the block's checksum."""
+        if Tier.NVME not in entry.places:
+            return False
+        pages = self._room(Tier.DRAM, entry.size_bytes)
+        if pages is None:
+            return False
+        buffers = self.dram.buffers(pages, entry.size_bytes)
+        [error] = self._io(Tier.NVME, "read", [
+            Transfer(entry.places[Tier.NVME], entry.size_bytes, buffers)])
+        intact = error is None and _checksum(buffers, entry.size_bytes) == entry.checksum
+        with self.room:
+            if not intact:
+                self.index.free(Tier.DRAM, pages)
+                self._drop_damaged(entry, error)
+                return False
+            self.index.add_copy(entry, Tier.DRAM, pages)
+            self.index.lease(None, entry.namespace, [entry.key], 0.0)  # most recently used
+            self.stats[Tier.NVME].bytes_out += entry.size_bytes
+            self.stats[Tier.DRAM].promotions += 1
+            if self.config.nvme.placement == "exclusive":
+                self.journal_free(entry)
+                self.index.drop_copy(entry, Tier.NVME)
+        return True
+
+    def _drop_damaged(self, entry: Entry, error: OSError | None) -> None:
+        stats = self.stats[Tier.NVME]
+        if error is not None:
+            stats.io_errors += 1
+            log.warning("L3 read failed; block dropped: %s", error)
+        else:
+            stats.checksum_failures += 1
+            log.warning("L3 block failed its checksum; dropped (a miss, never wrong bytes)")
+        self.journal_free(entry)
+        self.index.discard(entry)
+
+    def _load_l1(self, entry: Entry) -> bool:
+        """L2 -> L1 through the pinned L2 pages (the entry is busy: they stay put)."""
+        pages = self._room(Tier.HBM, entry.size_bytes)
+        if pages is None:
+            return False
+        buffers = self.dram.buffers(entry.places[Tier.DRAM], entry.size_bytes)
+        [error] = self._io(Tier.HBM, "write", [Transfer(pages, entry.size_bytes, buffers)])
+        with self.room:
+            if error is not None:
+                self.index.free(Tier.HBM, pages)
+                self.stats[Tier.HBM].io_errors += 1
+                return False
+            self.index.add_copy(entry, Tier.HBM, pages)
+            self.stats[Tier.HBM].promotions += 1
+            self.stats[Tier.HBM].bytes_in += entry.size_bytes
+        return True
+
+    # --- I/O and the journal -----------------------------------------------------------------
+
+    def _io(self, tier: Tier, op: str, batch: Sequence[Transfer]) -> list[OSError | None]:
+        """Run a batch, keeping the queue depth and the wall time the tier was busy with op
+        (overlapping batches count once, so bytes / seconds is the tier's bandwidth)."""
+        if not batch:
+            return []
+        stats = self.stats[tier]
+        busy = (tier, op)
+        with self._io_lock:
+            stats.queue_depth += len(batch)
+            if not self._in_flight.get(busy):
+                self._busy_since[busy] = time.perf_counter()
+            self._in_flight[busy] = self._in_flight.get(busy, 0) + 1
+        try:
+            slot = self.tiers[tier]
+            errors: list[OSError | None] = (
+                slot.write(batch) if op == "write" else slot.read(batch))
+            return errors
+        finally:
+            with self._io_lock:
+                stats.queue_depth -= len(batch)
+                self._in_flight[busy] -= 1
+                if not self._in_flight[busy]:
+                    elapsed = time.perf_counter() - self._busy_since[busy]
+                    if op == "write":
+                        stats.write_seconds += elapsed
+                    else:
+                        stats.read_seconds += elapsed
+
+    def _journal_commit(self, entry: Entry, pages: Pages) -> None:
+        if self.manifest is not None:
+            self.manifest.commit(_record(entry, pages))
+
+    def journal_free(self, entry: Entry) -> None:
+        """Before entry's L3 pages can be reused. A FREE that cannot be written is logged:
+        a stale COMMIT then points at reused pages, which the checksum turns into a miss."""
+        if self.manifest is None:
+            return
+        try:
+            self.manifest.free(entry.namespace, entry.key)
+        except OSError as exc:
+            log.warning("L3 manifest: cannot record a free (%s); checksums guard the reuse", exc)
+
+
+def _record(entry: Entry, pages: Pages | None = None) -> ManifestRecord:
+    return ManifestRecord(entry.namespace, entry.key, entry.size_bytes, entry.checksum,
+                          entry.parent, pages if pages is not None else entry.places[Tier.NVME])
+
+
+def _checksum(buffers: Sequence[memoryview], size_bytes: int) -> int:
+    h = xxhash.xxh3_64()
+    remaining = size_bytes
+    for buf in buffers:
+        take = buf[:remaining]
+        h.update(take)
+        remaining -= len(take)
+        if remaining <= 0:
+            break
+    return h.intdigest()

@@ -1,0 +1,131 @@
+"""The tier hierarchy through a real daemon and real gRPC: puts under sustained pressure
+demote instead of evicting, Prefetch streams progress and honours its deadline, Get promotes
+L3 hits, and the L1 and mover settings fail loudly where they must."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.client import FailedPrecondition, KVStoreClient
+from kvstore.testing import Daemon, free_port
+
+PAGE = 64 << 10
+SMALL = ("dram.capacity_bytes=2MiB", "dram.page_size_bytes=64KiB", "nvme.capacity_bytes=16MiB",
+         "nvme.page_size_bytes=64KiB", "movers.interval_s=0.02")
+
+
+def blocks(n: int, seed: int) -> tuple[list[bytes], list[bytes]]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(32) for _ in range(n)], [rng.bytes(PAGE) for _ in range(n)]
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_sustained_puts_demote_to_l3_instead_of_evicting(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(*SMALL)
+    keys, values = blocks(96, seed=1)  # three times L2
+    with KVStoreClient(d.target, "pressure") as kv:
+        for i in range(0, 96, 8):
+            result = kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
+            assert (result.stored, result.evicted) == (8, 0)
+        s = kv.stats()
+        dram, nvme = s.tier("dram"), s.tier("nvme")
+        assert dram is not None and nvme is not None
+        assert (dram.evictions, nvme.evictions) == (0, 0)
+        assert dram.demotions == nvme.objects > 0 and dram.objects + nvme.objects == 96
+        assert nvme.backend == "posix"
+        for i in range(0, 96, 8):  # L3 hits come back through L2, bit-exact
+            assert kv.get(keys[i : i + 8]) == values[i : i + 8]
+        assert kv.stats().tier("dram").promotions > 0  # type: ignore[union-attr]
+
+
+def test_prefetch_streams_progress_and_get_then_finds_l2(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(*SMALL)
+    keys, values = blocks(40, seed=2)
+    with KVStoreClient(d.target, "prefetch") as kv:
+        kv.put(keys[:8], values[:8])  # a chain of 8, then pressure pushes it to L3
+        for i in range(8, 40, 8):
+            kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
+        wait_until(lambda: kv.lookup(keys[:8]).tiers == ["nvme"] * 8)
+        seen: list[int] = []
+        result = kv.prefetch([*keys[:8], b"\x01" * 32], tier="dram",
+                             on_progress=lambda p: seen.append(p.prefix_length))
+        assert (result.done, result.missing, result.failed, result.total) == (8, 1, 0, 9)
+        assert (result.prefix_length, result.deadline_exceeded) == (8, False)
+        assert seen == sorted(seen) and seen[-1] == 8 and len(seen) > 1
+        assert kv.lookup(keys[:8]).tiers == ["dram"] * 8
+        assert kv.get(keys[:8]) == values[:8]
+
+
+def test_prefetch_past_its_deadline_returns_the_ready_prefix(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(*SMALL)
+    keys, values = blocks(40, seed=3)
+    with KVStoreClient(d.target, "deadline") as kv:
+        kv.put(keys[:16], values[:16])
+        for i in range(16, 40, 8):
+            kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
+        wait_until(lambda: kv.lookup(keys[:16]).tiers[:8] == ["nvme"] * 8)
+        result = kv.prefetch(keys[:16], tier="dram", deadline_s=0.001)
+        assert result.deadline_exceeded and result.prefix_length < 16
+        tiers = kv.lookup(keys[:16]).tiers
+        assert tiers[: result.prefix_length] == ["dram"] * result.prefix_length
+
+
+def test_prefetch_to_l1_without_a_gpu_is_a_failed_precondition(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(*SMALL)
+    keys, _ = blocks(1, seed=4)
+    with KVStoreClient(d.target, "l1") as kv, pytest.raises(FailedPrecondition, match="hbm"):
+        kv.prefetch(keys, tier="hbm")
+
+
+def test_demanding_l1_without_cuda_stops_the_daemon_with_the_setting_named(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torch")
+    from kvstore.tiers.hbm import cuda_available
+
+    if cuda_available():
+        pytest.skip("this host has CUDA: hbm.mode=on starts")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.server", "--port", str(free_port()), "--set",
+         "hbm.mode=on", "--set", f"nvme.dir={tmp_path}", "--set", "metrics.enabled=false"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    assert "hbm.mode" in done.stderr and "cannot start" in done.stderr
+
+
+def test_a_mover_that_fails_marks_the_daemon_not_serving(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path,
+) -> None:
+    l3 = tmp_path / "mover-l3"
+    d = daemon_factory(*SMALL, f"nvme.dir={l3}", "nvme.compact_after_records=1")
+    keys, values = blocks(32, seed=5)
+    with KVStoreClient(d.target, "mover") as kv:
+        assert kv.health() == "SERVING"
+        shutil.rmtree(l3)  # the manifest can no longer be snapshotted
+        for i in range(0, 32, 8):
+            kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
+        wait_until(lambda: kv.health() == "NOT_SERVING")
+    assert "tier mover stopped" in d.log()
