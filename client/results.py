@@ -62,6 +62,10 @@ class PrefetchResult:
     failed: int
     """Keys that could not be moved (no room, read error)."""
     total: int
+    prefix_length: int = 0
+    """keys[0:prefix_length] are all in the target tier (or above)."""
+    deadline_exceeded: bool = False
+    """The deadline passed before every key was moved; the last message then says so."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,34 @@ class TierStats:
     page_size_bytes: int
     free_pages: int
     largest_free_run_pages: int
+    backend: str
+    """How the tier moves bytes: "shm", "cuda", "gds", "kvikio-compat", "posix"; "" when off."""
+    promotions: int
+    """Blocks copied up into this tier from a slower one."""
+    demotions: int
+    """Blocks moved down out of this tier under pressure."""
+    admissions_refused: int
+    """Blocks not admitted (admission policy, or no room)."""
+    checksum_failures: int
+    """Blocks read back damaged (dropped; a miss)."""
+    io_errors: int
+    """Reads or writes that failed (a miss, or not admitted)."""
+    queue_depth: int
+    """Transfers in flight now."""
+    read_seconds: float
+    """Time spent reading bytes_out."""
+    write_seconds: float
+    """Time spent writing bytes_in."""
+
+    @property
+    def read_bandwidth_bytes_s(self) -> float:
+        """bytes_out / read_seconds; 0.0 before any read time is recorded."""
+        return self.bytes_out / self.read_seconds if self.read_seconds > 0 else 0.0
+
+    @property
+    def write_bandwidth_bytes_s(self) -> float:
+        """bytes_in / write_seconds; 0.0 before any write time is recorded."""
+        return self.bytes_in / self.write_seconds if self.write_seconds > 0 else 0.0
 
     @property
     def used_fraction(self) -> float:
@@ -152,7 +184,12 @@ def lookup_result(resp: pb.LookupResponse) -> LookupResult:
 
 def prefetch_result(resp: pb.PrefetchProgress) -> PrefetchResult:
     return PrefetchResult(
-        done=resp.done, missing=resp.missing, failed=resp.failed, total=resp.total
+        done=resp.done,
+        missing=resp.missing,
+        failed=resp.failed,
+        total=resp.total,
+        prefix_length=resp.prefix_length,
+        deadline_exceeded=resp.deadline_exceeded,
     )
 
 
@@ -184,6 +221,15 @@ def stats_result(resp: pb.StatsResponse) -> Stats:
             page_size_bytes=t.page_size_bytes,
             free_pages=t.free_pages,
             largest_free_run_pages=t.largest_free_run_pages,
+            backend=t.backend,
+            promotions=t.promotions,
+            demotions=t.demotions,
+            admissions_refused=t.admissions_refused,
+            checksum_failures=t.checksum_failures,
+            io_errors=t.io_errors,
+            queue_depth=t.queue_depth,
+            read_seconds=t.read_seconds,
+            write_seconds=t.write_seconds,
         )
         for t in resp.tiers
     ]

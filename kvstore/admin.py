@@ -1,7 +1,7 @@
 """`kvstore-admin`: the operator's command line for a running daemon, over the client library.
 
     kvstore-admin [--target HOST:PORT] [--namespace NS] COMMAND
-      stats [--json] [--watch SECONDS]     per-tier table and summary; --watch refreshes
+      stats [--json] [--watch SECONDS]     per-tier tables and summary; --watch refreshes
       evict [--tier T] [--bytes SIZE] [--all] [--key HEX ...] [--namespace NS] [--json]
       lookup KEYHEX... | --tokens 1,2,3 [--block-size 16]      prefix length, tier per key
       pin KEYHEX... / unpin KEYHEX...
@@ -35,8 +35,8 @@ from kvstore.client import (
     Unavailable,
     prefix_keys,
 )
-from kvstore.config import format_size, parse_size
 from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.units import format_size, parse_size
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 ENV_TARGET = "KVSTORE_TARGET"
@@ -144,18 +144,27 @@ def _percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
-def stats_view(stats: Stats, target: str) -> Group:
-    """The per-tier table and the summary table, as one renderable."""
-    tiers = Table(title=f"kvstore {stats.version or '?'} at {target}", title_justify="left")
-    for column in ("tier", "on"):
-        tiers.add_column(column, no_wrap=True)
+def _bandwidth(size_bytes: int, seconds: float) -> str:
+    """ "812.3 MB/s" or "6.41 GB/s" (decimal units, as disks and links are rated); "-" untimed."""
+    if seconds <= 0:
+        return "-"
+    rate = size_bytes / seconds
+    return f"{rate / 1e9:.2f} GB/s" if rate >= 1e9 else f"{rate / 1e6:.1f} MB/s"
+
+
+def _tier_table(stats: Stats, target: str) -> Table:
+    """One row per tier: how it moves bytes, capacity, use, hits."""
+    table = Table(title=f"kvstore {stats.version or '?'} at {target}", title_justify="left")
+    for column in ("tier", "on", "backend"):
+        table.add_column(column, no_wrap=True)
     for column in ("capacity", "used", "used%", "objects", "hits", "misses", "hit%", "evicted"):
-        tiers.add_column(column, justify="right", no_wrap=True)
+        table.add_column(column, justify="right", no_wrap=True)
     for t in stats.tiers:
         on = t.enabled
-        tiers.add_row(
+        table.add_row(
             t.tier,
             "yes" if on else "no",
+            t.backend or "-",
             format_size(t.capacity_bytes) if on else "-",
             format_size(t.used_bytes) if on else "-",
             _percent(t.used_fraction) if on else "-",
@@ -165,6 +174,37 @@ def stats_view(stats: Stats, target: str) -> Group:
             _percent(t.hit_rate),
             f"{t.evictions:,}",
         )
+    return table
+
+
+# (column, TierStats attribute): block counts and the transfers in flight now
+_MOVEMENT_COUNTS = (
+    ("promoted", "promotions"),
+    ("demoted", "demotions"),
+    ("refused", "admissions_refused"),
+    ("checksum fail", "checksum_failures"),
+    ("io errors", "io_errors"),
+    ("queue", "queue_depth"),
+)
+
+
+def _movement_table(stats: Stats) -> Table:
+    """Enabled tiers only: blocks moved between tiers, refusals, errors, queue and bandwidth."""
+    table = Table("tier", title="movement and health", title_justify="left")
+    for column in [name for name, _ in _MOVEMENT_COUNTS] + ["read", "write"]:
+        table.add_column(column, justify="right", no_wrap=True)
+    for t in (t for t in stats.tiers if t.enabled):
+        table.add_row(
+            t.tier,
+            *(f"{getattr(t, attr):,}" for _, attr in _MOVEMENT_COUNTS),
+            _bandwidth(t.bytes_out, t.read_seconds),
+            _bandwidth(t.bytes_in, t.write_seconds),
+        )
+    return table
+
+
+def stats_view(stats: Stats, target: str) -> Group:
+    """The per-tier table, the movement/health table and the summary, as one renderable."""
     summary = Table(show_header=False, box=None, padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_column()
@@ -182,7 +222,7 @@ def stats_view(stats: Stats, target: str) -> Group:
     ]
     for name, value in rows:
         summary.add_row(name, value)
-    return Group(tiers, summary)
+    return Group(_tier_table(stats, target), _movement_table(stats), summary)
 
 
 def _print_json(data: Any) -> None:

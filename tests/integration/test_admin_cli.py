@@ -60,11 +60,16 @@ def test_stats_table_and_json_match_the_client(daemon: Daemon, kv: KVStoreClient
     kv.get(keys[:2])
 
     table = ok(admin(daemon.target, "stats"))
-    (dram_row,) = [line for line in table.splitlines() if " dram " in line]
+    tiers_table, movement_table = table.split("movement and health")
+    (dram_row,) = [line for line in tiers_table.splitlines() if " dram " in line]
     assert "8.0 MiB" in dram_row  # capacity
     assert "192.0 KiB" in dram_row  # used: three 64 KiB blocks
     assert "yes" in dram_row
     assert "leases" in table and "pinned" in table
+    assert "backend" in tiers_table.splitlines()[2]  # header, under the title and the rule
+    movement_rows = [line.split()[1] for line in movement_table.splitlines() if "│" in line]
+    assert "dram" in movement_rows
+    assert movement_rows == [t.tier for t in kv.stats().tiers if t.enabled]  # only enabled
 
     printed = json.loads(ok(admin(daemon.target, "stats", "--json")))
     expected = kv.stats()
@@ -73,6 +78,22 @@ def test_stats_table_and_json_match_the_client(daemon: Daemon, kv: KVStoreClient
     assert dram["capacity_bytes"] == CAPACITY
     assert (dram["objects"], dram["used_bytes"]) == (3, 3 * PAGE)
     assert dram["free_pages"] == CAPACITY // PAGE - 3
+
+
+def test_stats_names_each_tier_backend(daemon: Daemon, kv: KVStoreClient) -> None:
+    """An operator sees how each tier moves bytes: dram is the shared-memory segment, every
+    enabled tier names a known backend, a tier that is off has none ("-" in the table)."""
+    printed = json.loads(ok(admin(daemon.target, "stats", "--json")))
+    backends = {t["tier"]: t["backend"] if t["enabled"] else None for t in printed["tiers"]}
+    assert backends["dram"] == "shm"
+    known = {"shm", "cuda", "gds", "kvikio-compat", "posix"}
+    assert all(b in known for b in backends.values() if b is not None), backends
+    assert all(t["backend"] == "" for t in printed["tiers"] if not t["enabled"])
+
+    table = ok(admin(daemon.target, "stats")).split("movement and health")[0]
+    for tier, backend in backends.items():
+        (row,) = [line.split() for line in table.splitlines() if f" {tier} " in line]
+        assert row[5] == (backend or "-"), row  # │ tier │ on │ backend │ ...
 
 
 def test_health_prints_serving_and_exits_0(daemon: Daemon) -> None:

@@ -1,9 +1,11 @@
 """The client's pure pieces, no daemon: error mapping, retry and backoff, buffer conversion,
-Put/Get framing and reassembly, shared-memory extents, and argument validation."""
+Put/Get framing and reassembly, shared-memory extents, argument validation and result
+conversion."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 from typing import Any
@@ -26,6 +28,7 @@ from kvstore.client import (
     from_rpc_error,
 )
 from kvstore.client import _requests as rq
+from kvstore.client import results as res
 from kvstore.client._buffers import copy_bytes, readable_view, writable_array
 from kvstore.client._shm import SharedSegment, ShmState, read_shm_get, write_reserved
 from kvstore.client._wire import (
@@ -415,3 +418,37 @@ def test_prefetch_deadline_becomes_milliseconds_and_extends_the_rpc_timeout() ->
     assert rq.prefetch_timeout_s(1.0, 5.0) == 6.0
     with pytest.raises(InvalidArgument, match="deadline_s"):
         rq.prefetch_request("ns", K[:1], None, 0)
+
+
+# --- results --------------------------------------------------------------------------------
+
+
+def test_every_tier_stats_field_converts_and_bandwidth_is_bytes_over_seconds() -> None:
+    wire = pb.TierStats(
+        tier=pb.TIER_NVME, enabled=True, capacity_bytes=1 << 40, used_bytes=1 << 30, objects=9,
+        hits=5, misses=3, bytes_in=3_000_000, bytes_out=8_000_000_000, evictions=2,
+        page_size_bytes=1 << 20, free_pages=7, largest_free_run_pages=4, backend="gds",
+        promotions=11, demotions=12, admissions_refused=13, checksum_failures=14, io_errors=15,
+        queue_depth=16, read_seconds=2.0, write_seconds=0.5,
+    )
+    (tier,) = res.stats_result(pb.StatsResponse(tiers=[wire])).tiers
+    expected = {f.name: getattr(wire, f.name) for f in pb.TierStats.DESCRIPTOR.fields}
+    assert {**dataclasses.asdict(tier), "tier": pb.TIER_NVME} == expected  # no field missed
+    assert tier.tier == "nvme" and tier.backend == "gds"
+    assert tier.read_bandwidth_bytes_s == 4e9 and tier.write_bandwidth_bytes_s == 6e6
+
+
+def test_bandwidth_is_zero_before_any_time_is_recorded() -> None:
+    (tier,) = res.stats_result(pb.StatsResponse(tiers=[pb.TierStats(
+        tier=pb.TIER_DRAM, bytes_in=1 << 20, bytes_out=1 << 20)])).tiers
+    assert (tier.backend, tier.read_seconds, tier.write_seconds) == ("", 0.0, 0.0)
+    assert tier.read_bandwidth_bytes_s == 0.0 and tier.write_bandwidth_bytes_s == 0.0
+
+
+def test_prefetch_progress_carries_the_prefix_and_the_deadline() -> None:
+    result = res.prefetch_result(pb.PrefetchProgress(
+        done=2, missing=1, failed=1, total=5, prefix_length=2, deadline_exceeded=True))
+    assert result == res.PrefetchResult(done=2, missing=1, failed=1, total=5, prefix_length=2,
+                                        deadline_exceeded=True)
+    empty = res.PrefetchResult(done=0, missing=0, failed=0, total=3)  # as sync/aio start one
+    assert (empty.prefix_length, empty.deadline_exceeded) == (0, False)
