@@ -50,6 +50,22 @@ class TierStatsLike(Protocol):
     def bytes_out(self) -> int: ...
     @property
     def evictions(self) -> int: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def promotions(self) -> int: ...
+    @property
+    def demotions(self) -> int: ...
+    @property
+    def admissions_refused(self) -> int: ...
+    @property
+    def checksum_failures(self) -> int: ...
+    @property
+    def io_errors(self) -> int: ...
+    @property
+    def read_seconds(self) -> float: ...
+    @property
+    def write_seconds(self) -> float: ...
 
 
 # (metric name, help, attribute of TierStatsLike)
@@ -58,13 +74,29 @@ _TIER_GAUGES = (
     ("kvstore_tier_capacity_bytes", "Bytes the tier can hold.", "capacity_bytes"),
     ("kvstore_tier_used_bytes", "Bytes the tier holds now.", "used_bytes"),
     ("kvstore_tier_objects", "Blocks the tier holds now.", "objects"),
+    ("kvstore_tier_queue_depth", "Transfers in flight to or from the tier now.", "queue_depth"),
 )
 _TIER_COUNTERS = (
     ("kvstore_tier_hits_total", "Reads served by the tier.", "hits"),
     ("kvstore_tier_misses_total", "Reads the tier could not serve.", "misses"),
     ("kvstore_tier_bytes_in_total", "Bytes written into the tier.", "bytes_in"),
     ("kvstore_tier_bytes_out_total", "Bytes read out of the tier.", "bytes_out"),
-    ("kvstore_tier_evictions_total", "Blocks evicted or demoted out of the tier.", "evictions"),
+    ("kvstore_tier_evictions_total", "Blocks evicted from the tier (gone from it, not moved).",
+     "evictions"),
+    ("kvstore_tier_promotions_total", "Blocks copied up into the tier from a slower one.",
+     "promotions"),
+    ("kvstore_tier_demotions_total", "Blocks moved down out of the tier under pressure.",
+     "demotions"),
+    ("kvstore_tier_admissions_refused_total",
+     "Blocks not admitted (admission policy, no room, write error).", "admissions_refused"),
+    ("kvstore_tier_checksum_failures_total", "Blocks read back damaged; dropped, a miss.",
+     "checksum_failures"),
+    ("kvstore_tier_io_errors_total", "Reads or writes of the tier that failed.", "io_errors"),
+    ("kvstore_tier_read_seconds_total",
+     "Wall time the tier was busy reading; rate(bytes_out) / rate(this) = read bandwidth.",
+     "read_seconds"),
+    ("kvstore_tier_write_seconds_total", "Wall time the tier was busy writing.",
+     "write_seconds"),
 )
 
 

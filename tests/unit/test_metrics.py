@@ -24,6 +24,14 @@ class _Stats:
     bytes_in: int = 8192
     bytes_out: int = 16384
     evictions: int = 1
+    queue_depth: int = 2
+    promotions: int = 4
+    demotions: int = 5
+    admissions_refused: int = 6
+    checksum_failures: int = 8
+    io_errors: int = 9
+    read_seconds: float = 0.5
+    write_seconds: float = 0.25
 
 
 Served = tuple[Metrics, list[Sequence[TierStatsLike]]]
@@ -62,6 +70,14 @@ def test_scrape_has_tier_metrics(served: Served) -> None:
     assert 'kvstore_tier_bytes_in_total{tier="dram"} 8192.0' in text
     assert 'kvstore_tier_bytes_out_total{tier="dram"} 16384.0' in text
     assert 'kvstore_tier_evictions_total{tier="dram"} 1.0' in text
+    assert 'kvstore_tier_queue_depth{tier="dram"} 2.0' in text
+    assert 'kvstore_tier_promotions_total{tier="dram"} 4.0' in text
+    assert 'kvstore_tier_demotions_total{tier="dram"} 5.0' in text
+    assert 'kvstore_tier_admissions_refused_total{tier="dram"} 6.0' in text
+    assert 'kvstore_tier_checksum_failures_total{tier="dram"} 8.0' in text
+    assert 'kvstore_tier_io_errors_total{tier="dram"} 9.0' in text
+    assert 'kvstore_tier_read_seconds_total{tier="dram"} 0.5' in text
+    assert 'kvstore_tier_write_seconds_total{tier="dram"} 0.25' in text
     assert 'kvstore_tier_enabled{tier="nvme"} 0.0' in text
     assert "# TYPE kvstore_tier_hits_total counter" in text
     assert "# TYPE kvstore_tier_used_bytes gauge" in text
