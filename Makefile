@@ -45,9 +45,10 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-## bench: the store benchmark (prints `ours vs baseline = ratio` lines)
+## bench: the store and tier benchmarks (print `ours vs baseline = ratio` lines)
 bench: $(TEST_STAMP) redis
 	$(BIN)/python bench/store_bench.py
+	$(BIN)/python bench/tier_bench.py
 
 ## gpu-check: GPU tests and GPU benchmarks in one script, for a lent GPU machine
 gpu-check:
@@ -57,7 +58,8 @@ gpu-check:
 gpu-wheels: $(RUN_STAMP)
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-	  -d .whl grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 lz4 redis
+	  -d .whl grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 lz4 redis \
+	  pytest iniconfig pluggy packaging hypothesis attrs sortedcontainers
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -31,6 +31,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _l3_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A daemon started on embedded defaults (the demo, the start-up failure tests) keeps
+    its L3 file under $XDG_CACHE_HOME: point that at a temporary folder, so test runs never
+    leave multi-GiB files in the user's ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     started: list[Daemon] = []

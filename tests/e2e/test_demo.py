@@ -16,6 +16,7 @@ from tests.conftest import REPO
 def test_demo_runs_verifies_blocks_and_cleans_up() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["COLUMNS"] = "200"  # rich: keep lines and table rows whole in captured output
+    env["KVSTORE_NVME_CAPACITY_BYTES"] = "64MiB"  # the 4 GiB default L3 file is not needed
     done = subprocess.run(
         [sys.executable, "-m", "kvstore.demo", "--requests", "8", "--block-bytes", "65536",
          "--port", "0", "--metrics-port", "0"],  # not the defaults: `make run` may be running

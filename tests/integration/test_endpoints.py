@@ -179,7 +179,8 @@ def test_a_busy_port_exits_2_and_leaves_no_segment(busy: str) -> None:
         try:
             done = subprocess.run(
                 [sys.executable, "-m", "kvstore.server", "--port", str(port),
-                 "--metrics-port", str(metrics_port), "--set", "dram.capacity_bytes=4MiB"],
+                 "--metrics-port", str(metrics_port), "--set", "dram.capacity_bytes=4MiB",
+                 "--set", "nvme.capacity_bytes=64MiB"],
                 capture_output=True, text=True, timeout=60, cwd=REPO,
                 env={k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")},
             )
