@@ -84,6 +84,7 @@ class Tiering:
         self._loads: dict[tuple[str, BlockKey, Tier], Load] = {}
         self.coalesced = 0  # loads joined instead of started
         self.mover_running = False  # set by the mover: whether waiting for room can help
+        self._compact_at = config.nvme.compact_after_records  # journal records
         self._io_lock = threading.Lock()  # I/O accounting, updated outside the store lock
         self._in_flight: dict[tuple[Tier, str], int] = {}
         self._busy_since: dict[tuple[Tier, str], float] = {}
@@ -156,12 +157,22 @@ class Tiering:
             want = self._want_bytes(tier)
             if want > 0:
                 moved += self._drop_l1(want) if tier == Tier.HBM else self._demote_l2(want)
-        if self.manifest is not None and (
-            self.manifest.journal_records >= self.config.nvme.compact_after_records
-        ):
-            with self.room:
-                self.manifest.snapshot(self._records())
+        if self.manifest is not None and self.manifest.journal_records >= self._compact_at:
+            self._compact()
         return moved
+
+    def _compact(self) -> None:
+        assert self.manifest is not None
+        every = self.config.nvme.compact_after_records
+        with self.room:
+            try:
+                self.manifest.snapshot(self._records())
+                self._compact_at = every
+            except OSError as exc:
+                if exc.errno not in _NO_ROOM:
+                    raise  # the folder is gone or broken: the mover fails loudly
+                self._compact_at = self.manifest.journal_records + every
+                log.warning("L3 manifest: no room to compact (%s); retrying later", exc)
 
     def _want_bytes(self, tier: Tier) -> int:
         """Bytes to demote from tier now: down to the low watermark once past the high one,

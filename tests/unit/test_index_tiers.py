@@ -3,6 +3,10 @@ and re-adoption. Narrated scenarios with exact expectations (helpers from test_i
 
 from __future__ import annotations
 
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from kvstore.entries import Entry, Tier
 from kvstore.index import Index
 from kvstore.pages import PageRun
@@ -58,6 +62,16 @@ def test_pick_takes_a_parent_only_after_all_its_children_in_the_tier() -> None:
     clock.tick()
     put(index, "b", first_parent="r")  # r has two children, a and b
     assert names(index.pick(D, 300)) == ["a", "b", "r"]
+
+
+def test_a_busy_or_pinned_parent_does_not_follow_its_picked_child() -> None:
+    index, clock = make_index(num_pages=8, tiers=(D, N))
+    put(index, "a", "b")
+    clock.tick()
+    put(index, "c", "d")
+    index.hold(entry(index, "a"))  # a load of a is in flight
+    index.set_pinned("ns", [key("c")], True)
+    assert names(index.pick(D, 400)) == ["b", "d"]
 
 
 def test_a_promoted_copy_counts_its_child_in_the_faster_tier_again() -> None:
@@ -121,3 +135,100 @@ def test_adopt_takes_the_named_pages_or_refuses() -> None:
     assert index.adopt("ns", key("b"), 100, 7, None, N, (PageRun(2, 1),)) is None  # taken
     assert index.adopt("ns", key("a"), 100, 7, None, N, (PageRun(0, 1),)) is None  # known key
     assert index.lookup("ns", [key("a"), key("b")]) == (1, [N, None])
+
+
+# --- random moves against the books ---------------------------------------------------------
+
+NAMES = [f"k{i}" for i in range(8)]
+PARENT = {"k1": "k0", "k2": "k1", "k3": "k1", "k5": "k4"}  # two small trees, k6 and k7 alone
+
+
+class MovesMachine(RuleBasedStateMachine):
+    """Puts, mover picks finished or failed, promotions (exclusive or inclusive), reads and
+    evictions in any order, on a two-tier index; after every step the pages, usage and
+    per-tier child counts must equal what the entries say, and nothing held was evicted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index, self.clock = make_index(num_pages=6, tiers=(D, N))
+        self.held: list[tuple[Entry, dict[Tier, object]]] = []  # with its places then
+
+    @rule(n=st.sampled_from(NAMES))
+    def store(self, n: str) -> None:
+        self.clock.tick()
+        parent = PARENT.get(n)
+        plan = self.index.prepare_store(f"p{self.clock.now}", "ns", [key(n)], [100],
+                                        [key(parent) if parent else None], D, 1e9)
+        if plan is not None:
+            self.index.complete_store(plan.plan_id, [1] * len(plan.blocks), success=True)
+
+    @rule(count=st.integers(1, 3), succeed=st.booleans())
+    def demote(self, count: int, succeed: bool) -> None:
+        for e in self.index.pick(D, count * 100):
+            pages = self.index.alloc(N, e.size_bytes) if N not in e.places else None
+            if succeed and pages is not None:
+                self.index.add_copy(e, N, pages)
+            self.index.done(e)
+            if succeed and N in e.places and e.movable:
+                self.index.drop_copy(e, D)
+            elif pages is not None and not succeed:
+                self.index.free(N, pages)
+
+    @rule(n=st.sampled_from(NAMES), keep=st.booleans())
+    def promote(self, n: str, keep: bool) -> None:
+        e = self.index.get("ns", key(n))
+        if e is None or D in e.places or not e.movable:
+            return
+        pages = self.index.alloc(D, e.size_bytes)
+        if pages is None:
+            return
+        self.index.hold(e)
+        self.index.add_copy(e, D, pages)
+        if not keep:
+            self.index.drop_copy(e, N)
+        self.index.done(e)
+
+    @rule(n=st.sampled_from(["k0", "k1", "k4"]))  # parents: what a pick may take to follow
+    def hold(self, n: str) -> None:
+        e = self.index.get("ns", key(n))
+        if e is not None and len(self.held) < 2:
+            self.index.hold(e)
+            self.held.append((e, dict(e.places)))
+
+    @rule()
+    def release(self) -> None:
+        if self.held:
+            self.index.done(self.held.pop()[0])
+
+    @rule(tier=st.sampled_from([D, N]), everything=st.booleans())
+    def evict(self, tier: Tier, everything: bool) -> None:
+        self.index.evict_lru(tier, None if everything else 100)
+
+    @invariant()
+    def books_balance(self) -> None:
+        entries = list(self.index.entries())
+        for tier in (D, N):
+            owned = [p for e in entries if tier in e.places for r in e.places[tier]
+                     for p in range(r.start, r.start + r.length)]
+            assert len(owned) == len(set(owned))
+            assert self.index.allocator_stats(tier).used_pages == len(owned)
+            copies = [e for e in entries if tier in e.places]
+            assert self.index.usage(tier) == (len(copies), 100 * len(copies))
+        for e in entries:
+            expected = [0] * len(e.child_tiers)
+            for c in entries:
+                if c.parent == e.key:
+                    expected[c.tier] += 1
+            assert e.child_tiers == expected, name_of(e)
+        for e, places in self.held:
+            assert self.index.get("ns", e.key) is e, "a busy entry was evicted"
+            assert e.places == places, "a busy entry was moved"
+
+
+def name_of(e: Entry) -> str:
+    return e.key.rstrip(b".").decode()
+
+
+MovesMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                          deadline=None)
+test_moves_state_machine = MovesMachine.TestCase
