@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import xxhash
 from kvstore.config import Config
 from kvstore.entries import Entry, Tier, TierStats
 from kvstore.index import Index, Pages
+from kvstore.iometer import IoMeter
 from kvstore.keys import BlockKey
 from kvstore.manifest import Manifest, ManifestRecord
 from kvstore.tiers.base import SlotTier, Transfer
@@ -85,9 +85,7 @@ class Tiering:
         self.coalesced = 0  # loads joined instead of started
         self.mover_running = False  # set by the mover: whether waiting for room can help
         self._compact_at = config.nvme.compact_after_records  # journal records
-        self._io_lock = threading.Lock()  # I/O accounting, updated outside the store lock
-        self._in_flight: dict[tuple[Tier, str], int] = {}
-        self._busy_since: dict[tuple[Tier, str], float] = {}
+        self.meter = IoMeter()
         self._waiting: dict[Tier, list[int]] = {}  # free pages each waiting put or load needs
         threads = 2 * config.nvme.io_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="load")
@@ -376,32 +374,9 @@ class Tiering:
     # --- I/O and the journal -----------------------------------------------------------------
 
     def _io(self, tier: Tier, op: str, batch: Sequence[Transfer]) -> list[OSError | None]:
-        """Run a batch, keeping the queue depth and the wall time the tier was busy with op
-        (overlapping batches count once, so bytes / seconds is the tier's bandwidth)."""
-        if not batch:
-            return []
-        stats = self.stats[tier]
-        busy = (tier, op)
-        with self._io_lock:
-            stats.queue_depth += len(batch)
-            if not self._in_flight.get(busy):
-                self._busy_since[busy] = time.perf_counter()
-            self._in_flight[busy] = self._in_flight.get(busy, 0) + 1
-        try:
-            slot = self.tiers[tier]
-            errors: list[OSError | None] = (
-                slot.write(batch) if op == "write" else slot.read(batch))
-            return errors
-        finally:
-            with self._io_lock:
-                stats.queue_depth -= len(batch)
-                self._in_flight[busy] -= 1
-                if not self._in_flight[busy]:
-                    elapsed = time.perf_counter() - self._busy_since[busy]
-                    if op == "write":
-                        stats.write_seconds += elapsed
-                    else:
-                        stats.read_seconds += elapsed
+        slot = self.tiers[tier]
+        return self.meter.run(self.stats[tier], op, slot.write if op == "write" else slot.read,
+                              batch)
 
     def _journal_commit(self, entry: Entry, pages: Pages) -> None:
         if self.manifest is not None:

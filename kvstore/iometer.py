@@ -1,0 +1,46 @@
+"""Accounting of tier I/O: queue depth and the wall time a tier is busy reading or writing.
+
+Batches run outside the store lock and may overlap; busy time counts the union of their
+intervals, so bytes moved / busy seconds is the tier's bandwidth, not one stream's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvstore.entries import TierStats
+from kvstore.tiers.base import Transfer
+
+
+class IoMeter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight: dict[tuple[int, str], int] = {}  # (id of the stats, op) -> batches
+        self._busy_since: dict[tuple[int, str], float] = {}
+
+    def run(self, stats: TierStats, op: str,
+            move: Callable[[Sequence[Transfer]], list[OSError | None]],
+            batch: Sequence[Transfer]) -> list[OSError | None]:
+        """move(batch), counted in stats (op is "read" or "write")."""
+        if not batch:
+            return []
+        busy = (id(stats), op)
+        with self._lock:
+            stats.queue_depth += len(batch)
+            if not self._in_flight.get(busy):
+                self._busy_since[busy] = time.perf_counter()
+            self._in_flight[busy] = self._in_flight.get(busy, 0) + 1
+        try:
+            return move(batch)
+        finally:
+            with self._lock:
+                stats.queue_depth -= len(batch)
+                self._in_flight[busy] -= 1
+                if not self._in_flight[busy]:
+                    elapsed = time.perf_counter() - self._busy_since[busy]
+                    if op == "write":
+                        stats.write_seconds += elapsed
+                    else:
+                        stats.read_seconds += elapsed
