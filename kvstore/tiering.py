@@ -117,7 +117,7 @@ class Tiering:
                                     BlockKey(r.parent) if r.parent else None, Tier.NVME,
                                     r.pages) is not None:
                     adopted += 1
-            self.manifest.snapshot(self._records())
+        self._compact()  # on a full disk the journal stays as it is: it is still valid
         log.info("L3: re-adopted %d blocks from the manifest", adopted)
         return adopted
 
