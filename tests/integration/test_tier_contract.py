@@ -1,6 +1,7 @@
 """The slot-tier contract (tiers/base.py), run over every tier this machine has: L2 DRAM, L3
 NVMe through POSIX on the real disk (O_DIRECT), on /dev/shm (tmpfs), with O_DIRECT refused
-(the buffered fallback older tmpfs kernels force), and through kvikio where a GPU is lent.
+(the buffered fallback older tmpfs kernels force), and L1 HBM and L3 through kvikio where a
+GPU is lent.
 
 Each tier must give back exactly the bytes it was given, for any size and any page layout,
 whatever shape the host buffers have, one result per transfer."""
@@ -58,6 +59,13 @@ def _make_tier(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Sl
             tier = NvmeTier(tmp_path / "pages.bin", CAPACITY, PAGE, backend="posix")
         assert not tier.direct
         return tier
+    if kind == "hbm":
+        from kvstore.tiers.hbm import HbmTier, cuda_unavailable_reason
+
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        return HbmTier(CAPACITY, 0.2, PAGE)
     assert kind == "nvme-kvikio"
     pytest.importorskip("kvikio")
     if nvme._load_kvikio() is None:
@@ -72,6 +80,7 @@ def _make_tier(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Sl
         "nvme-posix-tmpfs",
         "nvme-posix-buffered",
         pytest.param("nvme-kvikio", marks=pytest.mark.gpu),
+        pytest.param("hbm", marks=pytest.mark.gpu),
     ]
 )
 def tier(
