@@ -60,10 +60,10 @@ class Entry:
     seen: int = 1  # puts and reads of this key: the L3 admission policy counts them
     touch_seq: int = 0  # which heap items are current; 0 = none
     in_heaps: int = 0  # bit per tier whose LRU heap holds a current item
+    tier: Tier = Tier.DRAM  # the fastest tier in places, kept by the index (see __post_init__)
 
-    @property
-    def tier(self) -> Tier:
-        return min(self.places)
+    def __post_init__(self) -> None:
+        self.tier = min(self.places)
 
     @property
     def pages(self) -> tuple[PageRun, ...]:

@@ -101,6 +101,7 @@ class Index:
 
     def free_pages(self, tier: Tier) -> int:
         return self._allocators[tier].free_pages
+
     def entries(self, tier: Tier | None = None) -> Iterator[Entry]:  # with a copy in tier
         return (e for e in self._all_entries() if tier is None or tier in e.places)
 
@@ -306,7 +307,7 @@ class Index:
             self._allocators[tier].take(pages)
             self.evictions[tier] -= 1
             if removed:
-                entry.places = {tier: pages}
+                entry.places, entry.tier = {tier: pages}, tier
                 self._link(entry)
             else:
                 self._add_place(entry, tier, pages)
@@ -325,27 +326,11 @@ class Index:
         self._allocators[tier].free(pages)
 
     def pick(self, tier: Tier, max_bytes: int) -> list[Entry]:
-        """Leaf-first LRU copies in tier to move elsewhere, about max_bytes of them; each is
-        marked busy (stays put, is not evicted) until done(). A parent follows as soon as
-        every child it has in tier (or above) is picked, as if they had already moved."""
-        picked: list[Entry] = []
-        under: dict[tuple[str, BlockKey], int] = {}  # picked children per parent
-        follow: list[Entry] = []
-        total = 0
-        while total < max_bytes:
-            entry = follow.pop() if follow else self._lru.pop_victim(tier)
-            if entry is None:
-                break
+        """Leaf-first LRU copies in tier to move elsewhere, about max_bytes of them (parents
+        follow their picked children); each is busy (stays put) until done()."""
+        picked = self._lru.pick(tier, max_bytes)
+        for entry in picked:
             entry.busy += 1
-            picked.append(entry)
-            total += entry.size_bytes
-            if entry.parent is not None:
-                link = (entry.namespace, entry.parent)
-                under[link] = under.get(link, 0) + 1
-                parent = self.get(*link)
-                if (parent is not None and tier in parent.places and parent.movable
-                        and sum(parent.child_tiers[1 : tier + 1]) == under[link]):
-                    follow.append(parent)
         return picked
 
     def hold(self, entry: Entry) -> None:
@@ -411,6 +396,7 @@ class Index:
     def _add_place(self, entry: Entry, tier: Tier, pages: Pages) -> None:
         before = entry.tier
         entry.places[tier] = pages
+        entry.tier = min(entry.places)
         self._count_usage(entry, tier, +1)
         self._moved(entry, before)
 
@@ -429,6 +415,7 @@ class Index:
                 return True
         before = entry.tier
         self._allocators[tier].free(entry.places.pop(tier))
+        entry.tier = min(entry.places)
         self._count_usage(entry, tier, -1)
         self._lru.forget(entry, tier)
         self._moved(entry, before)

@@ -65,6 +65,32 @@ class TierLru:
             # Not evictable now; push() queues it again when it becomes evictable.
         return None
 
+    def pick(self, tier: Tier, max_bytes: int) -> list[Entry]:
+        """Victims in tier, about max_bytes of them, in leaf-first LRU order, taken out of
+        the queue. A parent follows as soon as every child it has cached in tier (or above)
+        is taken, as if they had already moved, so a chain leaves a tier tail first."""
+        picked: list[Entry] = []
+        under: dict[tuple[str, BlockKey], int] = {}  # picked children per parent
+        follow: list[Entry] = []
+        total = 0
+        while total < max_bytes:
+            entry = follow.pop() if follow else self.pop_victim(tier)
+            if entry is None:
+                break
+            picked.append(entry)
+            total += entry.size_bytes
+            if entry.parent is None:
+                continue
+            link = (entry.namespace, entry.parent)
+            under[link] = under.get(link, 0) + 1
+            parent = self._lookup(*link)
+            # Still counted under its picked children, a followed parent is never a victim
+            # of pop_victim too: it is picked once.
+            if (parent is not None and tier in parent.places and parent.movable
+                    and sum(parent.child_tiers[1 : tier + 1]) == under[link]):
+                follow.append(parent)
+        return picked
+
     def _push(self, entry: Entry, tier: Tier) -> None:
         entry.in_heaps |= 1 << tier
         heapq.heappush(
