@@ -33,13 +33,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import redis
+from figures import Figure
 
 from kvstore.client import KVStoreClient
 from kvstore.testing import start_daemon, start_redis
@@ -123,33 +124,6 @@ def paired(ours: Op, base: Op, repeats: int, warmup: int) -> tuple[list[float], 
 def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
-
-
-@dataclass
-class Figure:
-    name: str
-    ours: float
-    baseline_name: str
-    baseline: float
-    unit: str
-    lower_is_better: bool = False
-    target: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        return self.baseline / self.ours if self.lower_is_better else self.ours / self.baseline
-
-    def line(self) -> str:
-        digits = 3 if self.unit == "ms" else 2
-        target = f" (target {self.target})" if self.target else ""
-        return (f"bench {self.name}: {self.ours:.{digits}f} {self.unit} vs {self.baseline_name} "
-                f"{self.baseline:.{digits}f} {self.unit} = {self.ratio:.2f}x{target}")
-
-    def as_json(self) -> dict[str, Any]:
-        return {"ours": self.ours, "baseline_name": self.baseline_name,
-                "baseline": self.baseline, "unit": self.unit, "ratio": self.ratio,
-                "target": self.target, **self.extra}
 
 
 def gbps_figure(name: str, batch_bytes: int, ours_s: list[float], base_name: str,

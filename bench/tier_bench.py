@@ -35,12 +35,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from figures import Figure
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import BlockKey
@@ -56,32 +57,6 @@ BLOCK_BYTES = 256 * KiB
 NAMESPACE = "tier-bench"
 DD_SECONDS = re.compile(r"copied, ([0-9.]+) s")
 DD_ENV = {**os.environ, "LC_ALL": "C"}  # dd prints its timing with a '.' decimal point
-
-
-@dataclass
-class Figure:
-    name: str
-    ours: float
-    baseline_name: str
-    baseline: float
-    unit: str
-    lower_is_better: bool = False
-    target: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        return self.baseline / self.ours if self.lower_is_better else self.ours / self.baseline
-
-    def line(self) -> str:
-        digits = 3 if self.unit == "ms" else 2
-        target = f" (target {self.target})" if self.target else ""
-        return (f"bench {self.name}: {self.ours:.{digits}f} {self.unit} vs {self.baseline_name} "
-                f"{self.baseline:.{digits}f} {self.unit} = {self.ratio:.2f}x{target}")
-
-    def as_json(self) -> dict[str, Any]:
-        return {"ours": self.ours, "baseline_name": self.baseline_name, "baseline": self.baseline,
-                "unit": self.unit, "ratio": self.ratio, "target": self.target, **self.extra}
 
 
 def alternate(ours: Callable[[], float], base: Callable[[], float], first_ours: bool

@@ -199,19 +199,22 @@ class HbmTier:
     def write(self, batch: Sequence[Transfer]) -> list[OSError | None]:
         """Copy each transfer's host buffers into its device pages (H2D), one batch on the
         tier's stream; returns when every copy has landed."""
-        results = self._copy(batch, to_device=True)
-        for transfer, error in zip(batch, results, strict=True):
-            if error is None:
-                self.writes += 1
-                self.bytes_written += transfer.size_bytes
-        return results
+        return self._counted(batch, to_device=True)
 
     def read(self, batch: Sequence[Transfer]) -> list[OSError | None]:
         """Copy each transfer's device pages into its host buffers (D2H), one batch on the
         tier's stream; returns when every copy has landed."""
-        results = self._copy(batch, to_device=False)
+        return self._counted(batch, to_device=False)
+
+    def _counted(self, batch: Sequence[Transfer], to_device: bool) -> list[OSError | None]:
+        results = self._copy(batch, to_device=to_device)
         for transfer, error in zip(batch, results, strict=True):
-            if error is None:
+            if error is not None:
+                continue
+            if to_device:
+                self.writes += 1
+                self.bytes_written += transfer.size_bytes
+            else:
                 self.reads += 1
                 self.bytes_read += transfer.size_bytes
         return results

@@ -6,23 +6,18 @@ the targets live in the bench."""
 from __future__ import annotations
 
 import json
-import math
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.e2e.house_format import check_report, printed_figures
 
 BENCH = REPO / "bench" / "store_bench.py"
 FIGURES = {
     f"{kind}_{size}" for kind in ("shm_get_into", "shm_put", "inline_get", "inline_put")
     for size in ("256KiB", "2MiB")
 } | {"lookup_1024_p50", "lookup_1024_p99"}
-LINE = re.compile(
-    r"^bench (?P<name>\S+): (?P<ours>\d+\.\d+) (?P<unit>GB/s|ms) vs (?P<base_name>.+?) "
-    r"(?P<base>\d+\.\d+) (?P=unit) = (?P<ratio>\d+\.\d+)x( \(target [^)]+\))?$"
-)
 
 
 def test_store_bench_quick_json() -> None:
@@ -33,24 +28,9 @@ def test_store_bench_quick_json() -> None:
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     lines = proc.stdout.splitlines()
 
-    printed = {}
-    for line in lines:
-        if line.startswith("bench "):
-            match = LINE.match(line)
-            assert match, f"not in the house format: {line!r}"
-            printed[match["name"]] = match
-    assert set(printed) == FIGURES
-
     report = json.loads(lines[-1])
     figures = report["figures"]
-    assert set(figures) == FIGURES
-    for name, figure in figures.items():
-        for field in ("ours", "baseline", "ratio"):
-            value = figure[field]
-            assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, field)
-        assert figure["unit"] == printed[name]["unit"]
-        assert figure["baseline_name"] == printed[name]["base_name"]
-        assert f"{figure['ratio']:.2f}" == printed[name]["ratio"]
+    check_report(figures, printed_figures(lines), FIGURES)
     for name in FIGURES - {"lookup_1024_p50", "lookup_1024_p99"}:
         assert figures[name]["batch_bytes"] == 32 * (256 << 10 if "256KiB" in name else 2 << 20)
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -20,13 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.house_format import check_report, printed_figures
 
 BENCH = REPO / "bench" / "tier_bench.py"
 FIGURES = {"l3_write_2MiB", "l3_read_2MiB", "get_after_prefetch", "prefetch_to_dram"}
-LINE = re.compile(
-    r"^bench (?P<name>\S+): (?P<ours>\d+\.\d+) (?P<unit>GB/s|ms) vs (?P<base_name>.+?) "
-    r"(?P<base>\d+\.\d+) (?P=unit) = (?P<ratio>\d+\.\d+)x( \(target [^)]+\))?$"
-)
 
 
 def direct_io_dir(tmp_path: Path) -> Path:
@@ -60,27 +55,13 @@ def test_tier_bench_quick_json(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
-    printed = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("bench "):
-            match = LINE.match(line)
-            assert match, f"not in the house format: {line!r}"
-            printed[match["name"]] = match
-        else:
-            assert line.startswith("#"), f"neither a figure nor an info line: {line!r}"
-    assert set(printed) == FIGURES
+    lines = proc.stdout.splitlines()
+    for line in lines:
+        assert line.startswith(("bench ", "#")), f"neither a figure nor an info line: {line!r}"
     assert "O_DIRECT ours=True" in proc.stdout
-
     report = json.loads(report_path.read_text())
     figures = report["figures"]
-    assert set(figures) == FIGURES
-    for name, figure in figures.items():
-        for field in ("ours", "baseline", "ratio"):
-            value = figure[field]
-            assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, field)
-        assert figure["unit"] == printed[name]["unit"]
-        assert figure["baseline_name"] == printed[name]["base_name"]
-        assert f"{figure['ratio']:.2f}" == printed[name]["ratio"]
+    check_report(figures, printed_figures(lines), FIGURES)
     assert figures["l3_read_2MiB"]["target"] == ">= 0.8x"
     streams = report["setup"]["io_threads"]
     for name in ("l3_write_2MiB", "l3_read_2MiB"):

@@ -1,0 +1,34 @@
+"""The house format of every benchmark figure (STYLE.md): one line
+`bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x`, and the same as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Figure:
+    name: str
+    ours: float
+    baseline_name: str
+    baseline: float
+    unit: str
+    lower_is_better: bool = False
+    target: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.baseline / self.ours if self.lower_is_better else self.ours / self.baseline
+
+    def line(self) -> str:
+        digits = 3 if self.unit == "ms" else 2
+        target = f" (target {self.target})" if self.target else ""
+        return (f"bench {self.name}: {self.ours:.{digits}f} {self.unit} vs {self.baseline_name} "
+                f"{self.baseline:.{digits}f} {self.unit} = {self.ratio:.2f}x{target}")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"ours": self.ours, "baseline_name": self.baseline_name,
+                "baseline": self.baseline, "unit": self.unit, "ratio": self.ratio,
+                "target": self.target, **self.extra}

@@ -1,0 +1,39 @@
+"""Checks shared by the bench smoke tests: every figure printed in the house format
+(STYLE.md) and the same figures, as positive finite numbers, in the JSON report."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+LINE = re.compile(
+    r"^bench (?P<name>\S+): (?P<ours>\d+\.\d+) (?P<unit>GB/s|ms) vs (?P<base_name>.+?) "
+    r"(?P<base>\d+\.\d+) (?P=unit) = (?P<ratio>\d+\.\d+)x( \(target [^)]+\))?$"
+)
+
+
+def printed_figures(lines: Iterable[str]) -> dict[str, re.Match[str]]:
+    """The `bench ...` lines, each checked against the house format, by figure name."""
+    printed = {}
+    for line in lines:
+        if line.startswith("bench "):
+            match = LINE.match(line)
+            assert match, f"not in the house format: {line!r}"
+            printed[match["name"]] = match
+    return printed
+
+
+def check_report(figures: dict[str, Any], printed: dict[str, re.Match[str]],
+                 expected: set[str]) -> None:
+    """The JSON figures are the printed ones, with the same units, baselines and ratios."""
+    assert set(printed) == expected
+    assert set(figures) == expected
+    for name, figure in figures.items():
+        for field in ("ours", "baseline", "ratio"):
+            value = figure[field]
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, field)
+        assert figure["unit"] == printed[name]["unit"]
+        assert figure["baseline_name"] == printed[name]["base_name"]
+        assert f"{figure['ratio']:.2f}" == printed[name]["ratio"]
