@@ -3,8 +3,11 @@
 The workload is what an inference engine does with the store: requests share a few system
 prompts, each request's blocks get chained prefix keys, the engine asks `lookup` for the
 longest cached prefix, loads those blocks with `get_into` (checking they are bit-exact) and
-"computes" and `put`s the rest. At the end it prints per-tier stats and the hit rate, then
-stops the daemon (which removes its shared-memory segment).
+"computes" and `put`s the rest. The daemon gets a small L2 (`--dram-capacity`, 32 MiB) so
+the run shows the tier hierarchy at work: cold prefixes are demoted to the L3 file and loaded
+back when a request needs them again. At the end it prints per-tier stats and the hit rate,
+then stops the daemon (which removes its shared-memory segment; L3 stays, and the next run
+starts with what it held).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-bytes", type=int, default=256 << 10)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
+    parser.add_argument("--dram-capacity", default="32MiB",
+                        help="the daemon's L2 size; small, so blocks move to L3 and back")
     args = parser.parse_args(argv)
     console = Console(width=max(100, Console().width))
     port, metrics_port = _pick_port(args.port), _pick_port(args.metrics_port)
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]ports {args.port}/{args.metrics_port} busy; using {port} and "
                       f"{metrics_port}[/]")
     cmd = [sys.executable, "-m", "kvstore.server", "--port", str(port),
-           "--metrics-port", str(metrics_port)]
+           "--metrics-port", str(metrics_port), "--dram-capacity", args.dram_capacity]
     console.print(f"[bold]starting[/] {' '.join(['kvstore-server', *cmd[3:]])}")
     server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 L3_FILE = "l3.data"
 LOCK_FILE = "lock"
+NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 
 
 @dataclass
@@ -73,6 +74,10 @@ def open_tiers(config: Config) -> OpenTiers:
 def _open_hbm(config: Config, opened: OpenTiers) -> None:
     h = config.hbm
     if h.mode == "off":
+        return
+    if h.mode == "auto" and not any(Path(p).exists() for p in NVIDIA_DRIVER_FILES):
+        # No driver: say so without importing torch, which costs a CPU host seconds a start.
+        log.info("L1 HBM tier off: no NVIDIA driver")
         return
     from kvstore.tiers.hbm import HbmTier, HbmUnavailable, cuda_unavailable_reason
 
