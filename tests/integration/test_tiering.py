@@ -295,6 +295,20 @@ def test_a_restarted_store_re_adopts_what_l3_held(make_store: Callable[..., Stor
     assert get(again, names[:4]) == [value(n) for n in names[:4]]
 
 
+def test_blocks_evicted_from_l3_stay_gone_after_a_restart(
+    make_store: Callable[..., Store],
+) -> None:
+    store = make_store()
+    names = fill(store)
+    store.tiering.step()
+    store.evict(NS, [key("b00")], 0, False, None)  # by key: every copy
+    assert store.evict("", [], 0, True, Tier.NVME).evicted == 3  # the rest of L3
+    store.close()
+    again = make_store()
+    assert again.adopted == 0
+    assert tiers(again, names[:4]) == [None] * 4
+
+
 def test_a_failing_mover_reports_why(make_store: Callable[..., Store], tmp_path: Path) -> None:
     store = make_store("nvme.compact_after_records=1", "movers.interval_s=0.01")
     failures: list[str] = []

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from kvstore.client import FailedPrecondition, KVStoreClient
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.testing import Daemon, free_port
 
 PAGE = 64 << 10
@@ -129,3 +131,32 @@ def test_a_mover_that_fails_marks_the_daemon_not_serving(
             kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
         wait_until(lambda: kv.health() == "NOT_SERVING")
     assert "tier mover stopped" in d.log()
+
+
+def test_a_prefetch_the_client_cancels_stops_loading(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Over real gRPC: cancel the stream after its first message; the daemon starts no more
+    loads (at most the few in flight finish), so most of the chain stays in L3."""
+    d = daemon_factory("dram.capacity_bytes=16MiB", "dram.page_size_bytes=64KiB",
+                       "nvme.capacity_bytes=64MiB", "nvme.page_size_bytes=64KiB",
+                       "movers.interval_s=0.02", "movers.low_watermark=0.25",
+                       "nvme.io_threads=1")
+    rng = np.random.default_rng(6)
+    keys = [rng.bytes(32) for _ in range(32)]
+    values = [rng.bytes(512 << 10) for _ in range(32)]
+    with KVStoreClient(d.target, "cancel") as kv:
+        kv.put(keys[:12], values[:12])  # the chain: 6 MiB
+        for i in range(12, 32, 4):  # 10 MiB of fillers fill L2: the mover demotes the chain
+            kv.put(keys[i : i + 4], values[i : i + 4], independent=True)
+        wait_until(lambda: kv.lookup(keys[:12]).tiers == ["nvme"] * 12)
+        before = kv.stats().tier("dram").promotions  # type: ignore[union-attr]
+        stub = pb_grpc.KVStoreStub(kv._channel)
+        call = stub.Prefetch(pb.PrefetchRequest(namespace="cancel", keys=keys[:12],
+                                                target_tier=pb.TIER_DRAM), timeout=30)
+        next(call)
+        call.cancel()
+        time.sleep(0.5)  # whatever was in flight lands; nothing new may start
+        promoted = kv.stats().tier("dram").promotions - before  # type: ignore[union-attr]
+        assert 0 < promoted < 12
+        assert kv.lookup(keys[:12]).tiers.count("nvme") == 12 - promoted
