@@ -23,8 +23,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import xxhash
-
 from kvstore.config import Config
 from kvstore.entries import Entry, Tier, TierStats
 from kvstore.index import Index, Pages
@@ -328,7 +326,8 @@ class Tiering:
         buffers = self.dram.buffers(pages, entry.size_bytes)
         [error] = self._io(Tier.NVME, "read", [
             Transfer(entry.places[Tier.NVME], entry.size_bytes, buffers)])
-        intact = error is None and _checksum(buffers, entry.size_bytes) == entry.checksum
+        intact = error is None and self.dram.checksum(
+            self.dram.extents(pages, entry.size_bytes)) == entry.checksum
         with self.room:
             if not intact:
                 self.index.free(Tier.DRAM, pages)
@@ -396,15 +395,3 @@ class Tiering:
 def _record(entry: Entry, pages: Pages | None = None) -> ManifestRecord:
     return ManifestRecord(entry.namespace, entry.key, entry.size_bytes, entry.checksum,
                           entry.parent, pages if pages is not None else entry.places[Tier.NVME])
-
-
-def _checksum(buffers: Sequence[memoryview], size_bytes: int) -> int:
-    h = xxhash.xxh3_64()
-    remaining = size_bytes
-    for buf in buffers:
-        take = buf[:remaining]
-        h.update(take)
-        remaining -= len(take)
-        if remaining <= 0:
-            break
-    return h.intdigest()
