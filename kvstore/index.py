@@ -1,15 +1,14 @@
 """The index: (namespace, key) -> entry, page ownership, leases, pins, leaf-first LRU eviction.
 
-Pure: no I/O and no clock reads (the clock is passed in). Stores are two-phase, as in vLLM's
-offload LRU manager: `prepare_store` reserves pages (evicting if it must) and returns a plan
-the caller fills; `complete_store(plan, ...)` makes the entries visible, or frees the pages.
-Reads take a lease on entries (`lease`), which `release` or `expire` ends.
+Pure: no I/O, no clock reads (the clock is passed in). Two-phase stores, as in vLLM's offload
+LRU manager: `prepare_store` reserves pages (evicting if it must), `complete_store` commits or
+frees them. Reads lease entries (`lease`) until `release` or `expire`.
 
 Eviction takes the least-recently-used *leaf* of a tier: an entry with a cached child (the
 next block of its prefix) goes only after that child, as in SGLang's radix cache; a copy in
 tier t is a leaf there when no child is cached in t or a faster tier, so a parent can be
-demoted to L3 after its child. Pinned, leased, moving and uncommitted entries never go.
-An entry may have copies in several tiers (`Entry.places`); movers use `pick` .. `done`.
+demoted to L3 after its child. Pinned, leased, moving and uncommitted entries never go. An
+entry may have copies in several tiers (`Entry.places`); movers use `pick` .. `done`.
 """
 
 from __future__ import annotations
@@ -120,10 +119,11 @@ class Index:
         blocks: list[PlannedBlock] = []
         existing: list[int] = []
         seen: set[BlockKey] = set()
+        cached: list[Entry] = []
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             stored = self.get(namespace, key)
             if stored is not None:
-                stored.seen += 1  # a put of a cached key counts towards L3 admission
+                cached.append(stored)
             if key in seen or stored is not None:
                 existing.append(i)
                 continue
@@ -136,6 +136,8 @@ class Index:
             [] if allocator.free_pages >= needed else None)
         if evicted is None:
             return None
+        for entry in cached:
+            entry.seen += 1  # a put of a cached key counts towards L3 admission
         for block in blocks:
             pages = allocator.alloc(self.pages_per_object(tier, block.size_bytes))
             assert pages is not None, "room was made for the whole plan"

@@ -129,6 +129,19 @@ def test_a_refused_put_restores_copies_it_had_dropped_from_l2() -> None:
     assert index.evictions[D] == 0
 
 
+def test_a_re_put_counts_once_towards_admission_even_when_it_must_wait_for_room() -> None:
+    index, clock = make_index(num_pages=2, tiers=(D, N))
+    put(index, "a")
+    put(index, "b")  # L2 full
+    clock.tick()
+    index.lease(None, "ns", [key("a")], 0.0)  # seen twice now; b is the LRU victim
+    args = ("ns", [key("a"), key("c")], [100, 100], [None, None], D, 1e9)
+    assert index.prepare_store("p1", *args, evict=False) is None  # no room yet
+    assert entry(index, "a").seen == 2
+    assert index.prepare_store("p2", *args, evict=True) is not None
+    assert entry(index, "a").seen == 3
+
+
 def test_adopt_takes_the_named_pages_or_refuses() -> None:
     index, _ = make_index(num_pages=4, tiers=(D, N))
     assert index.adopt("ns", key("a"), 100, 7, None, N, (PageRun(2, 1),)) is not None
