@@ -14,36 +14,30 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
-import xxhash
-
 from kvstore import checks
 from kvstore.config import Config
 from kvstore.entries import (
-    CommitResult,
     Entry,
     EvictResult,
-    Extent,
-    PutSession,
     ReadResult,
-    Reservation,
-    StorePlan,
     StoreStats,
     Tier,
     TierStats,
 )
-from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument
 from kvstore.index import Index
 from kvstore.keys import BlockKey
 from kvstore.movers import Mover
 from kvstore.pages import PageAllocator
 from kvstore.prefetch import PrefetchProgress, prefetch
+from kvstore.puts import Puts
 from kvstore.tier_setup import open_tiers
 from kvstore.tiering import Load, Tiering
 from kvstore.tiers.dram import DramTier
 from kvstore.units import format_size
 
 
-class Store:
+class Store(Puts):
     """The daemon's data plane, independent of gRPC. Thread-safe (one lock)."""
 
     def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
@@ -89,149 +83,6 @@ class Store:
         with self._lock:
             self._opened.close()
             self.dram = None
-
-    def _check_keys(self, namespace: str, keys: Sequence[bytes]) -> list[BlockKey]:
-        return checks.keys(namespace, keys, self.config.server.max_batch_keys)
-
-    def _slot_tier(self) -> DramTier:
-        if self.dram is None:
-            raise FailedPrecondition("no slot tier is enabled (dram.enabled is false)")
-        return self.dram
-
-    # --- puts ------------------------------------------------------------------------------
-
-    def _plan(
-        self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes,
-        independent: bool, timeout_s: float,
-    ) -> tuple[str, list[BlockKey], list[int], list[list[Extent] | None]]:
-        checked = self._check_keys(namespace, keys)
-        sizes = checks.sizes(checked, sizes, self.config.server.max_object_bytes)
-        parents = checks.chain_parents(checked, parent, independent)
-        tier = self._slot_tier()
-        plan_id = secrets.token_hex(12)
-        with self._lock:
-            plan = self._prepare(plan_id, namespace, checked, sizes, parents, timeout_s)
-            if plan is None:
-                need = sum(self.index.pages_per_object(Tier.DRAM, s) for s in sizes)
-                raise ResourceExhausted(
-                    f"sizes need {need} pages ({format_size(need * tier.page_size_bytes)}); the "
-                    f"dram tier cannot free that many (capacity {format_size(tier.capacity_bytes)},"
-                    " dram.capacity_bytes; pinned and leased blocks stay)"
-                )
-            targets: list[list[Extent] | None] = [None] * len(checked)
-            for block in plan.blocks:
-                targets[block.index] = tier.extents(block.pages, block.size_bytes)
-        return plan_id, checked, sizes, targets
-
-    def _prepare(
-        self, plan_id: str, namespace: str, keys: list[BlockKey], sizes: list[int],
-        parents: list[BlockKey | None], timeout_s: float,
-    ) -> StorePlan | None:
-        """With the lock held: L2 pages for a put. When L2 is full, wait (at most
-        movers.put_wait_s) for the mover to demote blocks to L3, then evict instead."""
-        deadline = self._clock() + timeout_s
-        args = (plan_id, namespace, keys, sizes, parents, Tier.DRAM, deadline)
-        plan = self.index.prepare_store(*args, evict=False)
-        if plan is None:
-            need = sum(self.index.pages_per_object(Tier.DRAM, s) for s in sizes)
-            if self.tiering.wait_for_room(Tier.DRAM, need, self.config.movers.put_wait_s):
-                plan = self.index.prepare_store(*args, evict=False)
-        if plan is None:
-            plan = self.index.prepare_store(*args, evict=True)
-        if self.tiering.fullness(Tier.DRAM) >= self.config.movers.high_watermark:
-            self.tiering.wake.set()
-        return plan
-
-    def begin_put(
-        self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
-        parent: bytes = b"", independent: bool = False,
-    ) -> PutSession:
-        """Plan an inline put; feed its bytes with write(), then commit() or abort()."""
-        plan_id, _, sizes, targets = self._plan(
-            namespace, keys, sizes, parent, independent, self.config.leases.reservation_timeout_s
-        )
-        hashers = [xxhash.xxh3_64() if t is not None else None for t in targets]
-        return PutSession(plan_id, namespace, sizes, targets, hashers, sum(sizes))
-
-    def write(self, session: PutSession, data: memoryview) -> None:
-        """Append a chunk of the concatenated payloads."""
-        if session.received_bytes + len(data) > session.total_bytes:
-            raise InvalidArgument(
-                f"data: more than the {session.total_bytes} bytes that sizes add up to"
-            )
-        tier = self._slot_tier()
-        with self._lock:
-            if self.index.plan(session.plan_id) is None:
-                raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned")
-            self._write_locked(tier, session, data)
-
-    @staticmethod
-    def _write_locked(tier: DramTier, session: PutSession, data: memoryview) -> None:
-        done = 0
-        while done < len(data):
-            i = session.block
-            n = min(session.sizes[i] - session.block_offset, len(data) - done)
-            targets, hasher = session.targets[i], session.hashers[i]
-            if targets is not None and hasher is not None:
-                chunk = data[done : done + n]
-                tier.write_at(targets, session.block_offset, chunk)
-                hasher.update(chunk)
-            done += n
-            session.block_offset += n
-            if session.block_offset == session.sizes[i]:
-                session.block += 1
-                session.block_offset = 0
-        session.received_bytes += len(data)
-
-    def commit(self, session: PutSession) -> CommitResult:
-        if session.received_bytes != session.total_bytes:
-            self.abort(session.plan_id)
-            raise InvalidArgument(
-                f"data: received {session.received_bytes} bytes; sizes add up to "
-                f"{session.total_bytes}"
-            )
-        checksums = [h.intdigest() for h in session.hashers if h is not None]
-        written = sum(s for s, t in zip(session.sizes, session.targets, strict=True) if t)
-        return self._complete(session.plan_id, checksums, written)
-
-    def abort(self, plan_id: str) -> None:
-        with self._lock:
-            if self.index.plan(plan_id) is not None:
-                self.index.complete_store(plan_id, None, success=False)
-
-    def _complete(self, plan_id: str, checksums: list[int], size_bytes: int) -> CommitResult:
-        with self._lock:
-            if self.index.plan(plan_id) is None:  # the sweeper expired it after the last write
-                raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned")
-            result = self.index.complete_store(plan_id, checksums, success=True)
-            self._stats[Tier.DRAM].bytes_in += size_bytes
-            return result
-
-    def reserve(
-        self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes = b"",
-        independent: bool = False, timeout_s: float | None = None,
-    ) -> Reservation:
-        """Pages for the client to write itself; commit_reservation() makes them entries."""
-        timeout_s = timeout_s or self.config.leases.reservation_timeout_s
-        plan_id, _, _, targets = self._plan(namespace, keys, sizes, parent, independent, timeout_s)
-        return Reservation(
-            plan_id, [t is None for t in targets], [t or [] for t in targets], timeout_s
-        )
-
-    def commit_reservation(self, namespace: str, reservation_id: str) -> CommitResult:
-        tier = self._slot_tier()
-        with self._lock:
-            plan = self.index.plan(reservation_id)
-            if plan is None or plan.namespace != namespace:
-                raise InvalidArgument(
-                    f"reservation_id {reservation_id!r} is unknown or expired in namespace "
-                    f"{namespace!r}"
-                )
-            extents = [tier.extents(b.pages, b.size_bytes) for b in plan.blocks]
-        # Checksums of what the client actually wrote, read without the lock: the pages are
-        # the plan's alone, and _complete refuses the commit if the plan expired meanwhile.
-        checksums = [tier.checksum(e) for e in extents]
-        return self._complete(reservation_id, checksums, sum(b.size_bytes for b in plan.blocks))
 
     # --- reads -----------------------------------------------------------------------------
 
