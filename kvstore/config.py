@@ -102,6 +102,27 @@ class MoverConfig:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    """The L4 tier: a Redis or Redis Cluster pool shared by every daemon (section `remote`)."""
+
+    #: redis://[user:password@]host:port/db, or rediss:// for TLS; "" = L4 off.
+    url: str = ""
+    cluster: bool = False  #: The URL names one node of a Redis Cluster.
+    username: str = ""  #: ACL user (or in the URL).
+    password: str = ""  #: Password (or in the URL); prefer KVSTORE_REMOTE_PASSWORD.
+    tls_ca_file: str = ""  #: CA bundle for rediss:// ("" = the system's).
+    timeout_s: float = 2.0  #: Socket timeout of every Redis call.
+    ttl_s: float = 86400.0  #: How long a block lives in L4; 0 = until Redis evicts it.
+    queue_bytes: int = 256 * MiB  #: Write-through backlog; blocks past it are skipped.
+    compress: str = "auto"  #: auto (lz4 when it pays), lz4 or none.
+    shuffle: bool = True  #: Byte-shuffle 2-byte elements (fp16/bf16) before lz4.
+    breaker_backoff_s: float = 1.0  #: First wait after Redis fails; doubles up to 30 s.
+    popularity_flush_s: float = 5.0  #: How often block popularity is sent to Redis.
+    popularity_half_life_s: float = 3600.0  #: Half-life of the popularity scores.
+    prewarm_bytes: int = 0  #: Pull this much of the hottest L4 data into L2/L3 before SERVING.
+
+
+@dataclass(frozen=True)
 class LeaseConfig:
     """Shared-memory read leases and Reserve expiry (section `leases`)."""
 
@@ -129,6 +150,7 @@ class Config:
     hbm: HbmConfig = field(default_factory=HbmConfig)  #: L1 GPU memory tier.
     nvme: NvmeConfig = field(default_factory=NvmeConfig)  #: L3 NVMe tier.
     movers: MoverConfig = field(default_factory=MoverConfig)  #: Demotion between tiers.
+    remote: RemoteConfig = field(default_factory=RemoteConfig)  #: L4 Redis pool.
     leases: LeaseConfig = field(default_factory=LeaseConfig)  #: Read leases and reservations.
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  #: Prometheus exporter.
     log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR.
@@ -140,6 +162,7 @@ SECTIONS: dict[str, type[Any]] = {
     "hbm": HbmConfig,
     "nvme": NvmeConfig,
     "movers": MoverConfig,
+    "remote": RemoteConfig,
     "leases": LeaseConfig,
     "metrics": MetricsConfig,
 }
@@ -265,6 +288,15 @@ def _tier_problems(cfg: Config) -> list[tuple[str, str]]:
     for name in ("put_wait_s", "interval_s"):
         value = getattr(mv, name)
         need(math.isfinite(value) and value >= 0, f"movers.{name}", "must be >= 0")
+    r = cfg.remote
+    need(not r.url or r.url.startswith(("redis://", "rediss://")), "remote.url",
+         "must start with redis:// or rediss:// (or be empty: L4 off)")
+    need(r.compress in ("auto", "lz4", "none"), "remote.compress", "must be auto, lz4 or none")
+    for name in ("timeout_s", "breaker_backoff_s", "popularity_flush_s",
+                 "popularity_half_life_s"):
+        value = getattr(r, name)
+        need(math.isfinite(value) and value > 0, f"remote.{name}", "must be > 0")
+    need(math.isfinite(r.ttl_s) and r.ttl_s >= 0, "remote.ttl_s", "must be >= 0 (0 = no TTL)")
     return out
 
 
