@@ -142,3 +142,179 @@ def start_redis(workdir: Path, timeout_s: float = 10.0) -> RedisServer:
             time.sleep(0.05)
     stop_process(proc)
     raise RuntimeError(f"redis-server did not start on port {port}")
+
+
+# --- more Redis shapes: any port, a password, TLS, a cluster (tests of the L4 tier) ---------
+
+
+def _redis_binary(name: str = "redis-server") -> str:
+    binary = shutil.which(name)
+    if binary is None:
+        raise RuntimeError(f"{name} is not installed (`make redis` installs it)")
+    return binary
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], port: int, log_path: Path,
+                    timeout_s: float) -> None:
+    """Return once port accepts connections; raise with the server's log if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    stop_process(proc)
+    raise RuntimeError(f"redis-server did not start on port {port}:\n{log_path.read_text()}")
+
+
+def start_redis_on(workdir: Path, port: int = 0, *extra_args: str, password: str = "",
+                   timeout_s: float = 10.0) -> RedisServer:
+    """Like start_redis, on a given port (0 = a free one; a fixed port lets a test restart
+    Redis where its clients expect it), with `requirepass` when password is given and any
+    extra redis-server arguments (e.g. "--maxmemory", "1mb"). Its log is in workdir."""
+    port = port or free_port()
+    log_path = workdir / f"redis-{port}.log"
+    args = [_redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(workdir), "--logfile", str(log_path)]
+    if password:
+        args += ["--requirepass", password]
+    with log_path.open("a"):
+        pass  # exists even if redis-server dies before it opens it
+    proc = subprocess.Popen([*args, *extra_args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    _wait_listening(proc, port, log_path, timeout_s)
+    return RedisServer(proc, port)
+
+
+def start_redis_with_password(workdir: Path, password: str) -> RedisServer:
+    """A redis-server that requires `password` (AUTH); its url carries no credentials."""
+    return start_redis_on(workdir, 0, password=password)
+
+
+@dataclass
+class TlsRedisServer(RedisServer):
+    """A redis-server that speaks only TLS; ca_file is the CA that signed its certificate."""
+
+    ca_file: str
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0"
+
+
+def make_test_certs(workdir: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 / localhost signed by it, made
+    with the openssl CLI: (ca.crt, server.crt, server.key)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError("the openssl CLI is not installed; TLS tests need it")
+    d = workdir / "tls"
+    d.mkdir(exist_ok=True)
+    ca_key, ca_crt = d / "ca.key", d / "ca.crt"
+    key, csr, crt, ext = d / "server.key", d / "server.csr", d / "server.crt", d / "server.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+                   "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+                   "authorityKeyIdentifier=keyid,issuer\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        [openssl, "req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca_crt),
+         "-days", "2", "-subj", "/CN=kvstore test CA"],
+        [openssl, "req", "-new", *ec, "-keyout", str(key), "-out", str(csr),
+         "-subj", "/CN=localhost"],
+        [openssl, "x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
+         "-CAcreateserial", "-out", str(crt), "-days", "2", "-extfile", str(ext)],
+    ]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(step[:3])} failed:\n{done.stderr}")
+    return ca_crt, crt, key
+
+
+# How a redis-server built without TLS (BUILD_TLS=no) words its refusal of --tls-port.
+_NO_TLS_WORDS = ("without", "not supported", "not compiled", "unsupported", "bad directive")
+
+
+def start_redis_tls(workdir: Path, timeout_s: float = 10.0) -> TlsRedisServer:
+    """A TLS-only redis-server on a free port (clients need not present certificates),
+    with a fresh CA; RuntimeError when the local redis-server lacks TLS support."""
+    ca_crt, crt, key = make_test_certs(workdir)
+    port = free_port()
+    log_path = workdir / f"redis-tls-{port}.log"
+    log_path.touch()
+    proc = subprocess.Popen(
+        [_redis_binary(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(crt), "--tls-key-file", str(key),
+         "--tls-ca-cert-file", str(ca_crt), "--tls-auth-clients", "no",
+         "--save", "", "--appendonly", "no", "--dir", str(workdir), "--logfile", str(log_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(proc, port, log_path, timeout_s)
+    except RuntimeError as exc:
+        out = f"{exc}\n{proc.stdout.read().decode(errors='replace') if proc.stdout else ''}"
+        if "tls" in out.lower() and any(w in out.lower() for w in _NO_TLS_WORDS):
+            raise RuntimeError(f"redis-server was built without TLS support:\n{out}") from None
+        raise RuntimeError(out) from None
+    return TlsRedisServer(proc, port, str(ca_crt))
+
+
+@dataclass
+class RedisClusterServers:
+    """A Redis Cluster of len(ports) primaries (no replicas) on loopback."""
+
+    procs: list[subprocess.Popen[bytes]]
+    ports: list[int]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}"
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            stop_process(proc)
+
+
+def _cluster_state_ok(cli: str, port: int) -> bool:
+    done = subprocess.run([cli, "-p", str(port), "CLUSTER", "INFO"], capture_output=True,
+                          text=True, timeout=10)
+    return "cluster_state:ok" in done.stdout
+
+
+def start_redis_cluster(workdir: Path, nodes: int = 3, timeout_s: float = 30.0
+                        ) -> RedisClusterServers:
+    """Start `nodes` (>= 3) cluster-enabled redis-servers, join them with
+    `redis-cli --cluster create` (slots split evenly, no replicas) and wait until every node
+    reports cluster_state:ok."""
+    if nodes < 3:
+        raise ValueError(f"a Redis Cluster needs at least 3 primaries, got {nodes}")
+    cli = _redis_binary("redis-cli")
+    servers: list[RedisServer] = []
+    try:
+        for _ in range(nodes):
+            # The cluster bus defaults to port + 10000, which is refused above 55535 and may
+            # be taken: name a free bus port too (cluster-port, Redis >= 7).
+            port = free_port()
+            servers.append(start_redis_on(
+                workdir, port, "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                "--cluster-config-file", str(workdir / f"nodes-{port}.conf")))
+        cluster = RedisClusterServers([s.proc for s in servers], [s.port for s in servers])
+        create = subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in cluster.ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, text=True, timeout=timeout_s)
+        if create.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{create.stdout}"
+                               f"{create.stderr}")
+        deadline = time.monotonic() + timeout_s
+        while not all(_cluster_state_ok(cli, p) for p in cluster.ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Redis Cluster on {cluster.ports} not ok after {timeout_s}s")
+            time.sleep(0.1)
+        return cluster
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
