@@ -147,6 +147,7 @@ class TierStats:
     queue_depth: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
+    state: str = ""  # L4's circuit breaker: "closed" (up), "open" (down) or "half-open"
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from kvstore.entries import (
 from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.index import Index
 from kvstore.keys import BlockKey
+from kvstore.remote import Remote
 from kvstore.tiering import Tiering
 from kvstore.tiers.dram import DramTier
 from kvstore.units import format_size
@@ -35,6 +36,7 @@ from kvstore.units import format_size
 class Puts:
     config: Config
     dram: DramTier | None
+    remote: Remote | None
     index: Index
     tiering: Tiering
     _lock: threading.RLock
@@ -134,7 +136,8 @@ class Puts:
                 session.block_offset = 0
         session.received_bytes += len(data)
 
-    def commit(self, session: PutSession) -> CommitResult:
+    def commit(self, session: PutSession, to_remote: bool = True) -> CommitResult:
+        """Make the put's blocks entries; with to_remote they are also offered to L4."""
         if session.received_bytes != session.total_bytes:
             self.abort(session.plan_id)
             raise InvalidArgument(
@@ -143,20 +146,40 @@ class Puts:
             )
         checksums = [h.intdigest() for h in session.hashers if h is not None]
         written = sum(s for s, t in zip(session.sizes, session.targets, strict=True) if t)
-        return self._complete(session.plan_id, checksums, written)
+        return self._complete(session.plan_id, checksums, written, to_remote)
 
     def abort(self, plan_id: str) -> None:
         with self._lock:
             if self.index.plan(plan_id) is not None:
                 self.index.complete_store(plan_id, None, success=False)
 
-    def _complete(self, plan_id: str, checksums: list[int], size_bytes: int) -> CommitResult:
+    def _complete(self, plan_id: str, checksums: list[int], size_bytes: int,
+                  to_remote: bool = True) -> CommitResult:
         with self._lock:
-            if self.index.plan(plan_id) is None:  # the sweeper expired it after the last write
+            plan = self.index.plan(plan_id)
+            if plan is None:  # the sweeper expired it after the last write
                 raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned")
             result = self.index.complete_store(plan_id, checksums, success=True)
             self._stats[Tier.DRAM].bytes_in += size_bytes
-            return result
+        if to_remote and self.remote is not None and plan.blocks:
+            self.remote.offer(plan.namespace, [(b.key, b.size_bytes) for b in plan.blocks])
+        return result
+
+    def import_blocks(self, namespace: str, keys: Sequence[BlockKey],
+                      payloads: Sequence[bytes]) -> int:
+        """Store blocks fetched from L4 in L2 (as unrelated blocks: L4 keeps no chains), not
+        offered back to L4; returns how many were new here."""
+        if not keys:
+            return 0
+        session = self.begin_put(namespace, keys, [len(p) for p in payloads], independent=True)
+        try:
+            for payload in payloads:
+                self.write(session, memoryview(payload))
+            stored = self.commit(session, to_remote=False).stored
+        finally:
+            self.abort(session.plan_id)  # a no-op once committed
+        self._stats[Tier.DRAM].promotions += stored
+        return stored
 
     def reserve(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes = b"",

@@ -89,13 +89,17 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {address}: {exc} (server.port)") from exc
     server.start()
-    _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
 
-    def mover_failed(reason: str) -> None:
-        log.error("tier mover stopped (%s); health is NOT_SERVING", reason)
+    def worker_failed(reason: str) -> None:
+        log.error("a background worker stopped (%s); health is NOT_SERVING", reason)
         _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    store.start(mover_failed)
+    store.start(worker_failed)
+    if store.remote is not None and config.remote.prewarm_bytes:
+        for _ in store.prewarm(config.remote.prewarm_bytes):  # logs its progress
+            if stop.is_set():
+                break
+    _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     sweeper = threading.Thread(
         target=_sweep_forever, name="lease-sweeper", daemon=True,
         args=(store, config.leases.sweep_interval_s, stop, health_servicer),

@@ -221,6 +221,24 @@ class KVStoreServicer:
             raise
         self._ok("Prefetch", started)
 
+    def Hot(self, request: pb.HotRequest, context: grpc.ServicerContext) -> pb.HotResponse:
+        def run() -> pb.HotResponse:
+            hot = self.store.hot(request.namespace, request.limit)
+            return pb.HotResponse(keys=[k for k, _ in hot], scores=[s for _, s in hot])
+        return self._unary("Hot", context, run)
+
+    def Prewarm(self, request: pb.PrewarmRequest,
+                context: grpc.ServicerContext) -> Iterator[pb.PrewarmProgress]:
+        started = time.perf_counter()
+        try:
+            for p in self.store.prewarm(request.bytes, list(request.namespaces)):
+                yield pb.PrewarmProgress(blocks=p.blocks, bytes=p.bytes,
+                                         target_bytes=p.target_bytes, done=p.done)
+        except Exception as exc:
+            self._fail(context, "Prewarm", exc, started)
+            raise
+        self._ok("Prewarm", started)
+
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:
         def run() -> pb.ReserveResponse:
@@ -324,6 +342,10 @@ def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
         "Pin": unary(s.Pin, pb.PinRequest, pb.PinResponse),
         "Unpin": unary(s.Unpin, pb.PinRequest, pb.PinResponse),
         "Stats": unary(s.Stats, pb.StatsRequest, pb.StatsResponse),
+        "Hot": unary(s.Hot, pb.HotRequest, pb.HotResponse),
+        "Prewarm": grpc.unary_stream_rpc_method_handler(
+            s.Prewarm, request_deserializer=pb.PrewarmRequest.FromString,
+            response_serializer=pb.PrewarmProgress.SerializeToString),
     }
     declared = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
     if set(table) != declared:  # the .proto grew a method this table does not serve

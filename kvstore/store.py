@@ -8,6 +8,7 @@ bytes are copied out, so the pages under a reader are never reused.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -24,17 +25,20 @@ from kvstore.entries import (
     Tier,
     TierStats,
 )
-from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument
+from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.index import Index
 from kvstore.keys import BlockKey
 from kvstore.movers import Mover
 from kvstore.pages import PageAllocator
 from kvstore.prefetch import PrefetchProgress, prefetch
 from kvstore.puts import Puts
+from kvstore.remote import PrewarmProgress, Remote
 from kvstore.tier_setup import open_tiers
 from kvstore.tiering import Load, Tiering
 from kvstore.tiers.dram import DramTier
 from kvstore.units import format_size
+
+log = logging.getLogger(__name__)
 
 
 class Store(Puts):
@@ -57,6 +61,12 @@ class Store(Puts):
         self.tiering = Tiering(config, self.index, self._lock, tiers, self._opened.manifest,
                                self._stats, clock)
         self._mover: Mover | None = None
+        self.remote: Remote | None = None
+        if self._opened.remote is not None and self.dram is not None:
+            self.remote = Remote(config.remote, self._opened.remote, self._lock, self.index,
+                                 self.dram, self._stats[Tier.REMOTE])
+            self._stats[Tier.REMOTE].enabled = True
+            self._stats[Tier.REMOTE].backend = self._opened.remote.backend
         try:
             self.adopted = self.tiering.adopt()
         except BaseException:
@@ -71,11 +81,16 @@ class Store(Puts):
                 f"{format_size(nvme.capacity_bytes)}, {self.adopted} blocks re-adopted")
 
     def start(self, on_failure: Callable[[str], None]) -> None:
-        """Start the background mover; on_failure(reason) if it ever fails."""
+        """Start the background mover and the L4 workers; on_failure(reason) if one fails."""
         self._mover = Mover(self.tiering, self.config.movers.interval_s, on_failure)
         self._mover.start()
+        if self.remote is not None:
+            self.remote.start(on_failure)
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
         if self._mover is not None:
             self._mover.stop()
             self._mover = None
@@ -95,6 +110,7 @@ class Store(Puts):
         checked = self._check_keys(namespace, keys)
         tier = self.dram
         lease_id = secrets.token_hex(12)
+        self._fetch_remote(namespace, checked)
         with self._lock:
             loads = self._start_loads(namespace, checked, Tier.DRAM)
         for load in loads.values():
@@ -110,7 +126,26 @@ class Store(Puts):
                     assert tier is not None, "entries exist only in enabled tiers"
                     result.extents.append(
                         tier.extents(entry.places[Tier.DRAM], entry.size_bytes))
+        if self.remote is not None:
+            self.remote.touch(namespace, [k for k, e in zip(checked, entries, strict=True) if e])
         return result
+
+    def _fetch_remote(self, namespace: str, keys: Sequence[BlockKey]) -> None:
+        """Bring the keys no local tier has from L4 into L2 (one batched round trip)."""
+        if self.remote is None:
+            return
+        with self._lock:
+            missing = list(dict.fromkeys(k for k in keys if self.index.get(namespace, k) is None))
+        if not missing:
+            return
+        found = [(k, p) for k, p in zip(missing, self.remote.fetch(namespace, missing),
+                                        strict=True) if p is not None]
+        if not found:
+            return
+        try:
+            self.import_blocks(namespace, [k for k, _ in found], [p for _, p in found])
+        except ResourceExhausted as exc:  # more than L2 can take at once: they stay misses
+            log.warning("L4 hits not brought into L2: %s", exc)
 
     def _start_loads(self, namespace: str, keys: Sequence[BlockKey],
                      target: Tier) -> dict[BlockKey, Load]:
@@ -189,6 +224,14 @@ class Store(Puts):
         checked = self._check_keys(namespace, keys)
         with self._lock:
             prefix, tiers = self.index.lookup(namespace, checked)
+        if self.remote is not None and prefix < len(checked):
+            misses = [i for i, t in enumerate(tiers) if t is None]
+            there = self.remote.exists(namespace, [checked[i] for i in misses])
+            for i, found in zip(misses, there, strict=True):
+                if found:
+                    tiers[i] = Tier.REMOTE
+            prefix = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        with self._lock:
             self._hits += prefix
             self._misses += len(checked) - prefix
         return prefix, tiers
@@ -208,8 +251,37 @@ class Store(Puts):
         if deadline_s is not None and not deadline_s > 0:
             raise InvalidArgument(f"deadline_ms must be > 0, got {deadline_s * 1000:g}")
         deadline = self._clock() + deadline_s if deadline_s is not None else None
+        self._fetch_remote(namespace, checked)  # L4 hits first, in one batch: then local
         return prefetch(self._lock, self.index, self.tiering, namespace, checked, target,
                         deadline, cancelled, self._clock, 2 * self.config.nvme.io_threads)
+
+    # --- L4 ---------------------------------------------------------------------------------
+
+    def _remote(self) -> Remote:
+        if self.remote is None:
+            raise FailedPrecondition("L4 is off: set remote.url")
+        return self.remote
+
+    def hot(self, namespace: str, limit: int) -> list[tuple[bytes, float]]:
+        checks.namespace(namespace)
+        if not 0 <= limit <= 100_000:
+            raise InvalidArgument(f"limit must be 0..100000, got {limit}")
+        return self._remote().hot(namespace, limit or 100)
+
+    def prewarm(self, max_bytes: int, namespaces: Sequence[str] = ()) -> Iterator[PrewarmProgress]:
+        """Pull the hottest L4 blocks into L2 (and, as L2 fills, L3) until max_bytes (default
+        remote.prewarm_bytes; at most what L2 and L3 hold below their low watermarks)."""
+        for namespace in namespaces:
+            checks.namespace(namespace)
+        remote = self._remote()
+        room = sum(t.capacity_bytes for t in self._opened.tiers.values() if t.name != "hbm")
+        target = min(max_bytes or self.config.remote.prewarm_bytes,
+                     int(room * self.config.movers.low_watermark))
+        return remote.prewarm(target, self._missing, self.import_blocks, namespaces)
+
+    def _missing(self, namespace: str, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        with self._lock:
+            return [k for k in keys if self.index.get(namespace, k) is None]
 
     # --- operators -------------------------------------------------------------------------
 
@@ -278,6 +350,8 @@ class Store(Puts):
                     row.largest_free_run_pages = alloc.largest_free_run
                     row.objects, row.used_bytes = self.index.usage(t, namespace or None)
                     row.evictions = self.index.evictions[t]
+                if t == Tier.REMOTE and self.remote is not None:
+                    row.state = self.remote.state
                 out.append(row)
             return StoreStats(
                 out,

@@ -1,4 +1,4 @@
-"""Opening the slot tiers a config asks for: L1 HBM, L2 DRAM, L3 NVMe and its manifest.
+"""Opening the tiers a config asks for: L1 HBM, L2 DRAM, L3 NVMe and its manifest, L4 Redis.
 
 Each failure that an operator can fix is a StartupError naming the setting: L1 demanded on
 a host without CUDA, an L3 folder another daemon holds, an L3 file that cannot be created.
@@ -20,6 +20,7 @@ from kvstore.errors import StartupError
 from kvstore.manifest import Manifest
 from kvstore.tiers.base import SlotTier
 from kvstore.tiers.dram import DramTier
+from kvstore.tiers.redis_pool import RedisPool
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 class OpenTiers:
     tiers: dict[Tier, SlotTier] = field(default_factory=dict)
     manifest: Manifest | None = None
+    remote: RedisPool | None = None  # L4
     l3_dir: Path | None = None
     _stack: ExitStack = field(default_factory=ExitStack)
 
@@ -67,6 +69,8 @@ def open_tiers(config: Config) -> OpenTiers:
                 raise StartupError("nvme.enabled needs the L2 tier (dram.enabled=true): blocks "
                                    "reach L3 through L2; set nvme.enabled=false")
             _open_nvme(config, opened)
+        if config.remote.url:
+            _open_remote(config, opened)
         undo.pop_all()
     return opened
 
@@ -127,3 +131,20 @@ def _open_nvme(config: Config, opened: OpenTiers) -> None:
     opened._stack.callback(manifest.close)
     opened.manifest = manifest
     opened.l3_dir = folder
+
+
+def _open_remote(config: Config, opened: OpenTiers) -> None:
+    """The L4 pool. Redis itself may be down now: that is L4's degraded mode, not a failed
+    start (kvstore.remote retries with backoff)."""
+    if Tier.DRAM not in opened.tiers:
+        raise StartupError("remote.url needs the L2 tier (dram.enabled=true): blocks fetched "
+                           "from L4 land in L2")
+    r = config.remote
+    try:
+        pool = RedisPool(r.url, cluster=r.cluster, username=r.username, password=r.password,
+                         tls_ca_file=r.tls_ca_file, timeout_s=r.timeout_s)
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"cannot use remote.url: {exc} (remote.url, remote.cluster, "
+                           "remote.tls_ca_file)") from exc
+    opened._stack.callback(pool.close)
+    opened.remote = pool

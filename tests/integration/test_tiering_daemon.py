@@ -130,7 +130,7 @@ def test_a_mover_that_fails_marks_the_daemon_not_serving(
         for i in range(0, 32, 8):
             kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
         wait_until(lambda: kv.health() == "NOT_SERVING")
-    assert "tier mover stopped" in d.log()
+    assert "the tier mover failed" in d.log()
 
 
 def test_a_prefetch_the_client_cancels_stops_loading(

@@ -238,7 +238,7 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., include_config: _Optional[bool] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "enabled", "capacity_bytes", "used_bytes", "objects", "hits", "misses", "bytes_in", "bytes_out", "evictions", "page_size_bytes", "free_pages", "largest_free_run_pages", "backend", "promotions", "demotions", "admissions_refused", "checksum_failures", "io_errors", "queue_depth", "read_seconds", "write_seconds")
+    __slots__ = ("tier", "enabled", "capacity_bytes", "used_bytes", "objects", "hits", "misses", "bytes_in", "bytes_out", "evictions", "page_size_bytes", "free_pages", "largest_free_run_pages", "backend", "promotions", "demotions", "admissions_refused", "checksum_failures", "io_errors", "queue_depth", "read_seconds", "write_seconds", "state")
     TIER_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class TierStats(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     enabled: bool
     capacity_bytes: int
@@ -283,7 +284,8 @@ class TierStats(_message.Message):
     queue_depth: int
     read_seconds: float
     write_seconds: float
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., free_pages: _Optional[int] = ..., largest_free_run_pages: _Optional[int] = ..., backend: _Optional[str] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., io_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., read_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ...) -> None: ...
+    state: str
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., free_pages: _Optional[int] = ..., largest_free_run_pages: _Optional[int] = ..., backend: _Optional[str] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., io_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., read_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "shm_name", "shm_size_bytes", "host_id", "leases", "reservations", "pinned", "version", "config_json", "hits", "misses")
@@ -310,3 +312,39 @@ class StatsResponse(_message.Message):
     hits: int
     misses: int
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., pinned: _Optional[int] = ..., version: _Optional[str] = ..., config_json: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+
+class HotRequest(_message.Message):
+    __slots__ = ("namespace", "limit")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    limit: int
+    def __init__(self, namespace: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class HotResponse(_message.Message):
+    __slots__ = ("keys", "scores")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PrewarmRequest(_message.Message):
+    __slots__ = ("bytes", "namespaces")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrewarmProgress(_message.Message):
+    __slots__ = ("blocks", "bytes", "target_bytes", "done")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    target_bytes: int
+    done: bool
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., target_bytes: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

@@ -84,6 +84,16 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Hot = channel.unary_unary(
+                '/kvstore.v1.KVStore/Hot',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.HotRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HotResponse.FromString,
+                _registered_method=True)
+        self.Prewarm = channel.unary_stream(
+                '/kvstore.v1.KVStore/Prewarm',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PrewarmRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PrewarmProgress.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -168,6 +178,22 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hot(self, request, context):
+        """The most used blocks of a namespace across every daemon sharing the L4 pool, hottest
+        first. FAILED_PRECONDITION when L4 is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prewarm(self, request, context):
+        """Pull the hottest L4 blocks into the local tiers (hottest first, every namespace unless
+        named) until `bytes` are local; streams progress. FAILED_PRECONDITION when L4 is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +246,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'Hot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hot,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HotRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.HotResponse.SerializeToString,
+            ),
+            'Prewarm': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prewarm,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PrewarmRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PrewarmProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -492,6 +528,60 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Hot',
+            kvstore_dot_v1_dot_kvstore__pb2.HotRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.HotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prewarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Prewarm',
+            kvstore_dot_v1_dot_kvstore__pb2.PrewarmRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.PrewarmProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,326 @@
+"""L4: the Redis pool every daemon shares — write-through, reads, popularity and pre-warming,
+all behind a circuit breaker so that a Redis outage never stops the local tiers.
+
+Write-through: a committed block is offered to a queue bounded in bytes (`remote.queue_bytes`)
+and a put never waits: past the bound the block is skipped and counted. A writer thread takes
+batches, asks Redis which blocks it already has (one pipelined EXISTS), and for the rest reads
+the bytes from their L2 pages (the entries are held busy meanwhile, so the pages stay put),
+frames them (kvstore.blockframe: checksummed, lz4 when it pays) and SETs them with the TTL.
+
+Reads: the store asks `exists` (Lookup) and `fetch` (Get, Prefetch, pre-warm) for keys no local
+tier has; fetched blocks are verified (a bad frame is a miss, deleted from Redis) and the store
+imports them into L2. Popularity: reads are counted per namespace and sent in batches every
+`remote.popularity_flush_s`, with exponential decay (`remote.popularity_half_life_s`), so
+`hot()` ranks what is in use now and a new replica pre-warms from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TypeVar
+
+from kvstore.blockframe import FrameError, decode, encode
+from kvstore.breaker import Breaker
+from kvstore.config import RemoteConfig
+from kvstore.entries import Entry, Tier, TierStats
+from kvstore.index import Index
+from kvstore.keys import BlockKey
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.redis_pool import RedisPool, RemoteUnavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+BATCH_BLOCKS = 64  # blocks per write-through or fetch round trip
+BATCH_BYTES = 32 << 20
+PREWARM_CANDIDATES = 100_000  # hottest keys asked for per namespace
+IMPORT_BYTES = 8 << 20  # most bytes pre-warm stores in one internal put
+
+
+@dataclass(slots=True)
+class PrewarmProgress:
+    blocks: int = 0  # brought into the local tiers so far
+    bytes: int = 0
+    target_bytes: int = 0
+    done: bool = False
+
+
+class Remote:
+    """The daemon's side of L4 (see the module docstring)."""
+
+    def __init__(self, config: RemoteConfig, pool: RedisPool, lock: threading.RLock,
+                 index: Index, dram: DramTier, stats: TierStats) -> None:
+        self.config = config
+        self.pool = pool
+        self._store_lock = lock
+        self._index = index
+        self._dram = dram
+        self.stats = stats
+        self.breaker = Breaker(config.breaker_backoff_s)
+        self._cv = threading.Condition()  # guards the queue and the popularity counts
+        self._queue: deque[tuple[str, BlockKey, int]] = deque()
+        self._queued_bytes = 0
+        self._popularity: dict[str, Counter[bytes]] = {}
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._supervise, args=(self._write_forever,),
+                             name="l4-writer", daemon=True),
+            threading.Thread(target=self._supervise, args=(self._flush_forever,),
+                             name="l4-popularity", daemon=True),
+        ]
+        self.on_failure: Callable[[str], None] = lambda reason: None
+
+    def start(self, on_failure: Callable[[str], None]) -> None:
+        self.on_failure = on_failure
+        self._guard(self.pool.ping, None)
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        for t in self._threads:
+            if t.is_alive():
+                t.join()
+
+    @property
+    def state(self) -> str:
+        return self.breaker.state
+
+    # --- the breaker -------------------------------------------------------------------------
+
+    def _guard(self, call: Callable[[], T], fallback: T) -> T:
+        """call() unless the breaker is open; a Redis failure opens it and gives fallback."""
+        if not self.breaker.allow():
+            return fallback
+        try:
+            result = call()
+        except RemoteUnavailable as exc:
+            was = self.breaker.state
+            self.breaker.failure(str(exc))
+            self.stats.io_errors += 1
+            if was == "closed":
+                log.warning("L4 unavailable, local tiers keep serving: %s", exc)
+            return fallback
+        if self.breaker.state != "closed":
+            log.info("L4 is back")
+        self.breaker.success()
+        return result
+
+    # --- write-through -------------------------------------------------------------------------
+
+    def offer(self, namespace: str, blocks: Sequence[tuple[BlockKey, int]]) -> None:
+        """Queue committed blocks for L4; never waits. Past remote.queue_bytes a block is
+        skipped and counted in admissions_refused."""
+        with self._cv:
+            for key, size in blocks:
+                if self._queued_bytes + size > self.config.queue_bytes:
+                    self.stats.admissions_refused += 1
+                    continue
+                self._queue.append((namespace, key, size))
+                self._queued_bytes += size
+            self.stats.queue_depth = len(self._queue)
+            self._cv.notify_all()
+
+    def _write_forever(self) -> None:
+        while not self._stop.is_set():
+            with self._cv:
+                while not self._queue and not self._stop.is_set():
+                    self._cv.wait()
+                batch = self._take_batch()
+            if batch and not self._write(batch):
+                with self._cv:  # Redis is down: keep the batch, wait for the breaker
+                    self._queue.extendleft(reversed(batch))
+                    self._queued_bytes += sum(size for _, _, size in batch)
+                self._stop.wait(max(0.05, self.breaker.retry_in_s))
+
+    def _take_batch(self) -> list[tuple[str, BlockKey, int]]:
+        batch: list[tuple[str, BlockKey, int]] = []
+        size_sum = 0
+        while self._queue and len(batch) < BATCH_BLOCKS and size_sum < BATCH_BYTES:
+            item = self._queue.popleft()
+            batch.append(item)
+            size_sum += item[2]
+        self._queued_bytes -= size_sum
+        self.stats.queue_depth = len(self._queue)
+        return batch
+
+    def _write(self, batch: list[tuple[str, BlockKey, int]]) -> bool:
+        """Write the blocks Redis lacks; False when Redis is unavailable."""
+        present = self._guard(lambda: self.pool.exists([(ns, k) for ns, k, _ in batch]), None)
+        if present is None:
+            return False
+        held = self._hold([(ns, k) for (ns, k, _), there in zip(batch, present, strict=True)
+                           if not there])
+        try:
+            frames = [(e.namespace, bytes(e.key), encode(
+                self._bytes_of(e), self.config.compress, self.config.shuffle, e.checksum))
+                for e in held]
+        finally:
+            with self._store_lock:
+                for e in held:
+                    self._index.done(e)
+        if not frames:
+            return True
+        if not self._guard(partial(self._set, frames), False):
+            return False
+        self.stats.bytes_in += sum(e.size_bytes for e in held)
+        return True
+
+    def _set(self, frames: list[tuple[str, bytes, bytes]]) -> bool:
+        self.pool.set(frames, self.config.ttl_s)
+        return True
+
+    def _hold(self, keys: list[tuple[str, BlockKey]]) -> list[Entry]:
+        """The entries still in L2, held busy so their pages stay put while being read."""
+        held: list[Entry] = []
+        with self._store_lock:
+            for namespace, key in keys:
+                entry = self._index.get(namespace, key)
+                if entry is None or Tier.DRAM not in entry.places:
+                    self.stats.admissions_refused += 1  # left L2 before it could be written
+                    continue
+                self._index.hold(entry)
+                held.append(entry)
+        return held
+
+    def _bytes_of(self, entry: Entry) -> bytes:
+        extents = self._dram.extents(entry.places[Tier.DRAM], entry.size_bytes)
+        return b"".join(self._dram.views(extents))
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def exists(self, namespace: str, keys: Sequence[BlockKey]) -> list[bool]:
+        if not keys:
+            return []
+        return self._guard(lambda: self.pool.exists([(namespace, k) for k in keys]),
+                           [False] * len(keys))
+
+    def fetch(self, namespace: str, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """Each key's payload from L4, verified; None for a miss (or a damaged frame, which
+        is deleted from Redis and counted)."""
+        out: list[bytes | None] = []
+        for start in range(0, len(keys), BATCH_BLOCKS):
+            chunk = [(namespace, bytes(k)) for k in keys[start : start + BATCH_BLOCKS]]
+            missed: list[bytes | None] = [None] * len(chunk)
+            frames = self._guard(partial(self.pool.get, chunk), missed)
+            out.extend(self._decoded(namespace, [k for _, k in chunk], frames))
+        return out
+
+    def _decoded(self, namespace: str, keys: list[bytes],
+                 frames: list[bytes | None]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        damaged: list[tuple[str, bytes]] = []
+        for key, frame in zip(keys, frames, strict=True):
+            if frame is None:
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            try:
+                payload = decode(frame)
+            except FrameError as exc:
+                log.warning("L4 block %s is damaged (%s); deleted, a miss", key.hex()[:16], exc)
+                self.stats.checksum_failures += 1
+                damaged.append((namespace, key))
+                out.append(None)
+                continue
+            self.stats.hits += 1
+            self.stats.bytes_out += len(payload)
+            out.append(payload)
+        if damaged:
+            self._guard(lambda: self.pool.delete(damaged), 0)
+        return out
+
+    # --- popularity ----------------------------------------------------------------------------
+
+    def touch(self, namespace: str, keys: Sequence[BlockKey]) -> None:
+        """Count reads of keys towards their popularity (sent in batches)."""
+        if not keys:
+            return
+        with self._cv:
+            self._popularity.setdefault(namespace, Counter()).update(bytes(k) for k in keys)
+
+    def _flush_forever(self) -> None:
+        every = self.config.popularity_flush_s
+        factor = 0.5 ** (every / self.config.popularity_half_life_s)
+        while not self._stop.wait(every):
+            self.flush_popularity(factor, every)
+
+    def flush_popularity(self, decay_factor: float = 1.0, every_s: float = 0.0) -> None:
+        with self._cv:
+            counts, self._popularity = self._popularity, {}
+        for namespace, counted in counts.items():
+            scores = {k: float(v) for k, v in counted.items()}
+            if not self._guard(partial(self._add_popularity, namespace, scores), False):
+                return  # Redis is down: these counts are lost, which only blurs the ranking
+            if decay_factor < 1.0:
+                self._guard(partial(self.pool.decay, namespace, decay_factor, every_s), False)
+
+    def _add_popularity(self, namespace: str, scores: dict[bytes, float]) -> bool:
+        self.pool.add_popularity(namespace, scores)
+        return True
+
+    def prewarm(
+        self, target_bytes: int, missing: Callable[[str, Sequence[BlockKey]], list[BlockKey]],
+        store: Callable[[str, Sequence[BlockKey], Sequence[bytes]], int],
+        namespaces: Sequence[str] = (),
+    ) -> Iterator[PrewarmProgress]:
+        """Fetch the hottest blocks (across namespaces, by score) that are not local yet and
+        store() them, until target_bytes arrived; progress after every batch, and logged."""
+        ranked = sorted(((score, ns, BlockKey(key)) for ns in namespaces or self.namespaces()
+                         for key, score in self.hot(ns, PREWARM_CANDIDATES)), reverse=True)
+        progress = PrewarmProgress(target_bytes=target_bytes)
+        for start in range(0, len(ranked), BATCH_BLOCKS):
+            if progress.bytes >= target_bytes:
+                break
+            by_ns: dict[str, list[BlockKey]] = {}
+            for _, ns, key in ranked[start : start + BATCH_BLOCKS]:
+                by_ns.setdefault(ns, []).append(key)
+            for ns, keys in by_ns.items():
+                wanted = missing(ns, keys)
+                found = [(k, p) for k, p in zip(wanted, self.fetch(ns, wanted), strict=True)
+                         if p is not None]
+                for group in _groups(found, IMPORT_BYTES):  # each put must fit in L2
+                    progress.blocks += store(ns, [k for k, _ in group], [p for _, p in group])
+                    progress.bytes += sum(len(p) for _, p in group)
+            log.info("pre-warm: %d blocks, %d of %d bytes", progress.blocks, progress.bytes,
+                     target_bytes)
+            yield replace(progress)
+        progress.done = True
+        yield progress
+
+    def hot(self, namespace: str, limit: int) -> list[tuple[bytes, float]]:
+        return self._guard(lambda: self.pool.hot(namespace, limit), [])
+
+    def namespaces(self) -> list[str]:
+        return self._guard(self.pool.namespaces, [])
+
+    # --- supervision ---------------------------------------------------------------------------
+
+    def _supervise(self, loop: Callable[[], None]) -> None:
+        try:
+            loop()
+        except Exception as exc:
+            log.exception("an L4 worker failed; marking NOT_SERVING")
+            self.on_failure(f"L4 worker: {type(exc).__name__}: {exc}")
+
+
+def _groups(items: list[tuple[BlockKey, bytes]],
+            max_bytes: int) -> Iterator[list[tuple[BlockKey, bytes]]]:
+    """items in order, cut into runs of at most max_bytes (a larger item goes alone)."""
+    group: list[tuple[BlockKey, bytes]] = []
+    size = 0
+    for item in items:
+        if group and size + len(item[1]) > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += len(item[1])
+    if group:
+        yield group
