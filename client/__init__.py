@@ -30,9 +30,11 @@ from .errors import (
 )
 from .results import (
     EvictResult,
+    HotResult,
     LookupResult,
     PinResult,
     PrefetchResult,
+    PrewarmResult,
     PutResult,
     ReleaseResult,
     Stats,
@@ -58,6 +60,7 @@ __all__ = [
     "EvictResult",
     "ExponentialBackoff",
     "FailedPrecondition",
+    "HotResult",
     "InvalidArgument",
     "KVStoreClient",
     "KVStoreError",
@@ -67,6 +70,7 @@ __all__ = [
     "PermissionDenied",
     "PinResult",
     "PrefetchResult",
+    "PrewarmResult",
     "PutResult",
     "ReleaseResult",
     "ResourceExhausted",

@@ -24,6 +24,7 @@ from ._wire import (
 from .errors import InvalidArgument
 
 _MAX_UINT32 = 2**32 - 1
+_MAX_UINT64 = 2**64 - 1
 # Extra RPC time beyond a prefetch deadline, so the daemon's final progress message arrives.
 PREFETCH_GRACE_S = 1.0
 
@@ -184,3 +185,36 @@ def release_request(ids: Sequence[str]) -> pb.ReleaseRequest:
         if not isinstance(one, str) or not one:
             raise InvalidArgument(f"ids[{i}] must be a non-empty string, got {one!r}")
     return pb.ReleaseRequest(ids=id_list)
+
+
+def call_timeout_s(default_s: float, timeout_s: float | None) -> float:
+    """A per-call timeout override (for long streams), else the client's."""
+    if timeout_s is None:
+        return default_s
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def hot_request(namespace: str, limit: int) -> pb.HotRequest:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= _MAX_UINT32:
+        raise InvalidArgument(f"limit must be a positive integer, got {limit!r}")
+    return pb.HotRequest(namespace=namespace, limit=limit)
+
+
+def prewarm_request(size_bytes: int, namespaces: Sequence[str]) -> pb.PrewarmRequest:
+    """bytes 0 is the daemon's remote.prewarm_bytes; no namespaces is every namespace."""
+    if (
+        isinstance(size_bytes, bool)
+        or not isinstance(size_bytes, int)
+        or not 0 <= size_bytes <= _MAX_UINT64
+    ):
+        raise InvalidArgument(f"bytes must be a non-negative integer, got {size_bytes!r}")
+    if isinstance(namespaces, (str, bytes)):
+        raise InvalidArgument("namespaces must be a sequence of namespaces, not one namespace")
+    names = list(namespaces)
+    for i, ns in enumerate(names):
+        if not isinstance(ns, str):
+            raise InvalidArgument(f"namespaces[{i}] must be a string, got {type(ns).__name__}")
+        check_namespace_arg(ns, f"namespaces[{i}]")
+    return pb.PrewarmRequest(bytes=size_bytes, namespaces=names)

@@ -323,25 +323,20 @@ class AsyncKVStoreClient:
 
     async def pin(self, keys: Sequence[BlockKey]) -> res.PinResult:
         """See KVStoreClient.pin."""
-        key_list = check_keys(keys)
-        if not key_list:
-            return res.PinResult(changed=0, missing=0)
-        request = pb.PinRequest(namespace=self.namespace, keys=key_list)
-        response: pb.PinResponse = await self._rpc(
-            lambda: self._stub.Pin(request, timeout=self.timeout_s)
-        )
-        return res.pin_result(response)
+        return await self._pin(self._stub.Pin, keys)
 
     async def unpin(self, keys: Sequence[BlockKey]) -> res.PinResult:
         """See KVStoreClient.unpin."""
+        return await self._pin(self._stub.Unpin, keys)
+
+    async def _pin(
+        self, method: Callable[..., Awaitable[pb.PinResponse]], keys: Sequence[BlockKey]
+    ) -> res.PinResult:
         key_list = check_keys(keys)
         if not key_list:
             return res.PinResult(changed=0, missing=0)
         request = pb.PinRequest(namespace=self.namespace, keys=key_list)
-        response: pb.PinResponse = await self._rpc(
-            lambda: self._stub.Unpin(request, timeout=self.timeout_s)
-        )
-        return res.pin_result(response)
+        return res.pin_result(await self._rpc(lambda: method(request, timeout=self.timeout_s)))
 
     async def stats(
         self, *, include_config: bool = False, namespace: str | None = None
@@ -352,6 +347,39 @@ class AsyncKVStoreClient:
             lambda: self._stub.Stats(request, timeout=self.timeout_s)
         )
         return res.stats_result(response)
+
+    async def hot(self, limit: int = 100) -> res.HotResult:
+        """See KVStoreClient.hot."""
+        request = rq.hot_request(self.namespace, limit)
+        response: pb.HotResponse = await self._rpc(
+            lambda: self._stub.Hot(request, timeout=self.timeout_s)
+        )
+        return res.hot_result(response)
+
+    async def prewarm(
+        self,
+        bytes: int = 0,
+        namespaces: Sequence[str] = (),
+        on_progress: Callable[[res.PrewarmResult], object] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> res.PrewarmResult:
+        """See KVStoreClient.prewarm; on_progress may be a plain function or a coroutine
+        function."""
+        request = rq.prewarm_request(bytes, namespaces)
+        call_timeout_s = rq.call_timeout_s(self.timeout_s, timeout_s)
+
+        async def attempt() -> res.PrewarmResult:
+            last = res.PrewarmResult(blocks=0, bytes=0, target_bytes=request.bytes, done=False)
+            async for message in self._stub.Prewarm(request, timeout=call_timeout_s):
+                last = res.prewarm_result(message)
+                if on_progress is not None:
+                    outcome = on_progress(last)
+                    if asyncio.iscoroutine(outcome):
+                        await outcome
+            return last
+
+        return await self._rpc(attempt)
 
     async def health(self, service: str = HEALTH_SERVICE) -> str:
         """See KVStoreClient.health."""

@@ -7,13 +7,18 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvstore.keys import BlockKey
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+
+from .errors import DataLoss
 
 __all__ = [
     "EvictResult",
+    "HotResult",
     "LookupResult",
     "PinResult",
     "PrefetchResult",
+    "PrewarmResult",
     "PutResult",
     "ReleaseResult",
     "Stats",
@@ -120,6 +125,9 @@ class TierStats:
     """Time spent reading bytes_out."""
     write_seconds: float
     """Time spent writing bytes_in."""
+    state: str = ""
+    """L4's circuit breaker: "closed" (up), "open" (down, retrying with backoff) or
+    "half-open" (probing); "" for local tiers."""
 
     @property
     def read_bandwidth_bytes_s(self) -> float:
@@ -139,6 +147,26 @@ class TierStats:
     def hit_rate(self) -> float | None:
         lookups = self.hits + self.misses
         return self.hits / lookups if lookups else None
+
+
+@dataclass(frozen=True)
+class HotResult:
+    keys: list[BlockKey]
+    """The most used blocks of the namespace across every daemon sharing L4, hottest first."""
+    scores: list[float]
+    """Decayed read counts, one per key."""
+
+
+@dataclass(frozen=True)
+class PrewarmResult:
+    blocks: int
+    """Blocks brought into the local tiers so far."""
+    bytes: int
+    """Their size in bytes."""
+    target_bytes: int
+    """Prewarm stops once this many bytes are local."""
+    done: bool
+    """The last message: the daemon has finished."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +258,7 @@ def stats_result(resp: pb.StatsResponse) -> Stats:
             queue_depth=t.queue_depth,
             read_seconds=t.read_seconds,
             write_seconds=t.write_seconds,
+            state=t.state,
         )
         for t in resp.tiers
     ]
@@ -245,4 +274,16 @@ def stats_result(resp: pb.StatsResponse) -> Stats:
         config_json=resp.config_json,
         hits=resp.hits,
         misses=resp.misses,
+    )
+
+
+def hot_result(resp: pb.HotResponse) -> HotResult:
+    if len(resp.keys) != len(resp.scores):
+        raise DataLoss(f"Hot answered {len(resp.keys)} keys with {len(resp.scores)} scores")
+    return HotResult(keys=[BlockKey(k) for k in resp.keys], scores=list(resp.scores))
+
+
+def prewarm_result(resp: pb.PrewarmProgress) -> PrewarmResult:
+    return PrewarmResult(
+        blocks=resp.blocks, bytes=resp.bytes, target_bytes=resp.target_bytes, done=resp.done
     )

@@ -230,9 +230,7 @@ class KVStoreClient:
         return self._rpc(lambda: self._get_inline(keys, arrays))
 
     def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
-        messages = list(
-            self._get(self._get_request(keys, True), timeout=self.timeout_s)
-        )
+        messages = list(self._get(self._get_request(keys, True), timeout=self.timeout_s))
         if len(messages) != 1 or isinstance(messages[0], memoryview):
             raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
         response: pb.GetResponse = messages[0]
@@ -323,24 +321,19 @@ class KVStoreClient:
 
     def pin(self, keys: Sequence[BlockKey]) -> res.PinResult:
         """Keep these entries from eviction until unpinned."""
-        key_list = check_keys(keys)
-        if not key_list:
-            return res.PinResult(changed=0, missing=0)
-        request = pb.PinRequest(namespace=self.namespace, keys=key_list)
-        response: pb.PinResponse = self._rpc(
-            lambda: self._stub.Pin(request, timeout=self.timeout_s)
-        )
-        return res.pin_result(response)
+        return self._pin(self._stub.Pin, keys)
 
     def unpin(self, keys: Sequence[BlockKey]) -> res.PinResult:
+        return self._pin(self._stub.Unpin, keys)
+
+    def _pin(
+        self, method: Callable[..., pb.PinResponse], keys: Sequence[BlockKey]
+    ) -> res.PinResult:
         key_list = check_keys(keys)
         if not key_list:
             return res.PinResult(changed=0, missing=0)
         request = pb.PinRequest(namespace=self.namespace, keys=key_list)
-        response: pb.PinResponse = self._rpc(
-            lambda: self._stub.Unpin(request, timeout=self.timeout_s)
-        )
-        return res.pin_result(response)
+        return res.pin_result(self._rpc(lambda: method(request, timeout=self.timeout_s)))
 
     def stats(self, *, include_config: bool = False, namespace: str | None = None) -> res.Stats:
         """Daemon-wide stats; hits/misses filtered to `namespace` when one is given."""
@@ -349,6 +342,40 @@ class KVStoreClient:
             lambda: self._stub.Stats(request, timeout=self.timeout_s)
         )
         return res.stats_result(response)
+
+    def hot(self, limit: int = 100) -> res.HotResult:
+        """The `limit` most used blocks of this namespace across every daemon sharing the L4
+        pool, hottest first. FailedPrecondition when L4 is off."""
+        request = rq.hot_request(self.namespace, limit)
+        response: pb.HotResponse = self._rpc(
+            lambda: self._stub.Hot(request, timeout=self.timeout_s)
+        )
+        return res.hot_result(response)
+
+    def prewarm(
+        self,
+        bytes: int = 0,
+        namespaces: Sequence[str] = (),
+        on_progress: Callable[[res.PrewarmResult], None] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> res.PrewarmResult:
+        """Pull the hottest L4 blocks into the local tiers until `bytes` are local (0: the
+        daemon's remote.prewarm_bytes), from `namespaces` (empty: every one); the final
+        progress. timeout_s bounds the whole stream (default: the client's timeout_s).
+        FailedPrecondition when L4 is off."""
+        request = rq.prewarm_request(bytes, namespaces)
+        call_timeout_s = rq.call_timeout_s(self.timeout_s, timeout_s)
+
+        def attempt() -> res.PrewarmResult:
+            last = res.PrewarmResult(blocks=0, bytes=0, target_bytes=request.bytes, done=False)
+            for message in self._stub.Prewarm(request, timeout=call_timeout_s):
+                last = res.prewarm_result(message)
+                if on_progress is not None:
+                    on_progress(last)
+            return last
+
+        return self._rpc(attempt)
 
     def health(self, service: str = HEALTH_SERVICE) -> str:
         """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", ..."""

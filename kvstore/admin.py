@@ -1,10 +1,14 @@
 """`kvstore-admin`: the operator's command line for a running daemon, over the client library.
 
     kvstore-admin [--target HOST:PORT] [--namespace NS] COMMAND
-      stats [--json] [--watch SECONDS]     per-tier tables and summary; --watch refreshes
+      stats [--json] [--watch SECONDS]     per-tier tables and summary; --watch refreshes;
+                                           L4's "on" is up/down/probing (its circuit breaker)
       evict [--tier T] [--bytes SIZE] [--all] [--key HEX ...] [--namespace NS] [--json]
       lookup KEYHEX... | --tokens 1,2,3 [--block-size 16]      prefix length, tier per key
       pin KEYHEX... / unpin KEYHEX...
+      hot [--limit N] [--json]             the namespace's hottest L4 blocks: key, score
+      prewarm [--bytes SIZE] [--namespace NS ...] [--max-time SECONDS] [--json]
+                                           pull the hottest L4 blocks local, with progress
       health                               prints SERVING etc.; exit 0 only when SERVING
       config [--json]                      the daemon's effective config
 
@@ -20,16 +24,19 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from dataclasses import asdict
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
 from kvstore.client import (
     DeadlineExceeded,
     KVStoreClient,
     KVStoreError,
+    PrewarmResult,
     Retry,
     Stats,
     Unavailable,
@@ -44,6 +51,8 @@ ENV_NAMESPACE = "KVSTORE_NAMESPACE"
 # The client needs a namespace; commands that are not about one never send it.
 _NO_NAMESPACE = "kvstore-admin"
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 2
+# L4's circuit breaker states as the stats table shows them.
+_BREAKER_CELLS = {"closed": "[green]up", "open": "[red]down", "half-open": "[yellow]probing"}
 
 
 # --- argument types -------------------------------------------------------------------------
@@ -129,6 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("keys", nargs="+", type=_key, metavar="KEYHEX")
         cmd.add_argument("--json", action="store_true")
 
+    hot = sub.add_parser("hot", help="the namespace's most used L4 blocks, hottest first")
+    hot.add_argument("--limit", type=int, default=100, help="how many keys (default 100)")
+    hot.add_argument("--json", action="store_true")
+
+    prewarm = sub.add_parser("prewarm", help="pull the hottest L4 blocks into the local tiers")
+    prewarm.add_argument(
+        "--bytes", type=_size, default=0, metavar="SIZE", help="default: remote.prewarm_bytes"
+    )
+    prewarm.add_argument(
+        "--namespace",
+        dest="prewarm_namespaces",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="repeatable; default: the global --namespace, else every namespace",
+    )
+    prewarm.add_argument("--max-time", type=_positive_float, default=600.0, help="seconds (600)")
+    prewarm.add_argument("--json", action="store_true", help="no progress bar; final JSON")
+
     health = sub.add_parser("health", help="grpc.health.v1 status; exit 0 only when SERVING")
     health.add_argument("--service", default="", help='health service name (default "")')
 
@@ -163,7 +191,7 @@ def _tier_table(stats: Stats, target: str) -> Table:
         on = t.enabled
         table.add_row(
             t.tier,
-            "yes" if on else "no",
+            (_BREAKER_CELLS.get(t.state, t.state) or "yes") if on else "no",
             t.backend or "-",
             format_size(t.capacity_bytes) if on else "-",
             format_size(t.used_bytes) if on else "-",
@@ -256,23 +284,17 @@ def cmd_stats(client: KVStoreClient, args: argparse.Namespace, console: Console)
 
 def cmd_evict(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
     if not (args.bytes or args.all or args.key):
-        raise_usage("evict needs --bytes, --all or --key")
+        raise UsageError("evict needs --bytes, --all or --key")
     namespace = args.evict_namespace
     if namespace is None:
         namespace = args.namespace if args.namespace is not None else ""
     if args.key and not namespace:
-        raise_usage("evict --key needs --namespace")
+        raise UsageError("evict --key needs --namespace")
     result = client.evict(
         args.key or None, bytes=args.bytes, all=args.all, tier=args.tier, namespace=namespace
     )
     if args.json:
-        _print_json(
-            {
-                "evicted": result.evicted,
-                "evicted_bytes": result.evicted_bytes,
-                "skipped": result.skipped,
-            }
-        )
+        _print_json(asdict(result))
     else:
         where = f"namespace {namespace!r}" if namespace else "every namespace"
         tier = f"tier {args.tier}" if args.tier else "every tier"
@@ -287,19 +309,15 @@ def cmd_lookup(client: KVStoreClient, args: argparse.Namespace, console: Console
     keys: list[BlockKey] = list(args.keys)
     if args.tokens is not None:
         if keys:
-            raise_usage("lookup takes KEYHEX arguments or --tokens, not both")
+            raise UsageError("lookup takes KEYHEX arguments or --tokens, not both")
         keys = prefix_keys(args.tokens, args.block_size, client.namespace)
     if not keys:
-        raise_usage("lookup needs KEYHEX arguments or --tokens")
+        raise UsageError("lookup needs KEYHEX arguments or --tokens")
     result = client.lookup(keys)
     tiers = (list(result.tiers) + [None] * len(keys))[: len(keys)]
     if args.json:
-        _print_json(
-            {
-                "prefix_length": result.prefix_length,
-                "keys": [{"key": k.hex(), "tier": t} for k, t in zip(keys, tiers, strict=True)],
-            }
-        )
+        rows = [{"key": k.hex(), "tier": t} for k, t in zip(keys, tiers, strict=True)]
+        _print_json({"prefix_length": result.prefix_length, "keys": rows})
         return EXIT_OK
     print(f"prefix length: {result.prefix_length} of {len(keys)}")
     table = Table("#", "key", "tier")
@@ -313,9 +331,43 @@ def cmd_pin(client: KVStoreClient, args: argparse.Namespace, console: Console) -
     pinning = args.command == "pin"
     result = client.pin(args.keys) if pinning else client.unpin(args.keys)
     if args.json:
-        _print_json({"changed": result.changed, "missing": result.missing})
+        _print_json(asdict(result))
     else:
         print(f"{'pinned' if pinning else 'unpinned'} {result.changed}; missing {result.missing}")
+    return EXIT_OK
+
+
+def cmd_hot(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    result = client.hot(args.limit)
+    pairs = list(zip(result.keys, result.scores, strict=True))
+    if args.json:
+        _print_json({"keys": [{"key": k.hex(), "score": s} for k, s in pairs]})
+        return EXIT_OK
+    table = Table("#", "key", "score", title=f"hottest in {client.namespace!r}")
+    for i, (key, score) in enumerate(pairs):
+        table.add_row(str(i), f"{key.hex()[:16]}…", f"{score:,.2f}")
+    console.print(table)
+    return EXIT_OK
+
+
+def cmd_prewarm(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    namespaces = args.prewarm_namespaces or ([args.namespace] if args.namespace else [])
+    columns = (*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=console, disable=args.json) as progress:
+        task = progress.add_task("prewarm", total=args.bytes or None)
+
+        def show(p: PrewarmResult) -> None:
+            progress.update(task, completed=p.bytes, total=p.target_bytes or None)
+
+        result = client.prewarm(args.bytes, namespaces, show, timeout_s=args.max_time)
+    if args.json:
+        _print_json(asdict(result))
+        return EXIT_OK
+    where = ", ".join(repr(n) for n in namespaces) if namespaces else "every namespace"
+    print(
+        f"prewarmed {result.blocks:,} blocks ({format_size(result.bytes)} of a "
+        f"{format_size(result.target_bytes)} target) from {where}"
+    )
     return EXIT_OK
 
 
@@ -344,18 +396,16 @@ COMMANDS: dict[str, Command] = {
     "lookup": cmd_lookup,
     "pin": cmd_pin,
     "unpin": cmd_pin,
+    "hot": cmd_hot,
+    "prewarm": cmd_prewarm,
     "health": cmd_health,
     "config": cmd_config,
 }
-_NEEDS_NAMESPACE = frozenset({"lookup", "pin", "unpin"})
+_NEEDS_NAMESPACE = frozenset({"lookup", "pin", "unpin", "hot"})
 
 
 class UsageError(Exception):
     """A command-line mistake found after parsing."""
-
-
-def raise_usage(message: str) -> NoReturn:
-    raise UsageError(message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,10 +16,12 @@ import pytest
 import xxhash
 
 from kvstore.client import (
+    AsyncKVStoreClient,
     DataLoss,
     ExponentialBackoff,
     FailedPrecondition,
     InvalidArgument,
+    KVStoreClient,
     KVStoreError,
     NoBackoff,
     NotFound,
@@ -420,6 +422,42 @@ def test_prefetch_deadline_becomes_milliseconds_and_extends_the_rpc_timeout() ->
         rq.prefetch_request("ns", K[:1], None, 0)
 
 
+def test_hot_limit_must_be_a_positive_integer() -> None:
+    request = rq.hot_request("ns", 7)
+    assert (request.namespace, request.limit) == ("ns", 7)
+    for bad in (0, -1, 2**32, 1.5, True, "10"):
+        with pytest.raises(InvalidArgument, match="limit must be a positive integer"):
+            rq.hot_request("ns", bad)  # type: ignore[arg-type]
+
+
+def test_prewarm_bytes_must_be_a_non_negative_integer() -> None:
+    assert rq.prewarm_request(0, ()).bytes == 0  # the daemon's remote.prewarm_bytes
+    assert rq.prewarm_request(1 << 40, ()).bytes == 1 << 40
+    for bad in (-1, 2**64, 1.0, True, "1GiB"):
+        with pytest.raises(InvalidArgument, match="bytes must be a non-negative integer"):
+            rq.prewarm_request(bad, ())  # type: ignore[arg-type]
+
+
+def test_prewarm_namespaces_are_named_strings_each_checked() -> None:
+    request = rq.prewarm_request(0, ("a", "b/tp0"))
+    assert list(request.namespaces) == ["a", "b/tp0"]
+    with pytest.raises(InvalidArgument, match=r"namespaces\[1\] must be a string, got int"):
+        rq.prewarm_request(0, ["a", 7])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match=r"namespaces\[0\]: namespace must not be empty"):
+        rq.prewarm_request(0, [""])
+    with pytest.raises(InvalidArgument, match=r"namespaces\[0\]: .*limit"):
+        rq.prewarm_request(0, ["x" * 10_000])
+    with pytest.raises(InvalidArgument, match="not one namespace"):
+        rq.prewarm_request(0, "llama")
+
+
+def test_call_timeout_override_defaults_to_the_clients_and_must_be_positive() -> None:
+    assert rq.call_timeout_s(30.0, None) == 30.0
+    assert rq.call_timeout_s(30.0, 600) == 600.0
+    with pytest.raises(InvalidArgument, match="timeout_s"):
+        rq.call_timeout_s(30.0, 0)
+
+
 # --- results --------------------------------------------------------------------------------
 
 
@@ -429,12 +467,12 @@ def test_every_tier_stats_field_converts_and_bandwidth_is_bytes_over_seconds() -
         hits=5, misses=3, bytes_in=3_000_000, bytes_out=8_000_000_000, evictions=2,
         page_size_bytes=1 << 20, free_pages=7, largest_free_run_pages=4, backend="gds",
         promotions=11, demotions=12, admissions_refused=13, checksum_failures=14, io_errors=15,
-        queue_depth=16, read_seconds=2.0, write_seconds=0.5,
+        queue_depth=16, read_seconds=2.0, write_seconds=0.5, state="half-open",
     )
     (tier,) = res.stats_result(pb.StatsResponse(tiers=[wire])).tiers
     expected = {f.name: getattr(wire, f.name) for f in pb.TierStats.DESCRIPTOR.fields}
     assert {**dataclasses.asdict(tier), "tier": pb.TIER_NVME} == expected  # no field missed
-    assert tier.tier == "nvme" and tier.backend == "gds"
+    assert tier.tier == "nvme" and tier.backend == "gds" and tier.state == "half-open"
     assert tier.read_bandwidth_bytes_s == 4e9 and tier.write_bandwidth_bytes_s == 6e6
 
 
@@ -452,3 +490,118 @@ def test_prefetch_progress_carries_the_prefix_and_the_deadline() -> None:
                                         deadline_exceeded=True)
     empty = res.PrefetchResult(done=0, missing=0, failed=0, total=3)  # as sync/aio start one
     assert (empty.prefix_length, empty.deadline_exceeded) == (0, False)
+
+
+def test_tier_state_is_the_breaker_for_l4_and_empty_for_local_tiers() -> None:
+    stats = res.stats_result(pb.StatsResponse(tiers=[
+        pb.TierStats(tier=pb.TIER_DRAM, enabled=True),
+        pb.TierStats(tier=pb.TIER_REMOTE, enabled=True, state="open"),
+    ]))
+    assert [(t.tier, t.state) for t in stats.tiers] == [("dram", ""), ("remote", "open")]
+    assert stats.to_dict()["tiers"][1]["state"] == "open"
+
+
+def test_hot_response_keeps_the_order_and_pairs_keys_with_scores() -> None:
+    result = res.hot_result(pb.HotResponse(keys=[K[3], K[1], K[2]], scores=[9.5, 4.0, 0.25]))
+    assert result == res.HotResult(keys=[K[3], K[1], K[2]], scores=[9.5, 4.0, 0.25])
+    assert res.hot_result(pb.HotResponse()) == res.HotResult(keys=[], scores=[])
+    with pytest.raises(DataLoss, match="2 keys with 1 scores"):
+        res.hot_result(pb.HotResponse(keys=K[:2], scores=[1.0]))
+
+
+def test_prewarm_progress_converts_every_field() -> None:
+    wire = pb.PrewarmProgress(blocks=3, bytes=3 << 20, target_bytes=1 << 30, done=True)
+    result = res.prewarm_result(wire)
+    assert result == res.PrewarmResult(blocks=3, bytes=3 << 20, target_bytes=1 << 30, done=True)
+    expected = {f.name: getattr(wire, f.name) for f in pb.PrewarmProgress.DESCRIPTOR.fields}
+    assert dataclasses.asdict(result) == expected  # no field missed
+
+
+# --- hot and prewarm through the clients, the stub replaced --------------------------------
+
+
+class FakeStub:
+    """Answers Hot and Prewarm as a daemon would; the first Prewarm fails UNAVAILABLE once
+    when `flaky`, after one progress message, to show the retry restarts the stream."""
+
+    def __init__(self, flaky: bool = False) -> None:
+        self.flaky = flaky
+        self.requests: list[Any] = []
+        self.timeouts: list[float] = []
+        self.progress = [
+            pb.PrewarmProgress(blocks=1, bytes=100, target_bytes=300),
+            pb.PrewarmProgress(blocks=3, bytes=300, target_bytes=300, done=True),
+        ]
+
+    def Hot(self, request: pb.HotRequest, timeout: float) -> pb.HotResponse:
+        self.requests.append(request)
+        return pb.HotResponse(keys=K[:2], scores=[2.0, 1.0])
+
+    def _prewarm(self, request: pb.PrewarmRequest, timeout: float) -> list[pb.PrewarmProgress]:
+        self.requests.append(request)
+        self.timeouts.append(timeout)
+        return self.progress
+
+    def Prewarm(self, request: pb.PrewarmRequest, timeout: float) -> Any:
+        messages = self._prewarm(request, timeout)
+        yield messages[0]
+        if self.flaky:
+            self.flaky = False
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "redis down")
+        yield from messages[1:]
+
+
+class FakeAioStub(FakeStub):
+    async def Hot(self, request: pb.HotRequest, timeout: float) -> pb.HotResponse:  # type: ignore[override]
+        return FakeStub.Hot(self, request, timeout)
+
+    async def Prewarm(self, request: pb.PrewarmRequest, timeout: float) -> Any:  # type: ignore[override]
+        for message in FakeStub.Prewarm(self, request, timeout):
+            yield message
+
+
+def test_sync_hot_and_prewarm_stream_progress_and_retry_the_stream() -> None:
+    stub = FakeStub(flaky=True)
+    with KVStoreClient("127.0.0.1:1", "ns", retry=Retry(NoBackoff(), attempts=2)) as client:
+        client._stub = stub  # type: ignore[assignment]
+        assert client.hot(2) == res.HotResult(keys=K[:2], scores=[2.0, 1.0])
+        seen: list[res.PrewarmResult] = []
+        final = client.prewarm(300, ["ns", "other"], seen.append, timeout_s=120)
+    hot_request, prewarm_request = stub.requests[:2]
+    assert (hot_request.namespace, hot_request.limit) == ("ns", 2)
+    assert prewarm_request.bytes == 300 and list(prewarm_request.namespaces) == ["ns", "other"]
+    assert stub.timeouts == [120.0, 120.0]  # failed once, retried whole
+    assert [p.blocks for p in seen] == [1, 1, 3]
+    assert final == res.PrewarmResult(blocks=3, bytes=300, target_bytes=300, done=True)
+
+
+def test_sync_prewarm_maps_errors_and_validates_before_the_wire() -> None:
+    stub = FakeStub(flaky=True)
+    with KVStoreClient("127.0.0.1:1", "ns", retry=Retry(NoBackoff(), attempts=1)) as client:
+        client._stub = stub  # type: ignore[assignment]
+        with pytest.raises(Unavailable, match="redis down"):
+            client.prewarm()
+        with pytest.raises(InvalidArgument, match="bytes"):
+            client.prewarm(-1)
+        with pytest.raises(InvalidArgument, match=r"namespaces\[0\]"):
+            client.prewarm(0, [b"ns"])  # type: ignore[list-item]
+    assert len(stub.requests) == 1 and stub.timeouts == [client.timeout_s]
+
+
+def test_async_prewarm_awaits_coroutine_progress_callbacks() -> None:
+    stub = FakeAioStub()
+    seen: list[int] = []
+
+    async def on_progress(progress: res.PrewarmResult) -> None:
+        await asyncio.sleep(0)
+        seen.append(progress.bytes)
+
+    async def scenario() -> tuple[res.HotResult, res.PrewarmResult]:
+        async with AsyncKVStoreClient("127.0.0.1:1", "ns") as client:
+            client._stub = stub  # type: ignore[assignment]
+            hot = await client.hot()
+            return hot, await client.prewarm(on_progress=on_progress)
+
+    hot, final = asyncio.run(scenario())
+    assert hot.keys == K[:2] and stub.requests[0].limit == 100
+    assert seen == [100, 300] and final.done and final.blocks == 3
