@@ -149,6 +149,11 @@ class TierStats:
     write_seconds: float = 0.0
     state: str = ""  # L4's circuit breaker: "closed" (up), "open" (down) or "half-open"
 
+    @property
+    def available(self) -> bool:
+        """Enabled and reachable (L4's breaker closed)."""
+        return self.enabled and self.state in ("", "closed")
+
 
 @dataclass(slots=True)
 class StoreStats:

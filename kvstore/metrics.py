@@ -51,6 +51,8 @@ class TierStatsLike(Protocol):
     @property
     def evictions(self) -> int: ...
     @property
+    def available(self) -> bool: ...
+    @property
     def queue_depth(self) -> int: ...
     @property
     def promotions(self) -> int: ...
@@ -71,6 +73,8 @@ class TierStatsLike(Protocol):
 # (metric name, help, attribute of TierStatsLike)
 _TIER_GAUGES = (
     ("kvstore_tier_enabled", "1 if the tier is enabled, else 0.", "enabled"),
+    ("kvstore_tier_available", "1 if enabled and reachable (L4: Redis up), else 0.",
+     "available"),
     ("kvstore_tier_capacity_bytes", "Bytes the tier can hold.", "capacity_bytes"),
     ("kvstore_tier_used_bytes", "Bytes the tier holds now.", "used_bytes"),
     ("kvstore_tier_objects", "Blocks the tier holds now.", "objects"),

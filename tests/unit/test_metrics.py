@@ -32,6 +32,7 @@ class _Stats:
     io_errors: int = 9
     read_seconds: float = 0.5
     write_seconds: float = 0.25
+    available: bool = True
 
 
 Served = tuple[Metrics, list[Sequence[TierStatsLike]]]
@@ -71,6 +72,7 @@ def test_scrape_has_tier_metrics(served: Served) -> None:
     assert 'kvstore_tier_bytes_out_total{tier="dram"} 16384.0' in text
     assert 'kvstore_tier_evictions_total{tier="dram"} 1.0' in text
     assert 'kvstore_tier_queue_depth{tier="dram"} 2.0' in text
+    assert 'kvstore_tier_available{tier="dram"} 1.0' in text
     assert 'kvstore_tier_promotions_total{tier="dram"} 4.0' in text
     assert 'kvstore_tier_demotions_total{tier="dram"} 5.0' in text
     assert 'kvstore_tier_admissions_refused_total{tier="dram"} 6.0' in text
