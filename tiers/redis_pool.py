@@ -26,8 +26,10 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis
+from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
 from redis.cluster import PipelineCommand
+from redis.connection import PythonRespSerializer
 from redis.exceptions import (
     AskError,
     DataError,
@@ -50,6 +52,28 @@ HOT_MAX_MEMBERS = 100_000  # popularity set size; past it the lowest scores are 
 # Redis that disables it) is the server's state or policy and reads as "L4 unavailable".
 _MISUSE = ("wrong number of arguments", "syntax error")
 _Command: Any = PipelineCommand  # untyped in redis-py
+
+
+def _unchunked_packer() -> Any:
+    encoder = Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
+    return PythonRespSerializer(6000, encoder.encode)
+
+
+class _Connection(redis.Connection):
+    """hiredis parses replies (faster GETs), but its command packer copies every value into
+    one new buffer: a pipelined SET of 32 x 1 MiB took 47 ms with it and 15 ms with
+    redis-py's own packer, which hands large values to the socket as they are."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(  # type: ignore[no-untyped-call]
+            command_packer=_unchunked_packer(), **kwargs)
+
+
+class _SslConnection(redis.SSLConnection):
+    __doc__ = _Connection.__doc__
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(command_packer=_unchunked_packer(), **kwargs)
 
 
 class RemoteUnavailable(OSError):
@@ -99,6 +123,7 @@ class RedisPool:
         self._kwargs: dict[str, Any] = {
             "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
             "retry": Retry(NoBackoff(), 0),
+            "connection_class": _SslConnection if tls else _Connection,
         }
         if username:
             self._kwargs["username"] = username
