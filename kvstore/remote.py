@@ -81,7 +81,13 @@ class Remote:
         for t in self._threads:
             t.start()
 
-    def close(self) -> None:
+    def close(self, drain_s: float = 5.0) -> None:
+        """Stop the workers; blocks still queued get up to drain_s to reach Redis first."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._queue or self.breaker.state != "closed",
+                              drain_s)
+            if self._queue:
+                log.warning("L4: %d queued blocks not written at shutdown", len(self._queue))
         self._stop.set()
         with self._cv:
             self._cv.notify_all()
@@ -149,6 +155,7 @@ class Remote:
             size_sum += item[2]
         self._queued_bytes -= size_sum
         self.stats.queue_depth = len(self._queue)
+        self._cv.notify_all()  # close() waits for the queue to empty
         return batch
 
     def _write(self, batch: list[tuple[str, BlockKey, int]]) -> bool:
