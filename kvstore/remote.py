@@ -144,6 +144,7 @@ class Remote:
                 with self._cv:  # Redis is down: keep the batch, wait for the breaker
                     self._queue.extendleft(reversed(batch))
                     self._queued_bytes += sum(size for _, _, size in batch)
+                    self.stats.queue_depth = len(self._queue)
                 self._stop.wait(max(0.05, self.breaker.retry_in_s))
 
     def _take_batch(self) -> list[tuple[str, BlockKey, int]]:

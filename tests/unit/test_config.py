@@ -289,3 +289,13 @@ def test_missing_config_flag_file_names_the_flag(tmp_path: Path) -> None:
 def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSTORE_SERVER_PORT", "6123")
     assert load_config().server.port == 6123
+
+
+def test_config_to_dict_hides_the_redis_password() -> None:
+    data = config_to_dict(load_config(env={}, overrides=[
+        "remote.url=redis://ops:s3cret@redis.example:6380/2", "remote.password=other-pw"]))
+    assert data["remote"]["url"] == "redis://ops:***@redis.example:6380/2"
+    assert data["remote"]["password"] == "***"
+    assert "s3cret" not in str(data) and "other-pw" not in str(data)
+    plain = config_to_dict(load_config(env={}, overrides=["remote.url=redis://r:6379/0"]))
+    assert plain["remote"]["url"] == "redis://r:6379/0" and plain["remote"]["password"] == ""

@@ -1,0 +1,375 @@
+"""L4 through real daemons and real redis-server processes: blocks written through by one
+daemon are found, fetched and verified by another (standalone Redis, a 3-node Redis Cluster,
+TLS, a password); popularity drives pre-warming; a Redis outage, a hung Redis and a damaged
+block never stop the local tiers. No fakes: every Redis here is a redis-server subprocess."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvstore.client import KVStoreClient
+from kvstore.client.results import TierStats
+from kvstore.testing import (
+    Daemon,
+    RedisServer,
+    start_redis_cluster,
+    start_redis_on,
+    start_redis_tls,
+    start_redis_with_password,
+)
+from kvstore.tiers.redis_pool import block_key
+from tests.conftest import REPO
+
+PAGE = 64 << 10
+NS = "remote-ns"
+# Small local tiers, no L1; each daemon keeps its L3 in its own folder (start_daemon).
+LOCAL = ("dram.capacity_bytes=32MiB", "dram.page_size_bytes=64KiB", "hbm.mode=off",
+         "nvme.capacity_bytes=16MiB", "nvme.page_size_bytes=64KiB")
+Make = Callable[..., Daemon]
+
+
+def l4(url: str, *settings: str) -> tuple[str, ...]:
+    """LOCAL plus an L4 pool at url that fails over and comes back quickly."""
+    return (*LOCAL, f"remote.url={url}", "remote.breaker_backoff_s=0.2",
+            "remote.timeout_s=1", *settings)
+
+
+def blocks(n: int, size: int = PAGE) -> tuple[list[bytes], list[bytes]]:
+    return [secrets.token_bytes(32) for _ in range(n)], [os.urandom(size) for _ in range(n)]
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def remote(kv: KVStoreClient) -> TierStats:
+    row = kv.stats().tier("remote")
+    assert row is not None and row.enabled, "the daemon reports no L4"
+    return row
+
+
+def in_redis(r: redis.Redis | redis.RedisCluster, keys: Sequence[bytes], ns: str = NS) -> int:
+    """How many of the blocks Redis holds (one EXISTS per key: keys span cluster slots)."""
+    return sum(int(r.exists(block_key(ns, k))) for k in keys)
+
+
+def raw(server: RedisServer, password: str = "") -> redis.Redis:
+    return redis.Redis(port=server.port, password=password or None, socket_timeout=5)
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., KVStoreClient]]:
+    with ExitStack() as stack:
+        def connect(d: Daemon, ns: str = NS) -> KVStoreClient:
+            return stack.enter_context(KVStoreClient(d.target, ns, timeout_s=10))
+        yield connect
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    s = start_redis_on(tmp_path)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def r(server: RedisServer) -> Iterator[redis.Redis]:
+    client = raw(server)
+    yield client
+    client.close()
+
+
+def test_a_block_written_through_by_one_daemon_is_read_by_another(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+    r: redis.Redis,
+) -> None:
+    a = clients(daemon_factory(*l4(server.url)))
+    b = clients(daemon_factory(*l4(server.url)))
+    keys, values = blocks(6)
+    assert a.put(keys, values).stored == 6
+    wait_until(lambda: in_redis(r, keys) == 6, "the chain in Redis")
+    wait_until(lambda: remote(a).bytes_in == 6 * PAGE, "A's L4 bytes_in")
+    assert remote(a).state == "closed"
+
+    found = b.lookup(keys)
+    assert found.tiers == ["remote"] * 6 and found.prefix_length == 6
+    assert b.get(keys) == values  # fetched, verified, imported into B's L2
+    assert b.lookup(keys).tiers == ["dram"] * 6
+    row = remote(b)
+    assert (row.hits, row.misses, row.checksum_failures) == (6, 0, 0)
+    assert row.bytes_out == 6 * PAGE
+
+    # Prefetch is the other way in: it brings L4 blocks into L2 before anyone reads them.
+    keys2, values2 = blocks(4)
+    a.put(keys2, values2)
+    wait_until(lambda: in_redis(r, keys2) == 4, "the second chain in Redis")
+    assert b.lookup(keys2).tiers == ["remote"] * 4
+    progress = b.prefetch(keys2, tier="dram")
+    assert (progress.done, progress.missing, progress.failed) == (4, 0, 0)
+    assert b.lookup(keys2).tiers == ["dram"] * 4
+    assert remote(b).hits == 10
+    assert b.get(keys2) == values2
+    assert remote(b).hits == 10  # the get was served from L2
+
+
+def test_the_same_flow_over_a_redis_cluster_spreads_blocks_over_every_node(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], tmp_path: Path,
+) -> None:
+    cluster = start_redis_cluster(tmp_path, nodes=3)
+    rc = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0], socket_timeout=5)
+    nodes = [redis.Redis(port=p, socket_timeout=5) for p in cluster.ports]
+    try:
+        a = clients(daemon_factory(*l4(cluster.url, "remote.cluster=true")))
+        b = clients(daemon_factory(*l4(cluster.url, "remote.cluster=true")))
+        keys, values = blocks(24)
+        a.put(keys, values)
+        wait_until(lambda: in_redis(rc, keys) == 24, "the chain in the cluster")
+        assert remote(a).backend == "redis-cluster"
+        per_node = [len(node.keys(b"kvs:v1:*")) for node in nodes]
+        assert sum(per_node) == 24 and all(n > 0 for n in per_node), per_node
+
+        assert b.lookup(keys).tiers == ["remote"] * 24
+        assert b.get(keys) == values
+        assert b.lookup(keys).tiers == ["dram"] * 24
+        assert remote(b).hits == 24
+    finally:
+        rc.close()
+        for node in nodes:
+            node.close()
+        cluster.stop()
+
+
+def test_prewarm_pulls_the_hottest_blocks_before_serving(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+    r: redis.Redis,
+) -> None:
+    a = clients(daemon_factory(*l4(server.url, "remote.popularity_flush_s=0.1")))
+    keys, values = blocks(8)
+    a.put(keys, values, independent=True)
+    wait_until(lambda: in_redis(r, keys) == 8, "the blocks in Redis")
+    for _ in range(3):
+        assert a.get(keys) == values
+    wait_until(lambda: set(keys) <= set(a.hot(100).keys), "the read keys among A's hot()")
+
+    # C is SERVING only once pre-warm is done: its very first lookup finds everything local.
+    c = daemon_factory(*l4(server.url, "remote.prewarm_bytes=8MiB"))
+    kc = clients(c)
+    assert kc.lookup(keys).tiers == ["dram"] * 8
+    before = remote(kc)
+    assert before.hits == 8
+    assert kc.get(keys) == values
+    after = remote(kc)
+    assert (after.hits, after.misses) == (before.hits, before.misses)  # no Redis reads
+    assert "pre-warm" in c.log()
+
+    # On a running daemon: the Prewarm RPC, then (after evicting) kvstore-admin prewarm.
+    d = daemon_factory(*l4(server.url))
+    kd = clients(d)
+    assert kd.lookup(keys).tiers == ["remote"] * 8
+    done = kd.prewarm(64 << 20)
+    assert done.done and done.blocks == 8 and done.bytes == 8 * PAGE
+    assert kd.lookup(keys).tiers == ["dram"] * 8
+    assert kd.evict(all=True).evicted == 8
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore.admin", "--target", d.target, "prewarm",
+         "--bytes", "64MiB"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "prewarmed 8 blocks" in out.stdout, out.stdout
+    assert kd.lookup(keys).tiers == ["dram"] * 8
+
+
+def test_a_redis_outage_leaves_the_local_tiers_serving_and_heals(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], tmp_path: Path,
+) -> None:
+    first = start_redis_on(tmp_path)
+    port = first.port
+    d = daemon_factory(*l4(first.url))
+    kv = clients(d)
+    keys1, values1 = blocks(4)
+    kv.put(keys1, values1)
+    r1 = raw(first)
+    wait_until(lambda: in_redis(r1, keys1) == 4, "the first chain in Redis")
+    r1.close()
+    first.stop()
+
+    keys2, values2 = blocks(4)  # queued for L4 while Redis is down
+    assert kv.put(keys2, values2).stored == 4
+    wait_until(lambda: remote(kv).state == "open", "the breaker to open")
+    assert remote(kv).io_errors > 0
+    assert kv.health() == "SERVING"
+    assert kv.get(keys1) == values1 and kv.get(keys2) == values2
+    started = time.monotonic()
+    unknown = secrets.token_bytes(32)
+    found = kv.lookup([*keys1, *keys2, unknown])
+    assert found.tiers == ["dram"] * 8 + [None] and found.prefix_length == 8
+    assert time.monotonic() - started < 1.0  # the breaker answers, not a Redis timeout
+
+    second = start_redis_on(tmp_path, port)  # Redis back where the daemon expects it
+    try:
+        r2 = raw(second)
+        wait_until(lambda: in_redis(r2, keys2) == 4, "the queued chain in the new Redis")
+        wait_until(lambda: remote(kv).state == "closed", "the breaker to close")
+        assert remote(kv).queue_depth == 0
+        assert kv.health() == "SERVING"
+        r2.close()
+    finally:
+        second.stop()
+
+
+def test_queue_depth_counts_the_blocks_waiting_for_redis(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+) -> None:
+    kv = clients(daemon_factory(*l4(server.url)))
+    server.stop()
+    kv.put(*blocks(4))
+    wait_until(lambda: remote(kv).state == "open", "the breaker to open")
+    wait_until(lambda: remote(kv).queue_depth == 4, "4 blocks queued", timeout_s=2.0)
+
+
+def test_a_damaged_block_in_redis_is_a_miss_and_is_deleted(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+    r: redis.Redis,
+) -> None:
+    a = clients(daemon_factory(*l4(server.url)))
+    b = clients(daemon_factory(*l4(server.url)))
+    keys, values = blocks(1)
+    a.put(keys, values)
+    wait_until(lambda: in_redis(r, keys) == 1, "the block in Redis")
+    r.set(block_key(NS, keys[0]), os.urandom(PAGE + 64))  # garbage where the frame was
+
+    assert b.lookup(keys).tiers == ["remote"]
+    assert b.get(keys) == [None]
+    row = remote(b)
+    assert (row.checksum_failures, row.hits) == (1, 0)
+    assert in_redis(r, keys) == 0
+    assert b.lookup(keys).tiers == [None]
+    assert a.get(keys) == values  # A's own copy is untouched
+
+
+def test_a_full_queue_skips_blocks_and_never_delays_a_put(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+    r: redis.Redis,
+) -> None:
+    timeout_s = 2.0
+    kv = clients(daemon_factory(*l4(server.url, "remote.queue_bytes=1MiB",
+                                    f"remote.timeout_s={timeout_s}")))
+    kv.put(*blocks(1), independent=True)  # connections made while Redis answers
+    keys, values = blocks(16, 256 << 10)
+    os.kill(server.proc.pid, signal.SIGSTOP)  # hung, not gone: each Redis call times out
+    try:
+        started = time.monotonic()
+        for key, value in zip(keys, values, strict=True):
+            assert kv.put([key], [value]).stored == 1
+        elapsed_s = time.monotonic() - started
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert elapsed_s < timeout_s  # no put waited for the hung Redis
+    refused = remote(kv).admissions_refused
+    assert 0 < refused < 16
+    # What was queued still arrives; what was skipped never does.
+    wait_until(lambda: in_redis(r, keys) == 16 - refused, "the queued blocks in Redis")
+    wait_until(lambda: remote(kv).state == "closed", "the breaker to close")
+    assert kv.get(keys) == values
+
+
+def test_tls_round_trip_between_two_daemons(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], tmp_path: Path,
+) -> None:
+    try:
+        tls = start_redis_tls(tmp_path)
+    except RuntimeError as exc:
+        if "TLS support" in str(exc):
+            pytest.skip(str(exc).splitlines()[0])
+        raise
+    try:
+        settings = l4(tls.url, f"remote.tls_ca_file={tls.ca_file}")
+        a = clients(daemon_factory(*settings))
+        b = clients(daemon_factory(*settings))
+        keys, values = blocks(4)
+        a.put(keys, values)
+        wait_until(lambda: remote(a).bytes_in == 4 * PAGE, "A's write-through over TLS")
+        assert remote(a).backend == "redis-tls"
+        assert b.lookup(keys).tiers == ["remote"] * 4
+        assert b.get(keys) == values
+        assert (remote(b).hits, remote(b).state) == (4, "closed")
+    finally:
+        tls.stop()
+
+
+def test_a_password_in_the_url_works(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], tmp_path: Path,
+) -> None:
+    password = secrets.token_hex(8)
+    server = start_redis_with_password(tmp_path, password)
+    try:
+        url = f"redis://:{password}@127.0.0.1:{server.port}/0"
+        a = clients(daemon_factory(*l4(url)))
+        b = clients(daemon_factory(*l4(url)))
+        keys, values = blocks(3)
+        a.put(keys, values)
+        r = raw(server, password)
+        wait_until(lambda: in_redis(r, keys) == 3, "the chain in Redis")
+        r.close()
+        assert b.get(keys) == values
+        assert (remote(b).hits, remote(b).state) == (3, "closed")
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def refused_login(daemon_factory: Make, tmp_path: Path) -> Iterator[tuple[Daemon, str]]:
+    """A daemon whose L4 URL carries a wrong password, and that password."""
+    server = start_redis_with_password(tmp_path, secrets.token_hex(8))
+    wrong = f"wrong-{secrets.token_hex(8)}"
+    yield daemon_factory(*l4(f"redis://:{wrong}@127.0.0.1:{server.port}/0")), wrong
+    server.stop()
+
+
+def test_a_wrong_password_leaves_the_daemon_serving_without_echoing_it(
+    refused_login: tuple[Daemon, str], clients: Callable[..., KVStoreClient],
+) -> None:
+    d, wrong = refused_login
+    kv = clients(d)
+    assert kv.health() == "SERVING"
+    wait_until(lambda: remote(kv).state == "open", "the breaker to open")
+    keys, values = blocks(2)
+    assert kv.put(keys, values).stored == 2
+    assert kv.get(keys) == values
+    wait_until(lambda: remote(kv).io_errors > 0, "a counted L4 failure")
+    assert "L4 unavailable" in d.log()
+    assert wrong not in d.log()
+    assert wrong not in repr(kv.stats().to_dict())
+
+
+def test_the_effective_config_in_stats_hides_the_password(
+    refused_login: tuple[Daemon, str], clients: Callable[..., KVStoreClient],
+) -> None:
+    d, wrong = refused_login
+    config_json = clients(d).stats(include_config=True).config_json
+    assert config_json and wrong not in config_json
+
+
+def test_blocks_in_redis_expire_after_remote_ttl_s(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+    r: redis.Redis,
+) -> None:
+    kv = clients(daemon_factory(*l4(server.url, "remote.ttl_s=60")))
+    keys, values = blocks(2)
+    kv.put(keys, values)
+    wait_until(lambda: in_redis(r, keys) == 2, "the blocks in Redis")
+    for key in keys:
+        assert 0 < r.pttl(block_key(NS, key)) <= 60_000
