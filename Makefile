@@ -45,10 +45,11 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-## bench: the store and tier benchmarks (print `ours vs baseline = ratio` lines)
+## bench: the store, tier and L4 benchmarks (print `ours vs baseline = ratio` lines)
 bench: $(TEST_STAMP) redis
 	$(BIN)/python bench/store_bench.py
 	$(BIN)/python bench/tier_bench.py
+	$(BIN)/python bench/l4_bench.py
 
 ## gpu-check: GPU tests and GPU benchmarks in one script, for a lent GPU machine
 gpu-check:

@@ -198,9 +198,11 @@ class Remote:
                 held.append(entry)
         return held
 
-    def _bytes_of(self, entry: Entry) -> bytes:
+    def _bytes_of(self, entry: Entry) -> bytes | memoryview:
+        """The block's bytes in L2: a view when its pages are one run (the usual case)."""
         extents = self._dram.extents(entry.places[Tier.DRAM], entry.size_bytes)
-        return b"".join(self._dram.views(extents))
+        views = list(self._dram.views(extents))
+        return views[0] if len(views) == 1 else b"".join(views)
 
     # --- reads ---------------------------------------------------------------------------------
 

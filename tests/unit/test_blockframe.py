@@ -66,7 +66,7 @@ def test_round_trip(payload: bytes, compress: str, shuffle: bool) -> None:
         shuffled = shuffle and len(payload) % 2 == 0
         assert codec_of(frame) == (CODEC_LZ4_SHUFFLE2 if shuffled else CODEC_LZ4)
     if codec_of(frame) != CODEC_RAW and compress == "auto":
-        assert len(frame) - HEADER_BYTES < 0.9 * len(payload)
+        assert len(frame) - HEADER_BYTES < 0.8 * len(payload)
 
 
 def test_header_layout_is_little_endian_struct() -> None:
@@ -100,9 +100,10 @@ def test_decode_accepts_a_slice_of_a_larger_buffer() -> None:
     assert decode(memoryview(b"junk" + frame + b"tail")[4:-4]) == bf16_values(4096)
 
 
-def test_bf16_auto_picks_lz4_over_shuffle_and_saves_over_ten_percent() -> None:
+def test_bf16_saves_under_a_fifth_so_auto_keeps_it_raw_and_lz4_forces_it() -> None:
     payload = bf16_values()
-    frame = encode(payload)
+    assert codec_of(encode(payload)) == CODEC_RAW
+    frame = encode(payload, compress="lz4")
     assert codec_of(frame) == CODEC_LZ4_SHUFFLE2
     assert len(frame) < 0.87 * len(payload)  # 0.836 observed with lz4 4.4
     assert decode(frame) == payload
