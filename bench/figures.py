@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -32,3 +34,9 @@ class Figure:
         return {"ours": self.ours, "baseline_name": self.baseline_name,
                 "baseline": self.baseline, "unit": self.unit, "ratio": self.ratio,
                 "target": self.target, **self.extra}
+
+
+def write_report(path: Path, figures: list[Figure], setup: dict[str, Any]) -> None:
+    """The --json report: every figure by name, and how the run was set up."""
+    report = {"figures": {f.name: f.as_json() for f in figures}, "setup": setup}
+    path.write_text(json.dumps(report, indent=1) + "\n")

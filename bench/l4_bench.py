@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
-import json
 import os
 import secrets
 import statistics
@@ -45,7 +44,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import redis
-from figures import Figure
+from figures import Figure, write_report
 
 from kvstore.blockframe import HEADER_BYTES, decode, encode
 from kvstore.client import KVStoreClient
@@ -389,8 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     figures, setup = run(args)
     if args.json is not None:
-        report = {"figures": {f.name: f.as_json() for f in figures}, "setup": setup}
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        write_report(args.json, figures, setup)
     return 0
 
 

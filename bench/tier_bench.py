@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import re
 import secrets
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from figures import Figure
+from figures import Figure, write_report
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import BlockKey
@@ -365,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         setup["dir"] = str(workdir)
     setup["loadavg_1m"] = [load_before, os.getloadavg()[0]]
     if args.json is not None:
-        report = {"figures": {f.name: f.as_json() for f in figures}, "setup": setup}
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        write_report(args.json, figures, setup)
     return 0
 
 

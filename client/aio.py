@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -52,6 +52,7 @@ __all__ = ["AsyncKVStoreClient"]
 
 logger = logging.getLogger("kvstore.client")
 T = TypeVar("T")
+M = TypeVar("M")  # a response message
 
 
 class AsyncKVStoreClient:
@@ -96,6 +97,21 @@ class AsyncKVStoreClient:
         self._closed = False
 
     # --- plumbing -------------------------------------------------------------------------
+
+    async def _streamed(self, call: Callable[[], AsyncIterable[M]], convert: Callable[[M], T],
+                        first: T, on_progress: Callable[[T], object] | None) -> T:
+        """See KVStoreClient._streamed; on_progress may be a function or a coroutine one."""
+        async def attempt() -> T:
+            last = first
+            async for message in call():
+                last = convert(message)
+                if on_progress is not None:
+                    outcome = on_progress(last)
+                    if asyncio.iscoroutine(outcome):
+                        await outcome
+            return last
+
+        return await self._rpc(attempt)
 
     async def _rpc(self, fn: Callable[[], Awaitable[T]]) -> T:
         async def attempt() -> T:
@@ -293,17 +309,9 @@ class AsyncKVStoreClient:
         if not key_list:
             return res.PrefetchResult(done=0, missing=0, failed=0, total=0)
 
-        async def attempt() -> res.PrefetchResult:
-            last = res.PrefetchResult(done=0, missing=0, failed=0, total=len(key_list))
-            async for message in self._stub.Prefetch(request, timeout=timeout_s):
-                last = res.prefetch_result(message)
-                if on_progress is not None:
-                    outcome = on_progress(last)
-                    if asyncio.iscoroutine(outcome):
-                        await outcome
-            return last
-
-        return await self._rpc(attempt)
+        return await self._streamed(
+            lambda: self._stub.Prefetch(request, timeout=timeout_s), res.prefetch_result,
+            res.PrefetchResult(done=0, missing=0, failed=0, total=len(key_list)), on_progress)
 
     async def evict(
         self,
@@ -369,17 +377,10 @@ class AsyncKVStoreClient:
         request = rq.prewarm_request(bytes, namespaces)
         call_timeout_s = rq.call_timeout_s(self.timeout_s, timeout_s)
 
-        async def attempt() -> res.PrewarmResult:
-            last = res.PrewarmResult(blocks=0, bytes=0, target_bytes=request.bytes, done=False)
-            async for message in self._stub.Prewarm(request, timeout=call_timeout_s):
-                last = res.prewarm_result(message)
-                if on_progress is not None:
-                    outcome = on_progress(last)
-                    if asyncio.iscoroutine(outcome):
-                        await outcome
-            return last
-
-        return await self._rpc(attempt)
+        return await self._streamed(
+            lambda: self._stub.Prewarm(request, timeout=call_timeout_s), res.prewarm_result,
+            res.PrewarmResult(blocks=0, bytes=0, target_bytes=request.bytes, done=False),
+            on_progress)
 
     async def health(self, service: str = HEALTH_SERVICE) -> str:
         """See KVStoreClient.health."""

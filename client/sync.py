@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -52,6 +52,7 @@ __all__ = ["KVStoreClient"]
 
 logger = logging.getLogger("kvstore.client")
 T = TypeVar("T")
+M = TypeVar("M")  # a response message
 
 
 class KVStoreClient:
@@ -97,6 +98,20 @@ class KVStoreClient:
         self._closed = False
 
     # --- plumbing -------------------------------------------------------------------------
+
+    def _streamed(self, call: Callable[[], Iterable[M]], convert: Callable[[M], T], first: T,
+                  on_progress: Callable[[T], None] | None) -> T:
+        """A progress stream (Prefetch, Prewarm): each message converted and reported; the
+        last one returned (first when the stream is empty). Retried whole, as any call."""
+        def attempt() -> T:
+            last = first
+            for message in call():
+                last = convert(message)
+                if on_progress is not None:
+                    on_progress(last)
+            return last
+
+        return self._rpc(attempt)
 
     def _rpc(self, fn: Callable[[], T]) -> T:
         def attempt() -> T:
@@ -292,15 +307,9 @@ class KVStoreClient:
         if not key_list:
             return res.PrefetchResult(done=0, missing=0, failed=0, total=0)
 
-        def attempt() -> res.PrefetchResult:
-            last = res.PrefetchResult(done=0, missing=0, failed=0, total=len(key_list))
-            for message in self._stub.Prefetch(request, timeout=timeout_s):
-                last = res.prefetch_result(message)
-                if on_progress is not None:
-                    on_progress(last)
-            return last
-
-        return self._rpc(attempt)
+        return self._streamed(
+            lambda: self._stub.Prefetch(request, timeout=timeout_s), res.prefetch_result,
+            res.PrefetchResult(done=0, missing=0, failed=0, total=len(key_list)), on_progress)
 
     def evict(
         self,
@@ -367,15 +376,10 @@ class KVStoreClient:
         request = rq.prewarm_request(bytes, namespaces)
         call_timeout_s = rq.call_timeout_s(self.timeout_s, timeout_s)
 
-        def attempt() -> res.PrewarmResult:
-            last = res.PrewarmResult(blocks=0, bytes=0, target_bytes=request.bytes, done=False)
-            for message in self._stub.Prewarm(request, timeout=call_timeout_s):
-                last = res.prewarm_result(message)
-                if on_progress is not None:
-                    on_progress(last)
-            return last
-
-        return self._rpc(attempt)
+        return self._streamed(
+            lambda: self._stub.Prewarm(request, timeout=call_timeout_s), res.prewarm_result,
+            res.PrewarmResult(blocks=0, bytes=0, target_bytes=request.bytes, done=False),
+            on_progress)
 
     def health(self, service: str = HEALTH_SERVICE) -> str:
         """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", ..."""

@@ -122,26 +122,7 @@ class RedisServer:
 
 def start_redis(workdir: Path, timeout_s: float = 10.0) -> RedisServer:
     """A real redis-server without persistence on a free port, accepting connections."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (`make redis` installs it)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return RedisServer(proc, port)
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.05)
-    stop_process(proc)
-    raise RuntimeError(f"redis-server did not start on port {port}")
+    return start_redis_on(workdir, 0, timeout_s=timeout_s)
 
 
 # --- more Redis shapes: any port, a password, TLS, a cluster (tests of the L4 tier) ---------
