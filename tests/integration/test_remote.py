@@ -5,6 +5,7 @@ block never stop the local tiers. No fakes: every Redis here is a redis-server s
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import signal
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstore.client import KVStoreClient
+from kvstore.client import AsyncKVStoreClient, HotResult, KVStoreClient, PrewarmResult
 from kvstore.client.results import TierStats
 from kvstore.testing import (
     Daemon,
@@ -373,3 +374,31 @@ def test_blocks_in_redis_expire_after_remote_ttl_s(
     wait_until(lambda: in_redis(r, keys) == 2, "the blocks in Redis")
     for key in keys:
         assert 0 < r.pttl(block_key(NS, key)) <= 60_000
+
+
+def test_the_async_client_ranks_hot_keys_and_prewarms_with_coroutine_progress(
+    daemon_factory: Make, server: RedisServer, clients: Callable[..., KVStoreClient],
+) -> None:
+    a = daemon_factory(*l4(server.url, "remote.popularity_flush_s=0.1"))
+    keys, values = blocks(4)
+    kv = clients(a)
+    kv.put(keys, values, independent=True)
+    for _ in range(3):
+        kv.get(keys[:2])  # the first two are the hottest
+    kv.get(keys[2:])
+    wait_until(lambda: set(kv.hot(4).keys) == set(keys), "popularity in Redis")
+    d = daemon_factory(*l4(server.url))
+    seen: list[int] = []
+
+    async def on_progress(progress: PrewarmResult) -> None:
+        await asyncio.sleep(0)
+        seen.append(progress.blocks)
+
+    async def scenario() -> tuple[HotResult, PrewarmResult]:
+        async with AsyncKVStoreClient(d.target, NS, timeout_s=10) as akv:
+            return await akv.hot(2), await akv.prewarm(64 << 20, on_progress=on_progress)
+
+    hot, final = asyncio.run(scenario())
+    assert set(hot.keys) == set(keys[:2]) and hot.scores[0] >= hot.scores[1] > 0
+    assert final.done and final.blocks == 4 and seen[-1] == 4
+    assert clients(d).lookup(keys).tiers == ["dram"] * 4

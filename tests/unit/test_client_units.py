@@ -16,12 +16,10 @@ import pytest
 import xxhash
 
 from kvstore.client import (
-    AsyncKVStoreClient,
     DataLoss,
     ExponentialBackoff,
     FailedPrecondition,
     InvalidArgument,
-    KVStoreClient,
     KVStoreError,
     NoBackoff,
     NotFound,
@@ -515,93 +513,3 @@ def test_prewarm_progress_converts_every_field() -> None:
     assert result == res.PrewarmResult(blocks=3, bytes=3 << 20, target_bytes=1 << 30, done=True)
     expected = {f.name: getattr(wire, f.name) for f in pb.PrewarmProgress.DESCRIPTOR.fields}
     assert dataclasses.asdict(result) == expected  # no field missed
-
-
-# --- hot and prewarm through the clients, the stub replaced --------------------------------
-
-
-class FakeStub:
-    """Answers Hot and Prewarm as a daemon would; the first Prewarm fails UNAVAILABLE once
-    when `flaky`, after one progress message, to show the retry restarts the stream."""
-
-    def __init__(self, flaky: bool = False) -> None:
-        self.flaky = flaky
-        self.requests: list[Any] = []
-        self.timeouts: list[float] = []
-        self.progress = [
-            pb.PrewarmProgress(blocks=1, bytes=100, target_bytes=300),
-            pb.PrewarmProgress(blocks=3, bytes=300, target_bytes=300, done=True),
-        ]
-
-    def Hot(self, request: pb.HotRequest, timeout: float) -> pb.HotResponse:
-        self.requests.append(request)
-        return pb.HotResponse(keys=K[:2], scores=[2.0, 1.0])
-
-    def _prewarm(self, request: pb.PrewarmRequest, timeout: float) -> list[pb.PrewarmProgress]:
-        self.requests.append(request)
-        self.timeouts.append(timeout)
-        return self.progress
-
-    def Prewarm(self, request: pb.PrewarmRequest, timeout: float) -> Any:
-        messages = self._prewarm(request, timeout)
-        yield messages[0]
-        if self.flaky:
-            self.flaky = False
-            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "redis down")
-        yield from messages[1:]
-
-
-class FakeAioStub(FakeStub):
-    async def Hot(self, request: pb.HotRequest, timeout: float) -> pb.HotResponse:  # type: ignore[override]
-        return FakeStub.Hot(self, request, timeout)
-
-    async def Prewarm(self, request: pb.PrewarmRequest, timeout: float) -> Any:  # type: ignore[override]
-        for message in FakeStub.Prewarm(self, request, timeout):
-            yield message
-
-
-def test_sync_hot_and_prewarm_stream_progress_and_retry_the_stream() -> None:
-    stub = FakeStub(flaky=True)
-    with KVStoreClient("127.0.0.1:1", "ns", retry=Retry(NoBackoff(), attempts=2)) as client:
-        client._stub = stub  # type: ignore[assignment]
-        assert client.hot(2) == res.HotResult(keys=K[:2], scores=[2.0, 1.0])
-        seen: list[res.PrewarmResult] = []
-        final = client.prewarm(300, ["ns", "other"], seen.append, timeout_s=120)
-    hot_request, prewarm_request = stub.requests[:2]
-    assert (hot_request.namespace, hot_request.limit) == ("ns", 2)
-    assert prewarm_request.bytes == 300 and list(prewarm_request.namespaces) == ["ns", "other"]
-    assert stub.timeouts == [120.0, 120.0]  # failed once, retried whole
-    assert [p.blocks for p in seen] == [1, 1, 3]
-    assert final == res.PrewarmResult(blocks=3, bytes=300, target_bytes=300, done=True)
-
-
-def test_sync_prewarm_maps_errors_and_validates_before_the_wire() -> None:
-    stub = FakeStub(flaky=True)
-    with KVStoreClient("127.0.0.1:1", "ns", retry=Retry(NoBackoff(), attempts=1)) as client:
-        client._stub = stub  # type: ignore[assignment]
-        with pytest.raises(Unavailable, match="redis down"):
-            client.prewarm()
-        with pytest.raises(InvalidArgument, match="bytes"):
-            client.prewarm(-1)
-        with pytest.raises(InvalidArgument, match=r"namespaces\[0\]"):
-            client.prewarm(0, [b"ns"])  # type: ignore[list-item]
-    assert len(stub.requests) == 1 and stub.timeouts == [client.timeout_s]
-
-
-def test_async_prewarm_awaits_coroutine_progress_callbacks() -> None:
-    stub = FakeAioStub()
-    seen: list[int] = []
-
-    async def on_progress(progress: res.PrewarmResult) -> None:
-        await asyncio.sleep(0)
-        seen.append(progress.bytes)
-
-    async def scenario() -> tuple[res.HotResult, res.PrewarmResult]:
-        async with AsyncKVStoreClient("127.0.0.1:1", "ns") as client:
-            client._stub = stub  # type: ignore[assignment]
-            hot = await client.hot()
-            return hot, await client.prewarm(on_progress=on_progress)
-
-    hot, final = asyncio.run(scenario())
-    assert hot.keys == K[:2] and stub.requests[0].limit == 100
-    assert seen == [100, 300] and final.done and final.blocks == 3
