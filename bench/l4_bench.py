@@ -57,7 +57,8 @@ NS_IO, NS_HOT = "l4-bench", "l4-bench-hot"
 BATCH = 32
 TTL_S = 3600.0
 PAGE_BYTES = 64 * KiB
-POLL_S = 0.0002
+POLL_S = 0.001  # polling Redis faster competes with the writer for this VM's 2 cores
+PUT_STEP = 8  # blocks per put in the L4 put figure
 FETCH_BATCH = 64  # blocks per baseline GET pipeline in the pre-warm figure (as the daemon)
 KV_SHAPE = (4, 2, 8, 128)  # layers, K|V, kv heads, head dim (tokens go after K|V)
 TOKENS = {256 * KiB: 16, 2 * MiB: 128}
@@ -203,9 +204,14 @@ class L4:
             time.sleep(POLL_S)
 
     def put_ours(self, keys: list[BlockKey], payloads: list[bytes]) -> float:
+        """The batch as an engine offloads it, PUT_STEP blocks at a time as they fill, timed
+        until every block is in Redis: the write-through overlaps the later puts."""
         start = time.perf_counter()
-        if self.a.put(keys, payloads).stored != len(keys):
-            raise RuntimeError("A did not store every new key")
+        for i in range(0, len(keys), PUT_STEP):
+            step = slice(i, i + PUT_STEP)
+            if self.a.put(keys[step], payloads[step], independent=True).stored != len(
+                    keys[step]):
+                raise RuntimeError("A did not store every new key")
         self.wait_in_redis(NS_IO, keys)
         return time.perf_counter() - start
 
