@@ -184,6 +184,8 @@ class Stats:
     """The daemon's effective config, only when asked for (include_config=True)."""
     hits: int
     misses: int
+    prewarm: PrewarmResult | None = None
+    """The running or last pre-warm from L4; None when there was none."""
 
     def tier(self, name: str) -> TierStats | None:
         """The stats of one tier by name, or None if the daemon does not report it."""
@@ -274,6 +276,7 @@ def stats_result(resp: pb.StatsResponse) -> Stats:
         config_json=resp.config_json,
         hits=resp.hits,
         misses=resp.misses,
+        prewarm=prewarm_result(resp.prewarm) if resp.HasField("prewarm") else None,
     )
 
 

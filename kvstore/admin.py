@@ -248,6 +248,9 @@ def stats_view(stats: Stats, target: str) -> Group:
         ("host", stats.host_id or "?"),
         ("version", stats.version or "?"),
     ]
+    if (p := stats.prewarm) is not None:
+        rows.append(("pre-warm", f"{p.blocks:,} blocks, {format_size(p.bytes)} of "
+                     f"{format_size(p.target_bytes)}" + ("" if p.done else " (running)")))
     for name, value in rows:
         summary.add_row(name, value)
     return Group(_tier_table(stats, target), _movement_table(stats), summary)

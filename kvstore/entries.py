@@ -165,6 +165,17 @@ class StoreStats:
     pinned: int
     hits: int
     misses: int
+    prewarm: PrewarmState | None = None  # the running or last pre-warm
+
+
+@dataclass(slots=True)
+class PrewarmState:
+    """Progress of a pre-warm: blocks and bytes brought in from L4 so far."""
+
+    blocks: int = 0
+    bytes: int = 0
+    target_bytes: int = 0
+    done: bool = False
 
 
 @dataclass(slots=True)

@@ -20,14 +20,14 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import TypeVar
 
 from kvstore.blockframe import FrameError, decode, encode
 from kvstore.breaker import Breaker
 from kvstore.config import RemoteConfig
-from kvstore.entries import Entry, Tier, TierStats
+from kvstore.entries import Entry, PrewarmState, Tier, TierStats
 from kvstore.index import Index
 from kvstore.keys import BlockKey
 from kvstore.tiers.dram import DramTier
@@ -40,14 +40,6 @@ BATCH_BLOCKS = 64  # blocks per write-through or fetch round trip
 BATCH_BYTES = 32 << 20
 PREWARM_CANDIDATES = 100_000  # hottest keys asked for per namespace
 IMPORT_BYTES = 8 << 20  # most bytes pre-warm stores in one internal put
-
-
-@dataclass(slots=True)
-class PrewarmProgress:
-    blocks: int = 0  # brought into the local tiers so far
-    bytes: int = 0
-    target_bytes: int = 0
-    done: bool = False
 
 
 class Remote:
@@ -280,12 +272,12 @@ class Remote:
         self, target_bytes: int, missing: Callable[[str, Sequence[BlockKey]], list[BlockKey]],
         store: Callable[[str, Sequence[BlockKey], Sequence[bytes]], int],
         namespaces: Sequence[str] = (),
-    ) -> Iterator[PrewarmProgress]:
+    ) -> Iterator[PrewarmState]:
         """Fetch the hottest blocks (across namespaces, by score) that are not local yet and
         store() them, until target_bytes arrived; progress after every batch, and logged."""
         ranked = sorted(((score, ns, BlockKey(key)) for ns in namespaces or self.namespaces()
                          for key, score in self.hot(ns, PREWARM_CANDIDATES)), reverse=True)
-        progress = PrewarmProgress(target_bytes=target_bytes)
+        progress = PrewarmState(target_bytes=target_bytes)
         for start in range(0, len(ranked), BATCH_BLOCKS):
             if progress.bytes >= target_bytes:
                 break

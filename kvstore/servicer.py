@@ -304,6 +304,7 @@ class KVStoreServicer:
             version=__version__,
             hits=s.hits, misses=s.misses,
             config_json=json.dumps(config_to_dict(self.config)) if include_config else "",
+            prewarm=pb.PrewarmProgress(**dataclasses.asdict(s.prewarm)) if s.prewarm else None,
         )
 
 

@@ -20,6 +20,7 @@ from kvstore.config import Config
 from kvstore.entries import (
     Entry,
     EvictResult,
+    PrewarmState,
     ReadResult,
     StoreStats,
     Tier,
@@ -32,7 +33,7 @@ from kvstore.movers import Mover
 from kvstore.pages import PageAllocator
 from kvstore.prefetch import PrefetchProgress, prefetch
 from kvstore.puts import Puts
-from kvstore.remote import PrewarmProgress, Remote
+from kvstore.remote import Remote
 from kvstore.tier_setup import open_tiers
 from kvstore.tiering import Load, Tiering
 from kvstore.tiers.dram import DramTier
@@ -62,6 +63,7 @@ class Store(Puts):
                                self._stats, clock)
         self._mover: Mover | None = None
         self.remote: Remote | None = None
+        self._prewarm: PrewarmState | None = None
         if self._opened.remote is not None and self.dram is not None:
             self.remote = Remote(config.remote, self._opened.remote, self._lock, self.index,
                                  self.dram, self._stats[Tier.REMOTE])
@@ -268,7 +270,7 @@ class Store(Puts):
             raise InvalidArgument(f"limit must be 0..100000, got {limit}")
         return self._remote().hot(namespace, limit or 100)
 
-    def prewarm(self, max_bytes: int, namespaces: Sequence[str] = ()) -> Iterator[PrewarmProgress]:
+    def prewarm(self, max_bytes: int, namespaces: Sequence[str] = ()) -> Iterator[PrewarmState]:
         """Pull the hottest L4 blocks into L2 (and, as L2 fills, L3) until max_bytes (default
         remote.prewarm_bytes; at most what L2 and L3 hold below their low watermarks)."""
         for namespace in namespaces:
@@ -277,7 +279,13 @@ class Store(Puts):
         room = sum(t.capacity_bytes for t in self._opened.tiers.values() if t.name != "hbm")
         target = min(max_bytes or self.config.remote.prewarm_bytes,
                      int(room * self.config.movers.low_watermark))
-        return remote.prewarm(target, self._missing, self.import_blocks, namespaces)
+        return self._tracked(remote.prewarm(target, self._missing, self.import_blocks,
+                                            namespaces))
+
+    def _tracked(self, progress: Iterator[PrewarmState]) -> Iterator[PrewarmState]:
+        for state in progress:
+            self._prewarm = state  # what stats() reports
+            yield state
 
     def _missing(self, namespace: str, keys: Sequence[BlockKey]) -> list[BlockKey]:
         with self._lock:
@@ -362,4 +370,5 @@ class Store(Puts):
                 self.index.pinned_count(),
                 self._hits,
                 self._misses,
+                replace(self._prewarm) if self._prewarm else None,
             )

@@ -176,6 +176,9 @@ def test_prewarm_pulls_the_hottest_blocks_before_serving(
     after = remote(kc)
     assert (after.hits, after.misses) == (before.hits, before.misses)  # no Redis reads
     assert "pre-warm" in c.log()
+    warmed = kc.stats().prewarm  # its progress stays in stats
+    assert warmed is not None and warmed.done and (warmed.blocks, warmed.bytes) == (8, 8 * PAGE)
+    assert clients(daemon_factory(*l4(server.url))).stats().prewarm is None
 
     # On a running daemon: the Prewarm RPC, then (after evicting) kvstore-admin prewarm.
     d = daemon_factory(*l4(server.url))

@@ -288,7 +288,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., free_pages: _Optional[int] = ..., largest_free_run_pages: _Optional[int] = ..., backend: _Optional[str] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., io_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., read_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "shm_name", "shm_size_bytes", "host_id", "leases", "reservations", "pinned", "version", "config_json", "hits", "misses")
+    __slots__ = ("tiers", "shm_name", "shm_size_bytes", "host_id", "leases", "reservations", "pinned", "version", "config_json", "hits", "misses", "prewarm")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,7 @@ class StatsResponse(_message.Message):
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
+    PREWARM_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     shm_name: str
     shm_size_bytes: int
@@ -311,7 +312,8 @@ class StatsResponse(_message.Message):
     config_json: str
     hits: int
     misses: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., pinned: _Optional[int] = ..., version: _Optional[str] = ..., config_json: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+    prewarm: PrewarmProgress
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., pinned: _Optional[int] = ..., version: _Optional[str] = ..., config_json: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., prewarm: _Optional[_Union[PrewarmProgress, _Mapping]] = ...) -> None: ...
 
 class HotRequest(_message.Message):
     __slots__ = ("namespace", "limit")
