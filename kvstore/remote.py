@@ -53,6 +53,7 @@ class Remote:
         self._index = index
         self._dram = dram
         self.stats = stats
+        self._stats_lock = threading.Lock()
         self.breaker = Breaker(config.breaker_backoff_s)
         self._cv = threading.Condition()  # guards the queue and the popularity counts
         self._queue: deque[tuple[str, BlockKey, int]] = deque()
@@ -91,6 +92,12 @@ class Remote:
     def state(self) -> str:
         return self.breaker.state
 
+    def _count(self, **deltas: int) -> None:
+        """Add to L4's counters: RPC threads and the workers update them at once."""
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+
     # --- the breaker -------------------------------------------------------------------------
 
     def _guard(self, call: Callable[[], T], fallback: T) -> T:
@@ -102,7 +109,7 @@ class Remote:
         except RemoteUnavailable as exc:
             was = self.breaker.state
             self.breaker.failure(str(exc))
-            self.stats.io_errors += 1
+            self._count(io_errors=1)
             if was == "closed":
                 log.warning("L4 unavailable, local tiers keep serving: %s", exc)
             return fallback
@@ -119,7 +126,7 @@ class Remote:
         with self._cv:
             for key, size in blocks:
                 if self._queued_bytes + size > self.config.queue_bytes:
-                    self.stats.admissions_refused += 1
+                    self._count(admissions_refused=1)
                     continue
                 self._queue.append((namespace, key, size))
                 self._queued_bytes += size
@@ -170,7 +177,7 @@ class Remote:
             return True
         if not self._guard(partial(self._set, frames), False):
             return False
-        self.stats.bytes_in += sum(e.size_bytes for e in held)
+        self._count(bytes_in=sum(e.size_bytes for e in held))
         return True
 
     def _set(self, frames: list[tuple[str, bytes, bytes]]) -> bool:
@@ -184,7 +191,7 @@ class Remote:
             for namespace, key in keys:
                 entry = self._index.get(namespace, key)
                 if entry is None or Tier.DRAM not in entry.places:
-                    self.stats.admissions_refused += 1  # left L2 before it could be written
+                    self._count(admissions_refused=1)  # left L2 before it could be written
                     continue
                 self._index.hold(entry)
                 held.append(entry)
@@ -221,19 +228,18 @@ class Remote:
         damaged: list[tuple[str, bytes]] = []
         for key, frame in zip(keys, frames, strict=True):
             if frame is None:
-                self.stats.misses += 1
+                self._count(misses=1)
                 out.append(None)
                 continue
             try:
                 payload = decode(frame)
             except FrameError as exc:
                 log.warning("L4 block %s is damaged (%s); deleted, a miss", key.hex()[:16], exc)
-                self.stats.checksum_failures += 1
+                self._count(checksum_failures=1)
                 damaged.append((namespace, key))
                 out.append(None)
                 continue
-            self.stats.hits += 1
-            self.stats.bytes_out += len(payload)
+            self._count(hits=1, bytes_out=len(payload))
             out.append(payload)
         if damaged:
             self._guard(lambda: self.pool.delete(damaged), 0)
