@@ -23,15 +23,21 @@ $(TEST_STAMP): pyproject.toml | $(BIN)/python
 run: $(RUN_STAMP)
 	$(BIN)/python -m kvstore.demo
 
-## redis: make sure a redis-server binary exists (Debian package, installed when root)
+## redis: make sure redis-server, redis-cli and openssl exist (Debian packages, installed
+## when root); the L4 tests start standalone, Cluster and TLS Redis servers
 redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@missing=""; \
+	for tool in redis-server:redis-server redis-cli:redis-tools openssl:openssl; do \
+	  command -v $${tool%%:*} >/dev/null 2>&1 || missing="$$missing $${tool##*:}"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else \
-	    echo "redis-server is missing: run 'sudo apt-get install -y redis-server'" >&2; exit 1; \
-	  fi; }
-	@command -v redis-server >/dev/null || { echo "redis-server still missing" >&2; exit 1; }
+	    echo "missing:$$missing; run 'sudo apt-get install -y$$missing'" >&2; exit 1; \
+	  fi; \
+	fi
+	@for tool in redis-server redis-cli openssl; do \
+	  command -v $$tool >/dev/null || { echo "$$tool still missing" >&2; exit 1; }; done
 
 ## test: install with test extras, make sure redis-server exists, run the whole suite
 test: $(TEST_STAMP) redis
