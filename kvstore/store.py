@@ -12,7 +12,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from kvstore import checks
@@ -37,6 +37,7 @@ from kvstore.remote import Remote
 from kvstore.tier_setup import open_tiers
 from kvstore.tiering import Load, Tiering
 from kvstore.tiers.dram import DramTier
+from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS
 from kvstore.units import format_size
 
 log = logging.getLogger(__name__)
@@ -110,13 +111,19 @@ class Store(Puts):
         leased=False only touch them (for readers that verify checksums). Blocks only in L3
         are loaded into L2 first; a load already in flight is waited for, not repeated."""
         checked = self._check_keys(namespace, keys)
-        tier = self.dram
         lease_id = secrets.token_hex(12)
         self._fetch_remote(namespace, checked)
         with self._lock:
             loads = self._start_loads(namespace, checked, Tier.DRAM)
+            if not loads:  # the usual case, every hit in L2: lease in the same critical section
+                return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads)
         for load in loads.values():
             load.wait()
+        return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads)
+
+    def _lease(self, namespace: str, checked: list[BlockKey], lease_id: str, leased: bool,
+               lease_timeout_s: float, loads: dict[BlockKey, Load]) -> ReadResult:
+        tier = self.dram
         with self._lock:
             deadline = self._clock() + lease_timeout_s
             entries = self.index.lease(
@@ -136,8 +143,7 @@ class Store(Puts):
         """Bring the keys no local tier has from L4 into L2 (one batched round trip)."""
         if self.remote is None:
             return
-        with self._lock:
-            missing = list(dict.fromkeys(k for k in keys if self.index.get(namespace, k) is None))
+        missing = self._missing(namespace, list(dict.fromkeys(keys)))
         if not missing:
             return
         found = [(k, p) for k, p in zip(missing, self.remote.fetch(namespace, missing),
@@ -224,15 +230,19 @@ class Store(Puts):
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> tuple[int, list[Tier | None]]:
         checked = self._check_keys(namespace, keys)
+        remote = self.remote
         with self._lock:
             prefix, tiers = self.index.lookup(namespace, checked)
-        if self.remote is not None and prefix < len(checked):
-            misses = [i for i, t in enumerate(tiers) if t is None]
-            there = self.remote.exists(namespace, [checked[i] for i in misses])
-            for i, found in zip(misses, there, strict=True):
-                if found:
-                    tiers[i] = Tier.REMOTE
-            prefix = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+            if remote is None or prefix == len(checked):  # no L4 round trip to make
+                self._hits += prefix
+                self._misses += len(checked) - prefix
+                return prefix, tiers
+        misses = [i for i, t in enumerate(tiers) if t is None]
+        there = remote.exists(namespace, [checked[i] for i in misses])
+        for i, found in zip(misses, there, strict=True):
+            if found:
+                tiers[i] = Tier.REMOTE
+        prefix = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         with self._lock:
             self._hits += prefix
             self._misses += len(checked) - prefix
@@ -266,8 +276,8 @@ class Store(Puts):
 
     def hot(self, namespace: str, limit: int) -> list[tuple[bytes, float]]:
         checks.namespace(namespace)
-        if not 0 <= limit <= 100_000:
-            raise InvalidArgument(f"limit must be 0..100000, got {limit}")
+        if not 0 <= limit <= HOT_MAX_MEMBERS:
+            raise InvalidArgument(f"limit must be 0..{HOT_MAX_MEMBERS}, got {limit}")
         return self._remote().hot(namespace, limit or 100)
 
     def prewarm(self, max_bytes: int, namespaces: Sequence[str] = ()) -> Iterator[PrewarmState]:
@@ -311,7 +321,7 @@ class Store(Puts):
                     raise InvalidArgument("namespace is required to evict keys")
                 checked = self._check_keys(namespace, keys)
                 evicted, skipped = self.index.evict_keys(namespace, checked)
-                self._forget_l3(e for e in evicted if Tier.NVME in e.places)
+                self.tiering.journal_free(e for e in evicted if Tier.NVME in e.places)
                 gone.update((id(e), e) for e in evicted)
             else:
                 for t in [tier] if tier is not None else sorted(self._opened.tiers):
@@ -321,15 +331,11 @@ class Store(Puts):
                         break
                     evicted = self.index.evict_lru(t, want, namespace or None)
                     if t == Tier.NVME:
-                        self._forget_l3(evicted)
+                        self.tiering.journal_free(evicted)
                     gone.update((id(e), e) for e in evicted)
                 skipped = self.index.unevictable(namespace or None) if everything else 0
             self.tiering.room.notify_all()
             return EvictResult(len(gone), sum(e.size_bytes for e in gone.values()), skipped)
-
-    def _forget_l3(self, entries: Iterable[Entry]) -> None:
-        for entry in entries:
-            self.tiering.journal_free(entry)
 
     def set_pinned(self, namespace: str, keys: Sequence[bytes], pinned: bool) -> tuple[int, int]:
         checked = self._check_keys(namespace, keys)
