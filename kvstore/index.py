@@ -348,9 +348,9 @@ class Index:
         self._add_place(entry, tier, pages)
         self._lru.push(entry)
 
-    def drop_copy(self, entry: Entry, tier: Tier) -> bool:
-        """Free entry's copy in tier (moved elsewhere); True when that was its last copy."""
-        return self._drop(entry, tier, counted=False)
+    def drop_copy(self, entry: Entry, tier: Tier, evicted: bool = False) -> bool:
+        """Free entry's copy in tier (moved, or evicted); True when that was its last copy."""
+        return self._drop(entry, tier, counted=evicted)
 
     def discard(self, entry: Entry) -> None:
         """Remove every copy of entry (its bytes are damaged or unreadable)."""

@@ -31,10 +31,6 @@ class Mover:
         self._tiering.mover_running = True
         self._thread.start()
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def stop(self) -> None:
         self._tiering.mover_running = False
         self._stop.set()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -115,7 +115,8 @@ class Tiering:
                                     BlockKey(r.parent) if r.parent else None, Tier.NVME,
                                     r.pages) is not None:
                     adopted += 1
-        self._compact()  # on a full disk the journal stays as it is: it is still valid
+        if self.manifest.journal_records or adopted < len(report.records):
+            self._compact()  # on a full disk the journal stays as it is: it is still valid
         log.info("L3: re-adopted %d blocks from the manifest", adopted)
         return adopted
 
@@ -239,16 +240,14 @@ class Tiering:
         evicted = self.index.make_room(Tier.NVME, needed)
         if evicted is None:
             return None
-        for gone in evicted:
-            self.journal_free(gone)
+        self.journal_free(evicted)
         return self.index.alloc(Tier.NVME, size_bytes)
 
     def _evict_l2(self, entry: Entry) -> None:
         """entry leaves L2 without going to L3 (not admitted, no room, or no L3)."""
         self.index.done(entry)
         if entry.movable:
-            self.index.drop_copy(entry, Tier.DRAM)
-            self.index.evictions[Tier.DRAM] += 1
+            self.index.drop_copy(entry, Tier.DRAM, evicted=True)
 
     def _finish_demotion(self, move: _Demotion, error: OSError | None) -> None:
         entry = move.entry
@@ -338,7 +337,7 @@ class Tiering:
             self.stats[Tier.NVME].bytes_out += entry.size_bytes
             self.stats[Tier.DRAM].promotions += 1
             if self.config.nvme.placement == "exclusive":
-                self.journal_free(entry)
+                self.journal_free([entry])
                 self.index.drop_copy(entry, Tier.NVME)
         return True
 
@@ -350,7 +349,7 @@ class Tiering:
         else:
             stats.checksum_failures += 1
             log.warning("L3 block failed its checksum; dropped (a miss, never wrong bytes)")
-        self.journal_free(entry)
+        self.journal_free([entry])
         self.index.discard(entry)
 
     def _load_l1(self, entry: Entry) -> bool:
@@ -381,15 +380,18 @@ class Tiering:
         if self.manifest is not None:
             self.manifest.commit(_record(entry, pages))
 
-    def journal_free(self, entry: Entry) -> None:
-        """Before entry's L3 pages can be reused. A FREE that cannot be written is logged:
-        a stale COMMIT then points at reused pages, which the checksum turns into a miss."""
+    def journal_free(self, entries: Iterable[Entry]) -> None:
+        """Before the entries' L3 pages can be reused. A FREE that cannot be written is
+        logged: a stale COMMIT then points at reused pages, which the checksum turns into a
+        miss."""
         if self.manifest is None:
             return
-        try:
-            self.manifest.free(entry.namespace, entry.key)
-        except OSError as exc:
-            log.warning("L3 manifest: cannot record a free (%s); checksums guard the reuse", exc)
+        for entry in entries:
+            try:
+                self.manifest.free(entry.namespace, entry.key)
+            except OSError as exc:
+                log.warning("L3 manifest: cannot record a free (%s); checksums guard the "
+                            "reuse", exc)
 
 
 def _record(entry: Entry, pages: Pages | None = None) -> ManifestRecord:
