@@ -124,7 +124,7 @@ def encode(
 
     ``compress``: "none" stores raw; "lz4" always compresses (over a 2-byte shuffle when
     ``shuffle`` and the length is even); "auto" compresses only when a sample and then the
-    whole payload shrink below 90%. ``checksum`` is the payload's xxh3-64 when the
+    whole payload shrink below 80%. ``checksum`` is the payload's xxh3-64 when the
     caller already knows it; it is trusted here and verified by ``decode``.
     """
     if compress not in _COMPRESS_MODES:

@@ -31,14 +31,13 @@ from kvstore.entries import Entry, PrewarmState, Tier, TierStats
 from kvstore.index import Index
 from kvstore.keys import BlockKey
 from kvstore.tiers.dram import DramTier
-from kvstore.tiers.redis_pool import RedisPool, RemoteUnavailable
+from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS, RedisPool, RemoteUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BATCH_BLOCKS = 64  # blocks per write-through or fetch round trip
 BATCH_BYTES = 32 << 20
-PREWARM_CANDIDATES = 100_000  # hottest keys asked for per namespace
 IMPORT_BYTES = 8 << 20  # most bytes pre-warm stores in one internal put
 
 
@@ -199,8 +198,7 @@ class Remote:
 
     def _bytes_of(self, entry: Entry) -> bytes | memoryview:
         """The block's bytes in L2: a view when its pages are one run (the usual case)."""
-        extents = self._dram.extents(entry.places[Tier.DRAM], entry.size_bytes)
-        views = list(self._dram.views(extents))
+        views = self._dram.buffers(entry.places[Tier.DRAM], entry.size_bytes, pad=False)
         return views[0] if len(views) == 1 else b"".join(views)
 
     # --- reads ---------------------------------------------------------------------------------
@@ -260,15 +258,18 @@ class Remote:
         while not self._stop.wait(every):
             self.flush_popularity(factor, every)
 
-    def flush_popularity(self, decay_factor: float = 1.0, every_s: float = 0.0) -> None:
+    def flush_popularity(self, decay_factor: float, every_s: float) -> None:
+        """Send the counted reads, then decay every namespace's scores (idle ones too, or
+        their stale scores would outrank what is read now when pre-warm ranks across
+        namespaces); one daemon per period applies the decay (RedisPool.decay)."""
         with self._cv:
             counts, self._popularity = self._popularity, {}
         for namespace, counted in counts.items():
             scores = {k: float(v) for k, v in counted.items()}
             if not self._guard(partial(self._add_popularity, namespace, scores), False):
                 return  # Redis is down: these counts are lost, which only blurs the ranking
-            if decay_factor < 1.0:
-                self._guard(partial(self.pool.decay, namespace, decay_factor, every_s), False)
+        for namespace in self.namespaces():
+            self._guard(partial(self.pool.decay, namespace, decay_factor, every_s), False)
 
     def _add_popularity(self, namespace: str, scores: dict[bytes, float]) -> bool:
         self.pool.add_popularity(namespace, scores)
@@ -282,7 +283,7 @@ class Remote:
         """Fetch the hottest blocks (across namespaces, by score) that are not local yet and
         store() them, until target_bytes arrived; progress after every batch, and logged."""
         ranked = sorted(((score, ns, BlockKey(key)) for ns in namespaces or self.namespaces()
-                         for key, score in self.hot(ns, PREWARM_CANDIDATES)), reverse=True)
+                         for key, score in self.hot(ns, HOT_MAX_MEMBERS)), reverse=True)
         progress = PrewarmState(target_bytes=target_bytes)
         for start in range(0, len(ranked), BATCH_BLOCKS):
             if progress.bytes >= target_bytes:
