@@ -172,12 +172,12 @@ def _percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
-def _bandwidth(size_bytes: int, seconds: float) -> str:
+def _bandwidth(rate_bytes_s: float) -> str:
     """ "812.3 MB/s" or "6.41 GB/s" (decimal units, as disks and links are rated); "-" untimed."""
-    if seconds <= 0:
+    if rate_bytes_s <= 0:
         return "-"
-    rate = size_bytes / seconds
-    return f"{rate / 1e9:.2f} GB/s" if rate >= 1e9 else f"{rate / 1e6:.1f} MB/s"
+    giga = rate_bytes_s >= 1e9
+    return f"{rate_bytes_s / 1e9:.2f} GB/s" if giga else f"{rate_bytes_s / 1e6:.1f} MB/s"
 
 
 def _tier_table(stats: Stats, target: str) -> Table:
@@ -225,8 +225,8 @@ def _movement_table(stats: Stats) -> Table:
         table.add_row(
             t.tier,
             *(f"{getattr(t, attr):,}" for _, attr in _MOVEMENT_COUNTS),
-            _bandwidth(t.bytes_out, t.read_seconds),
-            _bandwidth(t.bytes_in, t.write_seconds),
+            _bandwidth(t.read_bandwidth_bytes_s),
+            _bandwidth(t.write_bandwidth_bytes_s),
         )
     return table
 

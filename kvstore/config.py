@@ -242,9 +242,7 @@ def _problems(cfg: Config) -> list[tuple[str, str]]:
     need(s.max_object_bytes > 0, "server.max_object_bytes", "must be > 0; use e.g. 64MiB")
     need(s.max_batch_keys >= 1, "server.max_batch_keys", "must be >= 1; use e.g. 4096")
     need(s.workers >= 1, "server.workers", "must be >= 1; use e.g. 8")
-    page = d.page_size_bytes
-    need(page >= 4 * KiB and page & (page - 1) == 0, "dram.page_size_bytes",
-         "must be a power of two >= 4KiB; use e.g. 64KiB")
+    page = d.page_size_bytes  # its power-of-two rule is with the other tiers' (config_tiers)
     need(not d.enabled or d.capacity_bytes >= page, "dram.capacity_bytes",
          f"must be >= dram.page_size_bytes ({format_size(page)}); use e.g. 1GiB, "
          "or set dram.enabled=false")

@@ -1,5 +1,5 @@
-"""Validation rules of the tier sections of the config (hbm, nvme, movers, remote); the
-rest of the rules and the loading live in kvstore.config. Pure."""
+"""Validation rules of the tier sections of the config (hbm, nvme, movers, remote, and every
+tier's page size); the rest of the rules and the loading live in kvstore.config. Pure."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def tier_problems(cfg: Config) -> list[tuple[str, str]]:
     need(h.mode in ("auto", "on", "off"), "hbm.mode", "must be auto, on or off")
     need(0 < h.fraction_of_free <= 0.9, "hbm.fraction_of_free", "must be in (0, 0.9]; use 0.2")
     need(h.device >= 0, "hbm.device", "must be >= 0")
-    for path, page in (("hbm.page_size_bytes", h.page_size_bytes),
+    for path, page in (("dram.page_size_bytes", cfg.dram.page_size_bytes),
+                       ("hbm.page_size_bytes", h.page_size_bytes),
                        ("nvme.page_size_bytes", n.page_size_bytes)):
         need(page >= 4 * KiB and page & (page - 1) == 0, path,
              "must be a power of two >= 4KiB; use e.g. 64KiB")

@@ -204,22 +204,27 @@ class KVStoreServicer:
             return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
         return self._unary("Lookup", context, run)
 
-    def Prefetch(self, request: pb.PrefetchRequest,
-                 context: grpc.ServicerContext) -> Iterator[pb.PrefetchProgress]:
+    def _streamed(self, method: str, context: grpc.ServicerContext,
+                  progress: Callable[[], Iterator[Any]], message: type[Any]) -> Iterator[Any]:
+        """A progress stream (Prefetch, Prewarm): each step as `message` (same field names),
+        its errors mapped like any call's."""
         started = time.perf_counter()
         try:
+            for step in progress():
+                yield message(**dataclasses.asdict(step))
+        except Exception as exc:
+            self._fail(context, method, exc, started)
+            raise
+        self._ok(method, started)
+
+    def Prefetch(self, request: pb.PrefetchRequest,
+                 context: grpc.ServicerContext) -> Iterator[pb.PrefetchProgress]:
+        def progress() -> Iterator[Any]:
             target = _tier(request.target_tier, "target_tier")
             deadline_s = request.deadline_ms / 1000 if request.deadline_ms else None
-            progress = self.store.prefetch(request.namespace, request.keys, target, deadline_s,
-                                           cancelled=lambda: not context.is_active())
-            for p in progress:
-                yield pb.PrefetchProgress(
-                    done=p.done, missing=p.missing, failed=p.failed, total=p.total,
-                    prefix_length=p.prefix_length, deadline_exceeded=p.deadline_exceeded)
-        except Exception as exc:
-            self._fail(context, "Prefetch", exc, started)
-            raise
-        self._ok("Prefetch", started)
+            return self.store.prefetch(request.namespace, request.keys, target, deadline_s,
+                                       cancelled=lambda: not context.is_active())
+        return self._streamed("Prefetch", context, progress, pb.PrefetchProgress)
 
     def Hot(self, request: pb.HotRequest, context: grpc.ServicerContext) -> pb.HotResponse:
         def run() -> pb.HotResponse:
@@ -229,15 +234,10 @@ class KVStoreServicer:
 
     def Prewarm(self, request: pb.PrewarmRequest,
                 context: grpc.ServicerContext) -> Iterator[pb.PrewarmProgress]:
-        started = time.perf_counter()
-        try:
-            for p in self.store.prewarm(request.bytes, list(request.namespaces)):
-                yield pb.PrewarmProgress(blocks=p.blocks, bytes=p.bytes,
-                                         target_bytes=p.target_bytes, done=p.done)
-        except Exception as exc:
-            self._fail(context, "Prewarm", exc, started)
-            raise
-        self._ok("Prewarm", started)
+        return self._streamed(
+            "Prewarm", context,
+            lambda: self.store.prewarm(request.bytes, list(request.namespaces)),
+            pb.PrewarmProgress)
 
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:

@@ -363,7 +363,6 @@ class NvmeTier:
             self._io.move(segments, direct, write)
         except OSError as exc:
             error = exc
-            log.warning("L3 %s of %d bytes failed: %s", "write" if write else "read", nbytes, exc)
         with self._lock:
             self.queue_depth -= 1
             if error is not None:
