@@ -1,1 +1,96 @@
-"""Compute kernels (torch reference and CUDA); filled in by the engine issues."""
+"""Compute kernels for the engine's paged KV cache: the torch reference (`reference`, also the
+CPU implementation) and CUDA kernels (`cuda`, compiled from csrc/*.cu by NVRTC via cupy).
+
+Owns the choice between them: `ops_for(device)` returns the CUDA module when the device is a
+CUDA device, cupy imports and the sources compile there, else the reference; the choice is
+made once per device, logged, and cached. On CUDA, prefill_attention is the torch reference
+(one SDPA call per sequence) in both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from . import reference
+from .reference import (
+    copy_blocks,
+    decode_attention,
+    gather_blocks,
+    prefill_attention,
+    scatter_blocks,
+    write_cache,
+)
+
+__all__ = ["KernelOps", "copy_blocks", "decode_attention", "gather_blocks", "ops_for",
+           "prefill_attention", "reference", "scatter_blocks", "write_cache"]
+
+log = logging.getLogger(__name__)
+
+
+class KernelOps(Protocol):
+    """What ops_for returns: kernels.reference or kernels.cuda (modules, same signatures)."""
+
+    def write_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+    def prefill_attention(self, query: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                          scale: float) -> torch.Tensor: ...
+
+    def gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor | Sequence[int],
+                      out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def scatter_blocks(self, staging: torch.Tensor, kv_cache: torch.Tensor,
+                       block_ids: torch.Tensor | Sequence[int]) -> None: ...
+
+    def copy_blocks(self, kv_cache: torch.Tensor, src_ids: torch.Tensor | Sequence[int],
+                    dst_ids: torch.Tensor | Sequence[int]) -> None: ...
+
+
+_OPS: dict[torch.device, KernelOps] = {}
+_OPS_LOCK = threading.Lock()
+
+
+def _normalized(device: torch.device | str | int) -> torch.device:
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        # "cuda" means the current device; a CPU-only torch has none, and 0 fails over below.
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        dev = torch.device("cuda", index)
+    return dev
+
+
+def _pick(dev: torch.device) -> KernelOps:
+    if dev.type != "cuda":
+        log.info("kernels for %s: torch reference", dev)
+        return reference
+    from . import cuda
+
+    try:
+        cuda.load(dev.index if dev.index is not None else 0)
+    except cuda.CudaKernelsUnavailable as exc:
+        log.warning("kernels for %s: torch reference, the CUDA kernels are unavailable (%s)",
+                    dev, exc)
+        return reference
+    log.info("kernels for %s: CUDA (kernels/csrc via cupy NVRTC)", dev)
+    return cuda
+
+
+def ops_for(device: torch.device | str | int) -> KernelOps:
+    """The kernel implementations for tensors on `device` (chosen once per device)."""
+    dev = _normalized(device)
+    with _OPS_LOCK:
+        ops = _OPS.get(dev)
+        if ops is None:
+            ops = _OPS[dev] = _pick(dev)
+        return ops

@@ -1,0 +1,169 @@
+"""The paged decode-attention kernel against its baseline, in one run (GPU only).
+
+- decode_kernel: kvstore.kernels.cuda.decode_attention reading K/V through random,
+  non-contiguous block tables vs torch `scaled_dot_product_attention` (enable_gqa) on the
+  same K/V already gathered into contiguous [seqs, kv_heads, context, head_dim] tensors, the
+  gather not timed. Default shape: 32 sequences x 2048 tokens of context, 32 query heads / 8
+  KV heads, head_dim 128, bfloat16, blocks of 16 tokens. Each timing is one launch between
+  CUDA events; ours and the baseline alternate; the figure is the median of `--reps`. The
+  torch reference (gather + SDPA, what runs without the kernels) is timed too (JSON and `#`
+  line only), and the outputs are checked against each other before timing.
+
+Prints `bench decode_kernel: <ours> ms vs sdpa_gathered <base> ms = <ratio>x` (ratio =
+baseline / ours: > 1 means the kernel is faster), or `bench decode_kernel: skipped (no CUDA
+device)` with exit status 0; `--json PATH` writes the report there. Other benches import
+`decode_kernel_figure()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from figures import Figure, write_report
+
+NAME = "decode_kernel"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Shape:
+    seqs: int = 32
+    context: int = 2048
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: str = "bfloat16"
+    reps: int = 50
+
+
+QUICK = Shape(seqs=4, context=256, heads=8, kv_heads=2, head_dim=64, reps=5)
+
+
+def _median_ms(fns: list[Callable[[], Any]], reps: int) -> list[float]:
+    """Median CUDA-event time of each fn, the fns alternating within every rep."""
+    for fn in fns:  # warm-up: compilation, allocator, cuBLAS/SDPA kernel choice
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for rep in range(reps):
+        order = list(range(len(fns))) if rep % 2 == 0 else list(reversed(range(len(fns))))
+        for i in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[i]()
+            end.record()
+            end.synchronize()
+            samples[i].append(start.elapsed_time(end))
+    return [statistics.median(s) for s in samples]
+
+
+def decode_kernel(shape: Shape) -> Figure:
+    from kvstore.kernels import cuda
+    from kvstore.kernels import reference as ref
+
+    dev, dtype = torch.device("cuda"), DTYPES[shape.dtype]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    per_seq = -(-shape.context // shape.block_size)
+    num_blocks = shape.seqs * per_seq
+    pool = (num_blocks, shape.block_size, shape.kv_heads, shape.head_dim)
+    k_cache = torch.randn(pool, device=dev, dtype=dtype, generator=gen)
+    v_cache = torch.randn(pool, device=dev, dtype=dtype, generator=gen)
+    tables = torch.randperm(num_blocks, device=dev, generator=gen).view(shape.seqs, per_seq)
+    tables = tables.to(torch.int32)
+    lens = torch.full((shape.seqs,), shape.context, dtype=torch.int32, device=dev)
+    query = torch.randn(shape.seqs, shape.heads, shape.head_dim, device=dev, dtype=dtype,
+                        generator=gen)
+    scale = shape.head_dim**-0.5
+    # The baseline's contiguous K/V: [seqs, kv_heads, context, head_dim], gathered untimed.
+    flat = tables.reshape(-1).long()
+    k = k_cache[flat].view(shape.seqs, -1, shape.kv_heads, shape.head_dim)[:, : shape.context]
+    v = v_cache[flat].view(shape.seqs, -1, shape.kv_heads, shape.head_dim)[:, : shape.context]
+    k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    q4 = query[:, :, None, :]
+
+    def ours() -> torch.Tensor:
+        return cuda.decode_attention(query, k_cache, v_cache, tables, lens, scale)
+
+    def baseline() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)[:, :, 0]
+
+    def reference() -> torch.Tensor:
+        return ref.decode_attention(query, k_cache, v_cache, tables, lens, scale)
+
+    err = (ours().float() - baseline().float()).abs().max().item()
+    if err > 3e-2:
+        raise RuntimeError(f"the kernel and SDPA disagree by {err}")
+    ours_ms, base_ms, ref_ms = _median_ms([ours, baseline, reference], shape.reps)
+    kv_bytes = 2 * shape.seqs * shape.context * shape.kv_heads * shape.head_dim
+    kv_bytes *= k_cache.element_size()
+    extra = {"shape": asdict(shape), "max_abs_diff": err, "torch_reference_ms": ref_ms,
+             "ours_kv_read_gbps": kv_bytes / ours_ms / 1e6, "device": torch.cuda.get_device_name()}
+    print(f"# decode_kernel: torch reference (gather + SDPA) {ref_ms:.3f} ms; K/V "
+          f"{kv_bytes / 2**20:.0f} MiB read at {extra['ours_kv_read_gbps']:.0f} GB/s by ours; "
+          f"max |ours - sdpa| {err:.2e}", flush=True)
+    return Figure(NAME, ours_ms, "sdpa_gathered", base_ms, "ms", lower_is_better=True,
+                  extra=extra)
+
+
+def decode_kernel_figure(shape: Shape | None = None) -> dict[str, Any] | None:
+    """The decode_kernel figure as JSON (plus its printed `line`), None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    figure = decode_kernel(shape or Shape())
+    return {"name": figure.name, "line": figure.line(), **figure.as_json()}
+
+
+def parse_args(argv: list[str] | None) -> tuple[Shape, Path | None]:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add, default = parser.add_argument, Shape()
+    add("--seqs", type=int, default=default.seqs)
+    add("--context", type=int, default=default.context, help="tokens of context per sequence")
+    add("--heads", type=int, default=default.heads)
+    add("--kv-heads", type=int, default=default.kv_heads)
+    add("--head-dim", type=int, default=default.head_dim)
+    add("--block-size", type=int, default=default.block_size)
+    add("--dtype", choices=sorted(DTYPES), default=default.dtype)
+    add("--reps", type=int, default=default.reps, help="timed launches of each")
+    add("--quick", action="store_true", help="a small smoke shape (overrides the others)")
+    add("--json", type=Path, metavar="PATH", help="also write one JSON object to PATH")
+    args = parser.parse_args(argv)
+    shape = QUICK if args.quick else Shape(
+        args.seqs, args.context, args.heads, args.kv_heads, args.head_dim, args.block_size,
+        args.dtype, args.reps)
+    if min(shape.seqs, shape.context, shape.reps, shape.block_size) < 1:
+        parser.error("--seqs, --context, --reps and --block-size must be >= 1")
+    return shape, args.json
+
+
+def main(argv: list[str] | None = None) -> int:
+    shape, json_path = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"bench {NAME}: skipped (no CUDA device)")
+        return 0
+    try:
+        import cupy  # noqa: F401  (the kernels' only extra dependency)
+    except ImportError:
+        print(f"bench {NAME}: skipped (cupy is not installed)")
+        return 0
+    try:
+        figure = decode_kernel(shape)
+    except Exception as exc:  # report it in the house format and fail the run
+        print(f"bench {NAME}: failed ({exc})")
+        return 1
+    print(figure.line(), flush=True)
+    if json_path is not None:
+        write_report(json_path, [figure], {"shape": asdict(shape), "quick": shape == QUICK})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
