@@ -1,0 +1,426 @@
+"""The engine's block manager (pure: no torch, no I/O, no clock): a fixed pool of KV-cache
+blocks, reference counts, prefix caching keyed by the store's chained keys (kvstore.keys),
+LRU reuse of unreferenced cached blocks, and copy-on-write for shared blocks (forks for n > 1).
+
+How a sequence's progress is tracked: each sequence records `num_tokens`, the largest
+`num_tokens` an `allocate` for it succeeded with (at least its prefix hit). The runner writes
+the tokens between the previous and the new value in the forward pass that follows the call,
+so the next write of a sequence always lands at token index `num_tokens`. Separately, its key
+list grows by one chained key per block that `cache_full_blocks` saw full; that list is what
+`keys_of` returns and where the next key's hash starts, so no step rehashes a prefix (only
+a sequence's first `allocate` hashes its hit once more, to check it is not stale).
+
+Copy-on-write: only a partially filled last block can be shared and written (full blocks shared
+by a prefix hit are never written, writes go past them), and it is shared only through `fork`.
+When an `allocate` will write into it (num_tokens > the recorded num_tokens, which is not a
+multiple of block_size) and other tables hold it too, the sequence gets a fresh block and the
+(src, dst) copy is queued. The source stays pinned -- never handed out, never evicted -- until
+`take_copies` hands the pair to the runner, so a preemption in the same scheduling step cannot
+recycle it before it is read. The pin is not a table reference: the sibling that still holds
+the source sees refcount 1 and writes in place.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.keys import BlockKey, chain_key, namespace_root
+
+from .errors import EngineError
+
+
+class BlockManagerError(EngineError):
+    """Base of the block manager's misuse errors; the message names the argument."""
+
+
+class UnknownSequenceError(BlockManagerError, KeyError):
+    """A seq_id (or parent_id) the manager holds no block table for."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; the message reads better without.
+        return str(self.args[0]) if self.args else ""
+
+
+class BlockRequestError(BlockManagerError, ValueError):
+    """An argument out of range or inconsistent with the manager's state."""
+
+
+class StaleHitError(BlockRequestError):
+    """A PrefixHit whose blocks no longer hold those tokens (evicted since find_prefix) or that
+    find_prefix could not have returned for this token list."""
+
+
+@dataclass
+class PrefixHit:
+    """The longest cached prefix of a token list: its block ids, in order, and how many tokens
+    they hold (a multiple of block_size). Taking no references: `allocate` takes them."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class _SeqState:
+    table: list[int]
+    keys: list[BlockKey] = field(default_factory=list)
+    num_tokens: int = 0  # tokens the table covers; the next write lands at this index
+
+
+def _chained_keys(
+    parent: BlockKey, token_ids: Sequence[int], block_size: int, first: int, stop: int
+) -> Iterator[BlockKey]:
+    """Keys of blocks first..stop-1 of token_ids, given the key of block first-1 (the namespace
+    root when first == 0); lazy, so a caller that stops at a miss hashes no further."""
+    for i in range(first, stop):
+        parent = chain_key(parent, token_ids[i * block_size : (i + 1) * block_size])
+        yield parent
+
+
+def _check_count(name: str, value: int) -> None:
+    if value < 0:
+        raise BlockRequestError(f"{name} must be >= 0, got {value}")
+
+
+class BlockManager:
+    """Blocks are ints in [0, num_blocks). A block is in exactly one of: free (never cached or
+    evicted), cached-unreferenced (full, keyed, reusable by a prefix hit, evictable LRU), or
+    referenced (refcount >= 1, owned by one or more sequences, or pinned as the source of a
+    queued copy)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, namespace: str, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks <= 0:
+            raise BlockRequestError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise BlockRequestError(f"block_size must be positive, got {block_size}")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self._root = namespace_root(namespace)  # raises InvalidKeyError naming the namespace
+        self._caching = enable_prefix_caching
+        self._refcounts = [0] * num_blocks  # references from block tables
+        self._pins = [0] * num_blocks  # queued copies reading the block
+        self._block_keys: list[BlockKey | None] = [None] * num_blocks
+        self._key_to_block: dict[BlockKey, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._seqs: dict[int, _SeqState] = {}
+        self._copies: list[tuple[int, int]] = []
+        self._evictions = 0
+        self._prefix_queries = 0
+        self._prefix_query_tokens = 0
+        self._prefix_hit_tokens = 0
+
+    # -- capacity -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: free + cached-unreferenced."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached-unreferenced blocks: a prefix hit can revive them, an allocation evict them."""
+        return len(self._evictable)
+
+    @property
+    def num_referenced_blocks(self) -> int:
+        """Blocks held by a block table or pinned by a queued copy."""
+        return self._num_blocks - self.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    # -- prefix caching -------------------------------------------------------------------
+    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+        """Longest run of leading full blocks of token_ids whose chained keys are cached.
+        Never covers the whole list: at least one token is left to compute (its logits are
+        needed), so at most (len(token_ids) - 1) // block_size blocks. Empty when prefix
+        caching is off. Counts a query and the hit tokens in `stats` (queries are counted
+        with caching off too, so the hit rate reads 0 rather than undefined)."""
+        self._prefix_queries += 1
+        self._prefix_query_tokens += len(token_ids)
+        if not self._caching:
+            return PrefixHit([], 0)
+        max_blocks = (len(token_ids) - 1) // self._block_size
+        block_ids: list[int] = []
+        for key in _chained_keys(self._root, token_ids, self._block_size, 0, max_blocks):
+            block_id = self._key_to_block.get(key)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        num_tokens = len(block_ids) * self._block_size
+        self._prefix_hit_tokens += num_tokens
+        return PrefixHit(block_ids, num_tokens)
+
+    def allocate(
+        self, seq_id: int, token_ids: Sequence[int], num_tokens: int, hit: PrefixHit | None = None
+    ) -> list[int] | None:
+        """Make seq_id's block table cover its first `num_tokens` tokens (token_ids is the
+        sequence's whole known token list, len >= num_tokens). On the first call for seq_id,
+        `hit` (from find_prefix) gives blocks to share: they get a reference and lead the table.
+        New blocks come from the free pool, then by evicting the least recently used
+        cached-unreferenced block (its key is dropped). If the sequence's last block is shared
+        (refcount > 1) and will be written (num_tokens reaches into it), it is replaced by a
+        fresh copy: the (src, dst) pair is queued for `take_copies`. Returns the whole block
+        table (a copy), or None when there are not enough blocks -- then nothing changed.
+
+        A num_tokens the table already covers is a no-op. Raises BlockRequestError for a
+        negative num_tokens, one above len(token_ids), or a hit on a later call; StaleHitError
+        for a hit whose blocks no longer hold token_ids' prefix."""
+        _check_count("num_tokens", num_tokens)
+        if num_tokens > len(token_ids):
+            raise BlockRequestError(
+                f"num_tokens ({num_tokens}) exceeds len(token_ids) ({len(token_ids)})"
+            )
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return self._allocate_first(seq_id, token_ids, num_tokens, hit)
+        if hit is not None:
+            raise BlockRequestError(
+                f"hit given for seq_id {seq_id}, which already has a block table; "
+                "a prefix hit is only taken on a sequence's first allocate"
+            )
+        if num_tokens <= seq.num_tokens:
+            return list(seq.table)
+        cow = seq.num_tokens % self._block_size != 0 and self._refcounts[seq.table[-1]] > 1
+        num_new = self._blocks_for(num_tokens) - len(seq.table) + int(cow)
+        if num_new > self.num_free_blocks:
+            return None
+        if cow:
+            self._copy_last_block(seq)
+        self._grow(seq, num_new - int(cow))
+        seq.num_tokens = num_tokens
+        return list(seq.table)
+
+    def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> None:
+        """After the model wrote the first num_tokens tokens of seq_id: register every block
+        that is now full under its chained key (computed incrementally, never rehashing the
+        whole prefix). A key already held by another block keeps that block (the duplicate
+        stays private to this sequence). No-op when prefix caching is off (keys_of then stays
+        empty). num_tokens at or below what earlier calls cached is a no-op; above what the
+        table covers it is a BlockRequestError (the model cannot have written those)."""
+        seq = self._seq(seq_id)
+        _check_count("num_tokens", num_tokens)
+        if num_tokens > len(token_ids):
+            raise BlockRequestError(
+                f"num_tokens ({num_tokens}) exceeds len(token_ids) ({len(token_ids)})"
+            )
+        if num_tokens > seq.num_tokens:
+            raise BlockRequestError(
+                f"num_tokens ({num_tokens}) exceeds the {seq.num_tokens} tokens allocated "
+                f"to seq_id {seq_id}"
+            )
+        if not self._caching:
+            return
+        first = len(seq.keys)
+        parent = seq.keys[-1] if seq.keys else self._root
+        stop = num_tokens // self._block_size
+        for i, key in enumerate(_chained_keys(parent, token_ids, self._block_size, first, stop)):
+            seq.keys.append(key)
+            self._register(seq.table[first + i], key)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """child shares every block of parent (refcount +1 each), and its computed keys and
+        allocated tokens: the shared partial last block is copied by whichever of the two
+        writes into it first."""
+        parent = self._seq(parent_id, "parent_id")
+        if child_id in self._seqs:
+            raise BlockRequestError(f"child_id {child_id} already has a block table")
+        for block_id in parent.table:
+            self._refcounts[block_id] += 1
+        self._seqs[child_id] = _SeqState(list(parent.table), list(parent.keys), parent.num_tokens)
+
+    def free(self, seq_id: int) -> None:
+        """Drop seq_id's references. A block reaching refcount 0 becomes cached-unreferenced
+        if keyed (most recently used; a sequence's blocks are released tail first, so its last
+        blocks are evicted before its first), else free. A queued copy into a released block
+        is dropped. Unknown seq_id: no-op."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        for block_id in reversed(seq.table):
+            self._refcounts[block_id] -= 1
+            self._release_if_unused(block_id)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) pairs queued since the last call, in the order they
+        must be applied; the runner copies them before the next forward pass. Unpins the
+        sources (one no table holds any more returns to the pool)."""
+        copies, self._copies = self._copies, []
+        for src, _ in copies:
+            self._pins[src] -= 1
+            self._release_if_unused(src)
+        return copies
+
+    # -- inspection -----------------------------------------------------------------------
+    def block_table(self, seq_id: int) -> list[int]:
+        """seq_id's block table (a copy); UnknownSequenceError if it has none."""
+        return list(self._seq(seq_id).table)
+
+    def refcount(self, block_id: int) -> int:
+        """How many block tables hold block_id (queued copies' pins not included)."""
+        return self._refcounts[self._check_block(block_id)]
+
+    def block_key(self, block_id: int) -> BlockKey | None:
+        """The chained key a cached block is registered under (the store uses the same)."""
+        return self._block_keys[self._check_block(block_id)]
+
+    def keys_of(self, seq_id: int) -> list[BlockKey]:
+        """Chained keys of seq_id's full, computed blocks, in order (its hit, then what
+        cache_full_blocks saw full), whether or not its block holds the key mapping."""
+        return list(self._seq(seq_id).keys)
+
+    @property
+    def stats(self) -> BlockManagerStats:
+        """A snapshot; free_blocks is num_free_blocks (free + cached-unreferenced)."""
+        return BlockManagerStats(
+            num_blocks=self._num_blocks,
+            free_blocks=self.num_free_blocks,
+            cached_blocks=len(self._key_to_block),
+            evictions=self._evictions,
+            prefix_queries=self._prefix_queries,
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+        )
+
+    # -- internals ------------------------------------------------------------------------
+    def _seq(self, seq_id: int, name: str = "seq_id") -> _SeqState:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(f"{name} {seq_id} has no block table")
+        return seq
+
+    def _check_block(self, block_id: int) -> int:
+        if not 0 <= block_id < self._num_blocks:
+            raise BlockRequestError(f"block_id {block_id} is outside [0, {self._num_blocks})")
+        return block_id
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._block_size)
+
+    def _allocate_first(
+        self, seq_id: int, token_ids: Sequence[int], num_tokens: int, hit: PrefixHit | None
+    ) -> list[int] | None:
+        hit_blocks = [] if hit is None else list(hit.block_ids)
+        hit_keys = [] if hit is None else self._check_hit(token_ids, hit)
+        # Reviving a cached-unreferenced hit block takes it out of the pool the new blocks
+        # come from, so it counts against the room left (vLLM's num_evictable_computed_blocks).
+        revived = sum(1 for b in hit_blocks if b in self._evictable)
+        num_new = max(0, self._blocks_for(num_tokens) - len(hit_blocks))
+        if num_new > self.num_free_blocks - revived:
+            return None
+        for block_id in hit_blocks:
+            self._evictable.pop(block_id, None)
+            self._refcounts[block_id] += 1
+        seq = _SeqState(hit_blocks, hit_keys, len(hit_blocks) * self._block_size)
+        self._grow(seq, num_new)
+        seq.num_tokens = max(seq.num_tokens, num_tokens)
+        self._seqs[seq_id] = seq
+        return list(seq.table)
+
+    def _check_hit(self, token_ids: Sequence[int], hit: PrefixHit) -> list[BlockKey]:
+        """The hit's keys, after checking that each block still holds its block of token_ids
+        (another allocation may have evicted it since find_prefix). Hashes the hit once more:
+        once per sequence, not per step."""
+        num_blocks = len(hit.block_ids)
+        if hit.num_tokens != num_blocks * self._block_size:
+            raise StaleHitError(
+                f"hit.num_tokens ({hit.num_tokens}) is not {num_blocks} blocks of "
+                f"{self._block_size} tokens"
+            )
+        if num_blocks and hit.num_tokens >= len(token_ids):
+            raise StaleHitError(
+                f"hit covers {hit.num_tokens} of {len(token_ids)} tokens; find_prefix "
+                "always leaves at least one token to compute"
+            )
+        keys = list(_chained_keys(self._root, token_ids, self._block_size, 0, num_blocks))
+        for i, (block_id, key) in enumerate(zip(hit.block_ids, keys, strict=True)):
+            self._check_block(block_id)
+            if self._key_to_block.get(key) != block_id:
+                raise StaleHitError(
+                    f"hit.block_ids[{i}] (block {block_id}) no longer holds block {i} of "
+                    "token_ids: call find_prefix again"
+                )
+        return keys
+
+    def _grow(self, seq: _SeqState, num_new: int) -> None:
+        for _ in range(num_new):
+            block_id = self._take_block()
+            self._refcounts[block_id] = 1
+            seq.table.append(block_id)
+
+    def _copy_last_block(self, seq: _SeqState) -> None:
+        src = seq.table[-1]
+        dst = self._take_block()
+        seq.table[-1] = dst
+        self._refcounts[src] -= 1  # still > 0: the sibling that shares it keeps it
+        self._refcounts[dst] = 1
+        self._pins[src] += 1
+        self._copies.append((src, dst))
+
+    def _take_block(self) -> int:
+        """A block for writing: a free one, else the least recently used cached-unreferenced
+        one, whose key is dropped. Callers have checked num_free_blocks first."""
+        if self._free:
+            return self._free.popleft()
+        block_id, _ = self._evictable.popitem(last=False)
+        key = self._block_keys[block_id]
+        assert key is not None
+        del self._key_to_block[key]
+        self._block_keys[block_id] = None
+        self._evictions += 1
+        return block_id
+
+    def _register(self, block_id: int, key: BlockKey) -> None:
+        current = self._block_keys[block_id]
+        if current is not None:
+            if current != key:
+                raise BlockRequestError(
+                    f"token_ids disagree with the tokens block {block_id} is cached under"
+                )
+            return  # a hit block, or one a fork sibling registered first
+        if key in self._key_to_block:
+            return  # another block holds these tokens already: this one stays private
+        self._block_keys[block_id] = key
+        self._key_to_block[key] = block_id
+
+    def _drop_copies_into(self, block_id: int) -> None:
+        """Nothing holds block_id any more: a queued copy into it would fill a free block.
+        Dropping one unpins its source, which may release that in turn."""
+        dropped = [src for src, dst in self._copies if dst == block_id]
+        if not dropped:
+            return
+        # Settle the queue before releasing sources: releasing one drops copies into it.
+        self._copies = [(src, dst) for src, dst in self._copies if dst != block_id]
+        for src in dropped:
+            self._pins[src] -= 1
+            self._release_if_unused(src)
+
+    def _release_if_unused(self, block_id: int) -> None:
+        """Return block_id to the pool once no table holds it and no queued copy reads it
+        (a copy into it is still needed while a later copy reads it: (a, b) then (b, c))."""
+        if self._refcounts[block_id] or self._pins[block_id]:
+            return
+        self._drop_copies_into(block_id)
+        if self._block_keys[block_id] is not None:
+            self._evictable[block_id] = None  # appended: most recently used
+        else:
+            self._free.append(block_id)
+
+
+@dataclass
+class BlockManagerStats:
+    num_blocks: int
+    free_blocks: int  # num_free_blocks: free + cached-unreferenced
+    cached_blocks: int  # keyed blocks (referenced or not)
+    evictions: int
+    prefix_queries: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
