@@ -1,0 +1,297 @@
+"""The engine's front door: `LLM(model_path).generate(prompts, SamplingParams(...))`. Loads a
+checkpoint (Hugging Face folder or GGUF), sizes the paged KV cache, and drives the scheduler
+and the model runner step by step until every request has finished. Everything a request
+could get wrong is checked before the first step runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import count
+
+import torch
+
+from kvstore.engine.block_manager import BlockManager
+from kvstore.engine.errors import EngineError, InvalidRequestError
+from kvstore.engine.loader import load_checkpoint
+from kvstore.engine.model import CausalLM
+from kvstore.engine.outputs import Prompt, RequestOutput, build_output, stop_index
+from kvstore.engine.runner import ModelRunner, kv_cache_shape
+from kvstore.engine.sampling import SamplingParams
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig
+from kvstore.engine.sequence import Sequence as Seq
+from kvstore.kernels import ops_for
+from kvstore.units import parse_size
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    """Tokens per KV block (and per store key)."""
+    kv_cache_size: str | int = "1GiB"
+    """Memory for the paged KV cache; num_blocks, when set, wins."""
+    num_blocks: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    """Default: the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str = "auto"
+    """auto: float32 on CPU; on CUDA the checkpoint's dtype, bfloat16 for a float32 one."""
+    device: str = "auto"
+    """auto: cuda when torch sees a GPU, else cpu."""
+
+
+@dataclass
+class StepInfo:
+    """What on_step callbacks get after every engine step (progress displays)."""
+
+    finished_requests: int
+    total_requests: int
+    generated_tokens: int
+    batched_tokens: int
+    running: int
+    waiting: int
+
+
+@dataclass
+class _Request:
+    request_id: int
+    prompt: Prompt
+    params: SamplingParams
+    arrival_s: float
+    seqs: list[Seq] = field(default_factory=list)
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise InvalidRequestError(f"device {name!r} is not a torch device: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {name!r}: torch sees no CUDA device here")
+    return device
+
+
+def _pick_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if checkpoint_dtype == "float32" else _DTYPES[checkpoint_dtype]
+    if name not in _DTYPES:
+        raise InvalidRequestError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+class LLM:
+    def __init__(self, model_path: str, config: EngineConfig | None = None, **overrides: object):
+        config = replace(config or EngineConfig(), **overrides)  # type: ignore[arg-type]
+        checkpoint = load_checkpoint(model_path)
+        self.model_config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
+        mc = checkpoint.config
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise InvalidRequestError(
+                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings ({mc.max_position_embeddings})"
+            )
+        if config.block_size < 1:
+            raise InvalidRequestError(f"block_size must be positive, got {config.block_size}")
+        self.config = replace(config, max_model_len=max_model_len)
+        model = CausalLM.from_weights(
+            mc,
+            checkpoint.weights,
+            dtype=self.dtype,
+            device=self.device,
+            max_positions=max_model_len,
+        )
+        num_blocks = config.num_blocks or self._blocks_for(model, config)
+        self.namespace = (
+            f"{checkpoint.name}|{mc.architecture}-{mc.num_layers}L-{mc.num_kv_heads}x"
+            f"{mc.head_dim}-{str(self.dtype).removeprefix('torch.')}-bs{config.block_size}"
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, self.namespace, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+            config.block_size,
+            mc.eos_token_ids,
+        )
+        self.runner = ModelRunner(
+            model, ops_for(self.device), num_blocks, config.block_size, self.dtype, self.device
+        )
+        self._ids = count()
+
+    def _blocks_for(self, model: CausalLM, config: EngineConfig) -> int:
+        shape = kv_cache_shape(model, 1, config.block_size)
+        block_bytes = torch.Size(shape).numel() * torch.finfo(self.dtype).bits // 8
+        num_blocks = parse_size(config.kv_cache_size) // block_bytes
+        if num_blocks < 1:
+            raise InvalidRequestError(
+                f"kv_cache_size {config.kv_cache_size!r} holds no block of {block_bytes} bytes"
+            )
+        return int(num_blocks)
+
+    # -- requests -------------------------------------------------------------------------
+    def _to_ids(self, index: int, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    f"prompts[{index}] is text but this checkpoint has no tokenizer; pass token ids"
+                )
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    f"prompts[{index}] holds {token!r}; token ids are integers in [0, {vocab})"
+                )
+        return ids
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_step: Callable[[StepInfo], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs in prompt order."""
+        batch = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(batch))
+        now = time.perf_counter()
+        requests = []
+        for index, (prompt, p) in enumerate(zip(batch, params, strict=True)):
+            ids = self._to_ids(index, prompt)
+            try:
+                self.scheduler.check(len(ids), p.max_tokens)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"prompts[{index}]: {exc}") from None
+            request = _Request(next(self._ids), prompt, p, now)
+            request.seqs.append(Seq(next(self._ids), request.request_id, ids, p))
+            requests.append(request)
+        for request in requests:
+            self.scheduler.add(request.seqs[0])
+        try:
+            self._run(requests, on_step)
+        except BaseException:
+            # A failed step (or Ctrl-C) must not leave sequences holding blocks for the next
+            # generate() call to trip over.
+            self._abort(requests)
+            raise
+        return [
+            build_output(r.request_id, r.prompt, r.seqs, r.arrival_s, self.tokenizer)
+            for r in requests
+        ]
+
+    def _run(self, requests: list[_Request], on_step: Callable[[StepInfo], None] | None) -> None:
+        by_id = {r.request_id: r for r in requests}
+        finished_requests = 0
+        generated = 0
+        while self.scheduler.has_unfinished:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                raise EngineError("the scheduler made no progress (KV cache too small?)")
+            sampled = self.runner.execute(out)
+            now = time.perf_counter()
+            stepped, finished = self.scheduler.update(out, sampled, lambda: next(self._ids))
+            for seq in stepped:
+                if seq.child_index and seq not in by_id[seq.request_id].seqs:
+                    by_id[seq.request_id].seqs.append(seq)
+                seq.first_token_s = seq.first_token_s or now
+                seq.last_token_s = now
+                generated += 1
+                if seq.params.stop and not seq.is_finished and self._hit_stop(seq):
+                    self.scheduler.finish(seq, "stop")
+                    finished.append(seq)
+            for seq in finished:
+                self.runner.forget(seq.seq_id)
+            finished_requests = sum(
+                all(s.is_finished for s in r.seqs) and len(r.seqs) == r.params.n for r in requests
+            )
+            if on_step is not None:
+                on_step(
+                    StepInfo(
+                        finished_requests,
+                        len(requests),
+                        generated,
+                        out.num_batched_tokens,
+                        len(self.scheduler.running),
+                        len(self.scheduler.waiting),
+                    )
+                )
+
+    def _abort(self, requests: list[_Request]) -> None:
+        for request in requests:
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+                self.runner.forget(seq.seq_id)
+
+    def _hit_stop(self, seq: Seq) -> bool:
+        """Whether a stop string ends in the newest tokens: only a tail long enough to hold
+        the longest stop string (a token is at least one character, plus slack for a
+        character split across byte tokens) is decoded, not the whole output each step."""
+        if self.tokenizer is None:
+            return False
+        window = max(len(s) for s in seq.params.stop) + 4
+        text = self.tokenizer.decode(seq.output_token_ids[-window:])
+        return stop_index(text, seq.params.stop) is not None
+
+
+def _as_prompt_list(prompts: object) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise InvalidRequestError(
+            f"prompts must be a string, a list of token ids, or a list of those; "
+            f"got {type(prompts).__name__}"
+        )
+    if len(prompts) == 0:
+        raise InvalidRequestError("prompts is empty")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]
+    out: list[Prompt] = []
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, (str, list, tuple)):
+            raise InvalidRequestError(
+                f"prompts[{index}] must be a string or a list of token ids, "
+                f"got {type(prompt).__name__}"
+            )
+        out.append(prompt if isinstance(prompt, str) else list(prompt))
+    return out
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, size: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * size
+    if isinstance(params, SamplingParams):
+        return [params] * size
+    listed = list(params)
+    if len(listed) != size:
+        raise InvalidRequestError(
+            f"sampling_params has {len(listed)} entries for {size} prompts; give one or one each"
+        )
+    for index, p in enumerate(listed):
+        if not isinstance(p, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params[{index}] must be SamplingParams, got {type(p).__name__}"
+            )
+    return listed
