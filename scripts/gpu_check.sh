@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-check`: every test marked `gpu` and the GPU benchmarks, as one script for a lent
-# GPU machine (device tool). Sized to finish within 8 minutes (pytest <= 240 s, bench <= 180 s,
+# GPU machine (device tool). Sized to finish within 8 minutes (pytest <= 240 s, benches <= 150 + 90 s,
 # each under `timeout`); figures go to one file, $OUT/gpu-check.txt (or ./gpu-check.txt when
 # OUT is unset). Exits non-zero when the tests or the benchmark failed or timed out.
 #
@@ -24,11 +24,15 @@ fi
 log "== gpu-check $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 log "== $("$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1 | tail -1)"
 log "== /dev/shm free: $(df -h --output=avail /dev/shm 2>/dev/null | tail -1)"
-log "== pytest -m gpu (HBM tier, pinned L2, kvikio tier contract)"
+log "== pytest -m gpu (HBM tier, pinned L2, kvikio tier contract, CUDA kernels vs reference)"
 timeout 240 "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests 2>&1 | tail -n 40 | tee -a "$report"
 status=${PIPESTATUS[0]}
 log "== bench/gpu_bench.py (l2_pinned_h2d, l2_to_l1, kvikio_read)"
-timeout 180 "$py" bench/gpu_bench.py --json 2>&1 | tee -a "$report"
+timeout 150 "$py" bench/gpu_bench.py --json 2>&1 | tee -a "$report"
 bench_status=${PIPESTATUS[0]}
+log "== bench/kernel_bench.py (decode_kernel vs SDPA on gathered K/V)"
+timeout 90 "$py" bench/kernel_bench.py 2>&1 | tee -a "$report"
+kernel_status=${PIPESTATUS[0]}
+[ "$bench_status" -eq 0 ] && bench_status=$kernel_status
 log "== done (pytest exit $status, bench exit $bench_status; 124 = timed out)"
 [ "$status" -eq 0 ] && [ "$bench_status" -eq 0 ]

@@ -11,6 +11,7 @@ import torch
 from kvstore import kernels
 from kvstore.kernels import cuda
 from kvstore.kernels import reference as ref
+from tests.engine.kv import random_tables
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,17 +20,6 @@ pytestmark = [
 
 DEV = torch.device("cuda", 0)
 TOLERANCE = {torch.float32: 5e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-
-
-def random_tables(lens: list[int], block_size: int, num_blocks: int, width: int,
-                  gen: torch.Generator) -> torch.Tensor:
-    """Distinct random blocks per sequence; -1 past each sequence's last block."""
-    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    for s, ctx in enumerate(lens):
-        used = -(-ctx // block_size)
-        tables[s, :used] = torch.tensor([pool.pop() for _ in range(used)], dtype=torch.int32)
-    return tables
 
 
 def decode_case(dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, block_size: int,

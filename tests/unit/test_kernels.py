@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvstore import kernels
 from kvstore.kernels import reference as ref
+from tests.engine.kv import random_tables
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
@@ -21,17 +22,6 @@ def make_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                dtype: torch.dtype, gen: torch.Generator, layers: int = 1) -> torch.Tensor:
     shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
     return torch.randn(shape, generator=gen).to(dtype)
-
-
-def random_tables(lens: list[int], block_size: int, num_blocks: int, width: int,
-                  gen: torch.Generator) -> torch.Tensor:
-    """Distinct random blocks per sequence, in no order; -1 past each sequence's last block."""
-    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    for s, ctx in enumerate(lens):
-        used = -(-ctx // block_size)
-        tables[s, :used] = torch.tensor([pool.pop() for _ in range(used)], dtype=torch.int32)
-    return tables
 
 
 def oracle_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
