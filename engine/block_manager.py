@@ -249,6 +249,19 @@ class BlockManager:
             self._refcounts[block_id] -= 1
             self._release_if_unused(block_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-unreferenced block (it returns to the free pool); blocks that
+        sequences hold keep their keys. Returns how many were forgotten."""
+        dropped = list(self._evictable)
+        self._evictable.clear()
+        for block_id in dropped:
+            key = self._block_keys[block_id]
+            if key is not None:
+                del self._key_to_block[key]
+            self._block_keys[block_id] = None
+            self._free.append(block_id)
+        return len(dropped)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs queued since the last call, in the order they
         must be applied; the runner copies them before the next forward pass. Unpins the

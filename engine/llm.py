@@ -13,13 +13,14 @@ from itertools import count
 import torch
 
 from kvstore.engine.block_manager import BlockManager
+from kvstore.engine.connector import StoreConnector
 from kvstore.engine.errors import EngineError, InvalidRequestError
 from kvstore.engine.loader import load_checkpoint
 from kvstore.engine.model import CausalLM
 from kvstore.engine.outputs import Prompt, RequestOutput, build_output, stop_index
 from kvstore.engine.runner import ModelRunner, kv_cache_shape
 from kvstore.engine.sampling import SamplingParams
-from kvstore.engine.scheduler import Scheduler, SchedulerConfig
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.engine.sequence import Sequence as Seq
 from kvstore.kernels import ops_for
 from kvstore.units import parse_size
@@ -40,6 +41,16 @@ class EngineConfig:
     """Default: the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    """"swap" writes a preempted sequence's blocks to the store and loads them on resume
+    (needs `store`); "recompute" drops them."""
+    store: str | None = None
+    """A kvstore daemon (host:port): look prompts up there, load hits, offload full blocks."""
+    store_timeout_s: float = 2.0
+    """Longest a store call may hold a step; past it the store is off until it answers again."""
+    prewarm_bytes: int | None = None
+    """At start, pull this namespace's hottest L4 blocks into the daemon (0: its default);
+    None: no pre-warm."""
     dtype: str = "auto"
     """auto: float32 on CPU; on CUDA the checkpoint's dtype, bfloat16 for a float32 one."""
     device: str = "auto"
@@ -107,6 +118,15 @@ class LLM:
         if config.block_size < 1:
             raise InvalidRequestError(f"block_size must be positive, got {config.block_size}")
         self.config = replace(config, max_model_len=max_model_len)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
+        )
+        if config.preemption_mode == "swap" and config.store is None:
+            raise InvalidRequestError('preemption_mode "swap" needs a store (set store=host:port)')
         model = CausalLM.from_weights(
             mc,
             checkpoint.weights,
@@ -122,19 +142,20 @@ class LLM:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, self.namespace, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            ),
-            self.block_manager,
-            config.block_size,
-            mc.eos_token_ids,
-        )
         self.runner = ModelRunner(
             model, ops_for(self.device), num_blocks, config.block_size, self.dtype, self.device
+        )
+        self.connector: StoreConnector | None = None
+        if config.store is not None:
+            self.connector = StoreConnector(
+                config.store, self.namespace, self.runner.kv_cache, config.block_size,
+                self.runner.ops, timeout_s=config.store_timeout_s,
+            )
+            if config.prewarm_bytes is not None:
+                self.connector.prewarm(config.prewarm_bytes)
+        self.scheduler = Scheduler(
+            scheduler_config, self.block_manager, config.block_size, mc.eos_token_ids,
+            external=self.connector,
         )
         self._ids = count()
 
@@ -207,9 +228,14 @@ class LLM:
             out = self.scheduler.schedule()
             if out.is_empty:
                 raise EngineError("the scheduler made no progress (KV cache too small?)")
+            if self.connector is not None:
+                self._swap(out, self.connector)
             sampled = self.runner.execute(out)
             now = time.perf_counter()
             stepped, finished = self.scheduler.update(out, sampled, lambda: next(self._ids))
+            if self.connector is not None:
+                for run in out.filled:
+                    self.connector.offload(run.keys, run.block_ids, run.parent)
             for seq in stepped:
                 if seq.child_index and seq not in by_id[seq.request_id].seqs:
                     by_id[seq.request_id].seqs.append(seq)
@@ -235,6 +261,43 @@ class LLM:
                         len(self.scheduler.waiting),
                     )
                 )
+
+    @staticmethod
+    def _swap(out: SchedulerOutput, connector: StoreConnector) -> None:
+        """Before the forward pass: copy preempted sequences' blocks out (their ids may be
+        reused this step), then load the store hits the scheduler planned. A block that does
+        not arrive is computed instead, and every block after it."""
+        for run in out.swapped_out:
+            connector.swap_out(run.keys, run.block_ids)
+        for item in out.scheduled:
+            if not item.load_num_blocks:
+                continue
+            first, count = item.load_first_block, item.load_num_blocks
+            arrived = connector.load(
+                item.seq.token_ids, first, item.block_table[first : first + count]
+            )
+            missing = (count - arrived) * connector.block_size
+            item.seq.num_computed_tokens -= missing
+            item.num_new_tokens += missing
+            if item.seq.num_preemptions == 0:
+                item.seq.num_cached_tokens -= missing
+                item.seq.num_store_tokens -= missing
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the engine's own cached blocks (as if they had been evicted); the store keeps
+        its copies. Returns the blocks dropped."""
+        return int(self.block_manager.reset_prefix_cache())
+
+    def close(self) -> None:
+        """Finish pending offloads and disconnect from the store."""
+        if self.connector is not None:
+            self.connector.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _abort(self, requests: list[_Request]) -> None:
         for request in requests:

@@ -29,7 +29,9 @@ class CompletionOutput:
 class RequestMetrics:
     prompt_tokens: int
     cached_prompt_tokens: int
-    """Prompt tokens served from the prefix cache instead of computed."""
+    """Prompt tokens served from the prefix cache or the store instead of computed."""
+    store_prompt_tokens: int
+    """Of those, the tokens loaded from the store."""
     generated_tokens: int
     ttft_s: float
     """Arrival to the first generated token."""
@@ -82,6 +84,7 @@ def build_output(
     metrics = RequestMetrics(
         prompt_tokens=head.num_prompt_tokens,
         cached_prompt_tokens=head.num_cached_tokens,
+        store_prompt_tokens=head.num_store_tokens,
         generated_tokens=sum(len(s.output_token_ids) for s in seqs),
         ttft_s=first - arrival_s,
         tpot_s=(last - first) / (longest - 1) if longest > 1 else 0.0,

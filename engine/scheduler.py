@@ -9,11 +9,25 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstore.engine.block_manager import BlockManager
 from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.sequence import SeqStatus, Sequence
+from kvstore.keys import BlockKey
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class PrefixSource(Protocol):
+    """Where blocks past the local prefix cache can come from (the store connector)."""
+
+    def matched_tokens(self, token_ids: Seq[int], local_tokens: int) -> int:
+        """Tokens past local_tokens (a block multiple) it can load, in whole blocks, leaving
+        at least the last token to compute."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -26,8 +40,15 @@ class SchedulerConfig:
     """Prompt plus generated tokens of one sequence at most."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps so decodes keep running beside them."""
+    preemption_mode: str = "recompute"
+    """What a preempted sequence's blocks do: "recompute" (dropped) or "swap" (written to the
+    store, loaded back on resume; what the store cannot give back is recomputed)."""
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidRequestError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -43,6 +64,19 @@ class ScheduledSeq:
     num_samples: int
     """Tokens to sample after this step: 0 for a prefill chunk that does not reach the end of
     the known tokens, n for a request's first token, else 1."""
+    load_first_block: int = 0
+    load_num_blocks: int = 0
+    """Blocks load_first_block.. of the table to load from the store before the forward pass,
+    instead of computing them (already counted in seq.num_computed_tokens)."""
+
+
+@dataclass
+class BlockRun:
+    """Full blocks of one sequence leaving the engine's cache for the store."""
+
+    keys: list[BlockKey]
+    block_ids: list[int]
+    parent: BlockKey | None
 
 
 @dataclass
@@ -51,6 +85,10 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)
     """Copy-on-write (src, dst) block pairs to copy before the forward pass."""
     preempted: list[Sequence] = field(default_factory=list)
+    swapped_out: list[BlockRun] = field(default_factory=list)
+    """Preempted sequences' blocks, to copy out before this step's forward pass reuses them."""
+    filled: list[BlockRun] = field(default_factory=list)
+    """Blocks that became full in this step (set by update), to offload."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -68,8 +106,10 @@ class Scheduler:
         block_manager: BlockManager,
         block_size: int,
         eos_token_ids: tuple[int, ...] = (),
+        external: PrefixSource | None = None,
     ) -> None:
         self.config = config
+        self.external = external
         self.blocks = block_manager
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -152,9 +192,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hit = None
+            loaded = 0
             if seq.num_computed_tokens == 0:
                 hit = self.blocks.find_prefix(seq.token_ids)
-                seq.num_computed_tokens = hit.num_tokens
+                if self.external is not None:
+                    loaded = self.external.matched_tokens(seq.token_ids, hit.num_tokens)
+                seq.num_computed_tokens = hit.num_tokens + loaded
             num_new = len(seq) - seq.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self._undo_hit(seq, hit)
@@ -167,11 +210,18 @@ class Scheduler:
                 self._undo_hit(seq, hit)
                 break
             self.waiting.popleft()
-            if seq.num_preemptions == 0 and hit is not None:
-                seq.num_cached_tokens = hit.num_tokens
+            if hit is not None:
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = hit.num_tokens + loaded
+                    seq.num_store_tokens = loaded
+                seq.num_stored_blocks = seq.num_computed_tokens // self.block_size
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new, table, self._samples(seq, num_new)))
+            item = ScheduledSeq(seq, num_new, table, self._samples(seq, num_new))
+            if loaded and hit is not None:
+                item.load_first_block = hit.num_tokens // self.block_size
+                item.load_num_blocks = loaded // self.block_size
+            out.scheduled.append(item)
             budget -= num_new
 
     @staticmethod
@@ -189,6 +239,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         # The victim is the newest running sequence, never one already scheduled this step.
         self.running.remove(seq)
+        if self.config.preemption_mode == "swap":
+            keys = self.blocks.keys_of(seq.seq_id)
+            table = self.blocks.block_table(seq.seq_id)[: len(keys)]
+            out.swapped_out.append(BlockRun(keys, table, None))
         self.blocks.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -211,6 +265,7 @@ class Scheduler:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self._note_filled(seq, out)
             tokens = sampled.get(seq.seq_id, [])
             if not tokens:
                 continue
@@ -223,6 +278,19 @@ class Scheduler:
         for seq in finished:
             self.finish(seq, seq.finish_reason or "stop")
         return stepped, finished
+
+    def _note_filled(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Record seq's blocks that became full (and keyed) since the last offload."""
+        if self.external is None:
+            return
+        keys = self.blocks.keys_of(seq.seq_id)
+        done = seq.num_stored_blocks
+        if len(keys) <= done:
+            return
+        table = self.blocks.block_table(seq.seq_id)
+        parent = keys[done - 1] if done else None
+        out.filled.append(BlockRun(keys[done:], table[done : len(keys)], parent))
+        seq.num_stored_blocks = len(keys)
 
     def _fork(
         self, parent: Sequence, tokens: list[int], new_seq_id: Callable[[], int]
@@ -237,6 +305,8 @@ class Scheduler:
                 output_token_ids=parent.output_token_ids[:-1] + [token],
                 num_computed_tokens=parent.num_computed_tokens,
                 num_cached_tokens=parent.num_cached_tokens,
+                num_store_tokens=parent.num_store_tokens,
+                num_stored_blocks=parent.num_stored_blocks,
                 status=SeqStatus.RUNNING,
                 forked=True,
                 child_index=offset,

@@ -26,7 +26,11 @@ class Sequence:
     num_computed_tokens: int = 0
     """Leading tokens whose K/V are in the cache (computed or served from the prefix cache)."""
     num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache at first admission."""
+    """Prompt tokens served from the prefix cache or the store at first admission."""
+    num_store_tokens: int = 0
+    """Of those, the tokens loaded from the store."""
+    num_stored_blocks: int = 0
+    """Leading full blocks already in the store (offloaded, or loaded from it)."""
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -833,3 +833,16 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=60, deadline=None
 )
 test_block_manager_machine = BlockManagerMachine.TestCase
+
+
+def test_reset_prefix_cache_forgets_only_unreferenced_blocks() -> None:
+    bm = BlockManager(8, 4, "ns")
+    held, done = list(range(10, 19)), list(range(30, 39))
+    assert bm.allocate(1, held, 9) is not None and bm.allocate(2, done, 9) is not None
+    bm.cache_full_blocks(1, held, 9)
+    bm.cache_full_blocks(2, done, 9)
+    bm.free(2)  # its 2 full blocks become cached-unreferenced, its partial one free
+    assert bm.reset_prefix_cache() == 2
+    assert bm.find_prefix(done).num_tokens == 0
+    assert bm.find_prefix(held).num_tokens == 8  # seq 1 still holds its keyed blocks
+    assert bm.num_free_blocks == 5 and bm.stats.cached_blocks == 2

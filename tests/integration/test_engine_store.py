@@ -1,0 +1,243 @@
+"""The engine with a real kvstore daemon: prompts found in the store are loaded instead of
+computed and the tokens do not change; a second engine process hits what the first wrote;
+preemption by swap gives the tokens of a run without preemption; a fresh daemon pre-warmed
+from L4 serves the first request; a daemon killed mid-run costs nothing but speed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.engine.llm import LLM
+from kvstore.engine.sampling import SamplingParams
+from kvstore.kernels import gather_blocks
+from kvstore.keys import prefix_keys
+from kvstore.testing import Daemon, RedisServer, start_redis_on
+from tests.conftest import REPO
+from tests.engine.models import save_tiny
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LOCAL = ("dram.capacity_bytes=32MiB", "dram.page_size_bytes=8KiB", "hbm.mode=off",
+         "nvme.enabled=false")
+Make = Callable[..., Daemon]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., LLM]]:
+    made: list[LLM] = []
+
+    def make(path: Path, **kw: Any) -> LLM:
+        kw.setdefault("num_blocks", 256)
+        llm = LLM(str(path), device="cpu", **kw)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.close()
+
+
+def _prompts(count: int = 3, length: int = 70, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(length + 9 * i)] for i in range(count)]
+
+
+def _tokens(outs: list[Any]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_prefix_from_the_store_equals_recompute(
+    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM]
+) -> None:
+    d = daemon_factory(*LOCAL)
+    prompts = _prompts()
+    want = _tokens(engines(tiny).generate(prompts, GREEDY))  # no store at all
+    writer = engines(tiny, store=d.target)
+    assert _tokens(writer.generate(prompts, GREEDY)) == want
+    writer.close()  # waits for the offloads
+    assert writer.connector is not None and writer.connector.stats.offloaded_blocks > 0
+
+    reader = engines(tiny, store=d.target)
+    outs = reader.generate(prompts, GREEDY)
+    assert _tokens(outs) == want
+    # Every full prompt block but the last token's comes from the store, none computed.
+    assert [o.metrics.store_prompt_tokens for o in outs] == [(len(p) - 1) // 16 * 16
+                                                             for p in prompts]
+    assert [o.metrics.cached_prompt_tokens for o in outs] == [o.metrics.store_prompt_tokens
+                                                              for o in outs]
+    # Greedy tokens of a random model barely depend on far context: check the loaded K/V
+    # themselves, bit for bit, against the blocks the writer computed.
+    for prompt in prompts:
+        assert torch.equal(_kv_of(reader, prompt), _kv_of(writer, prompt))
+
+
+def _kv_of(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """The K/V of prompt's full blocks (but the last token's) from llm's prefix cache."""
+    hit = llm.block_manager.find_prefix(prompt)
+    assert hit.num_tokens == (len(prompt) - 1) // 16 * 16
+    return gather_blocks(llm.runner.kv_cache, hit.block_ids)
+
+
+_CHILD = """
+import json, sys
+from kvstore.engine.llm import LLM
+from kvstore.engine.sampling import SamplingParams
+model, target, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+with LLM(model, device="cpu", num_blocks=64, store=target) as llm:
+    [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+print(json.dumps({"tokens": out.outputs[0].token_ids,
+                  "store": out.metrics.store_prompt_tokens}))
+"""
+
+
+def test_a_second_engine_process_hits_what_the_first_wrote(
+    tiny: Path, daemon_factory: Make
+) -> None:
+    d = daemon_factory(*LOCAL)
+    prompt = _prompts(1, length=100)[0]
+
+    def run() -> dict[str, Any]:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny), d.target,
+                               json.dumps(prompt)], capture_output=True, text=True,
+                              timeout=120, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        result: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+        return result
+
+    first, second = run(), run()
+    assert first["store"] == 0
+    assert second["store"] == 96
+    assert second["tokens"] == first["tokens"]
+
+
+def test_preemption_by_swap_matches_no_preemption(
+    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM]
+) -> None:
+    d = daemon_factory(*LOCAL)
+    prompts = _prompts(6, length=40, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _tokens(engines(tiny).generate(prompts, params))
+    # 16 blocks: the local cache evicts a preempted sequence's blocks before it resumes, so
+    # they come back from the store.
+    swap = engines(tiny, store=d.target, num_blocks=16, preemption_mode="swap",
+                   enable_prefix_caching=True)
+    outs = swap.generate(prompts, params)
+    assert _tokens(outs) == want
+    assert sum(o.metrics.preemptions for o in outs) > 0
+    stats = swap.connector.stats if swap.connector else None
+    assert stats is not None and stats.swapped_out_blocks > 0 and stats.loaded_blocks > 0
+
+
+def test_a_block_lost_before_its_load_is_recomputed(
+    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM]
+) -> None:
+    d = daemon_factory(*LOCAL)
+    [prompt] = _prompts(1, length=100, seed=5)
+    writer = engines(tiny, store=d.target)
+    want = _tokens(writer.generate([prompt], GREEDY))
+    writer.close()
+    reader = engines(tiny, store=d.target)
+    assert reader.connector is not None
+    keys = prefix_keys(prompt, 16, reader.namespace)
+    evict_third_then_load = reader.connector.load
+
+    def load(token_ids: Any, first: int, block_ids: Any) -> int:
+        # Lookup said 6 blocks; block 2 leaves the store before the load reads it.
+        with KVStoreClient(d.target, reader.namespace) as kv:
+            assert kv.evict(keys=[keys[2]]).evicted == 1
+        return evict_third_then_load(token_ids, first, block_ids)
+
+    reader.connector.load = load  # type: ignore[method-assign]
+    [out] = reader.generate([prompt], GREEDY)
+    assert out.outputs[0].token_ids == want[0]
+    assert out.metrics.store_prompt_tokens == 32  # blocks 0 and 1 arrived; 2.. recomputed
+    assert reader.connector.stats.load_failures == 1
+
+
+def test_a_daemon_killed_mid_run_costs_only_speed(
+    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    d = daemon_factory(*LOCAL)
+    prompts = _prompts(4, length=50, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = _tokens(engines(tiny).generate(prompts, params))
+    llm = engines(tiny, store=d.target, store_timeout_s=1.0, max_num_seqs=2)
+    steps = 0
+
+    def kill_at_step_3(info: object) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            d.proc.kill()
+            d.proc.wait()
+
+    caplog.set_level(logging.WARNING, logger="kvstore.engine.connector")
+    start = time.monotonic()
+    outs = llm.generate(prompts, params, on_step=kill_at_step_3)
+    assert _tokens(outs) == want
+    assert time.monotonic() - start < 30
+    assert llm.connector is not None and not llm.connector.available
+    failures = [r for r in caplog.records if "recomputing until the store is back" in r.message]
+    assert len(failures) == 1
+
+
+def test_a_fresh_daemon_prewarmed_from_l4_serves_the_first_request(
+    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM], tmp_path: Path
+) -> None:
+    server: RedisServer = start_redis_on(tmp_path)
+    try:
+        l4 = (*LOCAL, f"remote.url={server.url}", "remote.popularity_flush_s=0.1",
+              "remote.timeout_s=1")
+        a = daemon_factory(*l4)
+        [prompt] = _prompts(1, length=100, seed=9)
+        writer = engines(tiny, store=a.target)
+        want = _tokens(writer.generate([prompt], GREEDY))
+        writer.close()
+        keys = prefix_keys(prompt, 16, writer.namespace)
+        with KVStoreClient(a.target, writer.namespace) as kv:
+            deadline = time.monotonic() + 15
+            while kv.stats().tier("remote").queue_depth and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for _ in range(3):  # reads make the blocks hot in L4's popularity
+                kv.get(keys)
+            while not set(keys[:6]) <= set(kv.hot(100).keys):
+                assert time.monotonic() < deadline, "the blocks never became hot"
+                time.sleep(0.05)
+
+        b = daemon_factory(*l4)
+        fresh = engines(tiny, store=b.target, prewarm_bytes=8 << 20)
+        assert fresh.connector is not None and fresh.connector.stats.prewarmed_blocks >= 6
+        with KVStoreClient(b.target, writer.namespace) as kv:
+            assert kv.lookup(keys[:6]).tiers == ["dram"] * 6
+        [out] = fresh.generate([prompt], GREEDY)
+        assert out.outputs[0].token_ids == want[0]
+        assert out.metrics.store_prompt_tokens == 96
+    finally:
+        server.stop()
+
+
+def test_swap_needs_a_store(tiny: Path) -> None:
+    from kvstore.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="needs a store"):
+        LLM(str(tiny), device="cpu", preemption_mode="swap")
+    with pytest.raises(InvalidRequestError, match="preemption_mode"):
+        LLM(str(tiny), device="cpu", preemption_mode="sometimes")
+
