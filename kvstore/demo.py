@@ -34,7 +34,7 @@ BLOCK_SIZE = 16  # tokens per block
 NAMESPACE = "demo-llama/bf16/L8-H8-D128/bs16/tp0"
 
 
-def _pick_port(wanted: int) -> int:
+def pick_port(wanted: int) -> int:
     """wanted if it is free, else (or for 0) a free one."""
     if not wanted:
         return free_port()
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the daemon's L2 size; small, so blocks move to L3 and back")
     args = parser.parse_args(argv)
     console = Console(width=max(100, Console().width))
-    port, metrics_port = _pick_port(args.port), _pick_port(args.metrics_port)
+    port, metrics_port = pick_port(args.port), pick_port(args.metrics_port)
     if (args.port, args.metrics_port) != (port, metrics_port) and args.port and args.metrics_port:
         console.print(f"[yellow]ports {args.port}/{args.metrics_port} busy; using {port} and "
                       f"{metrics_port}[/]")

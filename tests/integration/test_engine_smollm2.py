@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -61,3 +62,26 @@ def test_stop_string_cuts_the_text(llm: LLM) -> None:
     completion = out.outputs[0]
     assert completion.finish_reason == "stop"
     assert completion.text == "The capital of France is "
+
+
+def test_cli_with_a_store_loads_the_second_runs_prompt(daemon_factory: Any) -> None:
+    import json
+
+    d = daemon_factory("dram.capacity_bytes=64MiB", "nvme.enabled=false", "hbm.mode=off")
+    question = "Explain in one sentence why the sky is blue, please, for a curious child."
+
+    def run() -> dict[str, Any]:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvstore.engine.cli", "generate", "--model",
+             str(smollm2_gguf()), "--chat", "--prompt", question, "--max-tokens", "4",
+             "--kv-cache-size", "64MiB", "--store", d.target, "--json"],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        parsed: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+        return parsed
+
+    first, second = run(), run()
+    assert first["metrics"]["store_prompt_tokens"] == 0
+    assert second["metrics"]["store_prompt_tokens"] > 0
+    assert second["outputs"][0]["token_ids"] == first["outputs"][0]["token_ids"]
