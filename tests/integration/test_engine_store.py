@@ -62,16 +62,63 @@ def _tokens(outs: list[Any]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+# L3: a 1 MiB L2 of 8 KiB pages, so a flood of other blocks pushes the engine's down.
+L3 = ("dram.capacity_bytes=1MiB", "dram.page_size_bytes=8KiB", "hbm.mode=off",
+      "nvme.capacity_bytes=16MiB", "nvme.page_size_bytes=8KiB", "movers.interval_s=0.02")
+
+
+def _push_to_l3(target: str, namespace: str, keys: list[bytes]) -> None:
+    with KVStoreClient(target, "flood") as kv:
+        for i in range(8):
+            fill = [bytes([i, j]) * 16 for j in range(32)]
+            kv.put(fill, [bytes(8192)] * 32, independent=True)
+    with KVStoreClient(target, namespace) as kv:
+        deadline = time.monotonic() + 15
+        while set(kv.lookup(keys).tiers) != {"nvme"}:
+            assert time.monotonic() < deadline, kv.lookup(keys).tiers
+            time.sleep(0.05)
+
+
+def _drain_l4(target: str, namespace: str) -> None:
+    with KVStoreClient(target, namespace) as kv:
+        deadline = time.monotonic() + 15
+        while kv.stats().tier("remote").queue_depth:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "L4 write-through never drained"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("tier", ["dram", "nvme", "remote"])
 def test_prefix_from_the_store_equals_recompute(
-    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM]
+    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM], tmp_path: Path, tier: str
 ) -> None:
-    d = daemon_factory(*LOCAL)
+    redis = start_redis_on(tmp_path) if tier == "remote" else None
+    try:
+        settings = L3 if tier == "nvme" else LOCAL
+        if redis is not None:
+            settings = (*LOCAL, f"remote.url={redis.url}", "remote.timeout_s=1")
+        d = daemon_factory(*settings)
+        _prefix_from_tier(tiny, d, daemon_factory, engines, tier, settings)
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+def _prefix_from_tier(tiny: Path, d: Daemon, daemon_factory: Make,
+                      engines: Callable[..., LLM], tier: str, settings: tuple[str, ...]) -> None:
     prompts = _prompts()
     want = _tokens(engines(tiny).generate(prompts, GREEDY))  # no store at all
     writer = engines(tiny, store=d.target)
     assert _tokens(writer.generate(prompts, GREEDY)) == want
     writer.close()  # waits for the offloads
     assert writer.connector is not None and writer.connector.stats.offloaded_blocks > 0
+    keys = [k for p in prompts for k in prefix_keys(p, 16, writer.namespace)]
+    if tier == "nvme":
+        _push_to_l3(d.target, writer.namespace, keys)
+    if tier == "remote":
+        _drain_l4(d.target, writer.namespace)
+        d = daemon_factory(*settings)  # a fresh daemon: only Redis has the blocks
+    with KVStoreClient(d.target, writer.namespace) as kv:
+        assert set(kv.lookup(keys).tiers) == {tier}
 
     reader = engines(tiny, store=d.target)
     outs = reader.generate(prompts, GREEDY)
