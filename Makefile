@@ -67,9 +67,11 @@ bench: $(TEST_STAMP) redis
 	$(BIN)/python bench/l4_bench.py
 
 ## bench-engine: the engine against transformers on SmolLM2-135M (throughput, TTFT with prefix
-## caching on vs off; the decode kernel vs SDPA when a GPU is present)
-bench-engine: $(TEST_STAMP)
+## caching on vs off; the decode kernel vs SDPA when a GPU is present), and TTFT with the
+## prefix from L2/L3/L4 vs recompute plus a Mooncake trace replay with and without the store
+bench-engine: $(TEST_STAMP) redis
 	$(BIN)/python bench/engine_bench.py
+	$(BIN)/python bench/engine_ttft.py
 
 ## gpu-check: GPU tests and GPU benchmarks in one script, for a lent GPU machine
 gpu-check:

@@ -1,0 +1,63 @@
+"""bench/engine_ttft.py runs end to end: `--quick --json PATH` serves a tiny random Llama with
+its prefix recomputed and loaded from L2, L3 and (with redis-server) L4 of real daemons, replays
+a slice of the Mooncake trace with and without a store, prints one `bench <name>: ... =
+<ratio>x` line per figure and writes the same figures as JSON. Speed is not asserted here; the
+targets live in the bench."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.e2e.house_format import check_report, printed_figures
+
+pytestmark = pytest.mark.slow
+
+BENCH = REPO / "bench" / "engine_ttft.py"
+TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+def test_engine_ttft_quick_json(tmp_path: Path) -> None:
+    report_path = tmp_path / "engine_ttft.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", str(report_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    for line in lines:
+        assert line.startswith(("bench ", "#")), f"neither a figure nor an info line: {line!r}"
+
+    expected = {"ttft_l2", "ttft_l3"}
+    if shutil.which("redis-server") is not None:
+        expected.add("ttft_l4")
+    if TRACE.exists():
+        expected |= {"replay_prefill_saved", "replay_throughput"}
+    report = json.loads(report_path.read_text())
+    figures = report["figures"]
+    check_report(figures, printed_figures(lines), expected)
+
+    prefix_tokens = report["setup"]["prefix_tokens"]
+    assert prefix_tokens == 256
+    for name in expected & {"ttft_l2", "ttft_l3", "ttft_l4"}:
+        # Every rep loaded exactly the prefix from the store: no suffix block, nothing less.
+        assert figures[name]["store_tokens_reps"] == [prefix_tokens] * report["setup"]["reps"]
+        assert figures[name]["store_tokens"] == prefix_tokens
+    assert figures["ttft_l2"]["target"] == ">= 5x"
+    if "ttft_l4" in expected:
+        assert figures["ttft_l4"]["remote_hits"] >= prefix_tokens // 16
+
+    if TRACE.exists():
+        replay = figures["replay_prefill_saved"]
+        assert replay["unit"] == "ratio" and replay["requests"] == 8
+        # The store never makes an engine compute more, and this slice shares prefixes.
+        assert 0 < replay["computed_tokens"] < replay["baseline_computed_tokens"]
+        assert replay["store_tokens"] > 0
+        assert replay["computed_tokens"] + replay["store_tokens"] + replay["local_tokens"] == (
+            replay["prompt_tokens"])
