@@ -35,7 +35,6 @@ better), `#` info lines and, with `--json PATH`, JSON there.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import secrets
@@ -53,11 +52,11 @@ from typing import Any
 
 import torch
 from figures import Figure, write_report
-from safetensors.torch import save_file
 from trace_replay import TRACE, replay, requests_of, trace_slice
 
 from kvstore.client import KVStoreClient
 from kvstore.engine import LLM, SamplingParams
+from kvstore.engine.random_model import save_random_llama
 from kvstore.keys import BlockKey, prefix_keys
 from kvstore.testing import Daemon, start_daemon, start_redis_on
 from kvstore.units import KiB, MiB
@@ -84,37 +83,12 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def save_llama(folder: Path, hidden: int, layers: int, seed: int = 0) -> Path:
-    """A random Llama (config.json + model.safetensors, as tests/engine/models.save_random)."""
-    heads, kv_heads, inner = hidden // 64, max(1, hidden // 256), hidden * 11 // 4
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int, scale: float = 0.05) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
-
-    weights = {"model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0),
-               "model.norm.weight": torch.ones(hidden),
-               "lm_head.weight": rand(VOCAB, hidden, scale=0.4)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        weights |= {p + "input_layernorm.weight": torch.ones(hidden),
-                    p + "post_attention_layernorm.weight": torch.ones(hidden),
-                    p + "self_attn.q_proj.weight": rand(hidden, hidden),
-                    p + "self_attn.k_proj.weight": rand(kv_heads * 64, hidden),
-                    p + "self_attn.v_proj.weight": rand(kv_heads * 64, hidden),
-                    p + "self_attn.o_proj.weight": rand(hidden, hidden),
-                    p + "mlp.gate_proj.weight": rand(inner, hidden),
-                    p + "mlp.up_proj.weight": rand(inner, hidden),
-                    p + "mlp.down_proj.weight": rand(hidden, inner)}
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(folder / "model.safetensors"))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
-              "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": inner,
-              "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "max_position_embeddings": 8192}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    """A random Llama of the given width and depth (64-wide heads, 4 query heads per KV head)."""
+    return save_random_llama(
+        folder, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+        num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256),
+        max_position_embeddings=8192, seed=seed,
+    )
 
 
 def engine(model: Path, args: argparse.Namespace, store: str | None, num_blocks: int,

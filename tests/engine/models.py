@@ -68,39 +68,12 @@ def smollm2_gguf() -> Path:
 def save_random(folder: Path, *, seed: int = 0, **overrides: Any) -> Path:
     """A random Llama checkpoint written without transformers (config.json + safetensors), for
     machines that lack it (the GPU machine): CPU and CUDA runs of the engine compare on it."""
-    import json
-
-    import torch
-    from safetensors.torch import save_file
+    from kvstore.engine.random_model import save_random_llama
 
     c: dict[str, Any] = {**TINY, **overrides}
-    hidden, inner, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    head_dim = hidden // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * head_dim
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int, scale: float = 0.05) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
-
-    weights = {"model.embed_tokens.weight": rand(c["vocab_size"], hidden, scale=1.0),
-               "model.norm.weight": torch.ones(hidden),
-               "lm_head.weight": rand(c["vocab_size"], hidden, scale=0.4)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        weights |= {p + "input_layernorm.weight": torch.ones(hidden),
-                    p + "post_attention_layernorm.weight": torch.ones(hidden),
-                    p + "self_attn.q_proj.weight": rand(hidden, hidden),
-                    p + "self_attn.k_proj.weight": rand(kv, hidden),
-                    p + "self_attn.v_proj.weight": rand(kv, hidden),
-                    p + "self_attn.o_proj.weight": rand(hidden, hidden),
-                    p + "mlp.gate_proj.weight": rand(inner, hidden),
-                    p + "mlp.up_proj.weight": rand(inner, hidden),
-                    p + "mlp.down_proj.weight": rand(hidden, inner)}
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(folder / "model.safetensors"))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-              "torch_dtype": "float32", **c}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return save_random_llama(
+        folder, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+        max_position_embeddings=c["max_position_embeddings"], seed=seed,
+    )
