@@ -1,0 +1,192 @@
+{{/*
+The daemon pod template, shared by the DaemonSet and the StatefulSet.
+*/}}
+{{- define "kvstore.podTemplate" -}}
+metadata:
+  labels:
+    {{- include "kvstore.labels" . | nindent 4 }}
+    app.kubernetes.io/component: daemon
+    {{- with .Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    checksum/config: {{ include "kvstore.config" . | sha256sum }}
+    {{- with .Values.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "kvstore.serviceAccountName" . }}
+  automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
+  {{- /* Service links would inject KVSTORE_*_SERVICE_HOST-style variables, which the
+         daemon rejects as unknown settings. */}}
+  enableServiceLinks: false
+  {{- if .Values.dram.hostIPC }}
+  hostIPC: true
+  {{- end }}
+  {{- with .Values.image.pullSecrets }}
+  imagePullSecrets:
+    {{- range . }}
+    - name: {{ . }}
+    {{- end }}
+  {{- end }}
+  {{- with .Values.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+  securityContext:
+    {{- toYaml .Values.podSecurityContext | nindent 4 }}
+  {{- with .Values.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if and .Values.volumePermissions.enabled .Values.nvme.enabled (eq .Values.nvme.volume.type "hostPath") }}
+  initContainers:
+    - name: volume-permissions
+      image: {{ include "kvstore.image" . }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      command: ["chown", "-R", "{{ .Values.podSecurityContext.runAsUser }}:{{ .Values.podSecurityContext.fsGroup }}", "{{ .Values.nvme.mountPath }}"]
+      securityContext:
+        runAsUser: 0
+        runAsNonRoot: false
+        allowPrivilegeEscalation: false
+        readOnlyRootFilesystem: true
+        capabilities:
+          drop: ["ALL"]
+          add: ["CHOWN"]
+        seccompProfile:
+          type: RuntimeDefault
+      volumeMounts:
+        - name: l3
+          mountPath: {{ .Values.nvme.mountPath }}
+          {{- if eq .Values.kind "StatefulSet" }}
+          subPathExpr: $(POD_NAME)
+          {{- end }}
+      env:
+        - name: POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+  {{- end }}
+  containers:
+    - name: kvstore
+      image: {{ include "kvstore.image" . }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      args: ["--config", "/etc/kvstore/kvstore.yaml"]
+      env:
+        - name: HOME
+          value: /tmp
+        - name: XDG_CACHE_HOME
+          value: /tmp/.cache
+        - name: POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        {{- if and (include "kvstore.remote.enabled" .) (include "kvstore.remote.hasPassword" .) }}
+        - name: KVSTORE_REMOTE_PASSWORD
+          valueFrom:
+            secretKeyRef:
+              name: {{ include "kvstore.secretName" . }}
+              key: {{ .Values.remote.existingSecretPasswordKey }}
+        {{- end }}
+        {{- with .Values.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      ports:
+        - name: grpc
+          containerPort: {{ .Values.server.grpcPort }}
+          protocol: TCP
+        {{- if .Values.metrics.enabled }}
+        - name: metrics
+          containerPort: {{ .Values.metrics.port }}
+          protocol: TCP
+        {{- end }}
+      {{- range $probe := list "startupProbe" "livenessProbe" "readinessProbe" }}
+      {{- $p := index $.Values $probe }}
+      {{- if $p.enabled }}
+      {{ $probe }}:
+        grpc:
+          port: {{ $.Values.server.grpcPort }}
+        periodSeconds: {{ $p.periodSeconds }}
+        timeoutSeconds: {{ $p.timeoutSeconds }}
+        failureThreshold: {{ $p.failureThreshold }}
+      {{- end }}
+      {{- end }}
+      resources:
+        {{- include "kvstore.resources" . | nindent 8 }}
+      securityContext:
+        {{- include "kvstore.containerSecurityContext" . | nindent 8 }}
+      volumeMounts:
+        - name: config
+          mountPath: /etc/kvstore
+          readOnly: true
+        - name: tmp
+          mountPath: /tmp
+        {{- if .Values.dram.enabled }}
+        - name: shm
+          mountPath: /dev/shm
+        {{- end }}
+        {{- if .Values.nvme.enabled }}
+        - name: l3
+          mountPath: {{ .Values.nvme.mountPath }}
+          {{- if and (eq .Values.kind "StatefulSet") (eq .Values.nvme.volume.type "hostPath") }}
+          subPathExpr: $(POD_NAME)
+          {{- end }}
+        {{- end }}
+        {{- if .Values.nvme.gds.enabled }}
+        - name: udev
+          mountPath: /run/udev
+          readOnly: true
+        {{- end }}
+        {{- with .Values.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: config
+      configMap:
+        name: {{ include "kvstore.fullname" . }}
+    - name: tmp
+      emptyDir:
+        sizeLimit: 1Gi
+    {{- if .Values.dram.enabled }}
+    - name: shm
+      {{- if .Values.dram.hostIPC }}
+      hostPath:
+        path: /dev/shm
+        type: Directory
+      {{- else }}
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ include "kvstore.shmSizeLimit" . }}
+      {{- end }}
+    {{- end }}
+    {{- if .Values.nvme.enabled }}
+    {{- $vol := .Values.nvme.volume }}
+    {{- if eq $vol.type "hostPath" }}
+    - name: l3
+      hostPath:
+        path: {{ $vol.hostPath.path }}
+        type: {{ $vol.hostPath.type }}
+    {{- else if eq $vol.type "emptyDir" }}
+    - name: l3
+      emptyDir:
+        sizeLimit: {{ default (include "kvstore.l3VolumeSize" .) $vol.emptyDir.sizeLimit }}
+    {{- end }}
+    {{- end }}
+    {{- if .Values.nvme.gds.enabled }}
+    - name: udev
+      hostPath:
+        path: /run/udev
+        type: Directory
+    {{- end }}
+    {{- with .Values.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end -}}
