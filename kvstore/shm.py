@@ -26,6 +26,7 @@ SHM_DIR = Path("/dev/shm")
 MAX_SHM_NAME_CHARS = 200
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 _BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+_IPC_NS_PATH = "/proc/self/ns/ipc"
 
 
 def check_shm_name(name: str) -> str:
@@ -209,14 +210,18 @@ def attach_segment(name: str) -> Segment:
 
 
 def host_id() -> str:
-    """'<boot id>:<hostname>': equal in two processes only if they share a kernel boot and host.
+    """'<boot id>:<IPC namespace>': equal in two processes only if they share a kernel boot and
+    an IPC namespace, which is what decides whether they see the same /dev/shm. Containers
+    differ in hostname but share the node's /dev/shm when they share its IPC namespace
+    (Kubernetes `hostIPC`, Docker `--ipc=host`), so the hostname is no test.
 
     Clients compare it with the daemon's to decide whether the shared-memory path is usable.
     """
-    hostname = socket.gethostname()
     try:
         boot_id = _BOOT_ID_PATH.read_text().strip()
+        ipc = os.readlink(_IPC_NS_PATH)
     except OSError:
-        logger.debug("no %s; host id falls back to the hostname", _BOOT_ID_PATH)
-        return hostname
-    return f"{boot_id}:{hostname}"
+        logger.debug("no %s or %s; host id falls back to the hostname", _BOOT_ID_PATH,
+                     _IPC_NS_PATH)
+        return socket.gethostname()
+    return f"{boot_id}:{ipc}"
