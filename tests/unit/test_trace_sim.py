@@ -1,0 +1,166 @@
+"""bench/trace_sim.py: prefix-aware hit counting, the three policies on hand-made traces with
+exact hits, and on random prefix-consistent traces Belady never below LRU or the store,
+and the store (the real index) never evicting a parent while its child is cached."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import REPO
+
+
+def _load() -> ModuleType:
+    # bench scripts import their siblings (figures) by bare name, as when run as scripts.
+    bench = str(REPO / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("trace_sim")
+
+
+sim = _load()
+A, B, C, D, X, Y = 1, 2, 3, 4, 5, 6
+
+
+def req(*ids: int, input_length: int | None = None) -> object:
+    length = 512 * len(ids) if input_length is None else input_length
+    return sim.Request(0.0, length, 1, tuple(ids))
+
+
+def hits_per_request(policy_cls: type, capacity: int, requests: Sequence[object]) -> list[int]:
+    policy = policy_cls(capacity, requests)
+    return [policy.access(r, q.hash_ids) for r, q in enumerate(requests)]  # type: ignore[attr-defined]
+
+
+# --- hand-made traces --------------------------------------------------------------------------
+
+
+def test_partial_last_block_counts_its_real_tokens() -> None:
+    request = req(A, B, input_length=1000)
+    assert [request.block_tokens(i) for i in range(2)] == [512, 488]  # type: ignore[attr-defined]
+    trace = [request, request]
+    [result] = sim.simulate(trace, [4], {"lru": sim.LruPolicy})
+    assert (result.blocks, result.block_hits) == (4, 2)
+    assert (result.tokens, result.token_hits) == (2000, 1000)
+    assert result.token_hit_rate == pytest.approx(0.5)
+
+
+def test_lru_evicts_the_parent_belady_keeps_and_the_store_keeps_the_parent() -> None:
+    # Capacity 2. After [A, B] and [C]: LRU drops A (oldest), so B is useless at request 2;
+    # the store drops leaf B and keeps parent A; Belady never caches C (never used again).
+    trace = [req(A, B), req(C), req(A, B)]
+    assert hits_per_request(sim.LruPolicy, 2, trace) == [0, 0, 0]
+    assert hits_per_request(sim.StorePolicy, 2, trace) == [0, 0, 1]
+    assert hits_per_request(sim.BeladyPolicy, 2, trace) == [0, 0, 2]
+
+
+def test_hits_are_the_cached_prefix_only() -> None:
+    # B is cached at request 3 but A is not, so B is no hit (as in the store's Lookup).
+    trace = [req(A, B), req(X), req(Y), req(A, B)]
+    policy = sim.LruPolicy(3)
+    for r in range(3):
+        policy.access(r, trace[r].hash_ids)  # type: ignore[attr-defined]
+    assert policy.cached_blocks() == {B, X, Y}
+    assert policy.access(3, trace[3].hash_ids) == 0  # type: ignore[attr-defined]
+
+
+def test_a_request_longer_than_the_cache_keeps_its_prefix() -> None:
+    trace = [req(A, B, C, D), req(A, B, C, D)]
+    for cls in (sim.LruPolicy, sim.StorePolicy, sim.BeladyPolicy):
+        assert hits_per_request(cls, 2, trace) == [0, 2], cls.__name__
+
+
+def test_belady_prefers_the_child_on_a_tie() -> None:
+    # A, B and C are never used again (a tie); the deeper B goes, never its parent A.
+    trace = [req(A, B), req(C)]
+    policy = sim.BeladyPolicy(2, trace)
+    policy.access(0, trace[0].hash_ids)  # type: ignore[attr-defined]
+    policy.access(1, trace[1].hash_ids)  # type: ignore[attr-defined]
+    assert policy.cached_blocks() == {A, C}
+
+
+def test_next_uses() -> None:
+    trace = [req(A, B), req(C), req(A)]
+    assert sim.next_uses(trace) == [[2, 3], [3], [3]]
+
+
+def test_capacities_resolve_fractions_and_absolute_numbers() -> None:
+    assert sim.resolve_capacities("0.05,0.1,300", 1000) == [
+        ("5pct", 50), ("10pct", 100), ("300blocks", 300)]
+    assert sim.resolve_capacities("0.025", 1000) == [("2_5pct", 25)]
+    with pytest.raises(ValueError, match="positive"):
+        sim.resolve_capacities("0", 10)
+
+
+def test_load_trace_and_main_print_house_lines(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"timestamp": t, "input_length": 1000, "output_length": 2, "hash_ids": [A, B]}
+            for t in range(3)] + [{"timestamp": 9, "input_length": 512, "output_length": 1,
+                                   "hash_ids": [C]}]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert sim.load_trace(trace)[3] == sim.Request(9.0, 512, 1, (C,))
+    report = tmp_path / "report.json"
+    assert sim.main(["--trace", str(trace), "--capacities", "0.5,2", "--json", str(report)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bench ")]
+    assert [ln.split(":")[0] for ln in lines] == [
+        "bench sim_tokens_50pct", "bench sim_vs_lru_50pct",
+        "bench sim_tokens_2blocks", "bench sim_vs_lru_2blocks"]
+    assert " ratio vs belady " in lines[0] and " ratio vs lru " in lines[1]
+    figures = json.loads(report.read_text())["figures"]
+    assert figures["sim_tokens_2blocks"]["ours"] == pytest.approx(2000 / 3512)  # 2 of 3 [A, B] hit
+
+
+# --- random prefix-consistent traces -----------------------------------------------------------
+
+# A request is a path from the root of a small tree: its blocks are the path's prefixes, so a
+# block's parent is the same in every request (as with real prefix hashes).
+paths = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5), min_size=1, max_size=25)
+
+
+def tree_trace(choices: list[list[int]]) -> tuple[list[object], dict[int, int | None]]:
+    ids: dict[tuple[int, ...], int] = {}
+    parent: dict[int, int | None] = {}
+    trace: list[object] = []
+    for path in choices:
+        blocks = []
+        for depth in range(1, len(path) + 1):
+            node = ids.setdefault(tuple(path[:depth]), len(ids))
+            parent[node] = blocks[-1] if blocks else None
+            blocks.append(node)
+        trace.append(req(*blocks))
+    return trace, parent
+
+
+@settings(max_examples=60, deadline=None)
+@given(choices=paths, capacity=st.integers(1, 8))
+def test_belady_is_never_below_lru_or_the_store(choices: list[list[int]], capacity: int) -> None:
+    trace, _ = tree_trace(choices)
+    lru, store, belady = sim.simulate(trace, [capacity])
+    assert (lru.policy, store.policy, belady.policy) == ("lru", "store", "belady")
+    assert belady.block_hits >= max(lru.block_hits, store.block_hits)
+    assert belady.token_hits >= max(lru.token_hits, store.token_hits)  # full blocks only
+
+
+@settings(max_examples=60, deadline=None)
+@given(choices=paths, capacity=st.integers(1, 8))
+def test_store_and_belady_never_keep_a_child_without_its_parent(
+    choices: list[list[int]], capacity: int
+) -> None:
+    trace, parent = tree_trace(choices)
+    for cls in (sim.StorePolicy, sim.BeladyPolicy):
+        policy = cls(capacity, trace)
+        for r, request in enumerate(trace):
+            policy.access(r, request.hash_ids)  # type: ignore[attr-defined]
+            cached = policy.cached_blocks()
+            assert len(cached) <= capacity
+            orphans = {b for b in cached if parent[b] is not None and parent[b] not in cached}
+            assert not orphans, (cls.__name__, r)
