@@ -20,7 +20,7 @@ scaled replay of the Mooncake trace with the store against without it.
   The trace reuses a prefix ~1,650 requests later (median) and its first 40 requests share
   none, so the default slice takes whole prefix groups (requests with the same first hash id)
   in a seeded random order and keeps the first N in trace order (`--replay-slice head`: the
-  first N; see bench/trace_replay.py). prefill_saved: prompt tokens computed / prompt tokens,
+  first N; see bench/engine_replay.py). prefill_saved: prompt tokens computed / prompt tokens,
   with the store vs without (ratio = computed without / computed with); throughput: prompt
   tokens per second of the whole replay (the same requests: the ratio of requests/s).
 
@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from engine_replay import TRACE, replay, requests_of, trace_slice
 from figures import Figure, write_report
-from trace_replay import TRACE, replay, requests_of, trace_slice
 
 from kvstore.client import KVStoreClient
 from kvstore.engine import LLM, SamplingParams
