@@ -60,11 +60,11 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-## bench: the store, tier and L4 benchmarks (print `ours vs baseline = ratio` lines)
+## bench: the whole suite (store, tiers, L4, engine, engine TTFT, trace simulation; the GPU ones
+## where CUDA is present), each printing `ours vs baseline = ratio` lines; the report goes to
+## bench/results/<date>.json and .md
 bench: $(TEST_STAMP) redis
-	$(BIN)/python bench/store_bench.py
-	$(BIN)/python bench/tier_bench.py
-	$(BIN)/python bench/l4_bench.py
+	$(BIN)/python bench/run_all.py
 
 ## bench-engine: the engine against transformers on SmolLM2-135M (throughput, TTFT with prefix
 ## caching on vs off; the decode kernel vs SDPA when a GPU is present), and TTFT with the
