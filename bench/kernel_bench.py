@@ -113,12 +113,11 @@ def decode_kernel(shape: Shape) -> Figure:
                   extra=extra)
 
 
-def decode_kernel_figure(shape: Shape | None = None) -> dict[str, Any] | None:
-    """The decode_kernel figure as JSON (plus its printed `line`), None without CUDA."""
+def decode_kernel_figure(shape: Shape | None = None) -> Figure | None:
+    """The decode_kernel figure (for other benches to print and report), None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    figure = decode_kernel(shape or Shape())
-    return {"name": figure.name, "line": figure.line(), **figure.as_json()}
+    return decode_kernel(shape or Shape())
 
 
 def parse_args(argv: list[str] | None) -> tuple[Shape, Path | None]:

