@@ -1,34 +1,31 @@
-"""The index: (namespace, key) -> entry, page ownership, leases, pins, leaf-first LRU eviction.
+"""The index: (namespace, key) -> entry, page ownership, leases, pins, leaf-first eviction.
 
 Pure: no I/O, no clock reads (the clock is passed in). Two-phase stores, as in vLLM's offload
 LRU manager: `prepare_store` reserves pages (evicting if it must), `complete_store` commits or
 frees them. Reads lease entries (`lease`) until `release` or `expire`.
 
-Eviction takes the least-recently-used *leaf* of a tier: an entry with a cached child (the
-next block of its prefix) goes only after that child, as in SGLang's radix cache; a copy in
-tier t is a leaf there when no child is cached in t or a faster tier, so a parent can be
-demoted to L3 after its child. Pinned, leased, moving and uncommitted entries never go. An
-entry may have copies in several tiers (`Entry.places`); movers use `pick` .. `done`.
+Eviction takes the lowest-ranked *leaf* of a tier: LRU, but a hot block (used again, or put
+again soon after its eviction: `kvstore.recent`) outlives a block used once (`kvstore.lru`).
+An entry with a cached child (the next block of its prefix) goes only after that child, as
+in SGLang's radix cache; a copy in tier t is a leaf there when no child is cached in t or a
+faster tier, so a parent can be demoted to L3 after its child. Pinned, leased, moving and
+uncommitted entries never go, nor the cached keys of a put while it makes room. An entry
+may have copies in several tiers (`Entry.places`); movers use `pick` .. `done`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 from kvstore.chains import ChildCounts
 from kvstore.entries import CommitResult, Entry, Lease, PlannedBlock, StorePlan, Tier
 from kvstore.keys import BlockKey
 from kvstore.lru import TierLru
 from kvstore.pages import AllocatorStats, PageAllocator, PageRun
+from kvstore.recent import RecentKeys
+from kvstore.usage import UsageBook
 
 Pages = tuple[PageRun, ...]
-
-
-@dataclass(slots=True)
-class _Usage:
-    objects: int = 0
-    size_bytes: int = 0
 
 
 class Index:
@@ -45,9 +42,10 @@ class Index:
         self._lru = TierLru(allocators, self.get)
         self._plans: dict[str, StorePlan] = {}
         self._leases: dict[str, Lease] = {}
-        self._usage: dict[tuple[str, Tier], _Usage] = {}
+        self._usage = UsageBook()
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
         self._chains = ChildCounts(self.get)
+        self._recent = RecentKeys()  # keys removed lately: put again, they come back hot
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -68,15 +66,7 @@ class Index:
 
     def usage(self, tier: Tier, namespace: str | None = None) -> tuple[int, int]:
         """(objects, bytes) committed in tier, for one namespace or all."""
-        if namespace is not None:
-            u = self._usage.get((namespace, tier))
-            return (u.objects, u.size_bytes) if u else (0, 0)
-        objects = size = 0
-        for (_, t), u in self._usage.items():
-            if t == tier:
-                objects += u.objects
-                size += u.size_bytes
-        return objects, size
+        return self._usage.get(tier, namespace)
 
     def has_lease(self, lease_id: str) -> bool:
         return lease_id in self._leases
@@ -132,12 +122,20 @@ class Index:
         needed = sum(self.pages_per_object(tier, b.size_bytes) for b in blocks)
         if needed > allocator.num_pages:
             return None
+        for entry in cached:  # held, so that making room cannot evict them
+            entry.busy += 1
         evicted = self.make_room(tier, needed) if evict else (
             [] if allocator.free_pages >= needed else None)
+        now = self._clock()
+        for entry in cached:  # a put of a cached key is a use: it counts, and refreshes it
+            entry.busy -= 1
+            if evicted is None:
+                self._lru.push(entry)
+            else:
+                entry.seen += 1
+                self._lru.touch(entry, now, self._num_entries)
         if evicted is None:
             return None
-        for entry in cached:
-            entry.seen += 1  # a put of a cached key counts towards L3 admission
         for block in blocks:
             pages = allocator.alloc(self.pages_per_object(tier, block.size_bytes))
             assert pages is not None, "room was made for the whole plan"
@@ -262,8 +260,8 @@ class Index:
 
     def evict_lru(self, tier: Tier, min_bytes: int | None,
                   namespace: str | None = None) -> list[Entry]:
-        """Evict leaf-first LRU copies in tier (of one namespace, or all) until min_bytes
-        are freed, or everything evictable when min_bytes is None."""
+        """Evict copies in tier, leaf first in eviction order (of one namespace, or all)
+        until min_bytes are freed, or everything evictable when min_bytes is None."""
         evicted: list[Entry] = []
         freed = 0
         others: list[Entry] = []
@@ -290,7 +288,8 @@ class Index:
         )
 
     def make_room(self, tier: Tier, needed_pages: int) -> list[Entry] | None:
-        """Evict leaf-first LRU copies in tier until needed_pages are free; all or nothing.
+        """Evict copies in tier, leaf first in eviction order, until needed_pages are free;
+        all or nothing.
         Returns the entries whose copy in tier went (some may keep a copy elsewhere)."""
         allocator = self._allocators[tier]
         evicted: list[tuple[Entry, Pages, int, bool]] = []
@@ -328,8 +327,8 @@ class Index:
         self._allocators[tier].free(pages)
 
     def pick(self, tier: Tier, max_bytes: int) -> list[Entry]:
-        """Leaf-first LRU copies in tier to move elsewhere, about max_bytes of them (parents
-        follow their picked children); each is busy (stays put) until done()."""
+        """Copies in tier to move elsewhere, leaf first in eviction order, about max_bytes of
+        them (parents follow their picked children); each is busy (stays put) until done()."""
         picked = self._lru.pick(tier, max_bytes)
         for entry in picked:
             entry.busy += 1
@@ -377,6 +376,8 @@ class Index:
     # --- bookkeeping -----------------------------------------------------------------------
 
     def _insert(self, entry: Entry) -> None:
+        if (entry.namespace, entry.key) in self._recent:
+            entry.seen = 2  # its second use came after its eviction
         self._link(entry)
         self._lru.touch(entry, entry.last_access, self._num_entries)
 
@@ -385,21 +386,14 @@ class Index:
         self._entries.setdefault(entry.namespace, {})[entry.key] = entry
         self._num_entries += 1
         for tier in entry.places:
-            self._count_usage(entry, tier, +1)
+            self._usage.count(entry, tier, +1)
         self._chains.link(entry)
-
-    def _count_usage(self, entry: Entry, tier: Tier, sign: int) -> None:
-        usage = self._usage.setdefault((entry.namespace, tier), _Usage())
-        usage.objects += sign
-        usage.size_bytes += sign * entry.size_bytes
-        if not usage.objects:
-            del self._usage[(entry.namespace, tier)]
 
     def _add_place(self, entry: Entry, tier: Tier, pages: Pages) -> None:
         before = entry.tier
         entry.places[tier] = pages
         entry.tier = min(entry.places)
-        self._count_usage(entry, tier, +1)
+        self._usage.count(entry, tier, +1)
         self._moved(entry, before)
 
     def _drop(self, entry: Entry, tier: Tier, counted: bool) -> bool:
@@ -418,7 +412,7 @@ class Index:
         before = entry.tier
         self._allocators[tier].free(entry.places.pop(tier))
         entry.tier = min(entry.places)
-        self._count_usage(entry, tier, -1)
+        self._usage.count(entry, tier, -1)
         self._lru.forget(entry, tier)
         self._moved(entry, before)
         return False
@@ -435,12 +429,13 @@ class Index:
             del self._entries[entry.namespace]
         self._num_entries -= 1
         for tier, pages in entry.places.items():
-            self._count_usage(entry, tier, -1)
+            self._usage.count(entry, tier, -1)
             self._allocators[tier].free(pages)
             if counted:
                 self.evictions[tier] += 1
         entry.touch_seq = 0
         entry.in_heaps = 0
+        self._recent.add(entry.namespace, entry.key, self._num_entries)
         parent = self._chains.unlink(entry)
         if parent is not None:
             self._lru.push(parent)

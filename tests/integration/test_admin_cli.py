@@ -144,7 +144,10 @@ def test_pin_evict_all_and_unpin(daemon: Daemon, kv: KVStoreClient) -> None:
 
 
 def test_evict_bytes_takes_the_least_recently_used(daemon: Daemon, kv: KVStoreClient) -> None:
+    # Keys no earlier test used: a key evicted lately and put again comes back hot, and
+    # would outlive these (tests/unit/test_eviction_policy.py).
     keys, values = blocks(20)  # 1.25 MiB
+    keys = [b"lru" + k[3:] for k in keys]
     kv.put(keys, values, independent=True)
     with KVStoreClient(daemon.target, "admin-other", shared_memory=False) as other:
         other.put([keys[0]], [b"another namespace"])

@@ -1,6 +1,9 @@
 """Eviction in a real daemon with a 16-page L2 (1 MiB of 64 KiB pages), one page per block:
-leaf-first LRU order, pins, the three evict modes, and namespace isolation. Each test names
-its blocks with letters and asserts exactly which are still cached after every step."""
+leaf-first LRU order, hot blocks (read again) outliving cold ones, pins, the three evict
+modes, and namespace isolation. Each test names its blocks with letters and asserts exactly
+which are still cached after every step. Each test has its own namespace: the index
+remembers keys it removed lately and a key put again soon after is hot, so names reused
+across tests would carry that over."""
 
 from __future__ import annotations
 
@@ -35,8 +38,13 @@ def empty_store(daemon: Daemon) -> None:
 
 
 @pytest.fixture
-def kv(daemon: Daemon) -> Iterator[KVStoreClient]:
-    with KVStoreClient(daemon.target, "evict", shared_memory=False) as client:
+def ns(request: pytest.FixtureRequest) -> str:
+    return f"evict-{request.node.name}"
+
+
+@pytest.fixture
+def kv(daemon: Daemon, ns: str) -> Iterator[KVStoreClient]:
+    with KVStoreClient(daemon.target, ns, shared_memory=False) as client:
         yield client
 
 
@@ -72,9 +80,8 @@ FILLERS = [f"f{i}" for i in range(11)]
 
 
 def test_full_tier_evicts_least_recently_used_leaves_first(kv: KVStoreClient) -> None:
+    B.put(kv, "DE", independent=True)  # D and E are the least recently used
     B.put(kv, "ABC")  # chain A -> B -> C
-    B.put(kv, "DE", independent=True)
-    B.touch(kv, "ABC")  # now D and E are the least recently used
     assert B.put(kv, FILLERS, independent=True) == 0  # 16 of 16 pages used
     assert kv.stats().tier("dram").free_pages == 0  # type: ignore[union-attr]
     everything = [*"ABCDE", *FILLERS]
@@ -96,17 +103,17 @@ def test_a_parent_outlives_its_child_even_when_it_is_older(kv: KVStoreClient) ->
     B.put(kv, "P")
     B.put(kv, "Q", parent="P")  # P -> Q, Q stored later than P
     B.put(kv, [f"f{i}" for i in range(14)], independent=True)
-    B.touch(kv, "Q")  # the child is the most recently used block of all
+    B.touch(kv, "Q")  # the child is the most recently used block of all, and hot
     assert B.put(kv, ["g0"]) == 1
     assert B.cached(kv, ["P", "Q", "f0"]) == ["P", "Q"]  # f0 went: P still has a child
     assert kv.evict(bytes=13 * PAGE).evicted == 13  # f1..f13
     assert B.cached(kv, ["P", "Q", "g0"]) == ["P", "Q", "g0"]
     assert kv.evict(bytes=1).evicted == 1
-    assert B.cached(kv, ["P", "Q", "g0"]) == ["P", "g0"]  # the leaf Q, not its older parent
+    assert B.cached(kv, ["P", "Q", "g0"]) == ["P", "Q"]  # g0, used once, before hot Q
     assert kv.evict(bytes=1).evicted == 1
-    assert B.cached(kv, ["P", "g0"]) == ["g0"]  # now P is a leaf, and older than g0
+    assert B.cached(kv, ["P", "Q"]) == ["P"]  # the leaf Q, not its older parent
     assert kv.evict(bytes=1).evicted == 1
-    assert B.cached(kv, ["g0"]) == []
+    assert B.cached(kv, ["P"]) == []
 
 
 def test_a_parent_stored_after_its_cached_child_still_outlives_it(kv: KVStoreClient) -> None:
@@ -207,11 +214,12 @@ def test_namespaces_are_isolated(daemon: Daemon) -> None:
         B.put(a, ["a1"])
         result = a.evict(bytes=1)
         assert result.evicted == 1
-        assert a.lookup([key]).tiers == [None]  # a's oldest
+        assert a.lookup([key, B.key("a1")]).tiers == ["dram", None]  # a1: used once
         assert b.lookup([key, B.key("b1")]).tiers == ["dram", "dram"]
 
         result = a.evict(all=True)
         assert (result.evicted, result.skipped) == (1, 0)
+        assert a.lookup([key]).tiers == [None]
         assert b.get([key]) == [b"from b"]
         assert b.evict([key]).evicted == 1
         assert b.lookup([B.key("b1")]).tiers == ["dram"]
@@ -222,9 +230,9 @@ def test_namespaces_are_isolated(daemon: Daemon) -> None:
 
 
 def test_independent_put_through_shared_memory_stores_unrelated_blocks(
-    daemon: Daemon, kv: KVStoreClient,
+    daemon: Daemon, kv: KVStoreClient, ns: str,
 ) -> None:
-    with KVStoreClient(daemon.target, "evict", shared_memory=True) as shm:
+    with KVStoreClient(daemon.target, ns, shared_memory=True) as shm:
         B.put(shm, "XY", independent=True)
         assert shm.uses_shared_memory is True
     assert kv.evict(bytes=1).evicted == 1
@@ -232,10 +240,10 @@ def test_independent_put_through_shared_memory_stores_unrelated_blocks(
 
 
 def test_put_with_parent_through_shared_memory_links_to_the_parent(
-    daemon: Daemon, kv: KVStoreClient,
+    daemon: Daemon, kv: KVStoreClient, ns: str,
 ) -> None:
     B.put(kv, "P")
-    with KVStoreClient(daemon.target, "evict", shared_memory=True) as shm:
+    with KVStoreClient(daemon.target, ns, shared_memory=True) as shm:
         B.put(shm, "Q", parent="P")
         assert shm.uses_shared_memory is True
     assert kv.evict(bytes=1).evicted == 1
@@ -246,11 +254,11 @@ def test_put_with_parent_through_shared_memory_links_to_the_parent(
 
 
 def test_put_through_shared_memory_reports_what_it_evicted(
-    daemon: Daemon, kv: KVStoreClient,
+    daemon: Daemon, kv: KVStoreClient, ns: str,
 ) -> None:
     B.put(kv, [f"k{i}" for i in range(16)], independent=True)
     before = kv.stats().tier("dram").evictions  # type: ignore[union-attr]
-    with KVStoreClient(daemon.target, "evict", shared_memory=True) as shm:
+    with KVStoreClient(daemon.target, ns, shared_memory=True) as shm:
         result = shm.put([B.key("x")], [B.value("x")])
         assert shm.uses_shared_memory is True
     assert kv.stats().tier("dram").evictions == before + 1  # type: ignore[union-attr]

@@ -26,6 +26,7 @@ from hypothesis.stateful import (
 from kvstore.entries import CommitResult, Entry, StorePlan, Tier
 from kvstore.index import Index
 from kvstore.keys import BlockKey
+from kvstore.lru import eviction_rank
 from kvstore.pages import PageAllocator, PageRun
 
 PAGE_BYTES = 100
@@ -151,7 +152,7 @@ def test_blocks_stored_at_the_same_instant_go_in_store_order() -> None:
     assert names(put(index, "d", "e").evicted) == ["a", "b"]
 
 
-def test_a_lease_and_release_refreshes_recency() -> None:
+def test_a_lease_and_release_refreshes_recency_and_makes_the_block_hot() -> None:
     index, clock = make_index(num_pages=3)
     for n in "abc":
         clock.tick()
@@ -165,7 +166,9 @@ def test_a_lease_and_release_refreshes_recency() -> None:
     clock.tick()
     assert names(put(index, "e").evicted) == ["c"]
     clock.tick()
-    assert names(put(index, "f").evicted) == ["a"]
+    # a was used again, so it is hot: it outlives d and e, used once (tests/unit/
+    # test_eviction_policy.py has the rest of the policy).
+    assert names(put(index, "f").evicted) == ["d"]
 
 
 def test_many_touches_keep_the_order_exact_through_heap_compaction() -> None:
@@ -183,10 +186,11 @@ def test_many_touches_keep_the_order_exact_through_heap_compaction() -> None:
         index.lease(f"l{round_}", NS, [key(n)], FAR)
         index.release(f"l{round_}")
     index.release("held")
-    # a (t=5) is the least recent; rounds 297, 298, 299 touched b, c, d last.
+    # All four are hot (read again); a (t=5) is the least recent; rounds 297, 298, 299
+    # touched b, c, d last. e, new, is used once: it goes before the hot ones.
     clock.tick()
     assert names(put(index, "e").evicted) == ["a"]
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["b", "c", "d", "e"]
+    assert names(index.evict_lru(Tier.DRAM, None)) == ["e", "b", "c", "d"]
 
 
 # --- leaf-first --------------------------------------------------------------------------------
@@ -208,10 +212,11 @@ def test_a_parent_with_a_cached_child_goes_after_the_child() -> None:
     # Leaves now: c (t=3), y (t=4). p is still held by its child.
     clock.tick()
     assert names(put(index, "z").evicted) == ["c"]
-    # c is gone, so p is a leaf again and is ordered by its own last access (t=1).
+    # c is gone, so p is a leaf again, ordered by its own last use (t=3, put again then):
+    # used twice, it is hot and outlives y, used once.
     clock.tick()
-    assert names(put(index, "w").evicted) == ["p"]
-    assert stored(index) == {"y", "z", "w"}
+    assert names(put(index, "w").evicted) == ["y"]
+    assert stored(index) == {"p", "z", "w"}
 
 
 def test_a_whole_chain_is_evicted_leaf_to_root() -> None:
@@ -273,7 +278,8 @@ def test_a_parent_evicted_by_key_counts_its_children_when_stored_again() -> None
     assert index.get(NS, key("p")).children == 1  # type: ignore[union-attr]
     clock.tick()
     put(index, "x")
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["c", "p", "x"]
+    # p was put again right after its eviction, so it is hot and outlives x.
+    assert names(index.evict_lru(Tier.DRAM, None)) == ["c", "x", "p"]
 
 
 # --- leases ----------------------------------------------------------------------------------
@@ -657,16 +663,19 @@ def tree_path(n: str) -> list[str]:
 def oracle_victims(
     entries: list[Entry],
     tier: Tier,
+    tier_pages: int,
     stop: int,
     namespace: str | None,
     by_bytes: bool,
+    held: set[tuple[str, BlockKey]] | None = None,
 ) -> tuple[list[tuple[str, BlockKey]], int]:
-    """Leaf-first LRU from scratch: repeatedly take the evictable entry with the smallest
-    (last_access, touch_seq) until `stop` bytes (or pages) are freed or none is left. A copy
+    """Leaf-first eviction from scratch: repeatedly take the evictable entry with the smallest
+    (eviction rank, touch_seq) until `stop` bytes (or pages) are freed or none is left. A copy
     in tier is a leaf when no child is cached in tier or a faster one.
     Returns the victims in order and what they free."""
     live = {
-        (e.namespace, e.key): [e.last_access, e.touch_seq, sum(e.child_tiers[1 : tier + 1]), e]
+        (e.namespace, e.key):
+            [eviction_rank(e, tier, tier_pages), e.touch_seq, sum(e.child_tiers[1 : tier + 1]), e]
         for e in entries
         if e.tier == tier
     }
@@ -680,6 +689,7 @@ def oracle_victims(
             and not v[3].pinned
             and v[3].leases == 0
             and (namespace is None or k[0] == namespace)
+            and k not in (held or ())
         ]
         if not candidates:
             break
@@ -737,7 +747,9 @@ class IndexMachine(RuleBasedStateMachine):
         new = {n for n in names_ if self.index.get(ns, key(n)) is None}
         needed = sum(self.index.pages_per_object(tier, sizes[names_.index(n)]) for n in new)
         free = self.allocators[tier].free_pages
-        expected, freed = oracle_victims(self.entries(), tier, needed - free, None, False)
+        held = {(ns, key(n)) for n in names_ if n not in new}  # a put holds its cached keys
+        expected, freed = oracle_victims(self.entries(), tier, TIER_PAGES[tier], needed - free,
+                                         None, False, held)
         pid = f"plan-{next(self.ids)}"
         plan = self.index.prepare_store(pid, ns, keys, sizes, parents, tier, self.clock.now + ttl)
         if needed > TIER_PAGES[tier] or free + freed < needed:
@@ -863,7 +875,8 @@ class IndexMachine(RuleBasedStateMachine):
     )
     def evict_lru(self, tier: Tier, min_bytes: int | None, namespace: str | None) -> None:
         stop = 10**9 if min_bytes is None else min_bytes
-        expected, _ = oracle_victims(self.entries(), tier, stop, namespace, by_bytes=True)
+        expected, _ = oracle_victims(self.entries(), tier, TIER_PAGES[tier], stop, namespace,
+                                     by_bytes=True)
         evicted = self.index.evict_lru(tier, min_bytes, namespace)
         assert [(e.namespace, e.key) for e in evicted] == expected
         self.evictions[tier] += len(evicted)
@@ -925,7 +938,8 @@ class IndexMachine(RuleBasedStateMachine):
         evictable entry has dropped out of the eviction queue."""
         scratch = copy.deepcopy(self.index)
         for tier in TIERS:
-            expected, _ = oracle_victims(self.entries(scratch), tier, 10**9, None, True)
+            expected, _ = oracle_victims(self.entries(scratch), tier, TIER_PAGES[tier], 10**9,
+                                         None, True)
             assert [(e.namespace, e.key) for e in scratch.evict_lru(tier, None)] == expected
 
     @invariant()
