@@ -16,8 +16,12 @@ Policies, each `access(request_index, hash_ids) -> hit_blocks`:
 - `StorePolicy`: drives the store's real pure index (`kvstore.index.Index`, one DRAM tier of
   N one-byte pages, the request index as its clock) as the store does: `lease` (touch) the
   hit prefix, then `prepare_store` / `complete_store` the rest, so eviction is the index's
-  own leaf-first LRU. Blocks already cached after a gap are not touched by that put, as in
-  the store.
+  own: leaf-first, LRU, but a block used again (read, put again, or put again soon after
+  its eviction) outlives blocks used once for HOT_TURNOVERS turnovers (`kvstore.lru`).
+- `FrequencyOraclePolicy`: offline, a ceiling for frequency-aware policies. Knows how many
+  more requests will hold each block (not when): evicts the block with the fewest, the
+  deeper on a tie, the least recent after that. No online policy knows this much about
+  frequency; the gap between it and Belady is what only knowing *when* buys.
 - `BeladyPolicy`: offline. Evicts the cached block whose next use (the next request that
   holds it) is farthest, a block never used again first; the request's own new blocks are
   candidates too (bypass). "Prefix-aware" means: on equal next use the deeper block (larger
@@ -68,18 +72,54 @@ class Request:
         return max(0, min(BLOCK_TOKENS, self.input_length - i * BLOCK_TOKENS))
 
 
+class TraceError(ValueError):
+    """A trace that cannot be replayed; the message names the file, line and field."""
+
+
+def _field(row: dict[str, object], name: str, where: str) -> int:
+    value = row.get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise TraceError(f"{where}: {name} must be a number >= 0, got {value!r}")
+    return int(value)
+
+
+def parse_row(line: str, where: str) -> Request:
+    """One trace row; TraceError naming `where` and the field when it is malformed."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise TraceError(f"{where}: a row must be a JSON object")
+    hash_ids = row.get("hash_ids")
+    if (not isinstance(hash_ids, list) or not hash_ids
+            or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
+                       for h in hash_ids)):
+        raise TraceError(f"{where}: hash_ids must be a non-empty list of integers >= 0")
+    timestamp = row.get("timestamp")
+    if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
+        raise TraceError(f"{where}: timestamp must be a number, got {timestamp!r}")
+    input_length = _field(row, "input_length", where)
+    if input_length > BLOCK_TOKENS * len(hash_ids):
+        raise TraceError(f"{where}: input_length {input_length} needs more than the "
+                         f"{len(hash_ids)} blocks of hash_ids")
+    return Request(float(timestamp), input_length, _field(row, "output_length", where),
+                   tuple(hash_ids))
+
+
 def load_trace(path: Path | str) -> list[Request]:
-    """The requests of a Mooncake-format trace, in file order (blank lines skipped)."""
+    """The requests of a Mooncake-format trace, in file order (blank lines skipped);
+    TraceError naming the line and field of the first malformed row, or an empty trace."""
     requests: list[Request] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            requests.append(Request(
-                float(row["timestamp"]), int(row["input_length"]), int(row["output_length"]),
-                tuple(int(h) for h in row["hash_ids"]),
-            ))
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    requests.append(parse_row(line, f"{path}:{number}"))
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    if not requests:
+        raise TraceError(f"{path}: no requests")
     return requests
 
 
@@ -178,6 +218,49 @@ def next_uses(requests: Sequence[Request]) -> list[list[int]]:
     return result
 
 
+def remaining_uses(requests: Sequence[Request]) -> list[list[int]]:
+    """remaining_uses[r][i]: how many requests after r hold block requests[r].hash_ids[i]."""
+    later: dict[int, int] = {}
+    result: list[list[int]] = [[] for _ in requests]
+    for r in range(len(requests) - 1, -1, -1):
+        ids = requests[r].hash_ids
+        result[r] = [later.get(h, 0) for h in ids]
+        for h in set(ids):
+            later[h] = later.get(h, 0) + 1
+    return result
+
+
+class FrequencyOraclePolicy:
+    """Evicts the block fewest later requests hold (module docstring); lazy-deletion heap."""
+
+    def __init__(self, capacity_blocks: int, requests: Sequence[Request]) -> None:
+        self._capacity = capacity_blocks
+        self._remaining = remaining_uses(requests)
+        self._cached: dict[int, int] = {}  # block -> touch sequence of its current heap item
+        self._heap: list[tuple[int, int, int, int]] = []  # (uses left, -depth, seq, block)
+        self._seq = 0
+
+    def access(self, request_index: int, hash_ids: Sequence[int]) -> int:
+        hits = _prefix_hits(hash_ids, self._cached.__contains__)
+        uses = self._remaining[request_index]
+        for depth, h in enumerate(hash_ids):
+            self._seq += 1
+            self._cached[h] = self._seq
+            heapq.heappush(self._heap, (uses[depth], -depth, self._seq, h))
+        while len(self._cached) > self._capacity:
+            _, _, seq, h = heapq.heappop(self._heap)
+            if self._cached.get(h) == seq:
+                del self._cached[h]
+        if len(self._heap) > 4 * self._capacity + 64:
+            live = {(seq, h) for h, seq in self._cached.items()}
+            self._heap = [item for item in self._heap if (item[2], item[3]) in live]
+            heapq.heapify(self._heap)
+        return hits
+
+    def cached_blocks(self) -> set[int]:
+        return set(self._cached)
+
+
 class BeladyPolicy:
     """Belady's offline optimum, prefix-aware (module docstring); a heap, lazy deletion."""
 
@@ -211,7 +294,8 @@ class BeladyPolicy:
 
 PolicyFactory = Callable[[int, Sequence[Request]], Policy]
 POLICIES: dict[str, PolicyFactory] = {
-    "lru": LruPolicy, "store": StorePolicy, "belady": BeladyPolicy,
+    "lru": LruPolicy, "store": StorePolicy, "freq_oracle": FrequencyOraclePolicy,
+    "belady": BeladyPolicy,
 }
 
 
@@ -264,9 +348,12 @@ def resolve_capacities(spec: str, num_distinct: int) -> list[tuple[str, int]]:
     blocks ("10pct"), else an absolute number of blocks ("4096blocks")."""
     resolved: list[tuple[str, int]] = []
     for item in spec.split(","):
-        value = float(item)
-        if value <= 0:
-            raise ValueError(f"capacity {item!r} must be positive")
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"capacity {item!r} is not a number") from None
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"capacity {item!r} must be a positive number")
         if value < 1:
             label = f"{value * 100:g}pct".replace(".", "_")
             resolved.append((label, max(1, round(value * num_distinct))))
@@ -297,21 +384,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None, help="replay only the first N")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    requests = load_trace(args.trace)[: args.requests]
-    num_distinct = distinct_blocks(requests)
-    capacities = resolve_capacities(args.capacities, num_distinct)
+    if args.requests is not None and args.requests <= 0:
+        parser.error(f"--requests must be >= 1, got {args.requests}")
+    try:
+        requests = load_trace(args.trace)[: args.requests]
+        num_distinct = distinct_blocks(requests)
+        capacities = resolve_capacities(args.capacities, num_distinct)
+    except TraceError as exc:
+        parser.error(str(exc))
+    except ValueError as exc:
+        parser.error(f"--capacities: {exc}")
     print(f"# trace {args.trace}: {len(requests)} requests, {num_distinct} distinct blocks, "
           f"{sum(len(r.hash_ids) for r in requests)} block accesses")
-    print("# store = kvstore.index.Index (leaf-first LRU), one dram tier, 1 page per block")
+    print("# store = kvstore.index.Index (leaf-first LRU, hot blocks first to stay), one dram "
+          "tier, 1 page per block")
     results = simulate(requests, [blocks for _, blocks in capacities])
     figures: list[Figure] = []
     for n, (label, blocks) in enumerate(capacities):
         chunk = results[n * len(POLICIES) : (n + 1) * len(POLICIES)]
         by_policy = {r.policy: r for r in chunk}
         print(f"# capacity {label} = {blocks} blocks (tier dram)")
-        print("#   policy  block_hit  token_hit")
+        print("#   policy      block_hit  token_hit")
         for name, result in by_policy.items():
-            print(f"#   {name:<7} {result.block_hit_rate:9.4f}  {result.token_hit_rate:9.4f}")
+            print(f"#   {name:<11} {result.block_hit_rate:9.4f}  {result.token_hit_rate:9.4f}")
+        oracle, belady = by_policy["freq_oracle"], by_policy["belady"]
+        if belady.token_hits:
+            print(f"#   ceiling: freq_oracle = {oracle.token_hits / belady.token_hits:.2f}x belady "
+                  "(knowing every block's remaining uses, not when)")
         figures += _figures(label, by_policy)
     for figure in figures:
         print(figure.line())

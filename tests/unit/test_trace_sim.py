@@ -92,12 +92,81 @@ def test_next_uses() -> None:
     assert sim.next_uses(trace) == [[2, 3], [3], [3]]
 
 
+def test_remaining_uses_counts_later_requests() -> None:
+    trace = [req(A, B), req(A), req(C), req(A, B)]
+    assert sim.remaining_uses(trace) == [[2, 1], [1], [0], [0, 0]]
+
+
+def test_the_frequency_oracle_keeps_the_block_used_more_often_later() -> None:
+    # Capacity 1. After [A] and [B], A has two more uses and B one: B goes, so A hits
+    # twice; LRU drops A for B and hits once; Belady also hits A twice.
+    trace = [req(A), req(B), req(A), req(A), req(B)]
+    assert hits_per_request(sim.FrequencyOraclePolicy, 1, trace) == [0, 0, 1, 1, 0]
+    assert hits_per_request(sim.LruPolicy, 1, trace) == [0, 0, 0, 1, 0]
+    assert hits_per_request(sim.BeladyPolicy, 1, trace) == [0, 0, 1, 1, 0]
+
+
+def test_the_frequency_oracle_is_blind_to_when() -> None:
+    # Capacity 1. After [A] and [B], A has three more uses and B two, but B's come first:
+    # the oracle keeps A and misses B twice (3 hits); Belady keeps B, then A (4 hits).
+    trace = [req(A), req(B), req(B), req(B), req(A), req(A), req(A)]
+    assert hits_per_request(sim.FrequencyOraclePolicy, 1, trace) == [0, 0, 0, 0, 1, 1, 1]
+    assert hits_per_request(sim.BeladyPolicy, 1, trace) == [0, 0, 1, 1, 0, 1, 1]
+
+
 def test_capacities_resolve_fractions_and_absolute_numbers() -> None:
     assert sim.resolve_capacities("0.05,0.1,300", 1000) == [
         ("5pct", 50), ("10pct", 100), ("300blocks", 300)]
     assert sim.resolve_capacities("0.025", 1000) == [("2_5pct", 25)]
     with pytest.raises(ValueError, match="positive"):
         sim.resolve_capacities("0", 10)
+    with pytest.raises(ValueError, match="'ten' is not a number"):
+        sim.resolve_capacities("0.1,ten", 10)
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1', "not JSON"),
+    ("[1, 2]", "a row must be a JSON object"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "hash_ids must be"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}',
+     "hash_ids must be"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, -2]}',
+     "hash_ids must be"),
+    ('{"timestamp": "now", "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+     "timestamp must be a number"),
+    ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": [1]}',
+     "input_length must be a number >= 0"),
+    ('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}', "output_length must be"),
+    ('{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}',
+     "input_length 1025 needs more than the 2 blocks"),
+])
+def test_a_malformed_row_is_named_by_line_and_field(tmp_path: Path, row: str,
+                                                    message: str) -> None:
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}'
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(f"{good}\n\n{row}\n")
+    with pytest.raises(sim.TraceError, match=f"trace.jsonl:3: {message}"):
+        sim.load_trace(trace)
+
+
+def test_main_answers_a_bad_trace_or_capacity_with_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    for argv, message in [
+        (["--trace", str(tmp_path / "missing.jsonl")], "cannot read trace"),
+        (["--trace", str(empty)], "empty.jsonl: no requests"),
+        (["--trace", str(empty), "--requests", "0"], "--requests must be >= 1"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            sim.main(argv)
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(SystemExit):
+        sim.main(["--trace", str(trace), "--capacities", "0.1,-3"])
+    assert "--capacities: capacity '-3' must be a positive number" in capsys.readouterr().err
 
 
 def test_load_trace_and_main_print_house_lines(tmp_path: Path,
@@ -144,10 +213,11 @@ def tree_trace(choices: list[list[int]]) -> tuple[list[object], dict[int, int | 
 @given(choices=paths, capacity=st.integers(1, 8))
 def test_belady_is_never_below_lru_or_the_store(choices: list[list[int]], capacity: int) -> None:
     trace, _ = tree_trace(choices)
-    lru, store, belady = sim.simulate(trace, [capacity])
-    assert (lru.policy, store.policy, belady.policy) == ("lru", "store", "belady")
-    assert belady.block_hits >= max(lru.block_hits, store.block_hits)
-    assert belady.token_hits >= max(lru.token_hits, store.token_hits)  # full blocks only
+    results = {r.policy: r for r in sim.simulate(trace, [capacity])}
+    assert list(results) == ["lru", "store", "freq_oracle", "belady"]
+    belady = results.pop("belady")
+    for other in results.values():  # full blocks only, so tokens follow blocks
+        assert belady.block_hits >= other.block_hits and belady.token_hits >= other.token_hits
 
 
 @settings(max_examples=60, deadline=None)
