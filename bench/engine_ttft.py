@@ -144,15 +144,18 @@ def evict_all(kv: KVStoreClient, timeout_s: float = 30.0) -> None:
 def push_to_l3(kv: KVStoreClient, fill: KVStoreClient, keys: list[BlockKey], l2_bytes: int
                ) -> None:
     """Put fillers (another namespace) until the mover demoted every prefix block to L3, then
-    evict the fillers, so the prefix is in L3 only and L2 has room to load it."""
+    evict the fillers, so the prefix is in L3 only and L2 has room to load it. Each filler is
+    read back once: the prefix was used again, so it is hot and would outlive fillers used
+    once for eight turnovers of L2; read, the fillers are hot too, and newer."""
     filled = 0
     while (tiers := kv.lookup(keys).tiers) != ["nvme"] * len(keys):
         if None in tiers:
             raise RuntimeError("a prefix block left every tier while being pushed to L3")
         if filled > 4 * l2_bytes:
             raise RuntimeError(f"prefix still in L2 after {filled} B of fillers: {tiers}")
-        fill.put([BlockKey(secrets.token_bytes(32)) for _ in range(8)], [FILLER] * 8,
-                 independent=True)
+        fillers = [BlockKey(secrets.token_bytes(32)) for _ in range(8)]
+        fill.put(fillers, [FILLER] * 8, independent=True)
+        fill.get(fillers)
         filled += 8 * len(FILLER)
         time.sleep(0.005)  # the mover's turn (movers.interval_s=0.01)
     evict_all(fill)
