@@ -45,6 +45,8 @@ SUITE = (
     Script("engine_bench", ("--baseline-requests", "2", "--ttft-reps", "2"), timeout_s=420),
     Script("engine_ttft", ("--reps", "3"), timeout_s=300),
     Script("trace_sim", quick_args=("--requests", "500"), timeout_s=120),
+    Script("trace_sim", ("--capacities", "0.1", "--l3", "4"),  # L2 10% over an L3 4x as large
+           quick_args=("--requests", "500", "--capacities", "0.1", "--l3", "4"), timeout_s=120),
     # args replace quick_args under --quick, so both name the mode.
     Script("trace_replay", ("live",), quick_args=("live", "--quick"), timeout_s=300),
     Script("index_scaling", timeout_s=180),

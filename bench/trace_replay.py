@@ -7,7 +7,7 @@
 `simulate` is bench/trace_sim.py: the store's pure index (no I/O) against LRU and Belady.
 
 `live` replays the trace through `kvstore.client` against a real `kvstore-server`, as an
-engine would: per request `lookup` its blocks (hash id -> key as in trace_sim, in the
+engine would: per request `lookup` its blocks (hash id -> key as in sim_store, in the
 sim's namespace), `get` the hit prefix, `put` the blocks it missed (each --block-bytes; a request
 longer than the cache puts only its first `capacity` blocks, as in the simulation). Without
 --target it starts its own daemon with only an L2 tier of `capacity` blocks, one page each
@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sim_store  # noqa: E402
 import trace_sim  # noqa: E402
 from figures import Figure, write_report  # noqa: E402
 
@@ -149,7 +150,7 @@ def replay(requests: Sequence[trace_sim.Request], capacity_blocks: int, block_by
     tallies = [Tally() for _ in replayers]
     step, began = max(1, len(requests) // 10), time.monotonic()
     for r, request in enumerate(requests, 1):
-        keys = [trace_sim._block_key(h) for h in request.hash_ids]
+        keys = [sim_store.block_key(h) for h in request.hash_ids]
         payloads = [payload(h, block_bytes) for h in request.hash_ids[:capacity_blocks]]
         order = range(len(replayers)) if r % 2 else reversed(range(len(replayers)))
         for i in order:
@@ -227,7 +228,7 @@ def start_systems(stack: ExitStack, args: argparse.Namespace, capacity_blocks: i
         stack.callback(daemon.stop)
         # The sim's namespace: the index's ghost filter hashes it, so its rare false
         # positives (and with them the hits) are the simulation's exactly.
-        client = stack.enter_context(KVStoreClient(daemon.target, trace_sim.NAMESPACE))
+        client = stack.enter_context(KVStoreClient(daemon.target, sim_store.NAMESPACE))
         print(f"# kvstore: own daemon, L2 only: {capacity_blocks} blocks ({label}) of "
               f"{format_size(args.block_bytes)}, one "
               f"{format_size(page_bytes_for(args.block_bytes))} page each", flush=True)
@@ -308,19 +309,19 @@ def figures(label: str, capacity_blocks: int, live: Tally, base: Tally,
     for name, baseline_name, baseline in (("sim", "sim store", sim_store),
                                           ("redis", "redis allkeys-lru", base.token_hit_rate)):
         if live.token_hit_rate > 0 and baseline > 0:
-            out.append(Figure(f"replay_tokens_vs_{name}_{label}", live.token_hit_rate,
+            out.append(Figure(f"live_tokens_vs_{name}_{label}", live.token_hit_rate,
                               baseline_name, baseline, "ratio",
                               target="~1.00x" if name == "sim" else ">= 1.00x", extra=extra))
         else:
-            print(f"# no replay_tokens_vs_{name} figure: token hit rate "
+            print(f"# no live_tokens_vs_{name} figure: token hit rate "
                   f"{live.token_hit_rate:.4f} vs {baseline:.4f} (a ratio needs hits on both)")
     out += [
-        Figure("replay_throughput", live.tokens / live.busy_s, "redis", base.tokens / base.busy_s,
+        Figure("live_throughput", live.tokens / live.busy_s, "redis", base.tokens / base.busy_s,
                "tok/s", extra={"requests_s": len(live.latencies_s) / live.busy_s,
                                "redis_requests_s": len(base.latencies_s) / base.busy_s}),
-        Figure("replay_latency_p50", live.percentile_ms(0.5), "redis", base.percentile_ms(0.5),
+        Figure("live_latency_p50", live.percentile_ms(0.5), "redis", base.percentile_ms(0.5),
                "ms", lower_is_better=True),
-        Figure("replay_latency_p99", live.percentile_ms(0.99), "redis", base.percentile_ms(0.99),
+        Figure("live_latency_p99", live.percentile_ms(0.99), "redis", base.percentile_ms(0.99),
                "ms", lower_is_better=True),
     ]
     return out

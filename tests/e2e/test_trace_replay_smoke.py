@@ -48,11 +48,11 @@ def test_live_quick_matches_the_simulation_and_reports_in_house_format(tmp_path:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert all(line.startswith(("bench ", "#")) for line in lines), lines
-    expected = {"replay_tokens_vs_sim_10pct", "replay_tokens_vs_redis_10pct",
-                "replay_throughput", "replay_latency_p50", "replay_latency_p99"}
+    expected = {"live_tokens_vs_sim_10pct", "live_tokens_vs_redis_10pct",
+                "live_throughput", "live_latency_p50", "live_latency_p99"}
     report = json.loads(report_path.read_text())
     check_report(report["figures"], printed_figures(lines), expected)
-    vs_sim = report["figures"]["replay_tokens_vs_sim_10pct"]
+    vs_sim = report["figures"]["live_tokens_vs_sim_10pct"]
     assert vs_sim["ours"] == pytest.approx(vs_sim["baseline"], rel=SIM_TOLERANCE), vs_sim
     setup = report["setup"]
     assert setup["requests"] == 300 and setup["target"] == "own"
@@ -68,7 +68,7 @@ def test_live_on_a_tiny_trace_hits_what_the_simulation_hits(tmp_path: Path) -> N
     # hits [1, 2] again: 1024 + 1024 of 4148 tokens.
     proc = replay("live", "--trace", str(small_trace(tmp_path)), "--capacity", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    figure = printed_figures(proc.stdout.splitlines())["replay_tokens_vs_sim_4blocks"]
+    figure = printed_figures(proc.stdout.splitlines())["live_tokens_vs_sim_4blocks"]
     assert figure["ours"] == figure["base"] == f"{2048 / 4148:.2f}"
     assert "# kvstore token hit 0.4937  block hits 4 " in proc.stdout
 

@@ -37,7 +37,8 @@ def req(*ids: int, input_length: int | None = None) -> object:
 
 def hits_per_request(policy_cls: type, capacity: int, requests: Sequence[object]) -> list[int]:
     policy = policy_cls(capacity, requests)
-    return [policy.access(r, q.hash_ids) for r, q in enumerate(requests)]  # type: ignore[attr-defined]
+    return [len(policy.access(r, q.hash_ids))  # type: ignore[attr-defined]
+            for r, q in enumerate(requests)]
 
 
 # --- hand-made traces --------------------------------------------------------------------------
@@ -69,13 +70,35 @@ def test_hits_are_the_cached_prefix_only() -> None:
     for r in range(3):
         policy.access(r, trace[r].hash_ids)  # type: ignore[attr-defined]
     assert policy.cached_blocks() == {B, X, Y}
-    assert policy.access(3, trace[3].hash_ids) == 0  # type: ignore[attr-defined]
+    assert policy.access(3, trace[3].hash_ids) == []  # type: ignore[attr-defined]
 
 
 def test_a_request_longer_than_the_cache_keeps_its_prefix() -> None:
     trace = [req(A, B, C, D), req(A, B, C, D)]
     for cls in (sim.LruPolicy, sim.StorePolicy, sim.BeladyPolicy):
         assert hits_per_request(cls, 2, trace) == [0, 2], cls.__name__
+
+
+def test_the_store_with_l3_demotes_instead_of_evicting_and_loads_hits_back() -> None:
+    # L2 of 2, L3 of 4. [C, D] pushes [A, B] down to L3 (one L2 alone would lose them);
+    # the next [A, B] hits there and loads them back into L2, demoting C and D.
+    trace = [req(A, B), req(C, D), req(A, B), req(A, B), req(C, D)]
+    store = sim.StorePolicy(2, trace, l3_blocks=4)
+    hits = [store.access(r, q.hash_ids) for r, q in enumerate(trace)]  # type: ignore[attr-defined]
+    assert hits == [[], [], ["nvme", "nvme"], ["dram", "dram"], ["nvme", "nvme"]]
+    assert store.cached_blocks() == {C, D}  # L2; A and B are in L3 again
+    index = store.index
+    assert {int.from_bytes(e.key, "big") for e in index.entries(sim.Tier.NVME)} == {A, B}
+    assert hits_per_request(sim.StorePolicy, 2, trace) == [0, 0, 0, 2, 0]  # L2 alone
+
+
+def test_simulate_with_l3_reports_hits_per_tier() -> None:
+    trace = [req(A, B), req(C, D), req(A, B), req(A, B)]
+    results = {r.policy: r for r in sim.simulate(trace, [2], l3_factor=2.0)}
+    store = results["store"]
+    assert store.capacity_blocks == 6 and results["lru"].capacity_blocks == 6
+    assert store.tier_token_hits == {"nvme": 1024, "dram": 1024}
+    assert store.token_hits == 2048 == results["lru"].token_hits  # 6 blocks hold them all
 
 
 def test_belady_prefers_the_child_on_a_tie() -> None:
@@ -187,6 +210,12 @@ def test_load_trace_and_main_print_house_lines(tmp_path: Path,
     figures = json.loads(report.read_text())["figures"]
     assert figures["sim_tokens_2blocks"]["ours"] == pytest.approx(2000 / 3512)  # 2 of 3 [A, B] hit
 
+    assert sim.main(["--trace", str(trace), "--capacities", "1", "--l3", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "# capacity 1blocks = 1 blocks of dram + 1 of nvme (one cache of 2" in out
+    assert "#   store token hits by tier: dram " in out
+    assert "bench sim_tokens_1blocks_l3x1: " in out and "(target" not in out
+
 
 # --- random prefix-consistent traces -----------------------------------------------------------
 
@@ -226,11 +255,14 @@ def test_store_and_belady_never_keep_a_child_without_its_parent(
     choices: list[list[int]], capacity: int
 ) -> None:
     trace, parent = tree_trace(choices)
-    for cls in (sim.StorePolicy, sim.BeladyPolicy):
-        policy = cls(capacity, trace)
+    policies = [sim.StorePolicy(capacity, trace), sim.BeladyPolicy(capacity, trace),
+                sim.StorePolicy(capacity, trace, l3_blocks=2 * capacity)]
+    for n, policy in enumerate(policies):
         for r, request in enumerate(trace):
-            policy.access(r, request.hash_ids)  # type: ignore[attr-defined]
+            policy.access(r, request.hash_ids)
             cached = policy.cached_blocks()
-            assert len(cached) <= capacity
+            if n == 2:  # L2 and L3 together hold whole prefixes
+                cached = {int.from_bytes(e.key, "big") for e in policy.index.entries()}
+            assert len(cached) <= capacity * (3 if n == 2 else 1)
             orphans = {b for b in cached if parent[b] is not None and parent[b] not in cached}
-            assert not orphans, (cls.__name__, r)
+            assert not orphans, (type(policy).__name__, n, r)

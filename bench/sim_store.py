@@ -1,0 +1,116 @@
+"""The store's own placement and eviction, for bench/trace_sim.py: the daemon's real pure
+index (`kvstore.index.Index`, no I/O), driven as the daemon drives it, with L2 alone or
+with an L3 below it.
+
+Each block is one page of one byte, and the request index is the clock. Per request:
+
+1. `lookup` the request's keys: the hit prefix, each block's tier;
+2. the Get: blocks of the hit prefix that are only in L3 are loaded into L2 (as the store's
+   loads do: room in L2 first, the L3 copy then freed, placement exclusive), then the
+   prefix is leased (touched) as one read;
+3. the put of the rest: `prepare_store` / `complete_store`, chained to the hit prefix.
+
+Where the daemon's mover demotes in the background to keep L2 below its watermark, here a
+put or a load that finds L2 short demotes first, synchronously, in the index's own order
+(`Index.pick`: leaf first, cold before hot), each demoted block taking L3 pages (evicting
+L3's own victims when L3 is full), as `kvstore.tiering` does; only when nothing can be
+demoted does L2 evict. A Get's blocks must fit in L2 together, so a hit prefix counts up
+to L2's capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.entries import Entry, Tier
+from kvstore.index import Index
+from kvstore.keys import BlockKey
+from kvstore.pages import PageAllocator
+
+NAMESPACE = "sim"
+
+
+def block_key(hash_id: int) -> BlockKey:
+    return BlockKey(hash_id.to_bytes(32, "big"))
+
+
+class StorePolicy:
+    """The store with an L2 of capacity_blocks, and an L3 of l3_blocks when that is > 0."""
+
+    def __init__(self, capacity_blocks: int, requests: Sequence[object] = (),
+                 l3_blocks: int = 0) -> None:
+        self._capacity = capacity_blocks
+        self._now = 0.0
+        allocators = {Tier.DRAM: PageAllocator(capacity_blocks)}
+        if l3_blocks > 0:
+            allocators[Tier.NVME] = PageAllocator(l3_blocks)
+        self.index = Index(allocators, {t: 1 for t in allocators}, lambda: self._now)
+        self._tiered = l3_blocks > 0
+        self._plans = 0
+
+    def access(self, request_index: int, hash_ids: Sequence[int]) -> list[str]:
+        """The tier label of each block of the hit prefix."""
+        self._now = float(request_index)
+        keys = [block_key(h) for h in hash_ids[: self._capacity]]
+        hits, tiers = self.index.lookup(NAMESPACE, keys)
+        found = [self.index.get(NAMESPACE, key) for key in keys[:hits]]
+        if self._tiered:
+            self._load(found)
+        self.index.lease(None, NAMESPACE, keys[:hits], deadline=0.0)  # the engine's read
+        if hits < len(keys):
+            self._put(keys, hits)
+        return [tier.label for tier in tiers[:hits] if tier is not None]
+
+    def cached_blocks(self) -> set[int]:
+        """Blocks in L2 (the one cache the single-tier policies are compared with)."""
+        return {int.from_bytes(e.key, "big") for e in self.index.entries(Tier.DRAM)}
+
+    def _put(self, keys: list[BlockKey], start: int) -> None:
+        """The engine's put of the blocks it computed: keys[start:], chained to parents."""
+        parents = [keys[i - 1] if i else None for i in range(start, len(keys))]
+        if self._tiered:
+            self._demote(len(parents) - self.index.free_pages(Tier.DRAM))
+        self._plans += 1
+        plan_id = f"p{self._plans}"
+        plan = self.index.prepare_store(plan_id, NAMESPACE, keys[start:], [1] * len(parents),
+                                        parents, Tier.DRAM, deadline=float("inf"))
+        if plan is None:
+            raise RuntimeError("the index refused a put that fits its capacity")
+        self.index.complete_store(plan_id, [0] * len(plan.blocks), success=True)
+
+    def _load(self, found: list[Entry | None]) -> None:
+        """The Get's loads: every L3-only block of the prefix into L2, the prefix held."""
+        held = [e for e in found if e is not None]
+        for entry in held:
+            self.index.hold(entry)
+        for entry in held:
+            if Tier.DRAM in entry.places:
+                continue
+            pages = self.index.alloc(Tier.DRAM, 1)
+            if pages is None:
+                self._demote(1)
+                pages = self.index.alloc(Tier.DRAM, 1)
+            if pages is None and self.index.make_room(Tier.DRAM, 1) is not None:
+                pages = self.index.alloc(Tier.DRAM, 1)
+            if pages is None:
+                raise RuntimeError("no L2 room for a load, though the prefix fits L2")
+            self.index.add_copy(entry, Tier.DRAM, pages)
+            self.index.drop_copy(entry, Tier.NVME)  # exclusive placement
+        for entry in held:
+            self.index.done(entry)
+
+    def _demote(self, pages: int) -> None:
+        """Move about `pages` blocks' worth from L2 to L3, in eviction order."""
+        if pages <= 0:
+            return
+        for entry in self.index.pick(Tier.DRAM, pages):
+            self.index.done(entry)
+            if Tier.NVME not in entry.places:
+                l3 = self.index.alloc(Tier.NVME, 1)
+                if l3 is None and self.index.make_room(Tier.NVME, 1) is not None:
+                    l3 = self.index.alloc(Tier.NVME, 1)
+                if l3 is None:
+                    self.index.drop_copy(entry, Tier.DRAM, evicted=True)
+                    continue
+                self.index.add_copy(entry, Tier.NVME, l3)
+            self.index.drop_copy(entry, Tier.DRAM)
