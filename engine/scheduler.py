@@ -195,8 +195,7 @@ class Scheduler:
             loaded = 0
             if seq.num_computed_tokens == 0:
                 hit = self.blocks.find_prefix(seq.token_ids)
-                if self.external is not None:
-                    loaded = self.external.matched_tokens(seq.token_ids, hit.num_tokens)
+                loaded = self._store_match(seq, hit.num_tokens)
                 seq.num_computed_tokens = hit.num_tokens + loaded
             num_new = len(seq) - seq.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -210,6 +209,7 @@ class Scheduler:
                 self._undo_hit(seq, hit)
                 break
             self.waiting.popleft()
+            seq.store_match = None  # readmitted after a preemption, it asks again
             if hit is not None:
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = hit.num_tokens + loaded
@@ -223,6 +223,20 @@ class Scheduler:
                 item.load_num_blocks = loaded // self.block_size
             out.scheduled.append(item)
             budget -= num_new
+
+    def _store_match(self, seq: Sequence, local_tokens: int) -> int:
+        """Tokens the store holds past the local hit. A waiting head that cannot be admitted
+        yet keeps its answer while its local hit stays the same, instead of one Lookup per
+        step; a stale answer costs nothing wrong, as loads recompute what did not arrive."""
+        if self.external is None:
+            return 0
+        loaded: int
+        if seq.store_match is not None and seq.store_match[0] == local_tokens:
+            loaded = seq.store_match[1]
+        else:
+            loaded = self.external.matched_tokens(seq.token_ids, local_tokens)
+            seq.store_match = (local_tokens, loaded)
+        return loaded
 
     @staticmethod
     def _undo_hit(seq: Sequence, hit: object) -> None:

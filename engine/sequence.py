@@ -31,6 +31,9 @@ class Sequence:
     """Of those, the tokens loaded from the store."""
     num_stored_blocks: int = 0
     """Leading full blocks already in the store (offloaded, or loaded from it)."""
+    store_match: tuple[int, int] | None = None
+    """While waiting: (local hit tokens, tokens the store holds past them) from the last
+    Lookup, so a head that cannot be admitted yet does not ask the store every step."""
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -99,6 +99,36 @@ def test_newest_running_sequence_is_preempted_and_recomputed() -> None:
     assert [blocks.refcount(b) for b in new_blocks] == [0, 0]
 
 
+class CountingSource:
+    """A PrefixSource that holds `tokens` past any local hit and counts the questions."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.asked: list[int] = []  # the local hit of each question
+
+    def matched_tokens(self, token_ids: list[int], local_tokens: int) -> int:
+        self.asked.append(local_tokens)
+        return self.tokens
+
+
+def test_a_blocked_head_asks_the_store_once_not_every_step() -> None:
+    source = CountingSource(BS)
+    blocks = BlockManager(5, BS, "test-ns")
+    s = Scheduler(SchedulerConfig(), blocks, BS, eos_token_ids=(2,), external=source)
+    running, waiting = _seq(12, max_tokens=4), _seq(12, first=40, max_tokens=2)
+    s.add(running)
+    _step(s)  # running: 3 blocks for 12 tokens, then a fourth for token 13
+    assert source.asked == [0]
+    s.add(waiting)  # needs 3 blocks (one loaded from the store); at most 2 are free
+    steps_blocked = 0
+    while waiting in s.waiting:
+        _step(s)
+        steps_blocked += 1
+    assert steps_blocked >= 3  # it waited for running to finish
+    assert source.asked == [0, 0]  # one question while it waited, not one per step
+    assert waiting.num_store_tokens == BS and waiting.store_match is None
+
+
 def test_max_num_seqs_caps_the_batch() -> None:
     s, _ = _setup(max_num_seqs=2)
     seqs = [_seq(3, first=10 * i + 10) for i in range(3)]
