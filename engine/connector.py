@@ -28,6 +28,7 @@ from kvstore.client import KVStoreClient
 from kvstore.client.errors import KVStoreError
 from kvstore.client.retry import Retry
 from kvstore.kernels import KernelOps
+from kvstore.kernels.reference import staging_shape
 from kvstore.keys import BlockKey, prefix_keys
 
 logger = logging.getLogger("kvstore.engine.connector")
@@ -190,9 +191,9 @@ class StoreConnector:
         return count
 
     def _staging(self, count: int) -> torch.Tensor:
-        shape = (count, *self.kv_cache.permute(2, 0, 1, 3, 4, 5).shape[1:])
         pin = self.kv_cache.device.type == "cuda"
-        return torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=pin)
+        return torch.empty(staging_shape(self.kv_cache, count), dtype=self.kv_cache.dtype,
+                           pin_memory=pin)
 
     # -- offload and swap-out -------------------------------------------------------------
     def offload(self, keys: Sequence[BlockKey], block_ids: Sequence[int],

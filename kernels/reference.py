@@ -162,6 +162,11 @@ def _staging_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.permute(2, 0, 1, 3, 4, 5)
 
 
+def staging_shape(kv_cache: torch.Tensor, count: int) -> tuple[int, ...]:
+    """The shape of `count` staged blocks of kv_cache (what gather_blocks fills)."""
+    return (count, *_staging_view(kv_cache).shape[1:])
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """staging[i] = every layer's K and V of block block_ids[i]:
@@ -169,7 +174,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
     staging[i]'s bytes. `out` (e.g. pinned CPU memory for a GPU cache) is filled and returned;
     the copy is synchronous."""
     ids = _ids(block_ids, kv_cache.device)
-    shape = (ids.numel(), *_staging_view(kv_cache).shape[1:])
+    shape = staging_shape(kv_cache, ids.numel())
     if out is not None and (tuple(out.shape) != shape or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {shape} tensor, got {tuple(out.shape)}")
     if out is not None and out.device == kv_cache.device and out.dtype == kv_cache.dtype:
@@ -184,7 +189,7 @@ def scatter_blocks(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: Blo
     """The inverse of gather_blocks: block block_ids[i] of every layer = staging[i]. staging
     may live on another device. Duplicate ids leave one of their rows, unspecified which."""
     ids = _ids(block_ids, kv_cache.device)
-    shape = (ids.numel(), *_staging_view(kv_cache).shape[1:])
+    shape = staging_shape(kv_cache, ids.numel())
     if tuple(staging.shape) != shape:
         raise ValueError(f"staging must be {shape}, got {tuple(staging.shape)}")
     rows = staging.to(device=kv_cache.device, dtype=kv_cache.dtype)
