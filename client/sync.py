@@ -320,8 +320,9 @@ class KVStoreClient:
         tier: str | None = None,
         namespace: str | None = None,
     ) -> res.EvictResult:
-        """Evict the named keys, at least `bytes` bytes (LRU, leaf-first), or `all`, from
-        `tier` (default every tier). namespace None is the client's; "" every namespace."""
+        """Evict the named keys, at least `bytes` bytes (in eviction order, leaf first), or
+        `all`, from `tier` (default every tier). namespace None is the client's; "" every
+        namespace."""
         request = rq.evict_request(self.namespace, keys, bytes, all, tier, namespace)
         response: pb.EvictResponse = self._rpc(
             lambda: self._stub.Evict(request, timeout=self.timeout_s)

@@ -232,7 +232,7 @@ class Tiering:
         return _Demotion(entry, pages)
 
     def _l3_pages(self, size_bytes: int) -> Pages | None:
-        """Pages in L3, evicting (and journaling) least-recently-used L3 blocks if needed."""
+        """Pages in L3, evicting (and journaling) L3 blocks in eviction order if needed."""
         pages = self.index.alloc(Tier.NVME, size_bytes)
         if pages is not None:
             return pages
