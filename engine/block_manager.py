@@ -285,10 +285,15 @@ class BlockManager:
         """The chained key a cached block is registered under (the store uses the same)."""
         return self._block_keys[self._check_block(block_id)]
 
-    def keys_of(self, seq_id: int) -> list[BlockKey]:
-        """Chained keys of seq_id's full, computed blocks, in order (its hit, then what
-        cache_full_blocks saw full), whether or not its block holds the key mapping."""
-        return list(self._seq(seq_id).keys)
+    def keys_of(self, seq_id: int, start: int = 0) -> list[BlockKey]:
+        """Chained keys of seq_id's full, computed blocks from block `start` on, in order
+        (its hit, then what cache_full_blocks saw full), whether or not its block holds the
+        key mapping."""
+        return self._seq(seq_id).keys[start:]
+
+    def num_keys(self, seq_id: int) -> int:
+        """len(keys_of(seq_id)), without the copy."""
+        return len(self._seq(seq_id).keys)
 
     @property
     def stats(self) -> BlockManagerStats:

@@ -297,14 +297,15 @@ class Scheduler:
         """Record seq's blocks that became full (and keyed) since the last offload."""
         if self.external is None:
             return
-        keys = self.blocks.keys_of(seq.seq_id)
         done = seq.num_stored_blocks
-        if len(keys) <= done:
+        num_keys = self.blocks.num_keys(seq.seq_id)  # most steps fill no block: copy nothing
+        if num_keys <= done:
             return
-        table = self.blocks.block_table(seq.seq_id)
-        parent = keys[done - 1] if done else None
-        out.filled.append(BlockRun(keys[done:], table[done : len(keys)], parent))
-        seq.num_stored_blocks = len(keys)
+        keys = self.blocks.keys_of(seq.seq_id, max(0, done - 1))
+        parent = keys.pop(0) if done else None
+        table = self.blocks.block_table(seq.seq_id)[done:num_keys]
+        out.filled.append(BlockRun(keys, table, parent))
+        seq.num_stored_blocks = num_keys
 
     def _fork(
         self, parent: Sequence, tokens: list[int], new_seq_id: Callable[[], int]
