@@ -54,8 +54,10 @@ class ModelRunner:
             self._copy(out.copies)
         if not out.scheduled:
             return {}
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and s.num_samples]
-        prefills = [s for s in out.scheduled if not (s.num_new_tokens == 1 and s.num_samples)]
+        decodes: list[ScheduledSeq] = []  # one new token that samples: the decode kernel
+        prefills: list[ScheduledSeq] = []
+        for item in out.scheduled:
+            (decodes if item.num_new_tokens == 1 and item.num_samples else prefills).append(item)
         ordered = decodes + prefills
         input_ids, batch = self._prepare(decodes, prefills)
         logits = self.model(input_ids, batch, self.kv_cache, self.ops)
