@@ -36,6 +36,12 @@ class Figure:
                 "target": self.target, **self.extra}
 
 
+def percentile(samples: list[float], q: float) -> float:
+    """The q-quantile of samples (nearest rank, q in [0, 1])."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
 def write_report(path: Path, figures: list[Figure], setup: dict[str, Any]) -> None:
     """The --json report: every figure by name, and how the run was set up."""
     report = {"figures": {f.name: f.as_json() for f in figures}, "setup": setup}

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import redis
-from figures import Figure
+from figures import Figure, percentile
 
 from kvstore.client import KVStoreClient
 from kvstore.testing import start_daemon, start_redis
@@ -119,11 +119,6 @@ def paired(ours: Op, base: Op, repeats: int, warmup: int) -> tuple[list[float], 
             ours_s.append(ours.once())
             base_s.append(base.once())
     return ours_s, base_s
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 def gbps_figure(name: str, batch_bytes: int, ours_s: list[float], base_name: str,

@@ -45,7 +45,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_store  # noqa: E402
 import trace_sim  # noqa: E402
-from figures import Figure, write_report  # noqa: E402
+from figures import Figure, percentile, write_report  # noqa: E402
 
 from kvstore.client import KVStoreClient, KVStoreError  # noqa: E402
 from kvstore.keys import BlockKey  # noqa: E402
@@ -134,8 +134,7 @@ class Tally:
         return sum(self.latencies_s)
 
     def percentile_ms(self, q: float) -> float:
-        ordered = sorted(self.latencies_s)
-        return 1e3 * ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+        return 1e3 * percentile(self.latencies_s, q)
 
 
 def payload(hash_id: int, size_bytes: int) -> bytes:
