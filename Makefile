@@ -73,17 +73,15 @@ bench-engine: $(TEST_STAMP) redis
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/engine_ttft.py
 
-## gpu-check: GPU tests and GPU benchmarks in one script, for a lent GPU machine
+## gpu-check: the GPU tests and GPU benchmarks in one script, for a lent GPU machine (setup,
+## preflight, pytest -m gpu, bench/gpu_bench.py, bench/kernel_bench.py; logs under $OUT)
 gpu-check:
 	bash scripts/gpu_check.sh
 
-## gpu-wheels: the wheels a GPU machine without a package index lacks, into .whl/ (carry it)
-gpu-wheels: $(RUN_STAMP)
-	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-	  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-	  -d .whl grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 lz4 redis \
-	  pytest iniconfig pluggy packaging hypothesis attrs sortedcontainers \
-	  safetensors tokenizers gguf jinja2 markupsafe
+## gpu-wheels: the wheels an offline GPU machine lacks (scripts/gpu_env.py CARRY) into a clean
+## .whl/, for its Python and platform tags; carry .whl with the device run
+gpu-wheels: | $(BIN)/python
+	$(BIN)/python scripts/gpu_env.py wheels .whl
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
