@@ -6,6 +6,7 @@
   (the store's promotion path) vs raw `copy_(non_blocking=True)` of the same 2 MiB pieces from
   the same pinned bytes on one stream, synchronized per batch as the tier does; at least
   1 GiB moved per measurement (target >= 0.9x).
+  Both figures fail, rather than time pageable memory, when the segment could not be pinned.
 - `kvikio_read`: kvikio `CuFile.read` of a 1 GiB file into device memory vs `os.preadv` of
   the same file into pinned host memory; the file is dropped from the page cache
   (POSIX_FADV_DONTNEED) before every read. Skipped when kvikio is not installed.
@@ -80,6 +81,13 @@ def _fit_shm(size_bytes: int, name: str) -> int:
     return room
 
 
+def _require_pinned(tier: DramTier, name: str) -> None:
+    """A figure about pinned memory must not quietly time pageable memory instead."""
+    if not tier.pinned:
+        raise RuntimeError(f"{name}: the L2 segment is not pinned (cudaHostRegister failed: "
+                           "see the warning above), so there is no pinned copy to measure")
+
+
 # --- l2_pinned_h2d ---------------------------------------------------------------------------
 
 
@@ -105,15 +113,15 @@ def bench_l2_pinned_h2d(args: argparse.Namespace) -> dict[str, Any]:
     size = _fit_shm(args.size, "l2_pinned_h2d")
     tier = DramTier(size, 64 << 10, f"kvstore-gpubench-{secrets.token_hex(4)}", True)
     try:
+        _require_pinned(tier, "l2_pinned_h2d")
         pinned = tier._buf[:size]
         pageable = np.ones(size, dtype=np.uint8)
         ours = _h2d_gbps(cupy, pinned, args.repeats)
         base = _h2d_gbps(cupy, pageable, args.repeats)
         del pinned
-        l2_pinned = tier.pinned
     finally:
         tier.close()
-    return _figure("l2_pinned_h2d", ours, "pageable", base, size_bytes=size, l2_pinned=l2_pinned)
+    return _figure("l2_pinned_h2d", ours, "pageable", base, size_bytes=size)
 
 
 # --- l2_to_l1 --------------------------------------------------------------------------------
@@ -128,9 +136,11 @@ def bench_l2_to_l1(args: argparse.Namespace) -> dict[str, Any]:
     passes = -(-args.moved_bytes // l2_bytes)
     moved = passes * l2_bytes
     l2 = DramTier(l2_bytes, page, f"kvstore-gpubench-{secrets.token_hex(4)}", True)
-    if not l2.pinned:
-        print("note: l2_to_l1: the L2 segment is not pinned (cupy missing?): its copies are "
-              "synchronous", file=sys.stderr)
+    try:
+        _require_pinned(l2, "l2_to_l1")
+    except RuntimeError:
+        l2.close()
+        raise
     hbm = HbmTier(l2_bytes, 0.0, page)
     raw_device = torch.empty(l2_bytes, dtype=torch.uint8, device="cuda")
     views: list[memoryview] = []
@@ -176,7 +186,7 @@ def bench_l2_to_l1(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("l2_to_l1: bytes read back from HBM differ from L2")
         return _figure("l2_to_l1", ours_gbps, "raw pinned copy_", raw_gbps, ">= 0.9x",
                        moved_bytes=moved, object_bytes=OBJECT_BYTES,
-                       batch_objects=BATCH_OBJECTS, l2_pinned=l2.pinned,
+                       batch_objects=BATCH_OBJECTS,
                        raw_single_copy_gbps=single_gbps)
     finally:
         views.clear()
@@ -213,6 +223,15 @@ def _first_bytes(device: Any, n: int) -> bytes:
     if hasattr(device, "get"):  # cupy
         return bytes(device[:n].get().tobytes())
     return bytes(device[:n].cpu().numpy().tobytes())
+
+
+def _compat_mode(kvikio: Any) -> str:
+    """kvikio's compatibility-mode setting: `defaults.get("compat_mode")` since kvikio 25.x,
+    `defaults.compat_mode()` before."""
+    defaults = kvikio.defaults
+    if hasattr(defaults, "get"):
+        return str(defaults.get("compat_mode"))
+    return str(defaults.compat_mode())
 
 
 def bench_kvikio_read(args: argparse.Namespace) -> dict[str, Any]:
@@ -258,9 +277,8 @@ def bench_kvikio_read(args: argparse.Namespace) -> dict[str, Any]:
         head = _first_bytes(device, MiB)
         if head != bytes(host_view[:MiB]) or head != block[:MiB].tobytes():
             raise RuntimeError("kvikio_read: device bytes differ from the file")
-        mode = getattr(kvikio.defaults, "compat_mode", None)
         return _figure("kvikio_read", ours, "os.preadv pinned", base, file_bytes=size,
-                       compat_mode=str(mode()) if callable(mode) else "unknown")
+                       compat_mode=_compat_mode(kvikio))
     finally:
         os.unlink(path)
 

@@ -72,16 +72,27 @@ class CupyKernels:
     """The compiled module on one device."""
 
     def __init__(self, module: Any, device_index: int) -> None:
+        import cupy
+
         self.device_index = device_index
+        self._device = cupy.cuda.Device(device_index)
         self._functions = {name: module.get_function(name) for name in kernel_names()}
+        # One cupy wrapper per torch stream, made once: a new ExternalStream per launch costs
+        # more host time than the copy kernels take on the device.
+        self._streams: dict[int, Any] = {}
+
+    def _stream(self, handle: int) -> Any:
+        stream = self._streams.get(handle)
+        if stream is None:
+            import cupy
+
+            stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
+        return stream
 
     def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...],
                args: tuple[Any, ...]) -> None:
-        import cupy
-
-        stream = torch.cuda.current_stream(self.device_index).cuda_stream
-        with cupy.cuda.Device(self.device_index), cupy.cuda.ExternalStream(stream,
-                                                                           self.device_index):
+        handle = torch.cuda.current_stream(self.device_index).cuda_stream
+        with self._device, self._stream(handle):  # cupy launches on its current stream
             self._functions[name](grid, block, args)
 
 
