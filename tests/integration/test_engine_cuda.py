@@ -1,7 +1,8 @@
 """The engine on a GPU (marked `gpu`, skipped without CUDA): with the CUDA kernels picked by
 ops_for, float32 greedy tokens equal the CPU reference run's (itself checked against
 transformers), through chunked prefill, prefix caching and copy-on-write forks; bfloat16 runs
-and agrees on the first tokens. No transformers needed: the GPU machine lacks it."""
+and agrees on the first tokens; the store connector stages a CUDA cache's blocks through pinned
+host memory, out to a real daemon and back, bit-exact. No transformers needed."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvstore.engine.connector import StoreConnector
 from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
+from kvstore.kernels import ops_for
+from kvstore.testing import Daemon
 from tests.engine.models import save_random
 
 pytestmark = pytest.mark.gpu
@@ -46,3 +51,28 @@ def test_cuda_bfloat16_runs_and_starts_like_float32(tmp_path: Path) -> None:
     fp32 = _run(path, "cpu")
     first = [seqs[0][:3] for seqs in bf16], [seqs[0][:3] for seqs in fp32]
     assert sum(a == b for a, b in zip(*first, strict=True)) >= len(fp32) - 1
+
+
+def test_connector_stages_a_cuda_cache_through_pinned_memory_bit_exact(daemon: Daemon) -> None:
+    dev = torch.device("cuda")
+    # [layers, K/V, blocks, block_size, kv_heads, head_dim]; random bits, NaNs and all.
+    kv = torch.randint(-(2**15), 2**15, (2, 2, 12, 16, 2, 64), dtype=torch.int16, device=dev)
+    kv = kv.view(torch.bfloat16)
+    connector = StoreConnector(daemon.target, "gpu-staging", kv, 16, ops_for(dev))
+    try:
+        staging = connector._staging(4)
+        assert staging.is_pinned() and staging.device.type == "cpu"
+        tokens = [3 + i % 250 for i in range(4 * 16 + 1)]
+        keys = connector.keys_for(tokens, 4)
+        want = kv[:, :, [1, 3, 5, 7]].view(torch.int16).cpu()
+        assert connector.offload(keys, [1, 3, 5, 7], None)
+        connector.flush(timeout_s=10.0)
+        assert connector.stats.offloaded_blocks == 4
+        assert connector.matched_tokens(tokens, 0) == 4 * 16
+        kv[:, :, 8:12] = 0.0  # where the blocks come back: zeros, unlike the random bits
+        assert connector.load(tokens, 0, [8, 9, 10, 11]) == 4
+        torch.cuda.synchronize()
+        assert torch.equal(kv[:, :, 8:12].view(torch.int16).cpu(), want)
+        assert connector.stats.load_failures == 0 and connector.available
+    finally:
+        connector.close()
