@@ -30,7 +30,7 @@ run: $(RUN_STAMP)
 
 ## demo-store: the store alone: a synthetic prefix-sharing workload through a 32 MiB L2 and L3
 demo-store: $(RUN_STAMP)
-	$(BIN)/python -m kvstore.demo
+	$(BIN)/python -m kvstore.tools.demo
 
 ## redis: make sure redis-server, redis-cli and openssl exist (Debian packages, installed
 ## when root); the L4 tests start standalone, Cluster and TLS Redis servers

@@ -58,7 +58,7 @@ from kvstore.client import KVStoreClient
 from kvstore.engine import LLM, SamplingParams
 from kvstore.engine.random_model import save_random_llama
 from kvstore.keys import BlockKey, prefix_keys
-from kvstore.testing import Daemon, start_daemon, start_redis_on
+from kvstore.tools.testing import Daemon, start_daemon, start_redis_on
 from kvstore.units import KiB, MiB
 
 BLOCK = 16  # tokens per engine block and per store key (the engine's default)

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.pages import PageRun
+from kvstore.extents import PageRun
 from kvstore.tiers.base import Transfer
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.hbm import HbmTier, cuda_unavailable_reason

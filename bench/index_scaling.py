@@ -25,10 +25,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import Figure, write_report  # noqa: E402
 
-from kvstore.entries import Tier  # noqa: E402
-from kvstore.index import Index  # noqa: E402
+from kvstore.core.index import Index  # noqa: E402
+from kvstore.core.pages import PageAllocator  # noqa: E402
 from kvstore.keys import BlockKey  # noqa: E402
-from kvstore.pages import PageAllocator  # noqa: E402
+from kvstore.tier import Tier  # noqa: E402
 
 NS = "scaling"
 CHAIN = 1024

@@ -46,11 +46,11 @@ import numpy as np
 import redis
 from figures import Figure, write_report
 
-from kvstore.blockframe import HEADER_BYTES, decode, encode
 from kvstore.client import KVStoreClient
+from kvstore.core.blockframe import HEADER_BYTES, decode, encode
 from kvstore.keys import BlockKey
-from kvstore.testing import Daemon, start_daemon, start_redis
 from kvstore.tiers.redis_pool import block_key
+from kvstore.tools.testing import Daemon, start_daemon, start_redis
 from kvstore.units import GiB, KiB, MiB, parse_size
 
 NS_IO, NS_HOT = "l4-bench", "l4-bench-hot"

@@ -4,7 +4,7 @@ server on the same servicer shape (a 1,024-key Lookup; a Get that streams 32 x 2
 round by round, so the machine's drift hits both alike.
 
 Prints `bench server_model_<figure>: aio <x> vs threads <y> = <ratio>x`. The result that chose
-grpc.aio for kvstore/server.py is in docs/operations.md.
+grpc.aio for kvstore/daemon/server.py is in docs/operations.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The store's own placement and eviction, for bench/trace_sim.py: the daemon's real pure
-index (`kvstore.index.Index`, no I/O), driven as the daemon drives it, with L2 alone or
+index (`kvstore.core.index.Index`, no I/O), driven as the daemon drives it, with L2 alone or
 with an L3 below it.
 
 Each block is one page of one byte, and the request index is the clock. Per request:
@@ -13,7 +13,7 @@ Each block is one page of one byte, and the request index is the clock. Per requ
 Where the daemon's mover demotes in the background to keep L2 below its watermark, here a
 put or a load that finds L2 short demotes first, synchronously, in the index's own order
 (`Index.pick`: leaf first, cold before hot), each demoted block taking L3 pages (evicting
-L3's own victims when L3 is full), as `kvstore.tiering` does; only when nothing can be
+L3's own victims when L3 is full), as `kvstore.daemon.tiering` does; only when nothing can be
 demoted does L2 evict. A Get's blocks must fit in L2 together, so a hit prefix counts up
 to L2's capacity.
 """
@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.entries import Entry, Tier
-from kvstore.index import Index
+from kvstore.core.index import Index
+from kvstore.core.pages import PageAllocator
+from kvstore.core.records import Entry
 from kvstore.keys import BlockKey
-from kvstore.pages import PageAllocator
+from kvstore.tier import Tier
 
 NAMESPACE = "sim"
 

@@ -43,7 +43,7 @@ import redis
 from figures import Figure, percentile
 
 from kvstore.client import KVStoreClient
-from kvstore.testing import start_daemon, start_redis
+from kvstore.tools.testing import start_daemon, start_redis
 from kvstore.units import KiB, MiB, parse_size
 
 ByteArray = npt.NDArray[np.uint8]

@@ -44,10 +44,10 @@ from figures import Figure, write_report
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import BlockKey
-from kvstore.testing import start_daemon
 from kvstore.tiers.base import IO_ALIGN_BYTES, Transfer
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.tools.testing import start_daemon
 from kvstore.units import GiB, KiB, MiB, parse_size
 
 OBJECT_BYTES = 2 * MiB

@@ -49,7 +49,7 @@ from figures import Figure, percentile, write_report  # noqa: E402
 
 from kvstore.client import KVStoreClient, KVStoreError  # noqa: E402
 from kvstore.keys import BlockKey  # noqa: E402
-from kvstore.testing import start_daemon, start_redis  # noqa: E402
+from kvstore.tools.testing import start_daemon, start_redis  # noqa: E402
 from kvstore.units import MiB, format_size, parse_size  # noqa: E402
 
 QUICK_REQUESTS = 300

@@ -19,7 +19,7 @@ Policies, each `access(request_index, hash_ids) -> the tier label of each hit bl
   does: lookup, load L3 blocks of the hit prefix, `lease` (touch) it, `prepare_store` /
   `complete_store` the rest, demoting to L3 when there is one; eviction is the index's
   own: leaf-first, LRU, but a block used again (read, put again, or put again soon after
-  its eviction) outlives blocks used once for HOT_TURNOVERS turnovers (`kvstore.lru`).
+  its eviction) outlives blocks used once for HOT_TURNOVERS turnovers (`kvstore.core.order`).
 - `FrequencyOraclePolicy`: offline, a ceiling for frequency-aware policies. Knows how many
   more requests will hold each block (not when): evicts the block with the fewest, the
   deeper on a tie, the least recent after that. No online policy knows this much about
@@ -50,7 +50,7 @@ from typing import Protocol
 from figures import Figure, write_report
 from sim_store import StorePolicy
 
-from kvstore.entries import Tier
+from kvstore.tier import Tier
 
 BLOCK_TOKENS = 512
 ONE_CACHE = Tier.DRAM.label  # the tier the one-cache policies stand for
@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# trace {args.trace}: {len(requests)} requests, {num_distinct} distinct blocks, "
           f"{sum(len(r.hash_ids) for r in requests)} block accesses")
     tiers = f"dram over an nvme {args.l3:g}x as large" if args.l3 else "one dram tier"
-    print("# store = kvstore.index.Index (leaf-first LRU, hot blocks first to stay), "
+    print("# store = kvstore.core.index.Index (leaf-first LRU, hot blocks first to stay), "
           f"{tiers}, 1 page per block")
     results = simulate(requests, [blocks for _, blocks in capacities], l3_factor=args.l3)
     figures: list[Figure] = []

@@ -1,14 +1,16 @@
 """What the client's verbs return: frozen dataclasses mirroring the proto responses, with tiers
-as names ("hbm", "dram", "nvme", "remote"; None for a miss) instead of enum numbers."""
+as names ("hbm", "dram", "nvme", "remote"; None for a miss) instead of enum numbers. A tier's
+figures are `kvstore.tier.TierStats`, the record the daemon itself counts into."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvstore.keys import BlockKey
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.tier import Tier, TierStats, tier_name
 
 from .errors import DataLoss
 
@@ -27,17 +29,7 @@ __all__ = [
     "tier_name",
 ]
 
-TIER_NAMES: dict[int, str] = {
-    pb.TIER_HBM: "hbm",
-    pb.TIER_DRAM: "dram",
-    pb.TIER_NVME: "nvme",
-    pb.TIER_REMOTE: "remote",
-}
-
-
-def tier_name(tier: int) -> str | None:
-    """ "hbm"/"dram"/"nvme"/"remote", or None for TIER_UNSPECIFIED (a miss)."""
-    return TIER_NAMES.get(tier)
+TIER_NAMES: dict[int, str] = {int(t): t.label for t in Tier}
 
 
 @dataclass(frozen=True)
@@ -90,63 +82,6 @@ class PinResult:
 @dataclass(frozen=True)
 class ReleaseResult:
     released: int
-
-
-@dataclass(frozen=True)
-class TierStats:
-    tier: str
-    enabled: bool
-    capacity_bytes: int
-    used_bytes: int
-    objects: int
-    hits: int
-    misses: int
-    bytes_in: int
-    bytes_out: int
-    evictions: int
-    page_size_bytes: int
-    free_pages: int
-    largest_free_run_pages: int
-    backend: str
-    """How the tier moves bytes: "shm", "cuda", "gds", "kvikio-compat", "posix"; "" when off."""
-    promotions: int
-    """Blocks copied up into this tier from a slower one."""
-    demotions: int
-    """Blocks moved down out of this tier under pressure."""
-    admissions_refused: int
-    """Blocks not admitted (admission policy, or no room)."""
-    checksum_failures: int
-    """Blocks read back damaged (dropped; a miss)."""
-    io_errors: int
-    """Reads or writes that failed (a miss, or not admitted)."""
-    queue_depth: int
-    """Transfers in flight now."""
-    read_seconds: float
-    """Time spent reading bytes_out."""
-    write_seconds: float
-    """Time spent writing bytes_in."""
-    state: str = ""
-    """L4's circuit breaker: "closed" (up), "open" (down, retrying with backoff) or
-    "half-open" (probing); "" for local tiers."""
-
-    @property
-    def read_bandwidth_bytes_s(self) -> float:
-        """bytes_out / read_seconds; 0.0 before any read time is recorded."""
-        return self.bytes_out / self.read_seconds if self.read_seconds > 0 else 0.0
-
-    @property
-    def write_bandwidth_bytes_s(self) -> float:
-        """bytes_in / write_seconds; 0.0 before any write time is recorded."""
-        return self.bytes_in / self.write_seconds if self.write_seconds > 0 else 0.0
-
-    @property
-    def used_fraction(self) -> float:
-        return self.used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
-
-    @property
-    def hit_rate(self) -> float | None:
-        lookups = self.hits + self.misses
-        return self.hits / lookups if lookups else None
 
 
 @dataclass(frozen=True)
@@ -236,32 +171,9 @@ def release_result(resp: pb.ReleaseResponse) -> ReleaseResult:
 
 
 def stats_result(resp: pb.StatsResponse) -> Stats:
+    names = [f.name for f in fields(TierStats) if f.name != "tier"]
     tiers = [
-        TierStats(
-            tier=tier_name(t.tier) or "unspecified",
-            enabled=t.enabled,
-            capacity_bytes=t.capacity_bytes,
-            used_bytes=t.used_bytes,
-            objects=t.objects,
-            hits=t.hits,
-            misses=t.misses,
-            bytes_in=t.bytes_in,
-            bytes_out=t.bytes_out,
-            evictions=t.evictions,
-            page_size_bytes=t.page_size_bytes,
-            free_pages=t.free_pages,
-            largest_free_run_pages=t.largest_free_run_pages,
-            backend=t.backend,
-            promotions=t.promotions,
-            demotions=t.demotions,
-            admissions_refused=t.admissions_refused,
-            checksum_failures=t.checksum_failures,
-            io_errors=t.io_errors,
-            queue_depth=t.queue_depth,
-            read_seconds=t.read_seconds,
-            write_seconds=t.write_seconds,
-            state=t.state,
-        )
+        TierStats(tier_name(t.tier) or "unspecified", **{n: getattr(t, n) for n in names})
         for t in resp.tiers
     ]
     return Stats(

@@ -23,13 +23,13 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from kvstore.admin import stats_view
 from kvstore.client import KVStoreClient, KVStoreError
-from kvstore.demo import DEFAULT_METRICS_PORT, DEFAULT_PORT, pick_port
 from kvstore.engine.errors import EngineError
 from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
-from kvstore.testing import wait_serving
+from kvstore.tools.admin import stats_view
+from kvstore.tools.demo import DEFAULT_METRICS_PORT, DEFAULT_PORT, pick_port
+from kvstore.tools.testing import wait_serving
 
 TURNS = (
     "What is the capital of France?",
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=max(100, Console().width))
     port, metrics_port = pick_port(args.port), pick_port(args.metrics_port)
-    cmd = [sys.executable, "-m", "kvstore.server", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvstore.daemon.server", "--port", str(port),
            "--metrics-port", str(metrics_port)]
     console.print(f"[bold]starting[/] {' '.join(['kvstore-server', *cmd[3:]])}")
     server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -82,8 +82,8 @@ CARRY = {
 # The modules whose import chains the GPU run needs; a failure here stops the run before
 # pytest would turn it into "0 tests ran".
 PREFLIGHT_IMPORTS = (
-    "grpc", "google.protobuf", "kvstore.proto.kvstore.v1.kvstore_pb2_grpc", "kvstore.testing",
-    "kvstore.client", "kvstore.server", "kvstore.tiers.hbm", "kvstore.tiers.dram",
+    "grpc", "google.protobuf", "kvstore.proto.kvstore.v1.kvstore_pb2_grpc", "kvstore.tools.testing",
+    "kvstore.client", "kvstore.daemon.server", "kvstore.tiers.hbm", "kvstore.tiers.dram",
     "kvstore.tiers.nvme", "kvstore.kernels.cuda", "kvstore.engine.llm",
 )
 

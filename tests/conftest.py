@@ -1,4 +1,4 @@
-"""Shared fixtures: a real kvstore-server subprocess on a free port (kvstore.testing); GPU
+"""Shared fixtures: a real kvstore-server subprocess on a free port (kvstore.tools.testing); GPU
 tests skip cleanly without CUDA."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon, start_daemon
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,8 @@
 """The one interface every slot tier implements: L1 HBM, L2 DRAM, L3 NVMe (DESIGN.md §4).
 
 A slot tier is an arena of `num_pages` pages of `page_size_bytes`; the index decides which
-pages hold what (kvstore.pages, kvstore.index), the tier only moves bytes. Moves are batched:
+pages hold what (kvstore.core.pages, kvstore.core.index), the tier only moves bytes. Moves are
+batched:
 `read` and `write` take a list of transfers and return one result per transfer, None for
 success or the OSError that failed it, so one bad block is a miss for that block alone.
 
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.pages import PageRun
+from kvstore.extents import PageRun
 
 IO_ALIGN_BYTES = 4096  # O_DIRECT and GPUDirect Storage block size
 

@@ -14,14 +14,13 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.pages import PageRun
+from kvstore.extents import Extent, PageRun
 from kvstore.shm import Segment, create_segment, list_segments, remove_stale_segments
 from kvstore.tiers.base import Transfer, padded_size
 
 log = logging.getLogger(__name__)
 
-Extent = tuple[int, int]  # (byte offset in the segment, length in bytes)
-STALE_PREFIX = "kvstore-"  # automatic segment names start so (kvstore/store.py)
+STALE_PREFIX = "kvstore-"  # automatic segment names start so (kvstore/daemon/store.py)
 
 
 class DramTier:

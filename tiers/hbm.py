@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvstore.pages import PageRun
+from kvstore.extents import PageRun
 from kvstore.tiers.base import Transfer
 
 if TYPE_CHECKING:

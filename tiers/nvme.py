@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvstore.pages import PageRun
+from kvstore.extents import PageRun
 from kvstore.tiers.base import IO_ALIGN_BYTES, Transfer, padded_size
 
 log = logging.getLogger(__name__)

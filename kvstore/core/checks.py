@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from kvstore.errors import InvalidArgument
+from kvstore.core.errors import InvalidArgument
 from kvstore.keys import BlockKey, InvalidKeyError, all_keys, check_key, check_namespace
 from kvstore.units import format_size
 

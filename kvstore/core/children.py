@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.entries import NUM_TIERS, Entry, Tier
+from kvstore.core.records import NUM_TIERS, Entry
 from kvstore.keys import BlockKey
+from kvstore.tier import Tier
 
 
 class ChildCounts:

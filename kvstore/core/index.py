@@ -5,7 +5,8 @@ LRU manager: `prepare_store` reserves pages (evicting if it must), `complete_sto
 frees them. Reads lease entries (`lease`) until `release` or `expire`.
 
 Eviction takes the lowest-ranked *leaf* of a tier: LRU, but a hot block (used again, or put
-again soon after its eviction: `kvstore.recent`) outlives a block used once (`kvstore.lru`).
+again soon after its eviction: `kvstore.core.ghosts`) outlives a block used once
+(`kvstore.core.order`).
 An entry with a cached child (the next block of its prefix) goes only after that child, as
 in SGLang's radix cache; a copy in tier t is a leaf there when no child is cached in t or a
 faster tier, so a parent can be demoted to L3 after its child. Pinned, leased, moving and
@@ -17,13 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
-from kvstore.chains import ChildCounts
-from kvstore.entries import CommitResult, Entry, Lease, PlannedBlock, StorePlan, Tier
+from kvstore.core.children import ChildCounts
+from kvstore.core.ghosts import RecentKeys
+from kvstore.core.order import TierLru
+from kvstore.core.pages import AllocatorStats, PageAllocator
+from kvstore.core.records import CommitResult, Entry, Lease, PlannedBlock, StorePlan
+from kvstore.core.usage import UsageBook
+from kvstore.extents import PageRun
 from kvstore.keys import BlockKey
-from kvstore.lru import TierLru
-from kvstore.pages import AllocatorStats, PageAllocator, PageRun
-from kvstore.recent import RecentKeys
-from kvstore.usage import UsageBook
+from kvstore.tier import Tier
 
 Pages = tuple[PageRun, ...]
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping
 
-from kvstore.entries import Entry, Tier
+from kvstore.core.pages import PageAllocator
+from kvstore.core.records import Entry
 from kvstore.keys import BlockKey
-from kvstore.pages import PageAllocator
+from kvstore.tier import Tier
 
 # How many turnovers of its tier a hot block outlives a cold one by (bench/trace_sim.py:
 # 4 to 16 do about equally well on the Mooncake trace; 2 loses a third of the gain).

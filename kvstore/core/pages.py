@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import NamedTuple
 
-
-class PageRun(NamedTuple):
-    """`length` consecutive pages starting at page `start`."""
-
-    start: int
-    length: int
+from kvstore.extents import PageRun
 
 
 @dataclass(frozen=True)

@@ -1,36 +1,21 @@
 """The records the index and the store keep and hand out: tiers, entries, store plans,
 leases, put sessions, reservations, read results and stats.
 
-Pure data; `kvstore.index` and `kvstore.store` own every rule about them.
+Pure data; `kvstore.core.index` and `kvstore.daemon.store` own every rule about them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from kvstore.extents import Extent, PageRun
 from kvstore.keys import BlockKey
-from kvstore.pages import PageRun
+from kvstore.tier import Tier, TierStats
 
 if TYPE_CHECKING:
     import xxhash
 
-Extent = tuple[int, int]  # (byte offset in the L2 shared-memory segment, length in bytes)
-
-
-class Tier(IntEnum):
-    """Tiers, numbered as in the wire contract (`kvstore.v1.Tier`)."""
-
-    HBM = 1
-    DRAM = 2
-    NVME = 3
-    REMOTE = 4
-
-    @property
-    def label(self) -> str:
-        """The name operators see: "hbm", "dram", "nvme", "remote"."""
-        return self.name.lower()
 
 
 NUM_TIERS = len(Tier) + 1  # per-tier counters are indexed by tier number; slot 0 unused
@@ -119,40 +104,6 @@ class Lease:
     lease_id: str
     entries: list[Entry]
     deadline: float
-
-
-@dataclass(slots=True)
-class TierStats:
-    """One tier's figures, as in the wire contract's TierStats."""
-
-    tier: str
-    enabled: bool
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-    objects: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_in: int = 0  # written into the tier
-    bytes_out: int = 0  # read out of the tier
-    evictions: int = 0
-    page_size_bytes: int = 0
-    free_pages: int = 0
-    largest_free_run_pages: int = 0
-    backend: str = ""
-    promotions: int = 0
-    demotions: int = 0
-    admissions_refused: int = 0
-    checksum_failures: int = 0
-    io_errors: int = 0
-    queue_depth: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-    state: str = ""  # L4's circuit breaker: "closed" (up), "open" (down) or "half-open"
-
-    @property
-    def available(self) -> bool:
-        """Enabled and reachable (L4's breaker closed)."""
-        return self.enabled and self.state in ("", "closed")
 
 
 @dataclass(slots=True)

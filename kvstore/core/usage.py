@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.entries import Entry, Tier
+from kvstore.core.records import Entry
+from kvstore.tier import Tier
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from kvstore.config_tiers import tier_problems
+from kvstore.daemon.config_tiers import tier_problems
 from kvstore.shm import check_shm_name
 from kvstore.units import GiB, KiB, MiB, format_size, parse_size
 

@@ -1,5 +1,5 @@
 """Validation rules of the tier sections of the config (hbm, nvme, movers, remote, and every
-tier's page size); the rest of the rules and the loading live in kvstore.config. Pure."""
+tier's page size); the rest of the rules and the loading live in kvstore.daemon.config. Pure."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvstore.units import KiB
 
 if TYPE_CHECKING:
-    from kvstore.config import Config
+    from kvstore.daemon.config import Config
 
 
 def tier_problems(cfg: Config) -> list[tuple[str, str]]:

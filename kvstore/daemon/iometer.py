@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvstore.entries import TierStats
+from kvstore.tier import TierStats
 from kvstore.tiers.base import Transfer
 
 

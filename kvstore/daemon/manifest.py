@@ -35,8 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.extents import PageRun
 from kvstore.keys import KEY_BYTES, check_key, check_namespace
-from kvstore.pages import PageRun
 
 log = logging.getLogger(__name__)
 

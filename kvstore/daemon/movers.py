@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kvstore.tiering import Tiering
+from kvstore.daemon.tiering import Tiering
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Prefetch: bring a prefix chain of blocks up to a target tier, reporting as keys get ready.
 
 Keys are loaded in key order (root first) with up to `window` loads in flight, through the
-same coalescing loads as Get (kvstore.tiering), so a key that a Get or another Prefetch is
+same coalescing loads as Get (kvstore.daemon.tiering), so a key that a Get or another Prefetch is
 already loading is waited for, not read twice. Progress is yielded whenever the caller would
 otherwise wait, and at the end. At the deadline the last message carries the ready prefix
 and `deadline_exceeded`; loads not yet started are never started. When `cancelled()` turns
@@ -15,10 +15,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from kvstore.entries import Tier
-from kvstore.index import Index
+from kvstore.core.index import Index
+from kvstore.daemon.tiering import Load, Tiering
 from kvstore.keys import BlockKey
-from kvstore.tiering import Load, Tiering
+from kvstore.tier import Tier
 
 _POLL_S = 0.05  # how often a wait looks at the deadline and the caller
 

@@ -1,7 +1,7 @@
 """The put side of the store: two-phase puts (plan -> write -> commit, or abort), Reserve for
 clients that write shared memory themselves, and imports of blocks fetched from L4.
 
-A mixin of kvstore.store.Store, kept apart only for size: it uses the store's lock, index,
+A mixin of kvstore.daemon.store.Store, kept apart only for size: it uses the store's lock, index,
 tiers and counters, declared below for the type checker.
 """
 
@@ -13,22 +13,16 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
-from kvstore import checks
-from kvstore.config import Config
-from kvstore.entries import (
-    CommitResult,
-    Extent,
-    PutSession,
-    Reservation,
-    StorePlan,
-    Tier,
-    TierStats,
-)
-from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstore.index import Index
+from kvstore.core import checks
+from kvstore.core.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.core.index import Index
+from kvstore.core.records import CommitResult, PutSession, Reservation, StorePlan
+from kvstore.daemon.config import Config
+from kvstore.daemon.remote import Remote
+from kvstore.daemon.tiering import Tiering
+from kvstore.extents import Extent
 from kvstore.keys import BlockKey
-from kvstore.remote import Remote
-from kvstore.tiering import Tiering
+from kvstore.tier import Tier, TierStats
 from kvstore.tiers.dram import DramTier
 from kvstore.units import format_size
 

@@ -5,7 +5,7 @@ Write-through: a committed block is offered to a queue bounded in bytes (`remote
 and a put never waits: past the bound the block is skipped and counted. A writer thread takes
 batches, asks Redis which blocks it already has (one pipelined EXISTS), and for the rest reads
 the bytes from their L2 pages (the entries are held busy meanwhile, so the pages stay put),
-frames them (kvstore.blockframe: checksummed, lz4 when it pays) and SETs them with the TTL.
+frames them (kvstore.core.blockframe: checksummed, lz4 when it pays) and SETs them with the TTL.
 
 Reads: the store asks `exists` (Lookup) and `fetch` (Get, Prefetch, pre-warm) for keys no local
 tier has; fetched blocks are verified (a bad frame is a miss, deleted from Redis) and the store
@@ -24,12 +24,13 @@ from dataclasses import replace
 from functools import partial
 from typing import TypeVar
 
-from kvstore.blockframe import FrameError, decode, encode
-from kvstore.breaker import Breaker
-from kvstore.config import RemoteConfig
-from kvstore.entries import Entry, PrewarmState, Tier, TierStats
-from kvstore.index import Index
+from kvstore.core.blockframe import FrameError, decode, encode
+from kvstore.core.breaker import Breaker
+from kvstore.core.index import Index
+from kvstore.core.records import Entry, PrewarmState
+from kvstore.daemon.config import RemoteConfig
 from kvstore.keys import BlockKey
+from kvstore.tier import Tier, TierStats
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS, RedisPool, RemoteUnavailable
 

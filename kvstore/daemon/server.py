@@ -2,7 +2,7 @@
 
 A thread-pool server was chosen over grpc.aio by measurement (bench/server_model_bench.py,
 docs/operations.md): lower Lookup latency, equal streaming bandwidth. The store is
-thread-safe (one lock). The servicer itself is kvstore/servicer.py.
+thread-safe (one lock). The servicer itself is kvstore/daemon/servicer.py.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
-from kvstore.config import Config, ConfigError, add_arguments, config_from_args
-from kvstore.errors import StartupError
-from kvstore.metrics import Metrics
-from kvstore.servicer import SERVICE_NAME, KVStoreServicer, handlers
-from kvstore.store import Store
+from kvstore.core.errors import StartupError
+from kvstore.daemon.config import Config, ConfigError, add_arguments, config_from_args
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.servicer import SERVICE_NAME, KVStoreServicer, handlers
+from kvstore.daemon.store import Store
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.daemon.server")
 
 
 def _set_health(health_servicer: health.HealthServicer, status: int) -> None:

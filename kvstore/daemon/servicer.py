@@ -18,22 +18,23 @@ from typing import Any
 import grpc
 
 from kvstore import __version__
-from kvstore.config import config_to_dict
-from kvstore.entries import StoreStats, Tier
-from kvstore.errors import (
+from kvstore.core.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
-from kvstore.metrics import Metrics
+from kvstore.core.records import StoreStats
+from kvstore.daemon.config import config_to_dict
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.store import Store
 from kvstore.proto.frames import data_frame, data_of
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.shm import host_id
-from kvstore.store import Store
+from kvstore.tier import Tier
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.daemon.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 _STATUS = {

@@ -1,7 +1,7 @@
 """The store: validates requests, composes the index with the tiers, owns leases and counters.
 
 Every public method checks its input first and raises a typed error naming the field
-(kvstore.errors), so a bad request never reaches the index or a tier and never damages
+(kvstore.core.errors), so a bad request never reaches the index or a tier and never damages
 stored data. Puts are two-phase (plan → write → commit, or abort); reads hold a lease while
 bytes are copied out, so the pages under a reader are never reused.
 """
@@ -15,27 +15,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
-from kvstore import checks
-from kvstore.config import Config
-from kvstore.entries import (
-    Entry,
-    EvictResult,
-    PrewarmState,
-    ReadResult,
-    StoreStats,
-    Tier,
-    TierStats,
-)
-from kvstore.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstore.index import Index
+from kvstore.core import checks
+from kvstore.core.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.core.index import Index
+from kvstore.core.pages import PageAllocator
+from kvstore.core.records import Entry, EvictResult, PrewarmState, ReadResult, StoreStats
+from kvstore.daemon.config import Config
+from kvstore.daemon.movers import Mover
+from kvstore.daemon.prefetch import PrefetchProgress, prefetch
+from kvstore.daemon.puts import Puts
+from kvstore.daemon.remote import Remote
+from kvstore.daemon.tier_setup import open_tiers
+from kvstore.daemon.tiering import Load, Tiering
 from kvstore.keys import BlockKey
-from kvstore.movers import Mover
-from kvstore.pages import PageAllocator
-from kvstore.prefetch import PrefetchProgress, prefetch
-from kvstore.puts import Puts
-from kvstore.remote import Remote
-from kvstore.tier_setup import open_tiers
-from kvstore.tiering import Load, Tiering
+from kvstore.tier import Tier, TierStats
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS
 from kvstore.units import format_size
@@ -252,7 +245,7 @@ class Store(Puts):
         self, namespace: str, keys: Sequence[bytes], target: Tier | None,
         deadline_s: float | None = None, cancelled: Callable[[], bool] = lambda: False,
     ) -> Iterator[PrefetchProgress]:
-        """Bring keys up to target (default: the highest enabled tier); see kvstore.prefetch.
+        """Bring keys up to target (default: the highest enabled tier); see kvstore.daemon.prefetch.
         Input is checked here, before the first progress message."""
         checked = self._check_keys(namespace, keys)
         tiers = self._opened.tiers

@@ -14,10 +14,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.config import Config
-from kvstore.entries import Tier
-from kvstore.errors import StartupError
-from kvstore.manifest import Manifest
+from kvstore.core.errors import StartupError
+from kvstore.daemon.config import Config
+from kvstore.daemon.manifest import Manifest
+from kvstore.tier import Tier
 from kvstore.tiers.base import SlotTier
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.redis_pool import RedisPool
@@ -135,7 +135,7 @@ def _open_nvme(config: Config, opened: OpenTiers) -> None:
 
 def _open_remote(config: Config, opened: OpenTiers) -> None:
     """The L4 pool. Redis itself may be down now: that is L4's degraded mode, not a failed
-    start (kvstore.remote retries with backoff)."""
+    start (kvstore.daemon.remote retries with backoff)."""
     if Tier.DRAM not in opened.tiers:
         raise StartupError("remote.url needs the L2 tier (dram.enabled=true): blocks fetched "
                            "from L4 land in L2")

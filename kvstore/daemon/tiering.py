@@ -23,12 +23,13 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstore.config import Config
-from kvstore.entries import Entry, Tier, TierStats
-from kvstore.index import Index, Pages
-from kvstore.iometer import IoMeter
+from kvstore.core.index import Index, Pages
+from kvstore.core.records import Entry
+from kvstore.daemon.config import Config
+from kvstore.daemon.iometer import IoMeter
+from kvstore.daemon.manifest import Manifest, ManifestRecord
 from kvstore.keys import BlockKey
-from kvstore.manifest import Manifest, ManifestRecord
+from kvstore.tier import Tier, TierStats
 from kvstore.tiers.base import SlotTier, Transfer
 from kvstore.tiers.dram import DramTier
 

@@ -43,6 +43,7 @@ from kvstore.client import (
     prefix_keys,
 )
 from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.tier import TIER_LABELS
 from kvstore.units import format_size, parse_size
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--watch", type=_positive_float, metavar="SECONDS", help="refresh period")
 
     evict = sub.add_parser("evict", help="evict named keys, a number of bytes, or everything")
-    evict.add_argument("--tier", choices=("hbm", "dram", "nvme", "remote"), help="default: all")
+    evict.add_argument("--tier", choices=TIER_LABELS, help="default: all")
     evict.add_argument("--bytes", type=_size, default=0, metavar="SIZE", help='e.g. "64MiB"')
     evict.add_argument("--all", action="store_true", help="everything evictable")
     evict.add_argument("--key", type=_key, action="append", default=[], metavar="HEX")

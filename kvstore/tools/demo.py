@@ -25,9 +25,9 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from kvstore.admin import stats_view
 from kvstore.client import KVStoreClient, KVStoreError, prefix_keys
-from kvstore.testing import free_port, wait_serving
+from kvstore.tools.admin import stats_view
+from kvstore.tools.testing import free_port, wait_serving
 
 DEFAULT_PORT, DEFAULT_METRICS_PORT = 50051, 9400
 BLOCK_SIZE = 16  # tokens per block
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.port, args.metrics_port) != (port, metrics_port) and args.port and args.metrics_port:
         console.print(f"[yellow]ports {args.port}/{args.metrics_port} busy; using {port} and "
                       f"{metrics_port}[/]")
-    cmd = [sys.executable, "-m", "kvstore.server", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvstore.daemon.server", "--port", str(port),
            "--metrics-port", str(metrics_port), "--dram-capacity", args.dram_capacity]
     console.print(f"[bold]starting[/] {' '.join(['kvstore-server', *cmd[3:]])}")
     server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})

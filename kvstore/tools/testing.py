@@ -2,7 +2,8 @@
 each on a free loopback port, started, waited for and stopped. No mocks: what runs is what
 ships.
 
-Used by tests/conftest.py, bench/ and kvstore/demo.py; not imported by the daemon or the client.
+Used by tests/conftest.py, bench/ and kvstore/tools/demo.py; not imported by the daemon or the
+client.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def start_daemon(workdir: Path, *settings: str, env: dict[str, str] | None = Non
     until it is SERVING. Its output goes to a log file in workdir."""
     port, metrics_port = free_port(), free_port()
     log_path = workdir / f"kvstore-server-{port}.log"
-    args = [sys.executable, "-m", "kvstore.server", "--port", str(port),
+    args = [sys.executable, "-m", "kvstore.daemon.server", "--port", str(port),
             "--metrics-port", str(metrics_port)]
     # L3 lives in workdir and is small unless settings say otherwise (later --set wins).
     defaults = (f"nvme.dir={workdir / f'l3-{port}'}", "nvme.capacity_bytes=64MiB")

@@ -18,7 +18,7 @@ def test_demo_runs_verifies_blocks_and_cleans_up() -> None:
     env["COLUMNS"] = "200"  # rich: keep lines and table rows whole in captured output
     env["KVSTORE_NVME_CAPACITY_BYTES"] = "64MiB"  # the 4 GiB default L3 file is not needed
     done = subprocess.run(
-        [sys.executable, "-m", "kvstore.demo", "--requests", "8", "--block-bytes", "65536",
+        [sys.executable, "-m", "kvstore.tools.demo", "--requests", "8", "--block-bytes", "65536",
          "--port", "0", "--metrics-port", "0"],  # not the defaults: `make run` may be running
         capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
     )

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstore.config import ConfigError, load_config
+from kvstore.daemon.config import ConfigError, load_config
 from tests.e2e.helm_render import (
     CHART_DIR,
     KUBE_VERSION,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.testing import free_port
+from kvstore.tools.testing import free_port
 from tests.conftest import REPO
 from tests.e2e.house_format import check_report, printed_figures
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.client import KVStoreClient, prefix_keys
-from kvstore.testing import Daemon, free_port, start_daemon
+from kvstore.tools.testing import Daemon, free_port, start_daemon
 from tests.conftest import REPO
 
 CAPACITY = 8 << 20
@@ -40,7 +40,7 @@ def kv(daemon: Daemon) -> Iterator[KVStoreClient]:
 
 def admin(target: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    return subprocess.run([sys.executable, "-m", "kvstore.admin", "--target", target, *args],
+    return subprocess.run([sys.executable, "-m", "kvstore.tools.admin", "--target", target, *args],
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
 
 
@@ -193,7 +193,7 @@ def test_stats_watch_refreshes_until_interrupted(daemon: Daemon, kv: KVStoreClie
     up in the next lines, and Ctrl-C (SIGINT) ends it with exit code 0."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     watch = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.admin", "--target", daemon.target, "stats",
+        [sys.executable, "-m", "kvstore.tools.admin", "--target", daemon.target, "stats",
          "--watch", "0.1", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
     )

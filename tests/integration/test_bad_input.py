@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from kvstore.testing import Daemon
+from kvstore.tools.testing import Daemon
 
 NS = "bad-input"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -14,7 +14,7 @@ from kvstore.client import KVStoreClient
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.shm import attach_segment
-from kvstore.testing import Daemon
+from kvstore.tools.testing import Daemon
 
 NS = "checksums"
 SIZE = 100_000

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvstore.client import KVStoreClient, prefix_keys
-from kvstore.testing import Daemon
+from kvstore.tools.testing import Daemon
 
 BLOCK_BYTES = 96 * 1024
 

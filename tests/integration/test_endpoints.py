@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.client import KVStoreClient
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from kvstore.testing import Daemon, free_port, start_daemon
+from kvstore.tools.testing import Daemon, free_port, start_daemon
 from tests.conftest import REPO
 
 CAPACITY = 8 << 20
@@ -153,7 +153,7 @@ def test_a_bad_config_value_exits_2_naming_the_setting(setting: str, named: str,
                                                        says: str) -> None:
     port = free_port()
     done = subprocess.run(
-        [sys.executable, "-m", "kvstore.server", "--port", str(port),
+        [sys.executable, "-m", "kvstore.daemon.server", "--port", str(port),
          "--metrics-port", str(free_port()), "--set", setting],
         capture_output=True, text=True, timeout=60, cwd=REPO,
         env={k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")},
@@ -178,7 +178,7 @@ def test_a_busy_port_exits_2_and_leaves_no_segment(busy: str) -> None:
         metrics_port = busy_port if busy == "metrics" else free_port()
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "kvstore.server", "--port", str(port),
+                [sys.executable, "-m", "kvstore.daemon.server", "--port", str(port),
                  "--metrics-port", str(metrics_port), "--set", "dram.capacity_bytes=4MiB",
                  "--set", "nvme.capacity_bytes=64MiB"],
                 capture_output=True, text=True, timeout=60, cwd=REPO,

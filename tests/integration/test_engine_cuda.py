@@ -16,7 +16,7 @@ from kvstore.engine.connector import StoreConnector
 from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
 from kvstore.kernels import ops_for
-from kvstore.testing import Daemon
+from kvstore.tools.testing import Daemon
 from tests.engine.models import save_random
 
 pytestmark = pytest.mark.gpu

@@ -23,7 +23,7 @@ from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
 from kvstore.kernels import gather_blocks
 from kvstore.keys import prefix_keys
-from kvstore.testing import Daemon, RedisServer, start_redis_on
+from kvstore.tools.testing import Daemon, RedisServer, start_redis_on
 from tests.conftest import REPO
 from tests.engine.models import save_tiny
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import FailedPrecondition, KVStoreClient, ResourceExhausted
-from kvstore.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon, start_daemon
 
 PAGE = 64 << 10
 NUM_PAGES = 16

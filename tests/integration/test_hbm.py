@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.pages import PageRun
+from kvstore.extents import PageRun
 from kvstore.tiers.base import Transfer
 from kvstore.tiers.hbm import HbmTier, HbmUnavailable, Piece, cuda_available, split_transfer
 from tests.conftest import _cuda_available as conftest_sees_gpu

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient, KVStoreError, Retry, TierStats
-from kvstore.manifest import HEADER_BYTES, JOURNAL_NAME
-from kvstore.testing import Daemon, free_port
+from kvstore.daemon.manifest import HEADER_BYTES, JOURNAL_NAME
+from kvstore.tools.testing import Daemon, free_port
 
 PAGE = 64 << 10
 NS = "l3faults"
@@ -108,7 +108,7 @@ def readopted(daemon: Daemon) -> int:
 
 
 def journal_commits(journal: Path) -> list[tuple[int, bytes]]:
-    """(offset, key) of each COMMIT record in the journal (format: kvstore/manifest.py)."""
+    """(offset, key) of each COMMIT record in the journal (format: kvstore/daemon/manifest.py)."""
     data, at, out = journal.read_bytes(), HEADER_BYTES, []
     while at + 8 <= len(data):
         length, _crc = struct.unpack_from("<II", data, at)
@@ -385,7 +385,7 @@ def test_second_daemon_on_the_same_l3_folder_exits_2_naming_nvme_dir(
     size_bytes = (l3 / "l3.data").stat().st_size
 
     # A different capacity: had it opened the file, it would have resized the first's.
-    args = [sys.executable, "-m", "kvstore.server", "--port", str(free_port()),
+    args = [sys.executable, "-m", "kvstore.daemon.server", "--port", str(free_port()),
             "--metrics-port", str(free_port())]
     for setting in (*SMALL, "nvme.capacity_bytes=8MiB", f"nvme.dir={l3}"):
         args += ["--set", setting]

@@ -16,7 +16,7 @@ import pytest
 from kvstore.client import KVStoreClient, Stats
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from kvstore.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon, start_daemon
 
 PAGE = 64 << 10
 NUM_PAGES = 16

@@ -15,7 +15,14 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from kvstore.testing import (
+from kvstore.tiers.redis_pool import (
+    HOT_MAX_MEMBERS,
+    RedisPool,
+    RemoteUnavailable,
+    block_key,
+    hot_key,
+)
+from kvstore.tools.testing import (
     RedisClusterServers,
     RedisServer,
     free_port,
@@ -24,13 +31,6 @@ from kvstore.testing import (
     start_redis_on,
     start_redis_tls,
     start_redis_with_password,
-)
-from kvstore.tiers.redis_pool import (
-    HOT_MAX_MEMBERS,
-    RedisPool,
-    RemoteUnavailable,
-    block_key,
-    hot_key,
 )
 
 

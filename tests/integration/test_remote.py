@@ -21,7 +21,8 @@ import redis
 
 from kvstore.client import AsyncKVStoreClient, HotResult, KVStoreClient, PrewarmResult
 from kvstore.client.results import TierStats
-from kvstore.testing import (
+from kvstore.tiers.redis_pool import block_key
+from kvstore.tools.testing import (
     Daemon,
     RedisServer,
     start_redis_cluster,
@@ -29,7 +30,6 @@ from kvstore.testing import (
     start_redis_tls,
     start_redis_with_password,
 )
-from kvstore.tiers.redis_pool import block_key
 from tests.conftest import REPO
 
 PAGE = 64 << 10
@@ -189,7 +189,7 @@ def test_prewarm_pulls_the_hottest_blocks_before_serving(
     assert kd.lookup(keys).tiers == ["dram"] * 8
     assert kd.evict(all=True).evicted == 8
     out = subprocess.run(
-        [sys.executable, "-m", "kvstore.admin", "--target", d.target, "prewarm",
+        [sys.executable, "-m", "kvstore.tools.admin", "--target", d.target, "prewarm",
          "--bytes", "64MiB"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "prewarmed 8 blocks" in out.stdout, out.stdout

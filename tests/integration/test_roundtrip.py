@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import AsyncKVStoreClient, KVStoreClient, prefix_keys
-from kvstore.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon, start_daemon
 
 KiB, MiB = 1 << 10, 1 << 20
 # Page-sized, off-by-one around pages (64 KiB) and 4 KiB, and objects that need two and three

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.pages import PageRun
+from kvstore.extents import PageRun
 from kvstore.tiers import nvme
 from kvstore.tiers.base import SlotTier, Transfer, padded_size
 from kvstore.tiers.dram import DramTier

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.config import load_config
-from kvstore.entries import Tier
-from kvstore.errors import FailedPrecondition
+from kvstore.core.errors import FailedPrecondition
+from kvstore.daemon.config import load_config
+from kvstore.daemon.store import Store
 from kvstore.keys import BlockKey
-from kvstore.store import Store
+from kvstore.tier import Tier
 
 PAGE = 64 << 10
 NS = "tiering"

@@ -17,7 +17,7 @@ import pytest
 from kvstore.client import FailedPrecondition, KVStoreClient
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.testing import Daemon, free_port
+from kvstore.tools.testing import Daemon, free_port
 
 PAGE = 64 << 10
 SMALL = ("dram.capacity_bytes=2MiB", "dram.page_size_bytes=64KiB", "nvme.capacity_bytes=16MiB",
@@ -110,7 +110,7 @@ def test_demanding_l1_without_cuda_stops_the_daemon_with_the_setting_named(
     if cuda_available():
         pytest.skip("this host has CUDA: hbm.mode=on starts")
     done = subprocess.run(
-        [sys.executable, "-m", "kvstore.server", "--port", str(free_port()), "--set",
+        [sys.executable, "-m", "kvstore.daemon.server", "--port", str(free_port()), "--set",
          "hbm.mode=on", "--set", f"nvme.dir={tmp_path}", "--set", "metrics.enabled=false"],
         capture_output=True, text=True, timeout=60,
     )

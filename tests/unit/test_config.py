@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import (
+from kvstore.daemon.config import (
     Config,
     ConfigError,
     add_arguments,

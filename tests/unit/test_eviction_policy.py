@@ -1,5 +1,5 @@
-"""The index's eviction policy (kvstore.lru, kvstore.recent): LRU where a block used again
-outlives blocks used once, for a bounded time; keys evicted lately come back hot; a put
+"""The index's eviction policy (kvstore.core.order, kvstore.core.ghosts): LRU where a block used
+again outlives blocks used once, for a bounded time; keys evicted lately come back hot; a put
 never evicts its own cached keys. Plain LRU order and leaf-first are in test_index.py."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from kvstore.entries import Tier
-from kvstore.index import Index
+from kvstore.core.ghosts import RecentKeys
+from kvstore.core.index import Index
+from kvstore.core.order import HOT_TURNOVERS
 from kvstore.keys import BlockKey
-from kvstore.lru import HOT_TURNOVERS
-from kvstore.recent import RecentKeys
+from kvstore.tier import Tier
 from tests.unit.test_index import FAR, NS, key, make_index, names, prepare, put, stored
 
 

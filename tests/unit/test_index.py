@@ -23,11 +23,13 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvstore.entries import CommitResult, Entry, StorePlan, Tier
-from kvstore.index import Index
+from kvstore.core.index import Index
+from kvstore.core.order import eviction_rank
+from kvstore.core.pages import PageAllocator
+from kvstore.core.records import CommitResult, Entry, StorePlan
+from kvstore.extents import PageRun
 from kvstore.keys import BlockKey
-from kvstore.lru import eviction_rank
-from kvstore.pages import PageAllocator, PageRun
+from kvstore.tier import Tier
 
 PAGE_BYTES = 100
 NS = "ns"

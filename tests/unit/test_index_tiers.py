@@ -7,9 +7,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvstore.entries import Entry, Tier
-from kvstore.index import Index
-from kvstore.pages import PageRun
+from kvstore.core.index import Index
+from kvstore.core.records import Entry
+from kvstore.extents import PageRun
+from kvstore.tier import Tier
 from tests.unit.test_index import key, make_index, names, put
 
 D, N, H = Tier.DRAM, Tier.NVME, Tier.HBM

@@ -7,8 +7,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvstore.entries import TierStats
-from kvstore.iometer import IoMeter
+from kvstore.daemon.iometer import IoMeter
+from kvstore.tier import TierStats
 from kvstore.tiers.base import Transfer
 
 ONE = [Transfer((), 1, [memoryview(b"x")])]

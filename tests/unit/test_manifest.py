@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.manifest import (
+from kvstore.daemon.manifest import (
     HEADER_BYTES,
     JOURNAL_NAME,
     SNAPSHOT_NAME,
@@ -31,7 +31,7 @@ from kvstore.manifest import (
     Manifest,
     ManifestRecord,
 )
-from kvstore.pages import PageRun
+from kvstore.extents import PageRun
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE_SIZE = 4096
@@ -489,7 +489,7 @@ def test_overlaps_resolve_as_a_naive_replay_would(ops: list[tuple[str, int, set[
 CHILD_APPENDS = """
 import sys
 from pathlib import Path
-from kvstore.manifest import Manifest
+from kvstore.daemon.manifest import Manifest
 from tests.unit.test_manifest import KILL_NUM_PAGES, counter_record
 
 manifest = Manifest(Path(sys.argv[1]), 4096, KILL_NUM_PAGES)
@@ -553,7 +553,7 @@ def test_sigkill_mid_append_loses_nothing_but_the_tail(tmp_path: Path) -> None:
 CHILD_FILLS_DISK = """
 import os, resource, signal, sys
 from pathlib import Path
-from kvstore.manifest import Manifest
+from kvstore.daemon.manifest import Manifest
 from tests.unit.test_manifest import KILL_NUM_PAGES, counter_record
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # exceeding RLIMIT_FSIZE then fails with EFBIG

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvstore.metrics import Metrics, TierStatsLike
+from kvstore.daemon.metrics import Metrics, TierStatsLike
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def test_failing_stats_fn_is_logged_and_the_scrape_still_works(
     port = metrics.start_http("127.0.0.1", 0)
     try:
         metrics.observe_rpc("Lookup", "OK", 0.001)
-        with caplog.at_level(logging.ERROR, logger="kvstore.metrics"):
+        with caplog.at_level(logging.ERROR, logger="kvstore.daemon.metrics"):
             text = _scrape(port)
         assert 'kvstore_rpc_latency_seconds_count{code="OK",method="Lookup"} 1.0' in text
         assert "kvstore_tier_used_bytes{" not in text

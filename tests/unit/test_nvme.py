@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.pages import PageRun
+from kvstore.extents import PageRun
 from kvstore.tiers import nvme
 from kvstore.tiers.base import Transfer
 from kvstore.tiers.nvme import NvmeTier, split_iovecs
@@ -147,7 +147,7 @@ def test_failed_preallocation_leaves_a_sparse_file_and_a_warning(
 _TINY_TMPFS_SCRIPT = textwrap.dedent("""
     import json, logging, subprocess, sys
     from pathlib import Path
-    from kvstore.pages import PageRun
+    from kvstore.extents import PageRun
     from kvstore.tiers.base import Transfer
     from kvstore.tiers.nvme import NvmeTier
 

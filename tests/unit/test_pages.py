@@ -8,7 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstore.pages import AllocatorStats, PageAllocator, PageRun
+from kvstore.core.pages import AllocatorStats, PageAllocator
+from kvstore.extents import PageRun
 
 # --- helpers ---------------------------------------------------------------------------------
 

@@ -1,0 +1,17 @@
+"""Where a block's bytes lie: runs of pages in a slot tier, and byte extents in a segment.
+
+Shared by the core's page allocator, every tier and the daemon (value types, no logic).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+Extent = tuple[int, int]  # (byte offset in a segment, e.g. the L2 shared memory; length in bytes)
+
+
+class PageRun(NamedTuple):
+    """`length` consecutive pages starting at page `start`."""
+
+    start: int
+    length: int
