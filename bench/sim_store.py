@@ -41,23 +41,21 @@ class StorePolicy:
     def __init__(self, capacity_blocks: int, requests: Sequence[object] = (),
                  l3_blocks: int = 0) -> None:
         self._capacity = capacity_blocks
-        self._now = 0.0
         allocators = {Tier.DRAM: PageAllocator(capacity_blocks)}
         if l3_blocks > 0:
             allocators[Tier.NVME] = PageAllocator(l3_blocks)
-        self.index = Index(allocators, {t: 1 for t in allocators}, lambda: self._now)
+        self.index = Index(allocators, {t: 1 for t in allocators})
         self._tiered = l3_blocks > 0
         self._plans = 0
 
     def access(self, request_index: int, hash_ids: Sequence[int]) -> list[str]:
         """The tier label of each block of the hit prefix."""
-        self._now = float(request_index)
         keys = [block_key(h) for h in hash_ids[: self._capacity]]
         hits, tiers = self.index.lookup(NAMESPACE, keys)
         found = [self.index.get(NAMESPACE, key) for key in keys[:hits]]
         if self._tiered:
             self._load(found)
-        self.index.lease(None, NAMESPACE, keys[:hits], deadline=0.0)  # the engine's read
+        self.index.touch(NAMESPACE, keys[:hits])  # the engine's read
         if hits < len(keys):
             self._put(keys, hits)
         return [tier.label for tier in tiers[:hits] if tier is not None]
@@ -85,7 +83,7 @@ class StorePolicy:
         for entry in held:
             self.index.hold(entry)
         for entry in held:
-            if Tier.DRAM in entry.places:
+            if Tier.DRAM in entry.copies:
                 continue
             pages = self.index.alloc(Tier.DRAM, 1)
             if pages is None:
@@ -106,7 +104,7 @@ class StorePolicy:
             return
         for entry in self.index.pick(Tier.DRAM, pages):
             self.index.done(entry)
-            if Tier.NVME not in entry.places:
+            if Tier.NVME not in entry.copies:
                 l3 = self.index.alloc(Tier.NVME, 1)
                 if l3 is None and self.index.make_room(Tier.NVME, 1) is not None:
                     l3 = self.index.alloc(Tier.NVME, 1)

@@ -50,7 +50,7 @@ class _Bloom:
         return True
 
 
-class RecentKeys:
+class GhostFilter:
     """Approximately the last `span` to `2 * span` keys added (no false negatives), where
     span is `factor` times the live entries when a generation starts (at least min_span):
     a ghost of about two to four times what the index holds."""

@@ -1,8 +1,9 @@
 """The index: (namespace, key) -> entry, page ownership, leases, pins, leaf-first eviction.
 
-Pure: no I/O, no clock reads (the clock is passed in). Two-phase stores, as in vLLM's offload
+Pure: no I/O, no clock reads (deadlines are passed in). Two-phase stores, as in vLLM's offload
 LRU manager: `prepare_store` reserves pages (evicting if it must), `complete_store` commits or
-frees them. Reads lease entries (`lease`) until `release` or `expire`.
+frees them. Reads lease entries (`lease`) until `release` or `expire`; `touch` marks entries
+used (moved up in the eviction order, counted as seen) without holding them.
 
 Eviction takes the lowest-ranked *leaf* of a tier: LRU, but a hot block (used again, or put
 again soon after its eviction: `kvstore.core.ghosts`) outlives a block used once
@@ -11,16 +12,16 @@ An entry with a cached child (the next block of its prefix) goes only after that
 in SGLang's radix cache; a copy in tier t is a leaf there when no child is cached in t or a
 faster tier, so a parent can be demoted to L3 after its child. Pinned, leased, moving and
 uncommitted entries never go, nor the cached keys of a put while it makes room. An entry
-may have copies in several tiers (`Entry.places`); movers use `pick` .. `done`.
+may have copies in several tiers (`Entry.copies`); movers use `pick` .. `done`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from kvstore.core.children import ChildCounts
-from kvstore.core.ghosts import RecentKeys
-from kvstore.core.order import TierLru
+from kvstore.core.ghosts import GhostFilter
+from kvstore.core.order import EvictionOrder
 from kvstore.core.pages import AllocatorStats, PageAllocator
 from kvstore.core.records import CommitResult, Entry, Lease, PlannedBlock, StorePlan
 from kvstore.core.usage import UsageBook
@@ -35,20 +36,19 @@ class Index:
     """All entries of one daemon, their pages in each slot tier, and who holds them."""
 
     def __init__(self, allocators: Mapping[Tier, PageAllocator],
-                 page_size_bytes: Mapping[Tier, int], clock: Callable[[], float]) -> None:
+                 page_size_bytes: Mapping[Tier, int]) -> None:
         self._allocators = dict(allocators)
         self._page_size = dict(page_size_bytes)
-        self._clock = clock
         self._entries: dict[str, dict[BlockKey, Entry]] = {}  # namespace -> key -> entry
         self._num_entries = 0
         self._num_pinned = 0  # only set_pinned changes it: eviction never takes a pinned entry
-        self._lru = TierLru(allocators, self.get)
+        self._order = EvictionOrder(allocators, self.get)
         self._plans: dict[str, StorePlan] = {}
         self._leases: dict[str, Lease] = {}
         self._usage = UsageBook()
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
-        self._chains = ChildCounts(self.get)
-        self._recent = RecentKeys()  # keys removed lately: put again, they come back hot
+        self._children = ChildCounts(self.get)
+        self._ghosts = GhostFilter()  # keys removed lately: put again, they come back hot
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -95,7 +95,7 @@ class Index:
         return self._allocators[tier].free_pages
 
     def entries(self, tier: Tier | None = None) -> Iterator[Entry]:  # with a copy in tier
-        return (e for e in self._all_entries() if tier is None or tier in e.places)
+        return (e for e in self._all_entries() if tier is None or tier in e.copies)
 
     # --- two-phase store -------------------------------------------------------------------
 
@@ -129,14 +129,12 @@ class Index:
             entry.busy += 1
         evicted = self.make_room(tier, needed) if evict else (
             [] if allocator.free_pages >= needed else None)
-        now = self._clock()
         for entry in cached:  # a put of a cached key is a use: it counts, and refreshes it
             entry.busy -= 1
             if evicted is None:
-                self._lru.push(entry)
+                self._order.push(entry)
             else:
-                entry.seen += 1
-                self._lru.touch(entry, now, self._num_entries)
+                self._use(entry)
         if evicted is None:
             return None
         for block in blocks:
@@ -165,7 +163,6 @@ class Index:
             return CommitResult(0, 0)
         if checksums is None or len(checksums) != len(plan.blocks):
             raise ValueError(f"a commit needs one checksum per planned block ({len(plan.blocks)})")
-        now = self._clock()
         stored = 0
         for block, checksum in zip(plan.blocks, checksums, strict=True):
             if block.key in self._entries.get(plan.namespace, {}):
@@ -173,7 +170,7 @@ class Index:
                 continue
             entry = Entry(
                 plan.namespace, block.key, block.size_bytes, {plan.tier: block.pages}, checksum,
-                block.parent, last_access=now,
+                block.parent,
             )
             self._insert(entry)
             stored += 1
@@ -193,30 +190,38 @@ class Index:
 
     # --- reads and leases ------------------------------------------------------------------
 
-    def lease(self, lease_id: str | None, namespace: str, keys: Sequence[BlockKey],
+    def lease(self, lease_id: str, namespace: str, keys: Sequence[BlockKey],
               deadline: float, need: Tier | None = None) -> list[Entry | None]:
         """Touch and hold the entries of keys (None for a miss, or for an entry with no copy
-        in tier `need`) until release/expiry; with lease_id None only touch them. No lease
-        is recorded when nothing was found."""
-        if lease_id is not None and lease_id in self._leases:
+        in tier `need`) until release/expiry. No lease is recorded when nothing was found."""
+        if lease_id in self._leases:
             raise ValueError(f"lease {lease_id!r} exists")
-        now = self._clock()
+        found = self.touch(namespace, keys, need)
+        held = [entry for entry in found if entry is not None]
+        for entry in held:
+            entry.leases += 1
+        if held:
+            self._leases[lease_id] = Lease(lease_id, held, deadline)
+        return found
+
+    def touch(self, namespace: str, keys: Sequence[BlockKey],
+              need: Tier | None = None) -> list[Entry | None]:
+        """Mark the entries of keys used (each counted as seen once more, and the most recent
+        in the eviction order) without holding them; None for a miss, or for an entry with
+        no copy in tier `need`."""
         found: list[Entry | None] = []
-        held: list[Entry] = []
         for key in keys:
             entry = self.get(namespace, key)
-            if entry is not None and need is not None and need not in entry.places:
+            if entry is not None and need is not None and need not in entry.copies:
                 entry = None
             found.append(entry)
             if entry is not None:
-                if lease_id is not None:
-                    entry.leases += 1
-                    held.append(entry)
-                entry.seen += 1
-                self._lru.touch(entry, now, self._num_entries)
-        if held and lease_id is not None:
-            self._leases[lease_id] = Lease(lease_id, held, deadline)
+                self._use(entry)
         return found
+
+    def _use(self, entry: Entry) -> None:
+        entry.seen += 1
+        self._order.touch(entry, self._num_entries)
 
     def release(self, lease_id: str) -> bool:
         lease = self._leases.pop(lease_id, None)
@@ -224,7 +229,7 @@ class Index:
             return False
         for entry in lease.entries:
             entry.leases -= 1
-            self._lru.push(entry)
+            self._order.push(entry)
         return True
 
     # --- pins ------------------------------------------------------------------------------
@@ -240,7 +245,7 @@ class Index:
                 entry.pinned = pinned
                 self._num_pinned += 1 if pinned else -1
                 changed += 1
-                self._lru.push(entry)
+                self._order.push(entry)
         return changed, missing
 
     # --- eviction --------------------------------------------------------------------------
@@ -261,7 +266,7 @@ class Index:
             evicted.append(entry)
         return evicted, skipped
 
-    def evict_lru(self, tier: Tier, min_bytes: int | None,
+    def evict_in_order(self, tier: Tier, min_bytes: int | None,
                   namespace: str | None = None) -> list[Entry]:
         """Evict copies in tier, leaf first in eviction order (of one namespace, or all)
         until min_bytes are freed, or everything evictable when min_bytes is None."""
@@ -269,7 +274,7 @@ class Index:
         freed = 0
         others: list[Entry] = []
         while min_bytes is None or freed < min_bytes:
-            entry = self._lru.pop_victim(tier)
+            entry = self._order.pop_victim(tier)
             if entry is None:
                 break
             if namespace is not None and entry.namespace != namespace:
@@ -279,7 +284,7 @@ class Index:
             evicted.append(entry)
             freed += entry.size_bytes
         for entry in others:
-            self._lru.push(entry)
+            self._order.push(entry)
         return evicted
 
     def unevictable(self, namespace: str | None = None) -> int:
@@ -297,11 +302,11 @@ class Index:
         allocator = self._allocators[tier]
         evicted: list[tuple[Entry, Pages, int, bool]] = []
         while allocator.free_pages < needed_pages:
-            entry = self._lru.pop_victim(tier)
+            entry = self._order.pop_victim(tier)
             if entry is None:
                 self._restore(tier, evicted)
                 return None
-            pages, seq = entry.places[tier], entry.touch_seq
+            pages, seq = entry.copies[tier], entry.touch_seq
             evicted.append((entry, pages, seq, self._drop(entry, tier, counted=True)))
         return [entry for entry, *_ in evicted]
 
@@ -311,13 +316,13 @@ class Index:
             self._allocators[tier].take(pages)
             self.evictions[tier] -= 1
             if removed:
-                entry.places, entry.tier = {tier: pages}, tier
+                entry.copies, entry.tier = {tier: pages}, tier
                 self._link(entry)
             else:
                 self._add_place(entry, tier, pages)
-            entry.touch_seq = touch_seq  # back to its old place in the LRU order
+            entry.touch_seq = touch_seq  # back to its old place in the eviction order
             entry.in_heaps = 0
-            self._lru.push(entry)
+            self._order.push(entry)
 
     # --- moves between tiers (the store's movers and loads) --------------------------------
 
@@ -332,7 +337,7 @@ class Index:
     def pick(self, tier: Tier, max_bytes: int) -> list[Entry]:
         """Copies in tier to move elsewhere, leaf first in eviction order, about max_bytes of
         them (parents follow their picked children); each is busy (stays put) until done()."""
-        picked = self._lru.pick(tier, max_bytes)
+        picked = self._order.pick(tier, max_bytes)
         for entry in picked:
             entry.busy += 1
         return picked
@@ -343,12 +348,12 @@ class Index:
 
     def done(self, entry: Entry) -> None:
         entry.busy -= 1
-        self._lru.push(entry)
+        self._order.push(entry)
 
     def add_copy(self, entry: Entry, tier: Tier, pages: Pages) -> None:
         """A copy of entry now lies on pages of tier (allocated by alloc())."""
         self._add_place(entry, tier, pages)
-        self._lru.push(entry)
+        self._order.push(entry)
 
     def drop_copy(self, entry: Entry, tier: Tier, evicted: bool = False) -> bool:
         """Free entry's copy in tier (moved, or evicted); True when that was its last copy."""
@@ -371,31 +376,30 @@ class Index:
             self._allocators[tier].take(pages)
         except ValueError:
             return None
-        entry = Entry(namespace, key, size_bytes, {tier: pages}, checksum, parent,
-                      last_access=self._clock())
+        entry = Entry(namespace, key, size_bytes, {tier: pages}, checksum, parent)
         self._insert(entry)
         return entry
 
     # --- bookkeeping -----------------------------------------------------------------------
 
     def _insert(self, entry: Entry) -> None:
-        if (entry.namespace, entry.key) in self._recent:
+        if (entry.namespace, entry.key) in self._ghosts:
             entry.seen = 2  # its second use came after its eviction
         self._link(entry)
-        self._lru.touch(entry, entry.last_access, self._num_entries)
+        self._order.touch(entry, self._num_entries)
 
     def _link(self, entry: Entry) -> None:
         """Make entry visible: the map, usage, and parent/child counts."""
         self._entries.setdefault(entry.namespace, {})[entry.key] = entry
         self._num_entries += 1
-        for tier in entry.places:
+        for tier in entry.copies:
             self._usage.count(entry, tier, +1)
-        self._chains.link(entry)
+        self._children.link(entry)
 
     def _add_place(self, entry: Entry, tier: Tier, pages: Pages) -> None:
         before = entry.tier
-        entry.places[tier] = pages
-        entry.tier = min(entry.places)
+        entry.copies[tier] = pages
+        entry.tier = min(entry.copies)
         self._usage.count(entry, tier, +1)
         self._moved(entry, before)
 
@@ -404,26 +408,26 @@ class Index:
         that L2 holds); remove the entry when no copy is left. True when removed."""
         if counted:
             self.evictions[tier] += 1
-        if len(entry.places) == 1:
+        if len(entry.copies) == 1:
             self._remove(entry, counted=False)
             return True
-        if tier == Tier.DRAM and Tier.HBM in entry.places:
+        if tier == Tier.DRAM and Tier.HBM in entry.copies:
             self._drop(entry, Tier.HBM, counted=False)
-            if len(entry.places) == 1:  # only its L2 copy was left
+            if len(entry.copies) == 1:  # only its L2 copy was left
                 self._remove(entry, counted=False)
                 return True
         before = entry.tier
-        self._allocators[tier].free(entry.places.pop(tier))
-        entry.tier = min(entry.places)
+        self._allocators[tier].free(entry.copies.pop(tier))
+        entry.tier = min(entry.copies)
         self._usage.count(entry, tier, -1)
-        self._lru.forget(entry, tier)
+        self._order.forget(entry, tier)
         self._moved(entry, before)
         return False
 
     def _moved(self, entry: Entry, before: Tier) -> None:
-        parent = self._chains.moved(entry, before)
+        parent = self._children.moved(entry, before)
         if parent is not None:
-            self._lru.push(parent)  # a copy of the parent may have become a leaf
+            self._order.push(parent)  # a copy of the parent may have become a leaf
 
     def _remove(self, entry: Entry, counted: bool) -> None:
         bucket = self._entries[entry.namespace]
@@ -431,17 +435,17 @@ class Index:
         if not bucket:
             del self._entries[entry.namespace]
         self._num_entries -= 1
-        for tier, pages in entry.places.items():
+        for tier, pages in entry.copies.items():
             self._usage.count(entry, tier, -1)
             self._allocators[tier].free(pages)
             if counted:
                 self.evictions[tier] += 1
         entry.touch_seq = 0
         entry.in_heaps = 0
-        self._recent.add(entry.namespace, entry.key, self._num_entries)
-        parent = self._chains.unlink(entry)
+        self._ghosts.add(entry.namespace, entry.key, self._num_entries)
+        parent = self._children.unlink(entry)
         if parent is not None:
-            self._lru.push(parent)
+            self._order.push(parent)
 
     def _all_entries(self) -> Iterator[Entry]:
         for bucket in self._entries.values():

@@ -39,11 +39,11 @@ def eviction_rank(entry: Entry, tier: Tier, tier_pages: int) -> int:
     A hot entry gets a head start of HOT_TURNOVERS tiers full of copies its size."""
     rank = entry.touch_seq
     if entry.seen >= 2:
-        rank += HOT_TURNOVERS * tier_pages // sum(run.length for run in entry.places[tier])
+        rank += HOT_TURNOVERS * tier_pages // sum(run.length for run in entry.copies[tier])
     return rank
 
 
-class TierLru:
+class EvictionOrder:
     """One heap per tier over the copies kept there."""
 
     def __init__(self, allocators: Mapping[Tier, PageAllocator],
@@ -53,13 +53,12 @@ class TierLru:
         self._lookup = lookup
         self._touches = 0
 
-    def touch(self, entry: Entry, now: float, live_entries: int) -> None:
+    def touch(self, entry: Entry, live_entries: int) -> None:
         """Make entry the most recently used in every tier that holds a copy."""
         self._touches += 1
-        entry.last_access = now
         entry.touch_seq = self._touches
         entry.in_heaps = 0
-        for tier in entry.places:
+        for tier in entry.copies:
             self._push(entry, tier)
             if len(self._heaps[tier]) > 2 * live_entries + 64:
                 self._compact(tier)
@@ -68,7 +67,7 @@ class TierLru:
         """Queue every copy of entry that is evictable now and not queued yet."""
         if not entry.touch_seq:
             return
-        for tier in entry.places:
+        for tier in entry.copies:
             if not entry.in_heaps & (1 << tier) and entry.evictable_from(tier):
                 self._push(entry, tier)
 
@@ -86,13 +85,13 @@ class TierLru:
             if entry is None or entry.touch_seq != seq or not entry.in_heaps & bit:
                 continue  # stale: touched again, moved out of the tier, or removed
             entry.in_heaps &= ~bit
-            if tier in entry.places and entry.evictable_from(tier):
+            if tier in entry.copies and entry.evictable_from(tier):
                 return entry
             # Not evictable now; push() queues it again when it becomes evictable.
         return None
 
     def pick(self, tier: Tier, max_bytes: int) -> list[Entry]:
-        """Victims in tier, about max_bytes of them, in leaf-first LRU order, taken out of
+        """Victims in tier, about max_bytes of them, in leaf-first eviction order, taken out of
         the queue. A parent follows as soon as every child it has cached in tier (or above)
         is taken, as if they had already moved, so a chain leaves a tier tail first."""
         picked: list[Entry] = []
@@ -112,7 +111,7 @@ class TierLru:
             parent = self._lookup(*link)
             # Still counted under its picked children, a followed parent is never a victim
             # of pop_victim too: it is picked once.
-            if (parent is not None and tier in parent.places and parent.movable
+            if (parent is not None and tier in parent.copies and parent.movable
                     and sum(parent.child_tiers[1 : tier + 1]) == under[link]):
                 follow.append(parent)
         return picked

@@ -23,7 +23,7 @@ NUM_TIERS = len(Tier) + 1  # per-tier counters are indexed by tier number; slot 
 
 @dataclass(eq=False, slots=True)
 class Entry:
-    """One block, with a copy in one or more slot tiers (`places`: tier -> its pages there).
+    """One block, with a copy in one or more slot tiers (`copies`: tier -> its pages there).
 
     `tier` is the highest (fastest) tier holding it. A second copy exists when placement is
     inclusive (the L3 copy stays after a promotion) and for L1, which always keeps its L2 copy.
@@ -32,10 +32,9 @@ class Entry:
     namespace: str
     key: BlockKey
     size_bytes: int
-    places: dict[Tier, tuple[PageRun, ...]]
+    copies: dict[Tier, tuple[PageRun, ...]]
     checksum: int
     parent: BlockKey | None
-    last_access: float = 0.0
     # Cached children by their highest tier (shared with the index's child counts): a copy
     # in tier t is a leaf there when no child is cached in t or above.
     child_tiers: list[int] = field(default_factory=lambda: [0] * NUM_TIERS)
@@ -44,15 +43,11 @@ class Entry:
     busy: int = 0  # moves and loads in flight: the entry and its pages stay put meanwhile
     seen: int = 1  # puts and reads of this key: the L3 admission policy counts them
     touch_seq: int = 0  # which heap items are current; 0 = none
-    in_heaps: int = 0  # bit per tier whose LRU heap holds a current item
-    tier: Tier = Tier.DRAM  # the fastest tier in places, kept by the index (see __post_init__)
+    in_heaps: int = 0  # bit per tier whose eviction heap holds a current item
+    tier: Tier = Tier.DRAM  # the fastest tier in copies, kept by the index (see __post_init__)
 
     def __post_init__(self) -> None:
-        self.tier = min(self.places)
-
-    @property
-    def pages(self) -> tuple[PageRun, ...]:
-        return self.places[min(self.places)]
+        self.tier = min(self.copies)
 
     @property
     def children(self) -> int:

@@ -80,7 +80,7 @@ def _start(index: Index, tiering: Tiering, namespace: str, key: BlockKey,
     if entry is None:
         return "missing"
     if entry.tier <= target:
-        index.lease(None, namespace, [key], 0.0)  # fresh in the LRU: needed soon
+        index.touch(namespace, [key])  # first in the eviction order's queue to stay: needed soon
         return "done"
     return tiering.load(entry, target)
 

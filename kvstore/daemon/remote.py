@@ -190,7 +190,7 @@ class Remote:
         with self._store_lock:
             for namespace, key in keys:
                 entry = self._index.get(namespace, key)
-                if entry is None or Tier.DRAM not in entry.places:
+                if entry is None or Tier.DRAM not in entry.copies:
                     self._count(admissions_refused=1)  # left L2 before it could be written
                     continue
                 self._index.hold(entry)
@@ -199,7 +199,7 @@ class Remote:
 
     def _bytes_of(self, entry: Entry) -> bytes | memoryview:
         """The block's bytes in L2: a view when its pages are one run (the usual case)."""
-        views = self._dram.buffers(entry.places[Tier.DRAM], entry.size_bytes, pad=False)
+        views = self._dram.buffers(entry.copies[Tier.DRAM], entry.size_bytes, pad=False)
         return views[0] if len(views) == 1 else b"".join(views)
 
     # --- reads ---------------------------------------------------------------------------------

@@ -48,13 +48,13 @@ class Store(Puts):
         dram = tiers.get(Tier.DRAM)
         self.dram: DramTier | None = dram if isinstance(dram, DramTier) else None
         self.index = Index({t: PageAllocator(x.num_pages) for t, x in tiers.items()},
-                           {t: x.page_size_bytes for t, x in tiers.items()}, clock)
+                           {t: x.page_size_bytes for t, x in tiers.items()})
         self._stats = {t: TierStats(t.label, t in tiers) for t in Tier}
         for t, tier in tiers.items():
             self._stats[t].backend = tier.backend
         self._hits = self._misses = 0  # Lookup: keys inside / past the cached prefix
         self.tiering = Tiering(config, self.index, self._lock, tiers, self._opened.manifest,
-                               self._stats, clock)
+                               self._stats)
         self._mover: Mover | None = None
         self.remote: Remote | None = None
         self._prewarm: PrewarmState | None = None
@@ -118,16 +118,18 @@ class Store(Puts):
                lease_timeout_s: float, loads: dict[BlockKey, Load]) -> ReadResult:
         tier = self.dram
         with self._lock:
-            deadline = self._clock() + lease_timeout_s
-            entries = self.index.lease(
-                lease_id if leased else None, namespace, checked, deadline, need=Tier.DRAM)
+            if leased:
+                deadline = self._clock() + lease_timeout_s
+                entries = self.index.lease(lease_id, namespace, checked, deadline, need=Tier.DRAM)
+            else:
+                entries = self.index.touch(namespace, checked, need=Tier.DRAM)
             result = ReadResult(lease_id, entries)
             for key, entry in zip(checked, entries, strict=True):
                 self._count_read(entry, loads.get(key))
                 if entry is not None:
                     assert tier is not None, "entries exist only in enabled tiers"
                     result.extents.append(
-                        tier.extents(entry.places[Tier.DRAM], entry.size_bytes))
+                        tier.extents(entry.copies[Tier.DRAM], entry.size_bytes))
         if self.remote is not None:
             self.remote.touch(namespace, [k for k, e in zip(checked, entries, strict=True) if e])
         return result
@@ -314,7 +316,7 @@ class Store(Puts):
                     raise InvalidArgument("namespace is required to evict keys")
                 checked = self._check_keys(namespace, keys)
                 evicted, skipped = self.index.evict_keys(namespace, checked)
-                self.tiering.journal_free(e for e in evicted if Tier.NVME in e.places)
+                self.tiering.journal_free(e for e in evicted if Tier.NVME in e.copies)
                 gone.update((id(e), e) for e in evicted)
             else:
                 for t in [tier] if tier is not None else sorted(self._opened.tiers):
@@ -322,7 +324,7 @@ class Store(Puts):
                     want = None if everything else min_bytes - freed
                     if want is not None and want <= 0:
                         break
-                    evicted = self.index.evict_lru(t, want, namespace or None)
+                    evicted = self.index.evict_in_order(t, want, namespace or None)
                     if t == Tier.NVME:
                         self.tiering.journal_free(evicted)
                     gone.update((id(e), e) for e in evicted)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -71,13 +71,12 @@ class Tiering:
 
     def __init__(self, config: Config, index: Index, lock: threading.RLock,
                  tiers: dict[Tier, SlotTier], manifest: Manifest | None,
-                 stats: dict[Tier, TierStats], clock: Callable[[], float]) -> None:
+                 stats: dict[Tier, TierStats]) -> None:
         self.config = config
         self.index = index
         self.tiers = tiers
         self.manifest = manifest
         self.stats = stats
-        self._clock = clock
         self.room = threading.Condition(lock)  # notified whenever pages are freed
         self.wake = threading.Event()  # asks the mover for a step now
         self._loads: dict[tuple[str, BlockKey, Tier], Load] = {}
@@ -203,7 +202,7 @@ class Tiering:
             picked = self.index.pick(Tier.DRAM, want_bytes)
             moves = [m for m in map(self._plan_demotion, picked) if m is not None]
             batch = [Transfer(m.pages, m.entry.size_bytes,
-                              self.dram.buffers(m.entry.places[Tier.DRAM], m.entry.size_bytes))
+                              self.dram.buffers(m.entry.copies[Tier.DRAM], m.entry.size_bytes))
                      for m in moves]
         errors = self._io(Tier.NVME, "write", batch)
         with self.room:
@@ -215,7 +214,7 @@ class Tiering:
     def _plan_demotion(self, entry: Entry) -> _Demotion | None:
         """With the lock held: L3 pages for entry, or None when it needs no write (already in
         L3) or is not admitted (then its L2 copy simply goes)."""
-        if Tier.NVME in entry.places:
+        if Tier.NVME in entry.copies:
             self.index.done(entry)
             if entry.movable:
                 self.index.drop_copy(entry, Tier.DRAM)
@@ -291,8 +290,8 @@ class Tiering:
                   load: Load) -> None:
         ok = False
         try:
-            ok = Tier.DRAM in entry.places or self._load_l3(entry)
-            if ok and target == Tier.HBM and Tier.HBM not in entry.places:
+            ok = Tier.DRAM in entry.copies or self._load_l3(entry)
+            if ok and target == Tier.HBM and Tier.HBM not in entry.copies:
                 ok = self._load_l1(entry)
         except Exception:
             log.exception("load of a block into %s failed", target.label)
@@ -318,14 +317,14 @@ class Tiering:
 
     def _load_l3(self, entry: Entry) -> bool:
         """L3 -> L2, straight into the new L2 pages, checked against the block's checksum."""
-        if Tier.NVME not in entry.places:
+        if Tier.NVME not in entry.copies:
             return False
         pages = self._room(Tier.DRAM, entry.size_bytes)
         if pages is None:
             return False
         buffers = self.dram.buffers(pages, entry.size_bytes)
         [error] = self._io(Tier.NVME, "read", [
-            Transfer(entry.places[Tier.NVME], entry.size_bytes, buffers)])
+            Transfer(entry.copies[Tier.NVME], entry.size_bytes, buffers)])
         intact = error is None and self.dram.checksum(
             self.dram.extents(pages, entry.size_bytes)) == entry.checksum
         with self.room:
@@ -334,7 +333,7 @@ class Tiering:
                 self._drop_damaged(entry, error)
                 return False
             self.index.add_copy(entry, Tier.DRAM, pages)
-            self.index.lease(None, entry.namespace, [entry.key], 0.0)  # most recently used
+            self.index.touch(entry.namespace, [entry.key])  # most recently used
             self.stats[Tier.NVME].bytes_out += entry.size_bytes
             self.stats[Tier.DRAM].promotions += 1
             if self.config.nvme.placement == "exclusive":
@@ -358,7 +357,7 @@ class Tiering:
         pages = self._room(Tier.HBM, entry.size_bytes)
         if pages is None:
             return False
-        buffers = self.dram.buffers(entry.places[Tier.DRAM], entry.size_bytes)
+        buffers = self.dram.buffers(entry.copies[Tier.DRAM], entry.size_bytes)
         [error] = self._io(Tier.HBM, "write", [Transfer(pages, entry.size_bytes, buffers)])
         with self.room:
             if error is not None:
@@ -397,4 +396,4 @@ class Tiering:
 
 def _record(entry: Entry, pages: Pages | None = None) -> ManifestRecord:
     return ManifestRecord(entry.namespace, entry.key, entry.size_bytes, entry.checksum,
-                          entry.parent, pages if pages is not None else entry.places[Tier.NVME])
+                          entry.parent, pages if pages is not None else entry.copies[Tier.NVME])

@@ -8,16 +8,16 @@ import random
 
 import pytest
 
-from kvstore.core.ghosts import RecentKeys
+from kvstore.core.ghosts import GhostFilter
 from kvstore.core.index import Index
 from kvstore.core.order import HOT_TURNOVERS
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier
-from tests.unit.test_index import FAR, NS, key, make_index, names, prepare, put, stored
+from tests.unit.test_index import NS, key, make_index, names, prepare, put, stored
 
 
 def read(index: Index, *names_: str) -> None:
-    index.lease(None, NS, [key(n) for n in names_], FAR)
+    index.touch(NS, [key(n) for n in names_])
 
 
 def test_a_block_read_again_survives_a_scan_that_flushes_plain_lru() -> None:
@@ -110,7 +110,7 @@ def test_a_refused_put_neither_counts_nor_touches_its_cached_keys() -> None:
     entry = index.get(NS, key("a"))
     assert entry is not None and entry.seen == 1 and entry.movable
     index.set_pinned(NS, [key("x")], False)
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["a", "x"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["a", "x"]
 
 
 # --- the ghost filter ------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def keys_(n: int, seed: int) -> list[BlockKey]:
 
 
 def test_recent_keys_has_no_false_negatives_for_the_last_span() -> None:
-    recent = RecentKeys(factor=2, min_span=1000)
+    recent = GhostFilter(factor=2, min_span=1000)
     added = keys_(3000, seed=1)
     for k in added:
         recent.add(NS, k, live_entries=100)
@@ -132,7 +132,7 @@ def test_recent_keys_has_no_false_negatives_for_the_last_span() -> None:
 
 
 def test_recent_keys_forgets_after_two_spans_and_rarely_errs() -> None:
-    recent = RecentKeys(factor=2, min_span=1000)
+    recent = GhostFilter(factor=2, min_span=1000)
     old = keys_(1000, seed=2)
     for k in old:
         recent.add(NS, k, live_entries=10)
@@ -146,7 +146,7 @@ def test_recent_keys_forgets_after_two_spans_and_rarely_errs() -> None:
 
 
 def test_recent_keys_grows_its_span_with_the_index() -> None:
-    recent = RecentKeys(factor=2, min_span=100)
+    recent = GhostFilter(factor=2, min_span=100)
     for k in keys_(101, seed=5):
         recent.add(NS, k, live_entries=5000)
     assert recent.span == 10_000
@@ -154,4 +154,4 @@ def test_recent_keys_grows_its_span_with_the_index() -> None:
 
 def test_recent_keys_rejects_a_bad_size() -> None:
     with pytest.raises(ValueError, match="factor and min_span must be positive"):
-        RecentKeys(factor=0)
+        GhostFilter(factor=0)

@@ -69,7 +69,7 @@ def make_index(
 ) -> tuple[Index, FakeClock]:
     clock = FakeClock()
     index = Index(
-        {t: PageAllocator(num_pages) for t in tiers}, {t: PAGE_BYTES for t in tiers}, clock
+        {t: PageAllocator(num_pages) for t in tiers}, {t: PAGE_BYTES for t in tiers}
     )
     return index, clock
 
@@ -192,7 +192,7 @@ def test_many_touches_keep_the_order_exact_through_heap_compaction() -> None:
     # touched b, c, d last. e, new, is used once: it goes before the hot ones.
     clock.tick()
     assert names(put(index, "e").evicted) == ["a"]
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["e", "b", "c", "d"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["e", "b", "c", "d"]
 
 
 # --- leaf-first --------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_a_whole_chain_is_evicted_leaf_to_root() -> None:
     clock.tick()
     put(index, "x")
     clock.tick()
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["c", "b", "a", "x"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["c", "b", "a", "x"]
     assert len(index) == 0
     assert used(index) == 0
 
@@ -243,7 +243,7 @@ def test_a_touched_root_still_waits_for_its_children() -> None:
     index.lease("l", NS, [key("a")], FAR)  # a: t=3, more recent than b and x
     index.release("l")
     # b (t=1) is the LRU leaf; once it is gone a is a leaf at t=3, after x (t=2).
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["b", "x", "a"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["b", "x", "a"]
 
 
 def test_a_parent_stored_after_its_child_still_waits_for_the_child() -> None:
@@ -254,7 +254,7 @@ def test_a_parent_stored_after_its_child_still_waits_for_the_child() -> None:
     plan = prepare(index, ["p", "c"])
     assert plan is not None and plan.existing == [0]
     # Before c is committed, p is evicted (nothing protects the parent of a planned block).
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["p"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["p"]
     clock.tick()
     commit(index, plan)  # c at t=2, its parent absent
     clock.tick()
@@ -264,8 +264,8 @@ def test_a_parent_stored_after_its_child_still_waits_for_the_child() -> None:
     index.lease("l", NS, [key("c")], FAR)  # c touched at t=4
     index.release("l")
     # p (t=3) is older than c (t=4) but has a cached child: c goes first.
-    assert names(index.evict_lru(Tier.DRAM, 100)) == ["c"]
-    assert names(index.evict_lru(Tier.DRAM, 100)) == ["p"]
+    assert names(index.evict_in_order(Tier.DRAM, 100)) == ["c"]
+    assert names(index.evict_in_order(Tier.DRAM, 100)) == ["p"]
 
 
 def test_a_parent_evicted_by_key_counts_its_children_when_stored_again() -> None:
@@ -281,7 +281,7 @@ def test_a_parent_evicted_by_key_counts_its_children_when_stored_again() -> None
     clock.tick()
     put(index, "x")
     # p was put again right after its eviction, so it is hot and outlives x.
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["c", "x", "p"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["c", "x", "p"]
 
 
 # --- leases ----------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def test_leased_entries_are_never_evicted() -> None:
     assert stored(index) == {"a", "b"}
     assert index.evictions == {Tier.DRAM: 0}
     assert index.num_plans == 0 and used(index) == 2
-    assert index.evict_lru(Tier.DRAM, None) == []
+    assert index.evict_in_order(Tier.DRAM, None) == []
     assert index.unevictable() == 2
     # Once released they are ordinary LRU entries again (a, leased at t=2, before b).
     assert index.release("l") is True
@@ -324,7 +324,7 @@ def test_a_refused_prepare_evicts_nothing_and_keeps_the_lru_order() -> None:
     assert index.get(NS, key("p")).children == 1  # type: ignore[union-attr]
     # The order is what it was: q (the leaf), then p, then x (t=3) once released.
     index.release("l")
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["q", "p", "x"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["q", "p", "x"]
 
 
 def test_a_refused_prepare_keeps_the_order_of_entries_touched_at_the_same_instant() -> None:
@@ -334,7 +334,7 @@ def test_a_refused_prepare_keeps_the_order_of_entries_touched_at_the_same_instan
     index.lease("l", NS, [key("x")], FAR)  # x touched after y, and held
     assert prepare(index, ["a", "b"]) is None  # y alone is not enough
     index.release("l")
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["y", "x"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["y", "x"]
 
 
 def test_a_request_larger_than_the_tier_is_refused_without_evicting() -> None:
@@ -346,19 +346,19 @@ def test_a_request_larger_than_the_tier_is_refused_without_evicting() -> None:
     assert index.evictions == {Tier.DRAM: 0}
 
 
-def test_a_lease_without_an_id_only_touches() -> None:
+def test_touch_marks_used_without_holding() -> None:
     index, clock = make_index(num_pages=3)
     for n in "abc":
         clock.tick()
         put(index, n)
     clock.tick()
-    found = index.lease(None, NS, [key("a"), key("zz")], FAR)
+    found = index.touch(NS, [key("a"), key("zz")])
     assert [name(e.key) if e else None for e in found] == ["a", None]
     assert index.num_leases == 0
     assert index.get(NS, key("a")).leases == 0  # type: ignore[union-attr]
-    assert index.get(NS, key("a")).last_access == 4.0  # type: ignore[union-attr]
+    assert index.get(NS, key("a")).seen == 2  # type: ignore[union-attr]  # a use, counted
     # a is the most recent now, and nothing holds it.
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["b", "c", "a"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["b", "c", "a"]
 
 
 def test_lease_reports_misses_and_records_nothing_when_all_miss() -> None:
@@ -415,7 +415,7 @@ def test_a_pinned_child_keeps_its_parent() -> None:
     assert stored(index) == {"p", "c", "z"}  # and a refused plan evicts nothing
     # Unpinning c lets the chain go, leaf first, before z (t=4).
     index.set_pinned(NS, [key("c")], False)
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["c", "p", "z"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["c", "p", "z"]
 
 
 # --- two-phase store -------------------------------------------------------------------------
@@ -496,7 +496,7 @@ def test_expire_ends_leases_and_abandons_plans_past_their_deadline() -> None:
     assert index.num_leases == 0 and index.num_plans == 0 and used(index) == 1
     # a is evictable again.
     clock.tick()
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["a"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["a"]
 
 
 def test_when_another_plan_commits_a_key_first_the_losers_pages_are_freed() -> None:
@@ -510,7 +510,7 @@ def test_when_another_plan_commits_a_key_first_the_losers_pages_are_freed() -> N
     assert index.complete_store(first.plan_id, [3, 4], success=True) == CommitResult(1, 1)
     assert used(index) == 3
     b = index.get(NS, key("b"))
-    assert b is not None and b.checksum == 1 and b.pages == second.blocks[0].pages
+    assert b is not None and b.checksum == 1 and b.copies[Tier.DRAM] == second.blocks[0].pages
     # b names a as its parent and was cached before a: a counts it.
     assert index.get(NS, key("a")).children == 1  # type: ignore[union-attr]
 
@@ -567,7 +567,7 @@ def test_evict_keys_removes_exactly_those_and_skips_pinned_and_leased() -> None:
     assert stored(index) == {"a", "b", "c"}
     assert index.evictions == {Tier.DRAM: 1}
     assert used(index) == 3
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["c"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["c"]
 
 
 def test_evict_lru_stops_once_min_bytes_are_freed() -> None:
@@ -575,8 +575,8 @@ def test_evict_lru_stops_once_min_bytes_are_freed() -> None:
     for n in "abcd":
         clock.tick()
         put(index, n)
-    assert names(index.evict_lru(Tier.DRAM, 150)) == ["a", "b"]
-    assert names(index.evict_lru(Tier.DRAM, 100)) == ["c"]
+    assert names(index.evict_in_order(Tier.DRAM, 150)) == ["a", "b"]
+    assert names(index.evict_in_order(Tier.DRAM, 100)) == ["c"]
     assert stored(index) == {"d"}
 
 
@@ -592,14 +592,14 @@ def test_evict_lru_with_a_namespace_leaves_the_others_in_lru_order() -> None:
     put(index, "y", ns="two")  # t=4
     clock.tick()
     put(index, "z", ns="two")  # t=5
-    assert names(index.evict_lru(Tier.DRAM, None, namespace="one")) == ["a", "b"]
+    assert names(index.evict_in_order(Tier.DRAM, None, namespace="one")) == ["a", "b"]
     assert index.usage(Tier.DRAM, "one") == (0, 0)
     assert index.usage(Tier.DRAM, "two") == (3, 300)
     # The entries of "two" were looked at and put back: still oldest first.
     clock.tick()
     assert names(put(index, "c", "d", "e", "f", ns="one").evicted) == ["x"]
-    assert names(index.evict_lru(Tier.DRAM, 1, namespace="two")) == ["y"]
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["z", "f", "e", "d", "c"]
+    assert names(index.evict_in_order(Tier.DRAM, 1, namespace="two")) == ["y"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["z", "f", "e", "d", "c"]
 
 
 def test_evict_lru_only_touches_its_tier() -> None:
@@ -608,7 +608,7 @@ def test_evict_lru_only_touches_its_tier() -> None:
     put(index, "a", tier=Tier.NVME)
     clock.tick()
     put(index, "b")
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["b"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["b"]
     assert index.evictions == {Tier.DRAM: 1, Tier.NVME: 0}
     assert stored(index) == {"a"}
 
@@ -624,7 +624,7 @@ def test_an_entry_named_as_its_own_parent_is_still_evictable() -> None:
     clock.tick()
     put(index, "b")
     assert index.unevictable() == 0
-    assert names(index.evict_lru(Tier.DRAM, None)) in (["a", "b"], ["b"])
+    assert names(index.evict_in_order(Tier.DRAM, None)) in (["a", "b"], ["b"])
     assert len(index) == 0
 
 
@@ -634,7 +634,7 @@ def test_a_cycle_across_two_stores_is_broken_so_both_stay_evictable() -> None:
     put(index, "a", first_parent="b")
     clock.tick()
     put(index, "b", first_parent="a")  # stored as a root: a stays b's child
-    assert names(index.evict_lru(Tier.DRAM, None)) == ["a", "b"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["a", "b"]
     assert len(index) == 0 and index.unevictable() == 0
 
 
@@ -698,7 +698,7 @@ def oracle_victims(
         _, _, k = min(candidates)
         e = live.pop(k)[3]
         victims.append(k)
-        freed += e.size_bytes if by_bytes else sum(r.length for r in e.pages)
+        freed += e.size_bytes if by_bytes else sum(r.length for r in e.copies[e.tier])
         if e.parent is not None and (e.namespace, e.parent) in live:
             parent = live[(e.namespace, e.parent)]
             parent[2] -= 1
@@ -713,7 +713,7 @@ class IndexMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self.allocators = {t: PageAllocator(TIER_PAGES[t]) for t in TIERS}
-        self.index = Index(self.allocators, {t: PAGE_BYTES for t in TIERS}, self.clock)
+        self.index = Index(self.allocators, {t: PAGE_BYTES for t in TIERS})
         self.ids = itertools.count()
         self.plans: dict[str, float] = {}  # open plan id -> deadline
         self.leases: dict[str, tuple[float, list[tuple[str, BlockKey]]]] = {}
@@ -834,10 +834,12 @@ class IndexMachine(RuleBasedStateMachine):
         self.clock.tick(0.5)
         lid = f"lease-{next(self.ids)}"
         deadline = self.clock.now + ttl
-        found = self.index.lease(lid if hold else None, ns, [key(n) for n in picks], deadline)
+        before = {n: e.seen for n in set(picks) if (e := self.index.get(ns, key(n)))}
+        keys = [key(n) for n in picks]
+        found = self.index.lease(lid, ns, keys, deadline) if hold else self.index.touch(ns, keys)
         held = [(ns, e.key) for e in found if e is not None]
-        for e in found:
-            assert e is None or e.last_access == self.clock.now
+        for n, seen in before.items():  # every touch of a key counts as a use
+            assert self.index.get(ns, key(n)).seen == seen + picks.count(n)  # type: ignore[union-attr]
         if held and hold:
             self.leases[lid] = (deadline, held)
         assert self.index.has_lease(lid) == (hold and bool(held))
@@ -875,11 +877,11 @@ class IndexMachine(RuleBasedStateMachine):
         min_bytes=st.none() | st.integers(1, 600),
         namespace=st.none() | st.sampled_from(NAMESPACES),
     )
-    def evict_lru(self, tier: Tier, min_bytes: int | None, namespace: str | None) -> None:
+    def evict_in_order(self, tier: Tier, min_bytes: int | None, namespace: str | None) -> None:
         stop = 10**9 if min_bytes is None else min_bytes
         expected, _ = oracle_victims(self.entries(), tier, TIER_PAGES[tier], stop, namespace,
                                      by_bytes=True)
-        evicted = self.index.evict_lru(tier, min_bytes, namespace)
+        evicted = self.index.evict_in_order(tier, min_bytes, namespace)
         assert [(e.namespace, e.key) for e in evicted] == expected
         self.evictions[tier] += len(evicted)
         if min_bytes is None:
@@ -912,14 +914,14 @@ class IndexMachine(RuleBasedStateMachine):
         for tier, allocator in self.allocators.items():
             stats = allocator.stats()
             assert stats.free_pages + stats.used_pages == TIER_PAGES[tier]
-            owned = [r for e in entries if e.tier == tier for r in e.pages] + [
+            owned = [r for e in entries if e.tier == tier for r in e.copies[e.tier]] + [
                 r for p in plans if p.tier == tier for b in p.blocks for r in b.pages
             ]
             pages = [pg for start, length in owned for pg in range(start, start + length)]
             assert len(pages) == len(set(pages)), "a page is owned twice"
             assert stats.used_pages == len(pages)
         for e in entries:
-            assert sum(r.length for r in e.pages) == self.index.pages_per_object(
+            assert sum(r.length for r in e.copies[e.tier]) == self.index.pages_per_object(
                 e.tier, e.size_bytes
             )
 
@@ -942,7 +944,7 @@ class IndexMachine(RuleBasedStateMachine):
         for tier in TIERS:
             expected, _ = oracle_victims(self.entries(scratch), tier, TIER_PAGES[tier], 10**9,
                                          None, True)
-            assert [(e.namespace, e.key) for e in scratch.evict_lru(tier, None)] == expected
+            assert [(e.namespace, e.key) for e in scratch.evict_in_order(tier, None)] == expected
 
     @invariant()
     def children_count_the_cached_entries_naming_them_as_parent(self) -> None:

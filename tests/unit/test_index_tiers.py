@@ -37,8 +37,8 @@ def test_a_parent_whose_only_child_went_to_l3_is_a_leaf_of_l2_but_not_of_l3() ->
     move_down(index, "c")
     assert entry(index, "p").evictable_from(D)
     assert not entry(index, "p").evictable_from(N)  # its child is cached in L3
-    assert names(index.evict_lru(D, None)) == ["p"]
-    assert names(index.evict_lru(N, None)) == ["c"]
+    assert names(index.evict_in_order(D, None)) == ["p"]
+    assert names(index.evict_in_order(N, None)) == ["c"]
 
 
 def test_pick_takes_the_leaf_then_its_parents_as_if_they_had_moved() -> None:
@@ -51,10 +51,10 @@ def test_pick_takes_the_leaf_then_its_parents_as_if_they_had_moved() -> None:
     picked = index.pick(D, 4 * 100)
     assert names(picked) == ["c", "b", "a", "x"]
     assert all(e.busy == 1 and not e.movable for e in picked)
-    assert names(index.evict_lru(D, None)) == ["y"]  # busy entries never go
+    assert names(index.evict_in_order(D, None)) == ["y"]  # busy entries never go
     for e in picked:
         index.done(e)
-    assert names(index.evict_lru(D, None)) == ["c", "b", "a", "x"]
+    assert names(index.evict_in_order(D, None)) == ["c", "b", "a", "x"]
 
 
 def test_pick_takes_a_parent_only_after_all_its_children_in_the_tier() -> None:
@@ -84,7 +84,7 @@ def test_a_promoted_copy_counts_its_child_in_the_faster_tier_again() -> None:
     pages = index.alloc(D, c.size_bytes)
     assert pages is not None
     index.add_copy(c, D, pages)
-    assert (c.tier, sorted(c.places)) == (D, [D, N])
+    assert (c.tier, sorted(c.copies)) == (D, [D, N])
     assert entry(index, "p").child_tiers[D] == 1
     assert index.usage(D) == (1, 100) and index.usage(N) == (2, 200)
     index.drop_copy(c, N)  # exclusive placement: the L3 copy goes
@@ -111,7 +111,7 @@ def test_dropping_an_l2_copy_drops_the_l1_copy_with_it() -> None:
         index.add_copy(a, tier, pages)
     assert a.tier == H
     index.drop_copy(a, D)
-    assert sorted(a.places) == [N]
+    assert sorted(a.copies) == [N]
     assert index.allocator_stats(H).used_pages == 0
 
 
@@ -126,7 +126,7 @@ def test_a_refused_put_restores_copies_it_had_dropped_from_l2() -> None:
     put(index, "b")  # L2 is full
     assert index.prepare_store("p", "ns", [key("c"), key("d"), key("e")], [100] * 3,
                                [None] * 3, D, 1e9) is None
-    assert sorted(entry(index, "a").places) == [D, N] and index.get("ns", key("b")) is not None
+    assert sorted(entry(index, "a").copies) == [D, N] and index.get("ns", key("b")) is not None
     assert index.evictions[D] == 0
 
 
@@ -135,7 +135,7 @@ def test_a_re_put_counts_once_towards_admission_even_when_it_must_wait_for_room(
     put(index, "a")
     put(index, "b")  # L2 full
     clock.tick()
-    index.lease(None, "ns", [key("a")], 0.0)  # seen twice now; b is the LRU victim
+    index.touch("ns", [key("a")])  # seen twice now; b is the LRU victim
     args = ("ns", [key("a"), key("c")], [100, 100], [None, None], D, 1e9)
     assert index.prepare_store("p1", *args, evict=False) is None  # no room yet
     assert entry(index, "a").seen == 2
@@ -179,11 +179,11 @@ class MovesMachine(RuleBasedStateMachine):
     @rule(count=st.integers(1, 3), succeed=st.booleans())
     def demote(self, count: int, succeed: bool) -> None:
         for e in self.index.pick(D, count * 100):
-            pages = self.index.alloc(N, e.size_bytes) if N not in e.places else None
+            pages = self.index.alloc(N, e.size_bytes) if N not in e.copies else None
             if succeed and pages is not None:
                 self.index.add_copy(e, N, pages)
             self.index.done(e)
-            if succeed and N in e.places and e.movable:
+            if succeed and N in e.copies and e.movable:
                 self.index.drop_copy(e, D)
             elif pages is not None and not succeed:
                 self.index.free(N, pages)
@@ -191,7 +191,7 @@ class MovesMachine(RuleBasedStateMachine):
     @rule(n=st.sampled_from(NAMES), keep=st.booleans())
     def promote(self, n: str, keep: bool) -> None:
         e = self.index.get("ns", key(n))
-        if e is None or D in e.places or not e.movable:
+        if e is None or D in e.copies or not e.movable:
             return
         pages = self.index.alloc(D, e.size_bytes)
         if pages is None:
@@ -207,7 +207,7 @@ class MovesMachine(RuleBasedStateMachine):
         e = self.index.get("ns", key(n))
         if e is not None and len(self.held) < 2:
             self.index.hold(e)
-            self.held.append((e, dict(e.places)))
+            self.held.append((e, dict(e.copies)))
 
     @rule()
     def release(self) -> None:
@@ -216,17 +216,17 @@ class MovesMachine(RuleBasedStateMachine):
 
     @rule(tier=st.sampled_from([D, N]), everything=st.booleans())
     def evict(self, tier: Tier, everything: bool) -> None:
-        self.index.evict_lru(tier, None if everything else 100)
+        self.index.evict_in_order(tier, None if everything else 100)
 
     @invariant()
     def books_balance(self) -> None:
         entries = list(self.index.entries())
         for tier in (D, N):
-            owned = [p for e in entries if tier in e.places for r in e.places[tier]
+            owned = [p for e in entries if tier in e.copies for r in e.copies[tier]
                      for p in range(r.start, r.start + r.length)]
             assert len(owned) == len(set(owned))
             assert self.index.allocator_stats(tier).used_pages == len(owned)
-            copies = [e for e in entries if tier in e.places]
+            copies = [e for e in entries if tier in e.copies]
             assert self.index.usage(tier) == (len(copies), 100 * len(copies))
         for e in entries:
             expected = [0] * len(e.child_tiers)
@@ -236,7 +236,7 @@ class MovesMachine(RuleBasedStateMachine):
             assert e.child_tiers == expected, name_of(e)
         for e, places in self.held:
             assert self.index.get("ns", e.key) is e, "a busy entry was evicted"
-            assert e.places == places, "a busy entry was moved"
+            assert e.copies == places, "a busy entry was moved"
 
 
 def name_of(e: Entry) -> str:
