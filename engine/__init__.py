@@ -1,4 +1,4 @@
-"""The paged-attention inference engine (DESIGN.md §6): `LLM(model_path).generate(...)`."""
+"""The paged-attention inference engine (docs/engine.md): `LLM(model_path).generate(...)`."""
 
 from kvstore.engine.errors import (
     EngineError,

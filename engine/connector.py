@@ -1,4 +1,4 @@
-"""The engine's side of the store (DESIGN.md §6): ask `Lookup` how much of a new prompt the
+"""The engine's side of the store (docs/engine.md): ask `Lookup` how much of a new prompt the
 store holds, load those blocks into the paged KV cache instead of computing them (swap-in),
 offload blocks as they fill (in the background: the step loop never waits on the store), swap
 a preempted sequence's blocks out, and pre-warm from the L4 hot set at start.

@@ -1,8 +1,8 @@
 """Generate the Python stubs of proto/kvstore/v1/kvstore.proto (run by `make proto`).
 
 protoc writes `from kvstore.v1 import kvstore_pb2`, but the stubs live in the
-`kvstore.proto.kvstore.v1` package (DESIGN.md §2), so the import is rewritten. The drift test
-calls `generate()` into a temporary folder and compares it with the committed files.
+`kvstore.proto.kvstore.v1` package (docs/architecture.md), so the import is rewritten. The
+drift test calls `generate()` into a temporary folder and compares it with the committed files.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Storage tiers: one file per medium behind one small batched interface (DESIGN.md §4)."""
+"""Storage tiers: one file per medium behind one small batched interface."""

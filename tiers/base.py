@@ -1,4 +1,4 @@
-"""The one interface every slot tier implements: L1 HBM, L2 DRAM, L3 NVMe (DESIGN.md §4).
+"""The one interface every slot tier implements: L1 HBM, L2 DRAM, L3 NVMe.
 
 A slot tier is an arena of `num_pages` pages of `page_size_bytes`; the index decides which
 pages hold what (kvstore.core.pages, kvstore.core.index), the tier only moves bytes. Moves are

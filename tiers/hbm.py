@@ -1,4 +1,4 @@
-"""L1 HBM tier: one device arena of fixed-size pages on a CUDA GPU (DESIGN.md §4).
+"""L1 HBM tier: one device arena of fixed-size pages on a CUDA GPU.
 
 The arena is a single `torch.uint8` tensor of `num_pages * page_size_bytes` on one device,
 allocated once. Which pages hold what is the index's business; this module only moves an

@@ -1,4 +1,4 @@
-"""L3 NVMe tier: one preallocated file of fixed-size pages (DESIGN.md §4); a SlotTier.
+"""L3 NVMe tier: one preallocated file of fixed-size pages; a SlotTier.
 
 Owns the file (created mode 0600, preallocated where the filesystem can), the byte moves
 between its pages and host buffers, and the tier's I/O counters. Two backends sit behind one

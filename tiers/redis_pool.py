@@ -1,5 +1,5 @@
 """L4 remote pool I/O: one Redis or Redis Cluster, through redis-py, behind a small batched
-interface (DESIGN.md §4). Values are opaque frames made elsewhere (kvstore.core.blockframe); which
+interface. Values are opaque frames made elsewhere (kvstore.core.blockframe); which
 blocks go to L4, when, and for how long is kvstore.daemon.remote's business, not this module's.
 
 Keys. A block is one string key, `kvs:v1:<namespace>:<hex key>`. There are no literal braces:

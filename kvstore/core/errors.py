@@ -1,4 +1,5 @@
-"""Typed errors of the daemon core; server.py maps each to one gRPC status code (DESIGN.md §5)."""
+"""Typed errors of the daemon core; the servicer maps each to one gRPC status code
+(docs/architecture.md, "The error model")."""
 
 from __future__ import annotations
 

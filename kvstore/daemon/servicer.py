@@ -1,6 +1,6 @@
 """The KVStore servicer: decode each request, call the store, encode the reply.
 
-Thin on purpose (STYLE.md): every error is mapped to a status code in one function,
+Thin on purpose: every error is mapped to a status code in one function,
 `status_for`, and Put and Get move their bulk bytes as raw frames (kvstore.proto.frames),
 registered through `handlers()` instead of the generated add_KVStoreServicer_to_server.
 """

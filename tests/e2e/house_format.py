@@ -1,5 +1,6 @@
 """Checks shared by the bench smoke tests: every figure printed in the house format
-(STYLE.md) and the same figures, as positive finite numbers, in the JSON report."""
+(`bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x`) and the same figures, as
+positive finite numbers, in the JSON report."""
 
 from __future__ import annotations
 
