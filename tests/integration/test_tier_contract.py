@@ -73,26 +73,37 @@ def _make_tier(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Sl
     return NvmeTier(tmp_path / "pages.bin", CAPACITY, PAGE, backend="kvikio")
 
 
-@pytest.fixture(
-    params=[
-        "dram",
-        "nvme-posix-disk",
-        "nvme-posix-tmpfs",
-        "nvme-posix-buffered",
-        pytest.param("nvme-kvikio", marks=pytest.mark.gpu),
-        pytest.param("hbm", marks=pytest.mark.gpu),
-    ]
-)
-def tier(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[SlotTier]:
-    t = _make_tier(request.param, tmp_path, monkeypatch)
+NVME_KINDS = [
+    "nvme-posix-disk",
+    "nvme-posix-tmpfs",
+    "nvme-posix-buffered",
+    pytest.param("nvme-kvikio", marks=pytest.mark.gpu),
+]
+
+
+def _opened(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlotTier]:
+    t = _make_tier(kind, tmp_path, monkeypatch)
     try:
         yield t
     finally:
         t.close()
         if isinstance(t, NvmeTier) and str(t.path).startswith("/dev/shm/"):
             t.path.unlink()
+
+
+@pytest.fixture(params=["dram", *NVME_KINDS, pytest.param("hbm", marks=pytest.mark.gpu)])
+def tier(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[SlotTier]:
+    yield from _opened(request.param, tmp_path, monkeypatch)
+
+
+@pytest.fixture(params=NVME_KINDS)
+def nvme_tier(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[SlotTier]:
+    """The L3 tier alone, over each of its backends (the only tier with I/O counters)."""
+    yield from _opened(request.param, tmp_path, monkeypatch)
 
 
 def _random(size_bytes: int, seed: int = 0) -> np.ndarray:
@@ -205,9 +216,9 @@ def test_misuse_raises_before_moving_anything(tier: SlotTier) -> None:
         tier.read([Transfer((PageRun(0, 2),), PAGE + 1, [memoryview(bytes(PAGE + 1))])])
 
 
-def test_nvme_counters_move(tier: SlotTier) -> None:
-    if not isinstance(tier, NvmeTier):
-        pytest.skip("only the L3 tier keeps I/O counters")
+def test_nvme_counters_move(nvme_tier: SlotTier) -> None:
+    tier = nvme_tier
+    assert isinstance(tier, NvmeTier)
     size_bytes = 4097
     aligned = _aligned_empty(size_bytes)
     exact = np.zeros(size_bytes, np.uint8)
