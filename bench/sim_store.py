@@ -1,21 +1,21 @@
 """The store's own placement and eviction, for bench/trace_sim.py: the daemon's real pure
-index (`kvstore.core.index.Index`, no I/O), driven as the daemon drives it, with L2 alone or
-with an L3 below it.
+index (`kvstore.core.index.Index`) and placement planner (`kvstore.core.placement.Placement`),
+their plans executed as the daemon executes them but without I/O, with L2 alone or with an L3
+below it. This module keeps no rule of its own: where pages come from, where a demoted block
+goes and what L3 admits are the planner's.
 
 Each block is one page of one byte, and the request index is the clock. Per request:
 
 1. `lookup` the request's keys: the hit prefix, each block's tier;
-2. the Get: blocks of the hit prefix that are only in L3 are loaded into L2 (as the store's
-   loads do: room in L2 first, the L3 copy then freed, placement exclusive), then the
-   prefix is leased (touched) as one read;
+2. the Get: blocks of the hit prefix that are only in L3 are loaded into L2 (room as the
+   planner places it, then `Placement.promote`), then the prefix is touched as one read;
 3. the put of the rest: `prepare_store` / `complete_store`, chained to the hit prefix.
 
 Where the daemon's mover demotes in the background to keep L2 below its watermark, here a
-put or a load that finds L2 short demotes first, synchronously, in the index's own order
-(`Index.pick`: leaf first, cold before hot), each demoted block taking L3 pages (evicting
-L3's own victims when L3 is full), as `kvstore.daemon.tiering` does; only when nothing can be
-demoted does L2 evict. A Get's blocks must fit in L2 together, so a hit prefix counts up
-to L2's capacity.
+put or a load the planner finds short of L2 pages (`RoomStep.DEMOTE`) demotes first,
+synchronously, in the index's own order (`Index.pick`: leaf first, cold before hot), each
+block moving as `Placement.demote` says and its write finishing at once; what is still short
+is evicted. A Get's blocks must fit in L2 together, so a hit prefix counts up to L2's capacity.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from kvstore.core.index import Index
 from kvstore.core.pages import PageAllocator
+from kvstore.core.placement import Move, Placement, RoomStep
 from kvstore.core.records import Entry
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier
@@ -36,15 +37,18 @@ def block_key(hash_id: int) -> BlockKey:
 
 
 class StorePolicy:
-    """The store with an L2 of capacity_blocks, and an L3 of l3_blocks when that is > 0."""
+    """The store with an L2 of capacity_blocks, and an L3 of l3_blocks when that is > 0, which
+    admits blocks seen at least admit_min_seen times (`nvme.admit_min_seen`; 1 = every block,
+    the daemon's default)."""
 
     def __init__(self, capacity_blocks: int, requests: Sequence[object] = (),
-                 l3_blocks: int = 0) -> None:
+                 l3_blocks: int = 0, admit_min_seen: int = 1) -> None:
         self._capacity = capacity_blocks
         allocators = {Tier.DRAM: PageAllocator(capacity_blocks)}
         if l3_blocks > 0:
             allocators[Tier.NVME] = PageAllocator(l3_blocks)
         self.index = Index(allocators, {t: 1 for t in allocators})
+        self.placement = Placement(self.index, allocators, admit_min_seen)
         self._tiered = l3_blocks > 0
         self._plans = 0
 
@@ -67,8 +71,9 @@ class StorePolicy:
     def _put(self, keys: list[BlockKey], start: int) -> None:
         """The engine's put of the blocks it computed: keys[start:], chained to parents."""
         parents = [keys[i - 1] if i else None for i in range(start, len(keys))]
-        if self._tiered:
-            self._demote(len(parents) - self.index.free_pages(Tier.DRAM))
+        room = self.placement.room(Tier.DRAM, len(parents))  # one page per block
+        if room.step is RoomStep.DEMOTE:
+            self._demote(room.short_pages)
         self._plans += 1
         plan_id = f"p{self._plans}"
         plan = self.index.prepare_store(plan_id, NAMESPACE, keys[start:], [1] * len(parents),
@@ -85,31 +90,20 @@ class StorePolicy:
         for entry in held:
             if Tier.DRAM in entry.copies:
                 continue
-            pages = self.index.alloc(Tier.DRAM, 1)
-            if pages is None:
-                self._demote(1)
-                pages = self.index.alloc(Tier.DRAM, 1)
-            if pages is None and self.index.make_room(Tier.DRAM, 1) is not None:
-                pages = self.index.alloc(Tier.DRAM, 1)
-            if pages is None:
+            got = self.placement.alloc(Tier.DRAM, entry.size_bytes)
+            if got.room.step is RoomStep.DEMOTE:
+                self._demote(got.room.short_pages)
+                got = self.placement.alloc(Tier.DRAM, entry.size_bytes, demoted=True)
+            if got.pages is None:
                 raise RuntimeError("no L2 room for a load, though the prefix fits L2")
-            self.index.add_copy(entry, Tier.DRAM, pages)
-            self.index.drop_copy(entry, Tier.NVME)  # exclusive placement
+            self.placement.promote(entry, Tier.DRAM, got.pages)
         for entry in held:
             self.index.done(entry)
 
-    def _demote(self, pages: int) -> None:
-        """Move about `pages` blocks' worth from L2 to L3, in eviction order."""
-        if pages <= 0:
-            return
-        for entry in self.index.pick(Tier.DRAM, pages):
-            self.index.done(entry)
-            if Tier.NVME not in entry.copies:
-                l3 = self.index.alloc(Tier.NVME, 1)
-                if l3 is None and self.index.make_room(Tier.NVME, 1) is not None:
-                    l3 = self.index.alloc(Tier.NVME, 1)
-                if l3 is None:
-                    self.index.drop_copy(entry, Tier.DRAM, evicted=True)
-                    continue
-                self.index.add_copy(entry, Tier.NVME, l3)
-            self.index.drop_copy(entry, Tier.DRAM)
+    def _demote(self, num_pages: int) -> None:
+        """Move about num_pages blocks' worth out of L2, in eviction order, as the planner
+        says; a write to L3 finishes at once (there is no I/O to fail)."""
+        for entry in self.index.pick(Tier.DRAM, num_pages):  # one byte per page
+            demotion = self.placement.demote(entry, Tier.DRAM)
+            if demotion.move is Move.WRITE:
+                self.placement.finish_demotion(demotion, written=True)

@@ -1,8 +1,10 @@
-"""Prometheus metrics of the daemon: per-tier gauges and counters, RPC latency, the HTTP exporter.
+"""Prometheus metrics of the daemon: per-tier gauges and counters, coalesced loads, RPC latency,
+the HTTP exporter.
 
 Everything lives on a CollectorRegistry owned by one Metrics instance (never the process-wide
-default), so tests and embedded daemons can hold several. Tier figures are not mirrored into
-metric objects: a collector asks the store for fresh stats on every scrape.
+default), so tests and embedded daemons can hold several. Store figures are not mirrored into
+metric objects: a collector asks the store for fresh ones on every scrape (`store_metrics`
+wires a store's).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -18,7 +20,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:
+    from kvstore.daemon.store import Store
+
 logger = logging.getLogger(__name__)
+
+LOADS_COALESCED = "kvstore_loads_coalesced_total"
 
 #: RPC latency buckets in seconds: 50 µs (a shared-memory Lookup) up to 10 s (a large Prefetch).
 RPC_LATENCY_BUCKETS_S = (
@@ -153,10 +160,27 @@ class _TierCollector(Collector):
         return families
 
 
-class Metrics:
-    """The daemon's metrics registry and its optional HTTP exporter."""
+class _CountCollector(Collector):
+    """One counter without labels, read from count_fn on each scrape."""
 
-    def __init__(self, stats_fn: Callable[[], Sequence[TierStatsLike]]) -> None:
+    def __init__(self, name: str, doc: str, count_fn: Callable[[], int]) -> None:
+        self._name, self._doc, self._count_fn = name, doc, count_fn
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._doc)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._doc)
+        family.add_metric([], float(self._count_fn()))
+        yield family
+
+
+class Metrics:
+    """The daemon's metrics registry and its optional HTTP exporter; with loads_coalesced_fn,
+    also the count of loads joined instead of started."""
+
+    def __init__(self, stats_fn: Callable[[], Sequence[TierStatsLike]],
+                 loads_coalesced_fn: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry()
         self._rpc_latency = Histogram(
             "kvstore_rpc_latency_seconds",
@@ -166,6 +190,11 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_TierCollector(stats_fn))
+        if loads_coalesced_fn is not None:
+            self.registry.register(_CountCollector(
+                LOADS_COALESCED, "Loads of a block (L3 -> L2, L2 -> L1) that a reader joined "
+                "instead of starting another: concurrent readers share one read.",
+                loads_coalesced_fn))
         self._lock = threading.Lock()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -205,3 +234,8 @@ class Metrics:
         server.server_close()
         if thread is not None:
             thread.join(timeout=5.0)
+
+
+def store_metrics(store: Store) -> Metrics:
+    """The metrics of a store: its tier stats and its coalesced loads, read on each scrape."""
+    return Metrics(lambda: store.stats().tiers, lambda: store.tiering.loads_coalesced)

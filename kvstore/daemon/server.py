@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore import __version__
 from kvstore.core.errors import StartupError
 from kvstore.daemon.config import Config, ConfigError, add_arguments, config_from_args
-from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.metrics import Metrics, store_metrics
 from kvstore.daemon.servicer import SERVICE_NAME, KVStoreServicer, handlers
 from kvstore.daemon.store import Store
 
@@ -52,7 +52,7 @@ def _sweep_forever(store: Store, interval_s: float, stop: threading.Event,
 def serve(config: Config, stop: threading.Event) -> None:
     """Run the daemon until stop is set. Whatever startup made is undone if it fails."""
     store = Store(config)
-    metrics = Metrics(lambda: store.stats().tiers)
+    metrics = store_metrics(store)
     try:
         _serve(config, store, metrics, stop)
     finally:

@@ -1,17 +1,16 @@
 """Moving blocks between the slot tiers: demotion under pressure, loads (promotion) with
 coalescing, and the L3 manifest that lets a restarted daemon re-adopt what L3 held.
 
+What goes where is the planner's (`kvstore.core.placement`: free pages, demotion or eviction;
+L3 pages, L3 eviction or a drop; admission; exclusive or inclusive L3); this module executes
+its plans: the locking, the I/O, the manifest journal, the counters, waiting for the mover.
+
 The store's lock guards the index; every method here takes it only to plan and to finish a
 move, never around I/O. An entry being moved or loaded is `busy` in the index, so neither
 its copy nor its pages change under the transfer. Order for crash safety: a block's bytes
 are written to L3 before its manifest COMMIT record, and a FREE record is appended before
 its L3 pages can be handed to anything else; every L3 read is checked against the block's
 checksum, so whatever a crash leaves behind is a miss, never wrong bytes.
-
-Placement: L1 (HBM) holds copies of blocks that L2 also holds, so demoting out of L1 only
-drops the copy. L2 -> L3 is exclusive by default (the L2 copy is freed once the L3 copy is
-committed, and a promotion frees the L3 copy); `nvme.placement=inclusive` keeps the L3 copy
-on promotion, so demoting that block again costs no write.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from kvstore.core.index import Index, Pages
+from kvstore.core.placement import Demotion, Move, Placement, RoomStep
 from kvstore.core.records import Entry
 from kvstore.daemon.config import Config
 from kvstore.daemon.iometer import IoMeter
@@ -60,12 +59,6 @@ class Load:
         return self._done.wait(timeout_s)
 
 
-@dataclass(slots=True)
-class _Demotion:
-    entry: Entry
-    pages: Pages  # its new L3 pages
-
-
 class Tiering:
     """The movers and loads of one store (see the module docstring)."""
 
@@ -77,10 +70,12 @@ class Tiering:
         self.tiers = tiers
         self.manifest = manifest
         self.stats = stats
+        self.placement = Placement(index, tiers, config.nvme.admit_min_seen,
+                                   inclusive=config.nvme.placement == "inclusive")
         self.room = threading.Condition(lock)  # notified whenever pages are freed
         self.wake = threading.Event()  # asks the mover for a step now
         self._loads: dict[tuple[str, BlockKey, Tier], Load] = {}
-        self.coalesced = 0  # loads joined instead of started
+        self.loads_coalesced = 0  # loads joined instead of started (a Prometheus counter)
         self.mover_running = False  # set by the mover: whether waiting for room can help
         self._compact_at = config.nvme.compact_after_records  # journal records
         self.meter = IoMeter()
@@ -132,7 +127,7 @@ class Tiering:
     def wait_for_room(self, tier: Tier, num_pages: int, timeout_s: float) -> bool:
         """With the lock held: ask the mover for room and wait up to timeout_s for
         num_pages free pages in tier. False at once when no mover can free pages there."""
-        if not self.mover_running or (tier == Tier.DRAM and Tier.NVME not in self.tiers):
+        if not self.mover_running or not self.placement.can_demote(tier):
             return False
         waiting = self._waiting.setdefault(tier, [])
         waiting.append(num_pages)
@@ -148,12 +143,10 @@ class Tiering:
         low watermark (or until a waiting put or load fits). Returns the bytes moved."""
         moved = 0
         # Without L3 there is nowhere to demote L2 blocks to: puts evict on demand instead.
-        movable = [t for t in (Tier.HBM, Tier.DRAM) if t in self.tiers and (
-            t == Tier.HBM or Tier.NVME in self.tiers)]
-        for tier in movable:
+        for tier in (t for t in (Tier.HBM, Tier.DRAM) if self.placement.can_demote(t)):
             want = self._want_bytes(tier)
             if want > 0:
-                moved += self._drop_l1(want) if tier == Tier.HBM else self._demote_l2(want)
+                moved += self._demote(tier, want)
         if self.manifest is not None and self.manifest.journal_records >= self._compact_at:
             self._compact()
         return moved
@@ -183,93 +176,55 @@ class Tiering:
         page_bytes: int = slot.page_size_bytes
         return min(mv.batch_bytes, max(want, short * page_bytes))
 
-    def _drop_l1(self, want_bytes: int) -> int:
-        """L1 holds copies of L2 blocks: demoting out of it is dropping the copy."""
+    # --- demotion ----------------------------------------------------------------------------
+
+    def _demote(self, tier: Tier, want_bytes: int) -> int:
+        """Move about want_bytes out of tier in eviction order, each block where the planner
+        says; the L3 writes run outside the lock. Returns the bytes picked."""
         with self.room:
-            picked = self.index.pick(Tier.HBM, want_bytes)
-            for entry in picked:
-                self.index.done(entry)
-                if entry.movable:
-                    self.index.drop_copy(entry, Tier.HBM)
-                    self.stats[Tier.HBM].demotions += 1
+            picked = self.index.pick(tier, want_bytes)
+            writes = [d for d in (self._plan_demotion(e, tier) for e in picked)
+                      if d.move is Move.WRITE]
+            batch = [Transfer(d.pages, d.entry.size_bytes,
+                              self.dram.buffers(d.entry.copies[Tier.DRAM], d.entry.size_bytes))
+                     for d in writes]
+        errors = self._io(Tier.NVME, "write", batch) if batch else []
+        with self.room:
+            for demotion, error in zip(writes, errors, strict=True):
+                self._finish_demotion(demotion, error)
             self.room.notify_all()
         return sum(e.size_bytes for e in picked)
 
-    # --- demotion L2 -> L3 -------------------------------------------------------------------
-
-    def _demote_l2(self, want_bytes: int) -> int:
-        with self.room:
-            picked = self.index.pick(Tier.DRAM, want_bytes)
-            moves = [m for m in map(self._plan_demotion, picked) if m is not None]
-            batch = [Transfer(m.pages, m.entry.size_bytes,
-                              self.dram.buffers(m.entry.copies[Tier.DRAM], m.entry.size_bytes))
-                     for m in moves]
-        errors = self._io(Tier.NVME, "write", batch)
-        with self.room:
-            for move, error in zip(moves, errors, strict=True):
-                self._finish_demotion(move, error)
-            self.room.notify_all()
-        return sum(e.size_bytes for e in picked)
-
-    def _plan_demotion(self, entry: Entry) -> _Demotion | None:
-        """With the lock held: L3 pages for entry, or None when it needs no write (already in
-        L3) or is not admitted (then its L2 copy simply goes)."""
-        if Tier.NVME in entry.copies:
-            self.index.done(entry)
-            if entry.movable:
-                self.index.drop_copy(entry, Tier.DRAM)
-                self.stats[Tier.DRAM].demotions += 1
-            return None
-        if entry.seen < self.config.nvme.admit_min_seen:
+    def _plan_demotion(self, entry: Entry, tier: Tier) -> Demotion:
+        """With the lock held: the planner's move for entry, counted; L3 victims journaled
+        before their pages are written."""
+        demotion = self.placement.demote(entry, tier)
+        if demotion.move is Move.DROP:
+            if demotion.left:
+                self.stats[tier].demotions += 1
+        elif demotion.move is Move.WRITE:
+            self.journal_free(demotion.l3_evicted)
+        else:  # not admitted, or no room in L3: it left L2 unwritten
             self.stats[Tier.NVME].admissions_refused += 1
-            self._evict_l2(entry)
-            return None
-        pages = self._l3_pages(entry.size_bytes)
-        if pages is None:
-            self.stats[Tier.NVME].admissions_refused += 1
-            self._evict_l2(entry)
-            return None
-        return _Demotion(entry, pages)
+        return demotion
 
-    def _l3_pages(self, size_bytes: int) -> Pages | None:
-        """Pages in L3, evicting (and journaling) L3 blocks in eviction order if needed."""
-        pages = self.index.alloc(Tier.NVME, size_bytes)
-        if pages is not None:
-            return pages
-        needed = self.index.pages_per_object(Tier.NVME, size_bytes)
-        evicted = self.index.make_room(Tier.NVME, needed)
-        if evicted is None:
-            return None
-        self.journal_free(evicted)
-        return self.index.alloc(Tier.NVME, size_bytes)
-
-    def _evict_l2(self, entry: Entry) -> None:
-        """entry leaves L2 without going to L3 (not admitted, no room, or no L3)."""
-        self.index.done(entry)
-        if entry.movable:
-            self.index.drop_copy(entry, Tier.DRAM, evicted=True)
-
-    def _finish_demotion(self, move: _Demotion, error: OSError | None) -> None:
-        entry = move.entry
+    def _finish_demotion(self, demotion: Demotion, error: OSError | None) -> None:
+        entry = demotion.entry
         if error is None:
             try:
-                self._journal_commit(entry, move.pages)
+                self._journal_commit(entry, demotion.pages)
             except OSError as exc:
                 error = exc
-        if error is not None:
-            self.index.free(Tier.NVME, move.pages)
+        if error is None:
+            self.stats[Tier.NVME].bytes_in += entry.size_bytes
+            self.stats[Tier.DRAM].demotions += 1
+        else:
             self.stats[Tier.NVME].admissions_refused += 1
             if error.errno not in _NO_ROOM:
                 self.stats[Tier.NVME].io_errors += 1
             log.warning("L3 write failed, block not admitted: %s", error)
-            self._evict_l2(entry)
-            return
-        self.index.add_copy(entry, Tier.NVME, move.pages)
-        self.stats[Tier.NVME].bytes_in += entry.size_bytes
-        self.stats[Tier.DRAM].demotions += 1
-        self.index.done(entry)
-        if entry.movable:  # a reader leased it meanwhile: the next step drops the L2 copy
-            self.index.drop_copy(entry, Tier.DRAM)
+        # A reader may have leased it meanwhile: then the next step drops its L2 copy.
+        self.placement.finish_demotion(demotion, written=error is None)
 
     # --- loads (promotion) -------------------------------------------------------------------
 
@@ -279,7 +234,7 @@ class Tiering:
         key = (entry.namespace, entry.key, target)
         load = self._loads.get(key)
         if load is not None:
-            self.coalesced += 1
+            self.loads_coalesced += 1
             return load
         load = self._loads[key] = Load()
         self.index.hold(entry)
@@ -303,17 +258,14 @@ class Tiering:
             load.finish(ok)
 
     def _room(self, tier: Tier, size_bytes: int) -> Pages | None:
-        """Pages in tier for a load: free ones, else the mover's, else evicted ones."""
+        """Pages in tier for a load, as the planner places them: free ones, else the mover's
+        (waited for), else evicted ones."""
         with self.room:
-            pages = self.index.alloc(tier, size_bytes)
-            if pages is None and tier == Tier.DRAM:  # L1 copies are dropped at once instead
-                need = self.index.pages_per_object(tier, size_bytes)
-                self.wait_for_room(tier, need, self.config.movers.put_wait_s)
-                pages = self.index.alloc(tier, size_bytes)
-            if pages is None and self.index.make_room(
-                    tier, self.index.pages_per_object(tier, size_bytes)) is not None:
-                pages = self.index.alloc(tier, size_bytes)
-            return pages
+            got = self.placement.alloc(tier, size_bytes)
+            if got.room.step is RoomStep.DEMOTE:
+                self.wait_for_room(tier, got.room.num_pages, self.config.movers.put_wait_s)
+                got = self.placement.alloc(tier, size_bytes, demoted=True)
+            return got.pages
 
     def _load_l3(self, entry: Entry) -> bool:
         """L3 -> L2, straight into the new L2 pages, checked against the block's checksum."""
@@ -332,13 +284,11 @@ class Tiering:
                 self.index.free(Tier.DRAM, pages)
                 self._drop_damaged(entry, error)
                 return False
-            self.index.add_copy(entry, Tier.DRAM, pages)
+            if self.placement.promote(entry, Tier.DRAM, pages):
+                self.journal_free([entry])  # its L3 copy went (exclusive placement)
             self.index.touch(entry.namespace, [entry.key])  # most recently used
             self.stats[Tier.NVME].bytes_out += entry.size_bytes
             self.stats[Tier.DRAM].promotions += 1
-            if self.config.nvme.placement == "exclusive":
-                self.journal_free([entry])
-                self.index.drop_copy(entry, Tier.NVME)
         return True
 
     def _drop_damaged(self, entry: Entry, error: OSError | None) -> None:
@@ -364,7 +314,7 @@ class Tiering:
                 self.index.free(Tier.HBM, pages)
                 self.stats[Tier.HBM].io_errors += 1
                 return False
-            self.index.add_copy(entry, Tier.HBM, pages)
+            self.placement.promote(entry, Tier.HBM, pages)
             self.stats[Tier.HBM].promotions += 1
             self.stats[Tier.HBM].bytes_in += entry.size_bytes
         return True

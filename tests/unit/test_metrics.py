@@ -132,6 +132,17 @@ def test_failing_stats_fn_is_logged_and_the_scrape_still_works(
         metrics.stop()
 
 
+def test_coalesced_loads_are_a_counter_read_on_each_scrape() -> None:
+    coalesced = [3]
+    metrics = Metrics(lambda: [_Stats("dram")], lambda: coalesced[-1])
+    text = metrics.render().decode()
+    assert "# TYPE kvstore_loads_coalesced_total counter" in text
+    assert "kvstore_loads_coalesced_total 3.0" in text
+    coalesced.append(5)
+    assert b"kvstore_loads_coalesced_total 5.0" in metrics.render()
+    assert b"kvstore_loads_coalesced" not in Metrics(lambda: []).render()  # not given: absent
+
+
 def test_registries_are_independent() -> None:
     a, b = Metrics(lambda: [_Stats("dram")]), Metrics(lambda: [])
     a.observe_rpc("Get", "OK", 0.01)
