@@ -27,8 +27,8 @@ from kvstore.client import KVStoreClient, KVStoreError
 from kvstore.engine.errors import EngineError
 from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
-from kvstore.tools.admin import stats_view
 from kvstore.tools.demo import DEFAULT_METRICS_PORT, DEFAULT_PORT, pick_port
+from kvstore.tools.tables import stats_view
 from kvstore.tools.testing import wait_serving
 
 TURNS = (

@@ -2,7 +2,8 @@
 
 Every public method checks its input first and raises a typed error naming the field
 (kvstore.core.errors), so a bad request never reaches the index or a tier and never damages
-stored data. Puts are two-phase (plan → write → commit, or abort); reads hold a lease while
+stored data. Puts are two-phase (plan → write → commit, or abort) and belong to the store's
+Writer (kvstore.daemon.writer), to which the put verbs here delegate; reads hold a lease while
 bytes are copied out, so the pages under a reader are never reused.
 """
 
@@ -19,14 +20,23 @@ from kvstore.core import checks
 from kvstore.core.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.core.index import Index
 from kvstore.core.pages import PageAllocator
-from kvstore.core.records import Entry, EvictResult, PrewarmState, ReadResult, StoreStats
+from kvstore.core.records import (
+    CommitResult,
+    Entry,
+    EvictResult,
+    PrewarmState,
+    PutSession,
+    ReadResult,
+    Reservation,
+    StoreStats,
+)
 from kvstore.daemon.config import Config
 from kvstore.daemon.movers import Mover
 from kvstore.daemon.prefetch import PrefetchProgress, prefetch
-from kvstore.daemon.puts import Puts
 from kvstore.daemon.remote import Remote
 from kvstore.daemon.tier_setup import open_tiers
 from kvstore.daemon.tiering import Load, Tiering
+from kvstore.daemon.writer import Writer
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier, TierStats
 from kvstore.tiers.dram import DramTier
@@ -36,7 +46,7 @@ from kvstore.units import format_size
 log = logging.getLogger(__name__)
 
 
-class Store(Puts):
+class Store:
     """The daemon's data plane, independent of gRPC. Thread-safe (one lock)."""
 
     def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
@@ -63,6 +73,8 @@ class Store(Puts):
                                  self.dram, self._stats[Tier.REMOTE])
             self._stats[Tier.REMOTE].enabled = True
             self._stats[Tier.REMOTE].backend = self._opened.remote.backend
+        self._writer = Writer(config, self.index, self._lock, self.tiering, self._stats,
+                              self._slot_tier, lambda: self.remote, clock)
         try:
             self.adopted = self.tiering.adopt()
         except BaseException:
@@ -94,6 +106,46 @@ class Store(Puts):
         with self._lock:
             self._opened.close()
             self.dram = None
+
+    def _check_keys(self, namespace: str, keys: Sequence[bytes]) -> list[BlockKey]:
+        return checks.keys(namespace, keys, self.config.server.max_batch_keys)
+
+    def _slot_tier(self) -> DramTier:
+        if self.dram is None:
+            raise FailedPrecondition("no slot tier is enabled (dram.enabled is false)")
+        return self.dram
+
+    # --- puts (kvstore.daemon.writer) ------------------------------------------------------
+
+    def begin_put(self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
+                  parent: bytes = b"", independent: bool = False) -> PutSession:
+        """Plan an inline put; feed its bytes with write(), then commit() or abort()."""
+        return self._writer.begin_put(namespace, keys, sizes, parent, independent)
+
+    def write(self, session: PutSession, data: memoryview) -> None:
+        """Append a chunk of the concatenated payloads."""
+        self._writer.write(session, data)
+
+    def commit(self, session: PutSession, to_remote: bool = True) -> CommitResult:
+        """Make the put's blocks entries; with to_remote they are also offered to L4."""
+        return self._writer.commit(session, to_remote)
+
+    def abort(self, plan_id: str) -> None:
+        self._writer.abort(plan_id)
+
+    def import_blocks(self, namespace: str, keys: Sequence[BlockKey],
+                      payloads: Sequence[bytes]) -> int:
+        """Store blocks fetched from L4 in L2, not offered back to L4; how many were new."""
+        return self._writer.import_blocks(namespace, keys, payloads)
+
+    def reserve(self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
+                parent: bytes = b"", independent: bool = False,
+                timeout_s: float | None = None) -> Reservation:
+        """Pages for the client to write itself; commit_reservation() makes them entries."""
+        return self._writer.reserve(namespace, keys, sizes, parent, independent, timeout_s)
+
+    def commit_reservation(self, namespace: str, reservation_id: str) -> CommitResult:
+        return self._writer.commit_reservation(namespace, reservation_id)
 
     # --- reads -----------------------------------------------------------------------------
 

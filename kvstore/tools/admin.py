@@ -14,6 +14,9 @@
 
 Exit codes: 0 success, 1 a request failed (`error: <message>` on stderr, or health not
 SERVING), 2 the daemon could not be reached (or the command line was wrong).
+
+Owns the arguments, the verbs and the talking to the daemon; the tables it prints are built
+in kvstore.tools.tables.
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
-from rich.table import Table
 
 from kvstore.client import (
     DeadlineExceeded,
@@ -38,12 +40,12 @@ from kvstore.client import (
     KVStoreError,
     PrewarmResult,
     Retry,
-    Stats,
     Unavailable,
     prefix_keys,
 )
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.tier import TIER_LABELS
+from kvstore.tools.tables import hot_table, lookup_table, stats_view
 from kvstore.units import format_size, parse_size
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -52,8 +54,6 @@ ENV_NAMESPACE = "KVSTORE_NAMESPACE"
 # The client needs a namespace; commands that are not about one never send it.
 _NO_NAMESPACE = "kvstore-admin"
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 2
-# L4's circuit breaker states as the stats table shows them.
-_BREAKER_CELLS = {"closed": "[green]up", "open": "[red]down", "half-open": "[yellow]probing"}
 
 
 # --- argument types -------------------------------------------------------------------------
@@ -110,7 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds per call")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_entry_commands(sub)
+    _add_daemon_commands(sub)
+    return parser
 
+
+def _add_entry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """stats, evict, lookup, pin and unpin: the daemon's entries and tiers."""
     stats = sub.add_parser("stats", help="per-tier capacity, use and counters")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.add_argument("--watch", type=_positive_float, metavar="SECONDS", help="refresh period")
@@ -139,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("keys", nargs="+", type=_key, metavar="KEYHEX")
         cmd.add_argument("--json", action="store_true")
 
+
+def _add_daemon_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """hot and prewarm (L4), health and config."""
     hot = sub.add_parser("hot", help="the namespace's most used L4 blocks, hottest first")
     hot.add_argument("--limit", type=int, default=100, help="how many keys (default 100)")
     hot.add_argument("--json", action="store_true")
@@ -163,98 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="the daemon's effective configuration")
     config.add_argument("--json", action="store_true", help="raw JSON")
-    return parser
-
-
-# --- rendering ------------------------------------------------------------------------------
-
-
-def _percent(fraction: float | None) -> str:
-    return "-" if fraction is None else f"{100 * fraction:.1f}%"
-
-
-def _bandwidth(rate_bytes_s: float) -> str:
-    """ "812.3 MB/s" or "6.41 GB/s" (decimal units, as disks and links are rated); "-" untimed."""
-    if rate_bytes_s <= 0:
-        return "-"
-    giga = rate_bytes_s >= 1e9
-    return f"{rate_bytes_s / 1e9:.2f} GB/s" if giga else f"{rate_bytes_s / 1e6:.1f} MB/s"
-
-
-def _tier_table(stats: Stats, target: str) -> Table:
-    """One row per tier: how it moves bytes, capacity, use, hits."""
-    table = Table(title=f"kvstore {stats.version or '?'} at {target}", title_justify="left")
-    for column in ("tier", "on", "backend"):
-        table.add_column(column, no_wrap=True)
-    for column in ("capacity", "used", "used%", "objects", "hits", "misses", "hit%", "evicted"):
-        table.add_column(column, justify="right", no_wrap=True)
-    for t in stats.tiers:
-        on = t.enabled
-        table.add_row(
-            t.tier,
-            (_BREAKER_CELLS.get(t.state, t.state) or "yes") if on else "no",
-            t.backend or "-",
-            format_size(t.capacity_bytes) if on else "-",
-            format_size(t.used_bytes) if on else "-",
-            _percent(t.used_fraction) if on else "-",
-            f"{t.objects:,}",
-            f"{t.hits:,}",
-            f"{t.misses:,}",
-            _percent(t.hit_rate),
-            f"{t.evictions:,}",
-        )
-    return table
-
-
-# (column, TierStats attribute): block counts and the transfers in flight now
-_MOVEMENT_COUNTS = (
-    ("promoted", "promotions"),
-    ("demoted", "demotions"),
-    ("refused", "admissions_refused"),
-    ("checksum fail", "checksum_failures"),
-    ("io errors", "io_errors"),
-    ("queue", "queue_depth"),
-)
-
-
-def _movement_table(stats: Stats) -> Table:
-    """Enabled tiers only: blocks moved between tiers, refusals, errors, queue and bandwidth."""
-    table = Table("tier", title="movement and health", title_justify="left")
-    for column in [name for name, _ in _MOVEMENT_COUNTS] + ["read", "write"]:
-        table.add_column(column, justify="right", no_wrap=True)
-    for t in (t for t in stats.tiers if t.enabled):
-        table.add_row(
-            t.tier,
-            *(f"{getattr(t, attr):,}" for _, attr in _MOVEMENT_COUNTS),
-            _bandwidth(t.read_bandwidth_bytes_s),
-            _bandwidth(t.write_bandwidth_bytes_s),
-        )
-    return table
-
-
-def stats_view(stats: Stats, target: str) -> Group:
-    """The per-tier table, the movement/health table and the summary, as one renderable."""
-    summary = Table(show_header=False, box=None, padding=(0, 2))
-    summary.add_column(style="bold")
-    summary.add_column()
-    lookups = stats.hits + stats.misses
-    hit_rate = _percent(stats.hits / lookups if lookups else None)
-    shm = f"{stats.shm_name} ({format_size(stats.shm_size_bytes)})" if stats.shm_name else "none"
-    rows = [
-        ("leases", f"{stats.leases:,}"),
-        ("reservations", f"{stats.reservations:,}"),
-        ("pinned", f"{stats.pinned:,}"),
-        ("lookup hits / misses", f"{stats.hits:,} / {stats.misses:,} ({hit_rate})"),
-        ("shm segment", shm),
-        ("host", stats.host_id or "?"),
-        ("version", stats.version or "?"),
-    ]
-    if (p := stats.prewarm) is not None:
-        rows.append(("pre-warm", f"{p.blocks:,} blocks, {format_size(p.bytes)} of "
-                     f"{format_size(p.target_bytes)}" + ("" if p.done else " (running)")))
-    for name, value in rows:
-        summary.add_row(name, value)
-    return Group(_tier_table(stats, target), _movement_table(stats), summary)
 
 
 def _print_json(data: Any) -> None:
@@ -324,10 +241,7 @@ def cmd_lookup(client: KVStoreClient, args: argparse.Namespace, console: Console
         _print_json({"prefix_length": result.prefix_length, "keys": rows})
         return EXIT_OK
     print(f"prefix length: {result.prefix_length} of {len(keys)}")
-    table = Table("#", "key", "tier")
-    for i, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
-        table.add_row(str(i), key.hex(), tier or "[dim]miss[/]")
-    console.print(table)
+    console.print(lookup_table(keys, tiers))
     return EXIT_OK
 
 
@@ -347,10 +261,7 @@ def cmd_hot(client: KVStoreClient, args: argparse.Namespace, console: Console) -
     if args.json:
         _print_json({"keys": [{"key": k.hex(), "score": s} for k, s in pairs]})
         return EXIT_OK
-    table = Table("#", "key", "score", title=f"hottest in {client.namespace!r}")
-    for i, (key, score) in enumerate(pairs):
-        table.add_row(str(i), f"{key.hex()[:16]}…", f"{score:,.2f}")
-    console.print(table)
+    console.print(hot_table(client.namespace, pairs))
     return EXIT_OK
 
 

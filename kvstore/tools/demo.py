@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvstore.client import KVStoreClient, KVStoreError, prefix_keys
-from kvstore.tools.admin import stats_view
+from kvstore.tools.tables import stats_view
 from kvstore.tools.testing import free_port, wait_serving
 
 DEFAULT_PORT, DEFAULT_METRICS_PORT = 50051, 9400

@@ -177,7 +177,7 @@ app.kubernetes.io/part-of: kvstore
 {{- toYaml $res -}}
 {{- end -}}
 
-{{/* The daemon's YAML config file (kvstore/daemon/config.py), built from values. */}}
+{{/* The daemon's YAML config file (kvstore/daemon/config/), built from values. */}}
 {{- define "kvstore.config" -}}
 {{- $v := .Values -}}
 {{- $server := dict "host" "0.0.0.0" "port" (int $v.server.grpcPort) "workers" (int $v.server.workers)

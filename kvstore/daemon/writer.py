@@ -1,8 +1,13 @@
-"""The put side of the store: two-phase puts (plan -> write -> commit, or abort), Reserve for
+"""The store's write side: two-phase puts (plan -> write -> commit, or abort), Reserve for
 clients that write shared memory themselves, and imports of blocks fetched from L4.
 
-A mixin of kvstore.daemon.store.Store, kept apart only for size: it uses the store's lock, index,
-tiers and counters, declared below for the type checker.
+    begin_put -> write ... -> commit | abort     inline bytes, checksummed as they arrive
+    reserve -> (client writes the pages) -> commit_reservation     checksummed at commit
+    import_blocks                                 L4 hits into L2, not offered back to L4
+
+Every put lands in L2. When L2 is full a put waits (at most movers.put_wait_s) for the mover
+to demote to L3, then evicts instead. The Store creates one Writer, shares its lock, index,
+tiering and counters with it, and delegates its put verbs to it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Callable, Sequence
 import xxhash
 
 from kvstore.core import checks
-from kvstore.core.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.core.errors import Aborted, InvalidArgument, ResourceExhausted
 from kvstore.core.index import Index
 from kvstore.core.records import CommitResult, PutSession, Reservation, StorePlan
 from kvstore.daemon.config import Config
@@ -27,39 +32,41 @@ from kvstore.tiers.dram import DramTier
 from kvstore.units import format_size
 
 
-class Puts:
-    config: Config
-    dram: DramTier | None
-    remote: Remote | None
-    index: Index
-    tiering: Tiering
-    _lock: threading.RLock
-    _clock: Callable[[], float]
-    _stats: dict[Tier, TierStats]
+class Writer:
+    """Puts, reservations and imports into L2. Thread-safe: every index change holds lock."""
 
-    def _check_keys(self, namespace: str, keys: Sequence[bytes]) -> list[BlockKey]:
-        return checks.keys(namespace, keys, self.config.server.max_batch_keys)
+    def __init__(
+        self, config: Config, index: Index, lock: threading.RLock, tiering: Tiering,
+        stats: dict[Tier, TierStats], slot_tier: Callable[[], DramTier],
+        remote: Callable[[], Remote | None], clock: Callable[[], float],
+    ) -> None:
+        """slot_tier() returns L2 or raises FailedPrecondition; remote() returns L4 or None.
+        Both are asked at each call: the store drops them when it closes."""
+        self._config = config
+        self._index = index
+        self._lock = lock
+        self._tiering = tiering
+        self._stats = stats
+        self._slot_tier = slot_tier
+        self._remote = remote
+        self._clock = clock
 
-    def _slot_tier(self) -> DramTier:
-        if self.dram is None:
-            raise FailedPrecondition("no slot tier is enabled (dram.enabled is false)")
-        return self.dram
-
-    # --- puts ------------------------------------------------------------------------------
+    # --- planning --------------------------------------------------------------------------
 
     def _plan(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes,
         independent: bool, timeout_s: float,
     ) -> tuple[str, list[BlockKey], list[int], list[list[Extent] | None]]:
-        checked = self._check_keys(namespace, keys)
-        sizes = checks.sizes(checked, sizes, self.config.server.max_object_bytes)
+        server = self._config.server
+        checked = checks.keys(namespace, keys, server.max_batch_keys)
+        sizes = checks.sizes(checked, sizes, server.max_object_bytes)
         parents = checks.chain_parents(checked, parent, independent)
         tier = self._slot_tier()
         plan_id = secrets.token_hex(12)
         with self._lock:
             plan = self._prepare(plan_id, namespace, checked, sizes, parents, timeout_s)
             if plan is None:
-                need = sum(self.index.pages_per_object(Tier.DRAM, s) for s in sizes)
+                need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
                 raise ResourceExhausted(
                     f"sizes need {need} pages ({format_size(need * tier.page_size_bytes)}); the "
                     f"dram tier cannot free that many (capacity {format_size(tier.capacity_bytes)},"
@@ -76,18 +83,21 @@ class Puts:
     ) -> StorePlan | None:
         """With the lock held: L2 pages for a put. When L2 is full, wait (at most
         movers.put_wait_s) for the mover to demote blocks to L3, then evict instead."""
+        movers = self._config.movers
         deadline = self._clock() + timeout_s
         args = (plan_id, namespace, keys, sizes, parents, Tier.DRAM, deadline)
-        plan = self.index.prepare_store(*args, evict=False)
+        plan = self._index.prepare_store(*args, evict=False)
         if plan is None:
-            need = sum(self.index.pages_per_object(Tier.DRAM, s) for s in sizes)
-            if self.tiering.wait_for_room(Tier.DRAM, need, self.config.movers.put_wait_s):
-                plan = self.index.prepare_store(*args, evict=False)
+            need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
+            if self._tiering.wait_for_room(Tier.DRAM, need, movers.put_wait_s):
+                plan = self._index.prepare_store(*args, evict=False)
         if plan is None:
-            plan = self.index.prepare_store(*args, evict=True)
-        if self.tiering.fullness(Tier.DRAM) >= self.config.movers.high_watermark:
-            self.tiering.wake.set()
+            plan = self._index.prepare_store(*args, evict=True)
+        if self._tiering.fullness(Tier.DRAM) >= movers.high_watermark:
+            self._tiering.wake.set()
         return plan
+
+    # --- inline puts -----------------------------------------------------------------------
 
     def begin_put(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
@@ -95,7 +105,8 @@ class Puts:
     ) -> PutSession:
         """Plan an inline put; feed its bytes with write(), then commit() or abort()."""
         plan_id, _, sizes, targets = self._plan(
-            namespace, keys, sizes, parent, independent, self.config.leases.reservation_timeout_s
+            namespace, keys, sizes, parent, independent,
+            self._config.leases.reservation_timeout_s,
         )
         hashers = [xxhash.xxh3_64() if t is not None else None for t in targets]
         return PutSession(plan_id, namespace, sizes, targets, hashers, sum(sizes))
@@ -108,7 +119,7 @@ class Puts:
             )
         tier = self._slot_tier()
         with self._lock:
-            if self.index.plan(session.plan_id) is None:
+            if self._index.plan(session.plan_id) is None:
                 raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned")
             self._write_locked(tier, session, data)
 
@@ -143,20 +154,22 @@ class Puts:
         return self._complete(session.plan_id, checksums, written, to_remote)
 
     def abort(self, plan_id: str) -> None:
+        """Give back a plan's pages; a no-op for a plan already committed, aborted or expired."""
         with self._lock:
-            if self.index.plan(plan_id) is not None:
-                self.index.complete_store(plan_id, None, success=False)
+            if self._index.plan(plan_id) is not None:
+                self._index.complete_store(plan_id, None, success=False)
 
     def _complete(self, plan_id: str, checksums: list[int], size_bytes: int,
                   to_remote: bool = True) -> CommitResult:
         with self._lock:
-            plan = self.index.plan(plan_id)
+            plan = self._index.plan(plan_id)
             if plan is None:  # the sweeper expired it after the last write
                 raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned")
-            result = self.index.complete_store(plan_id, checksums, success=True)
+            result = self._index.complete_store(plan_id, checksums, success=True)
             self._stats[Tier.DRAM].bytes_in += size_bytes
-        if to_remote and self.remote is not None and plan.blocks:
-            self.remote.offer(plan.namespace, [(b.key, b.size_bytes) for b in plan.blocks])
+        remote = self._remote()
+        if to_remote and remote is not None and plan.blocks:
+            remote.offer(plan.namespace, [(b.key, b.size_bytes) for b in plan.blocks])
         return result
 
     def import_blocks(self, namespace: str, keys: Sequence[BlockKey],
@@ -175,21 +188,24 @@ class Puts:
         self._stats[Tier.DRAM].promotions += stored
         return stored
 
+    # --- reservations ----------------------------------------------------------------------
+
     def reserve(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes = b"",
         independent: bool = False, timeout_s: float | None = None,
     ) -> Reservation:
         """Pages for the client to write itself; commit_reservation() makes them entries."""
-        timeout_s = timeout_s or self.config.leases.reservation_timeout_s
+        timeout_s = timeout_s or self._config.leases.reservation_timeout_s
         plan_id, _, _, targets = self._plan(namespace, keys, sizes, parent, independent, timeout_s)
         return Reservation(
             plan_id, [t is None for t in targets], [t or [] for t in targets], timeout_s
         )
 
     def commit_reservation(self, namespace: str, reservation_id: str) -> CommitResult:
+        """Make a reservation's pages entries, checksummed as the client wrote them."""
         tier = self._slot_tier()
         with self._lock:
-            plan = self.index.plan(reservation_id)
+            plan = self._index.plan(reservation_id)
             if plan is None or plan.namespace != namespace:
                 raise InvalidArgument(
                     f"reservation_id {reservation_id!r} is unknown or expired in namespace "

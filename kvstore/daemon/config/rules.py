@@ -1,0 +1,129 @@
+"""Every rule a converted config must satisfy, in one place: ranges, allowed values, cross-field
+limits, and the tiers' page sizes.
+
+problems(cfg) returns (setting, what is wrong and what to use) for each rule broken; load.py
+adds the value and where it came from, and raises one ConfigError for them all. The order of
+the list is the order of the lines an operator reads. Pure.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvstore.daemon.config.schema import LOG_LEVELS, Config
+from kvstore.shm import check_shm_name
+from kvstore.units import KiB, format_size
+
+Problem = tuple[str, str]  # (setting as "section.field", what is wrong and what to use)
+
+
+class _Problems(list[Problem]):
+    def need(self, ok: bool, path: str, msg: str) -> None:
+        if not ok:
+            self.append((path, msg))
+
+
+def problems(cfg: Config) -> list[Problem]:
+    """(setting, what is wrong and what to use) for every rule the converted config breaks."""
+    out = _Problems()
+    _server(cfg, out)
+    _dram(cfg, out)
+    _durations(cfg, out)
+    out.need(cfg.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+    _hbm(cfg, out)
+    _page_sizes(cfg, out)
+    _nvme(cfg, out)
+    _movers(cfg, out)
+    _remote(cfg, out)
+    return list(out)
+
+
+def _server(cfg: Config, out: _Problems) -> None:
+    s, m = cfg.server, cfg.metrics
+    for path, port in (("server.port", s.port), ("metrics.port", m.port)):
+        out.need(0 <= port <= 65535, path, "must be 0..65535 (0 = pick a free port)")
+    out.need(bool(s.host.strip()), "server.host", "must not be empty; use e.g. 0.0.0.0")
+    out.need(bool(m.host.strip()), "metrics.host", "must not be empty; use e.g. 0.0.0.0")
+    out.need(s.chunk_bytes >= 64 * KiB, "server.chunk_bytes", "must be >= 64KiB; use e.g. 4MiB")
+    out.need(s.max_message_bytes >= s.chunk_bytes + 64 * KiB, "server.max_message_bytes",
+             f"must be >= server.chunk_bytes ({format_size(s.chunk_bytes)}) + 64KiB "
+             f"= {s.chunk_bytes + 64 * KiB}; raise it or lower server.chunk_bytes")
+    out.need(s.max_object_bytes > 0, "server.max_object_bytes", "must be > 0; use e.g. 64MiB")
+    out.need(s.max_batch_keys >= 1, "server.max_batch_keys", "must be >= 1; use e.g. 4096")
+    out.need(s.workers >= 1, "server.workers", "must be >= 1; use e.g. 8")
+
+
+def _dram(cfg: Config, out: _Problems) -> None:
+    d = cfg.dram
+    out.need(not d.enabled or d.capacity_bytes >= d.page_size_bytes, "dram.capacity_bytes",
+             f"must be >= dram.page_size_bytes ({format_size(d.page_size_bytes)}); use e.g. "
+             "1GiB, or set dram.enabled=false")
+    if d.shm_name:
+        try:
+            check_shm_name(d.shm_name)
+        except ValueError as exc:
+            out.append(("dram.shm_name", str(exc)))
+
+
+def _durations(cfg: Config, out: _Problems) -> None:
+    """The server's grace period and the lease timers (the tiers' timers are with their tier)."""
+    grace_s = cfg.server.grace_s
+    out.need(math.isfinite(grace_s) and grace_s >= 0, "server.grace_s", "must be >= 0; use e.g. 5")
+    for name in ("lease_timeout_s", "reservation_timeout_s", "sweep_interval_s"):
+        value = getattr(cfg.leases, name)
+        out.need(math.isfinite(value) and value > 0, f"leases.{name}", "must be > 0; use e.g. 30")
+
+
+def _hbm(cfg: Config, out: _Problems) -> None:
+    h = cfg.hbm
+    out.need(h.mode in ("auto", "on", "off"), "hbm.mode", "must be auto, on or off")
+    out.need(0 < h.fraction_of_free <= 0.9, "hbm.fraction_of_free",
+             "must be in (0, 0.9]; use 0.2")
+    out.need(h.device >= 0, "hbm.device", "must be >= 0")
+
+
+def _page_sizes(cfg: Config, out: _Problems) -> None:
+    for path, page in (("dram.page_size_bytes", cfg.dram.page_size_bytes),
+                       ("hbm.page_size_bytes", cfg.hbm.page_size_bytes),
+                       ("nvme.page_size_bytes", cfg.nvme.page_size_bytes)):
+        out.need(page >= 4 * KiB and page & (page - 1) == 0, path,
+                 "must be a power of two >= 4KiB; use e.g. 64KiB")
+
+
+def _nvme(cfg: Config, out: _Problems) -> None:
+    n = cfg.nvme
+    out.need(not n.enabled or n.capacity_bytes >= n.page_size_bytes, "nvme.capacity_bytes",
+             "must be >= nvme.page_size_bytes; use e.g. 64GiB, or set nvme.enabled=false")
+    out.need(n.backend in ("auto", "kvikio", "posix"), "nvme.backend",
+             "must be auto, kvikio or posix")
+    out.need(1 <= n.io_threads <= 256, "nvme.io_threads", "must be 1..256; use e.g. 4")
+    out.need(n.placement in ("exclusive", "inclusive"), "nvme.placement",
+             "must be exclusive or inclusive")
+    out.need(n.admit_min_seen >= 1, "nvme.admit_min_seen",
+             "must be >= 1 (1 = admit every block)")
+    out.need(n.compact_after_records >= 1, "nvme.compact_after_records", "must be >= 1")
+
+
+def _movers(cfg: Config, out: _Problems) -> None:
+    mv = cfg.movers
+    out.need(0 < mv.low_watermark < mv.high_watermark <= 1, "movers.low_watermark",
+             "must satisfy 0 < movers.low_watermark < movers.high_watermark <= 1; "
+             "use 0.75 and 0.9")
+    out.need(mv.batch_bytes >= 1, "movers.batch_bytes", "must be > 0; use e.g. 64MiB")
+    for name in ("put_wait_s", "interval_s"):
+        value = getattr(mv, name)
+        out.need(math.isfinite(value) and value >= 0, f"movers.{name}", "must be >= 0")
+
+
+def _remote(cfg: Config, out: _Problems) -> None:
+    r = cfg.remote
+    out.need(not r.url or r.url.startswith(("redis://", "rediss://")), "remote.url",
+             "must start with redis:// or rediss:// (or be empty: L4 off)")
+    out.need(r.compress in ("auto", "lz4", "none"), "remote.compress",
+             "must be auto, lz4 or none")
+    for name in ("timeout_s", "breaker_backoff_s", "popularity_flush_s",
+                 "popularity_half_life_s"):
+        value = getattr(r, name)
+        out.need(math.isfinite(value) and value > 0, f"remote.{name}", "must be > 0")
+    out.need(math.isfinite(r.ttl_s) and r.ttl_s >= 0, "remote.ttl_s",
+             "must be >= 0 (0 = no TTL)")

@@ -1,0 +1,184 @@
+"""The daemon's configuration tree: frozen dataclasses, one per section, a docstring per field.
+
+Owns what a setting is (its section, name, type, default and meaning), the flat tables
+derived from the tree (KINDS, DEFAULTS: keyed "section.field"), ConfigError, and the
+operator-facing dump (config_to_dict, secrets hidden). Loading lives in load.py and the rules a
+value must satisfy in rules.py. Sizes (fields ending _bytes) are ints of bytes; durations
+(fields ending _s) are float seconds.
+"""
+
+from __future__ import annotations  # keeps field types as names: KINDS reads them as "int" etc.
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvstore.units import GiB, KiB, MiB
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class ConfigError(ValueError):
+    """One or more bad settings; the message has one line per problem."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The gRPC server and its request limits (section `server`)."""
+
+    host: str = "127.0.0.1"  #: gRPC listen address.
+    port: int = 50051  #: gRPC listen port; 0 = pick a free port.
+    #: gRPC max send/receive message size; must be >= chunk_bytes + 64 KiB.
+    max_message_bytes: int = 8 * MiB
+    chunk_bytes: int = 4 * MiB  #: Payload bytes per streamed message.
+    max_object_bytes: int = 64 * MiB  #: Largest single block.
+    max_batch_keys: int = 4096  #: Most keys in one request.
+    workers: int = 8  #: RPC worker threads; each streaming transfer in flight holds one.
+    grace_s: float = 5.0  #: Shutdown grace period.
+
+
+@dataclass(frozen=True)
+class DramConfig:
+    """The L2 tier: one shared-memory segment (section `dram`)."""
+
+    enabled: bool = True  #: Keep an L2 tier in shared memory.
+    capacity_bytes: int = 1 * GiB  #: L2 shared-memory segment size.
+    page_size_bytes: int = 64 * KiB  #: Allocation page; a power of two, >= 4 KiB.
+    shm_name: str = ""  #: Segment name under /dev/shm; "" = "kvstore-<port>-<pid>".
+    pin_memory: bool = True  #: Register the segment as CUDA pinned memory when CUDA is present.
+
+
+@dataclass(frozen=True)
+class HbmConfig:
+    """The L1 tier: one arena of GPU memory (section `hbm`)."""
+
+    mode: str = "auto"  #: auto = on when CUDA is present; on = required (start fails without).
+    capacity_bytes: int = 0  #: Arena size; 0 = fraction_of_free of the free HBM at start.
+    fraction_of_free: float = 0.2  #: Share of free HBM taken when capacity_bytes is 0.
+    page_size_bytes: int = 64 * KiB  #: Allocation page; a power of two, >= 4 KiB.
+    device: int = 0  #: CUDA device index.
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """The L3 tier: one preallocated file of pages on local NVMe, plus its manifest."""
+
+    enabled: bool = True  #: Keep an L3 tier on local disk.
+    #: Folder for the L3 file and manifest; "" = $XDG_CACHE_HOME/kvstore/<port> (~/.cache).
+    dir: str = ""
+    capacity_bytes: int = 4 * GiB  #: L3 file size (preallocated).
+    page_size_bytes: int = 64 * KiB  #: Allocation page; a power of two, >= 4 KiB.
+    backend: str = "auto"  #: auto (kvikio when an NVIDIA driver is present), kvikio or posix.
+    io_threads: int = 4  #: Parallel reads and writes of the POSIX backend.
+    #: exclusive: a block lives in one of L2/L3; inclusive: its L3 copy stays after promotion.
+    placement: str = "exclusive"
+    admit_min_seen: int = 1  #: Demote to L3 only blocks put or read at least this often.
+    sync: bool = False  #: fdatasync each manifest record (survives power loss, not only crashes).
+    compact_after_records: int = 100_000  #: Snapshot the manifest after this many records.
+
+
+@dataclass(frozen=True)
+class MoverConfig:
+    """The background mover: demotion under pressure (section `movers`)."""
+
+    high_watermark: float = 0.90  #: Start demoting when a tier is this full (0..1).
+    low_watermark: float = 0.75  #: Demote until the tier is this full.
+    batch_bytes: int = 64 * MiB  #: Most bytes demoted per step.
+    put_wait_s: float = 0.5  #: How long a put waits for the mover before evicting instead.
+    interval_s: float = 0.1  #: How often the mover checks the watermarks when idle.
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """The L4 tier: a Redis or Redis Cluster pool shared by every daemon (section `remote`)."""
+
+    #: redis://[user:password@]host:port/db, or rediss:// for TLS; "" = L4 off.
+    url: str = ""
+    cluster: bool = False  #: The URL names one node of a Redis Cluster.
+    username: str = ""  #: ACL user (or in the URL).
+    password: str = ""  #: Password (or in the URL); prefer KVSTORE_REMOTE_PASSWORD.
+    tls_ca_file: str = ""  #: CA bundle for rediss:// ("" = the system's).
+    timeout_s: float = 2.0  #: Socket timeout of every Redis call.
+    ttl_s: float = 86400.0  #: How long a block lives in L4; 0 = until Redis evicts it.
+    queue_bytes: int = 256 * MiB  #: Write-through backlog; blocks past it are skipped.
+    compress: str = "auto"  #: auto (lz4 when it pays), lz4 or none.
+    shuffle: bool = True  #: Byte-shuffle 2-byte elements (fp16/bf16) before lz4.
+    breaker_backoff_s: float = 1.0  #: First wait after Redis fails; doubles up to 30 s.
+    popularity_flush_s: float = 5.0  #: How often block popularity is sent to Redis.
+    popularity_half_life_s: float = 3600.0  #: Half-life of the popularity scores.
+    prewarm_bytes: int = 0  #: Pull this much of the hottest L4 data into L2/L3 before SERVING.
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    """Shared-memory read leases and Reserve expiry (section `leases`)."""
+
+    lease_timeout_s: float = 30.0  #: How long a shared-memory read lease lasts without Release.
+    #: How long Reserved pages wait for their Put before they are reclaimed.
+    reservation_timeout_s: float = 30.0
+    sweep_interval_s: float = 0.5  #: How often expired leases and reservations are swept.
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The Prometheus HTTP exporter (section `metrics`)."""
+
+    enabled: bool = True  #: Serve Prometheus metrics over HTTP.
+    host: str = "127.0.0.1"  #: Metrics listen address.
+    port: int = 9400  #: Metrics listen port; 0 = pick a free port.
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole daemon configuration; build it with load_config()."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)  #: gRPC server and request limits.
+    dram: DramConfig = field(default_factory=DramConfig)  #: L2 shared-memory tier.
+    hbm: HbmConfig = field(default_factory=HbmConfig)  #: L1 GPU memory tier.
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)  #: L3 NVMe tier.
+    movers: MoverConfig = field(default_factory=MoverConfig)  #: Demotion between tiers.
+    remote: RemoteConfig = field(default_factory=RemoteConfig)  #: L4 Redis pool.
+    leases: LeaseConfig = field(default_factory=LeaseConfig)  #: Read leases and reservations.
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  #: Prometheus exporter.
+    log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR.
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "dram": DramConfig,
+    "hbm": HbmConfig,
+    "nvme": NvmeConfig,
+    "movers": MoverConfig,
+    "remote": RemoteConfig,
+    "leases": LeaseConfig,
+    "metrics": MetricsConfig,
+}
+
+
+def _settings() -> dict[str, tuple[str, object]]:
+    """{"section.field" or top-level "field": (type name, default)} for every setting."""
+    fields = [(f"{sec}.", f) for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    fields += [("", f) for f in dataclasses.fields(Config) if f.name not in SECTIONS]
+    return {prefix + f.name: (str(f.type), f.default) for prefix, f in fields}
+
+
+#: "section.field" (or a top-level "field") -> its type's name: "int", "bool", "str", ...
+KINDS = {key: kind for key, (kind, _) in _settings().items()}
+#: "section.field" (or a top-level "field") -> its default value.
+DEFAULTS = {key: default for key, (_, default) in _settings().items()}
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain JSON-ready data; sizes are ints of bytes. Secrets (the Redis
+    password, alone or in remote.url) read "***": this goes to operators and their logs."""
+    data = dataclasses.asdict(cfg)
+    remote = data["remote"]
+    if remote["password"]:
+        remote["password"] = "***"
+    url = urlsplit(remote["url"])
+    if url.password:
+        user = f"{url.username}:" if url.username else ":"
+        remote["url"] = url._replace(netloc=f"{user}***@{url.hostname}"
+                                     + (f":{url.port}" if url.port else "")).geturl()
+    return data

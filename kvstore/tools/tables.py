@@ -1,0 +1,127 @@
+"""The tables and views `kvstore-admin` prints, built from the client's results; no I/O.
+
+    stats_view     per-tier table, movement/health table and summary (also the demos' view)
+    lookup_table   one row per key: its tier, or a miss
+    hot_table      the hottest L4 blocks and their scores
+
+L4's "on" cell shows its circuit breaker: up, down or probing. Bandwidths use decimal units,
+as disks and links are rated; sizes use binary units (kvstore.units.format_size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Group
+from rich.table import Table
+
+from kvstore.client import Stats
+from kvstore.keys import BlockKey
+from kvstore.units import format_size
+
+# L4's circuit breaker states as the stats table shows them.
+_BREAKER_CELLS = {"closed": "[green]up", "open": "[red]down", "half-open": "[yellow]probing"}
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def _bandwidth(rate_bytes_s: float) -> str:
+    """ "812.3 MB/s" or "6.41 GB/s" (decimal units, as disks and links are rated); "-" untimed."""
+    if rate_bytes_s <= 0:
+        return "-"
+    giga = rate_bytes_s >= 1e9
+    return f"{rate_bytes_s / 1e9:.2f} GB/s" if giga else f"{rate_bytes_s / 1e6:.1f} MB/s"
+
+
+def _tier_table(stats: Stats, target: str) -> Table:
+    """One row per tier: how it moves bytes, capacity, use, hits."""
+    table = Table(title=f"kvstore {stats.version or '?'} at {target}", title_justify="left")
+    for column in ("tier", "on", "backend"):
+        table.add_column(column, no_wrap=True)
+    for column in ("capacity", "used", "used%", "objects", "hits", "misses", "hit%", "evicted"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for t in stats.tiers:
+        on = t.enabled
+        table.add_row(
+            t.tier,
+            (_BREAKER_CELLS.get(t.state, t.state) or "yes") if on else "no",
+            t.backend or "-",
+            format_size(t.capacity_bytes) if on else "-",
+            format_size(t.used_bytes) if on else "-",
+            _percent(t.used_fraction) if on else "-",
+            f"{t.objects:,}",
+            f"{t.hits:,}",
+            f"{t.misses:,}",
+            _percent(t.hit_rate),
+            f"{t.evictions:,}",
+        )
+    return table
+
+
+# (column, TierStats attribute): block counts and the transfers in flight now
+_MOVEMENT_COUNTS = (
+    ("promoted", "promotions"),
+    ("demoted", "demotions"),
+    ("refused", "admissions_refused"),
+    ("checksum fail", "checksum_failures"),
+    ("io errors", "io_errors"),
+    ("queue", "queue_depth"),
+)
+
+
+def _movement_table(stats: Stats) -> Table:
+    """Enabled tiers only: blocks moved between tiers, refusals, errors, queue and bandwidth."""
+    table = Table("tier", title="movement and health", title_justify="left")
+    for column in [name for name, _ in _MOVEMENT_COUNTS] + ["read", "write"]:
+        table.add_column(column, justify="right", no_wrap=True)
+    for t in (t for t in stats.tiers if t.enabled):
+        table.add_row(
+            t.tier,
+            *(f"{getattr(t, attr):,}" for _, attr in _MOVEMENT_COUNTS),
+            _bandwidth(t.read_bandwidth_bytes_s),
+            _bandwidth(t.write_bandwidth_bytes_s),
+        )
+    return table
+
+
+def stats_view(stats: Stats, target: str) -> Group:
+    """The per-tier table, the movement/health table and the summary, as one renderable."""
+    summary = Table(show_header=False, box=None, padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    lookups = stats.hits + stats.misses
+    hit_rate = _percent(stats.hits / lookups if lookups else None)
+    shm = f"{stats.shm_name} ({format_size(stats.shm_size_bytes)})" if stats.shm_name else "none"
+    rows = [
+        ("leases", f"{stats.leases:,}"),
+        ("reservations", f"{stats.reservations:,}"),
+        ("pinned", f"{stats.pinned:,}"),
+        ("lookup hits / misses", f"{stats.hits:,} / {stats.misses:,} ({hit_rate})"),
+        ("shm segment", shm),
+        ("host", stats.host_id or "?"),
+        ("version", stats.version or "?"),
+    ]
+    if (p := stats.prewarm) is not None:
+        rows.append(("pre-warm", f"{p.blocks:,} blocks, {format_size(p.bytes)} of "
+                     f"{format_size(p.target_bytes)}" + ("" if p.done else " (running)")))
+    for name, value in rows:
+        summary.add_row(name, value)
+    return Group(_tier_table(stats, target), _movement_table(stats), summary)
+
+
+def lookup_table(keys: Sequence[BlockKey], tiers: Sequence[str | None]) -> Table:
+    """One row per key, in order: its index, hex and the tier that holds it (or a miss)."""
+    table = Table("#", "key", "tier")
+    for i, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
+        table.add_row(str(i), key.hex(), tier or "[dim]miss[/]")
+    return table
+
+
+def hot_table(namespace: str, pairs: Sequence[tuple[BlockKey, float]]) -> Table:
+    """The hottest blocks first: index, the key's first 16 hex digits, score."""
+    table = Table("#", "key", "score", title=f"hottest in {namespace!r}")
+    for i, (key, score) in enumerate(pairs):
+        table.add_row(str(i), f"{key.hex()[:16]}…", f"{score:,.2f}")
+    return table
