@@ -1,17 +1,20 @@
 """The same-host fast path: deciding whether to use the daemon's shared-memory segment, and
 copying blocks in and out of it.
 
-`ShmState` holds the decision (made once, from one Stats call: same host id and the segment
-attaches) and the attached segment. `SharedSegment` copies with numpy slices of one array over
+`ShmState` owns the decision for both clients (made once, from one Stats call: same host id
+and the segment attaches; undone for good by a fall-back), its one lock, and the attached
+segment. `SharedSegment` copies with numpy slices of one array over
 the whole mapping, so every copy is a single memcpy with no Python-level per-byte work.
 Extents from the daemon are bounds-checked before any copy; a bad one is DataLoss.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -21,7 +24,7 @@ from kvstore import shm
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
 from ._buffers import ByteArray, address, copy_bytes
-from ._wire import Fetched, GetHeader
+from ._wire import Fetched, GetHeader, capacities, parse_get_header
 from .errors import DataLoss, FailedPrecondition
 
 logger = logging.getLogger("kvstore.client")
@@ -117,22 +120,93 @@ def attach(name: str) -> SharedSegment:
 
 
 class ShmState:
-    """Whether the fast path is on, and the segment it uses.
+    """Whether the fast path is on, and the segment it uses: the one owner of that decision,
+    for the blocking and the asyncio client alike.
 
     mode None: use it when co-located; False: never; True: required (FailedPrecondition when
     the daemon is on another host or its segment cannot be attached).
+
+    The decision is made once, from one Stats call, however many threads or tasks make their
+    first data call together: the first claims it, the others wait for its outcome. A Stats
+    that fails (or a required path that cannot be had) leaves it undecided, and the next
+    caller tries again. A data call that finds the path broken falls back to inline for good
+    (`fall_back`), unless the path is required.
     """
 
     def __init__(self, mode: bool | None) -> None:
         self.mode = mode
         self.decided = mode is False
         self.segment: SharedSegment | None = None
-        # Guards re-attaching and closing; never held across an RPC or an await.
+        # Guards the decision, re-attaching and closing; never held across an RPC or an
+        # await, which is what lets one lock serve both clients.
         self._lock = threading.Lock()
+        # The decision in flight, which late callers wait on (blocking or awaited).
+        self._deciding: Future[None] | None = None
 
     @property
     def required(self) -> bool:
         return self.mode is True
+
+    @property
+    def in_use(self) -> bool | None:
+        """True/False once decided, None before."""
+        return (self.segment is not None) if self.decided else None
+
+    def segment_for(self, fetch_stats: Callable[[], pb.StatsResponse]) -> SharedSegment | None:
+        """The segment to use, or None for inline; decides first (fetch_stats is the one
+        Stats call) when undecided. The blocking client's way in."""
+        while not self.decided:
+            mine, turn = self._claim()
+            if not mine:
+                turn.result()
+                continue
+            stats: pb.StatsResponse | None = None
+            try:
+                stats = fetch_stats()
+            finally:
+                self._settle(turn, stats)
+        return self.segment
+
+    async def segment_for_async(
+        self, fetch_stats: Callable[[], Awaitable[pb.StatsResponse]]
+    ) -> SharedSegment | None:
+        """segment_for, awaiting the Stats call and the decision: the asyncio client's way in."""
+        while not self.decided:
+            mine, turn = self._claim()
+            if not mine:
+                await asyncio.wrap_future(turn)
+                continue
+            stats: pb.StatsResponse | None = None
+            try:
+                stats = await fetch_stats()
+            finally:
+                self._settle(turn, stats)
+        return self.segment
+
+    def _claim(self) -> tuple[bool, Future[None]]:
+        """(True, turn) when the caller is to decide now; else (False, what to wait for)."""
+        with self._lock:
+            if self._deciding is not None:
+                return False, self._deciding
+            turn: Future[None] = Future()
+            # A running future cannot be cancelled, so a waiter that is cancelled (an asyncio
+            # task) cannot cancel the turn the other waiters share.
+            turn.set_running_or_notify_cancel()
+            if self.decided:  # decided between the caller's check and now
+                turn.set_result(None)
+                return False, turn
+            self._deciding = turn
+            return True, turn
+
+    def _settle(self, turn: Future[None], stats: pb.StatsResponse | None) -> None:
+        """Adopt stats (None: the Stats call failed), then wake the waiters either way."""
+        try:
+            if stats is not None:
+                self.adopt(stats)
+        finally:
+            with self._lock:
+                self._deciding = None
+            turn.set_result(None)
 
     def adopt(self, stats: pb.StatsResponse) -> None:
         """Decide from the daemon's Stats; attach when co-located."""
@@ -155,6 +229,13 @@ class ShmState:
             )
         return attach(stats.shm_name)
 
+    def fall_back(self, exc: FailedPrecondition) -> None:
+        """A data call found the fast path unusable: re-raise exc when it is required, else
+        turn it off so this call and every later one go inline."""
+        if self.required:
+            raise exc
+        self.disable(str(exc))
+
     def segment_named(self, name: str) -> SharedSegment:
         """The segment a response names; re-attaches if the daemon moved to a new one."""
         current = self.segment
@@ -172,6 +253,26 @@ class ShmState:
             current.close()
         return fresh
 
+    def write_reservation(
+        self, reserved: pb.ReserveResponse, payloads: Sequence[memoryview]
+    ) -> int:
+        """Write the payloads into the extents Reserve gave; the count written."""
+        return write_reserved(self.segment_named(reserved.shm_name), reserved, payloads)
+
+    def read_get(
+        self,
+        response: pb.GetResponse,
+        num_keys: int,
+        arrays: list[ByteArray] | None,
+        verify_checksums: bool,
+    ) -> Fetched:
+        """What a shared-memory Get's one response points at, checked and copied out."""
+        header = parse_get_header(response, num_keys, capacities(arrays))
+        if not header.found_index:
+            return Fetched(header, [])
+        segment = self.segment_named(response.shm_name)
+        return read_shm_get(segment, response, header, arrays, verify_checksums)
+
     def disable(self, reason: str) -> None:
         """Fall back to inline transfers for the rest of this client's life."""
         logger.info("kvstore: shared-memory path off: %s", reason)
@@ -183,6 +284,13 @@ class ShmState:
             segment, self.segment = self.segment, None
         if segment is not None:
             segment.close()
+
+
+def only_header(messages: Sequence[pb.GetResponse | memoryview]) -> pb.GetResponse:
+    """The one message a shared-memory Get answers, else DataLoss."""
+    if len(messages) != 1 or isinstance(messages[0], memoryview):
+        raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
+    return messages[0]
 
 
 def read_shm_get(

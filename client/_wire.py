@@ -10,21 +10,24 @@ that are not data-only go through the generated classes unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import xxhash
 
-from kvstore.keys import KEY_BYTES, BlockKey, InvalidKeyError, all_keys, check_namespace
+from kvstore import keys as key_rules
+from kvstore.keys import BlockKey, InvalidKeyError
 from kvstore.proto.frames import data_frame, data_of
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.units import KiB, MiB
 
 from ._buffers import ByteArray, address, copy_bytes
 from .errors import DataLoss, InvalidArgument
 
-MiB = 1 << 20
+T = TypeVar("T")
+
 DEFAULT_CHUNK_BYTES = 4 * MiB
 DEFAULT_MAX_MESSAGE_BYTES = 16 * MiB
 PUT_METHOD = "/kvstore.v1.KVStore/Put"
@@ -58,7 +61,7 @@ def check_client_args(
     ns = check_namespace_arg(namespace, "namespace")
     if chunk_bytes <= 0:
         raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
-    if max_message_bytes < chunk_bytes + 64 * 1024:
+    if max_message_bytes < chunk_bytes + 64 * KiB:
         raise InvalidArgument(
             f"max_message_bytes ({max_message_bytes}) must exceed chunk_bytes ({chunk_bytes}) "
             "by at least 64 KiB of header room"
@@ -68,46 +71,28 @@ def check_client_args(
     return ns
 
 
-def check_namespace_arg(namespace: str, field: str) -> str:
+def _checked(check: Callable[[], T], prefix: str = "") -> T:
+    """check(), a broken key rule (kvstore.keys) raised as the client's InvalidArgument."""
     try:
-        return check_namespace(namespace)
+        return check()
     except InvalidKeyError as exc:
-        raise InvalidArgument(f"{field}: {exc}") from None
+        raise InvalidArgument(f"{prefix}{exc}") from None
+
+
+def check_namespace_arg(namespace: str, field: str) -> str:
+    """namespace, else InvalidArgument prefixed by field ("namespaces[1]: ...")."""
+    return _checked(lambda: key_rules.check_namespace(namespace), f"{field}: ")
 
 
 def check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
     """keys as a list of 32-byte `bytes`, else InvalidArgument naming the bad entry."""
-    if isinstance(keys, (bytes, bytearray, memoryview, str)):
-        raise InvalidArgument(f"{field} must be a sequence of {KEY_BYTES}-byte keys, not one key")
-    out = keys if isinstance(keys, list) else list(keys)
-    if all_keys(out):
-        return out
-    for i, key in enumerate(out):
-        if type(key) is bytes and len(key) == KEY_BYTES:
-            continue
-        if isinstance(key, (bytearray, memoryview)):
-            key = bytes(key)
-            if out is keys:
-                out = list(keys)
-            out[i] = key
-        if not isinstance(key, bytes):
-            raise InvalidArgument(f"{field}[{i}] must be bytes, got {type(key).__name__}")
-        if len(key) != KEY_BYTES:
-            raise InvalidArgument(
-                f"{field}[{i}] is {len(key)} bytes; keys are {KEY_BYTES}-byte digests"
-            )
-    return out
+    # list[BlockKey] is a list[bytes]; the cast only undoes list invariance.
+    return cast(list[bytes], _checked(lambda: key_rules.check_keys(keys, field)))
 
 
 def check_key(key: bytes, field: str) -> BlockKey:
     """One 32-byte key (parent, ...), else InvalidArgument naming field."""
-    if isinstance(key, (bytearray, memoryview)):
-        key = bytes(key)
-    if not isinstance(key, bytes):
-        raise InvalidArgument(f"{field} must be bytes, got {type(key).__name__}")
-    if len(key) != KEY_BYTES:
-        raise InvalidArgument(f"{field} is {len(key)} bytes; keys are {KEY_BYTES}-byte digests")
-    return BlockKey(key)
+    return _checked(lambda: key_rules.check_key(key, field))
 
 
 def tier_value(tier: str | None, field: str = "tier") -> int:
@@ -226,6 +211,7 @@ class InlineAssembler:
     """
 
     def __init__(self, header: GetHeader, targets: list[ByteArray] | None = None) -> None:
+        self.header = header
         self._sizes = header.sizes
         self._targets = targets
         self._addresses = [address(t) for t in targets] if targets is not None else []
@@ -233,6 +219,22 @@ class InlineAssembler:
         self._block = 0
         self._pos = 0
         self._skip_empty()
+
+    @classmethod
+    def start(
+        cls,
+        first: pb.GetResponse | memoryview,
+        num_keys: int,
+        arrays: list[ByteArray] | None,
+    ) -> InlineAssembler:
+        """The assembler of an INLINE Get from its first message: the header checked (for
+        get_into, against the buffers' sizes) and any data the header carries fed."""
+        header = parse_get_header(first, num_keys, capacities(arrays))
+        targets = None if arrays is None else [arrays[i] for i in header.found_index]
+        assembler = cls(header, targets)
+        if isinstance(first, pb.GetResponse) and first.data:
+            assembler.feed(memoryview(first.data))
+        return assembler
 
     def _skip_empty(self) -> None:
         sizes = self._sizes
@@ -276,6 +278,11 @@ class InlineAssembler:
     def payloads(self) -> list[bytes]:
         """Each block's bytes (one copy per block); only without targets."""
         return [b"".join(p) for p in self.pieces]
+
+    def fetched(self) -> Fetched:
+        """The whole stream, checked complete: get()'s payloads, or none for get_into()."""
+        self.finish()
+        return Fetched(self.header, [] if self._targets is not None else self.payloads())
 
 
 def chunk_of(message: pb.GetResponse | memoryview) -> memoryview:

@@ -8,94 +8,46 @@ failures surface as the `KVStoreError` tree. Thread-safe: share one client per p
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvstore.keys import BlockKey
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 from . import _requests as rq
 from . import results as res
+from ._base import ClientBase
 from ._buffers import ByteArray
-from ._shm import SharedSegment, ShmState, read_shm_get, write_reserved
+from ._shm import SharedSegment, only_header
 from ._wire import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    GET_METHOD,
     HEALTH_SERVICE,
-    PUT_METHOD,
     Fetched,
     InlineAssembler,
-    capacities,
     channel_options,
-    check_client_args,
     check_keys,
     chunk_of,
-    decode_get_response,
     finish_get,
     finish_get_into,
-    identity,
-    parse_get_header,
     put_frames,
 )
 from .errors import DataLoss, FailedPrecondition, from_rpc_error
-from .retry import Retry
 
 __all__ = ["KVStoreClient"]
 
-logger = logging.getLogger("kvstore.client")
 T = TypeVar("T")
 M = TypeVar("M")  # a response message
 
 
-class KVStoreClient:
+class KVStoreClient(ClientBase):
     """A connection to one kvstore daemon, bound to one namespace."""
 
-    def __init__(
-        self,
-        target: str,
-        namespace: str,
-        *,
-        shared_memory: bool | None = None,
-        retry: Retry | None = None,
-        timeout_s: float = 30.0,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        verify_checksums: bool = True,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    ) -> None:
-        """shared_memory: None uses the daemon's segment when co-located, False never, True
-        requires it (FailedPrecondition on the first data call when it cannot be used)."""
-        self.namespace = check_client_args(namespace, chunk_bytes, max_message_bytes, timeout_s)
-        self.target = target
-        self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
-        self.verify_checksums = verify_checksums
-        self.retry = retry if retry is not None else Retry()
-        self._channel = grpc.insecure_channel(
-            target, options=channel_options(max_message_bytes, sync=True)
-        )
-        self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._put = self._channel.stream_unary(
-            PUT_METHOD,
-            request_serializer=identity,
-            response_deserializer=pb.PutResponse.FromString,
-        )
-        self._get = self._channel.unary_stream(
-            GET_METHOD,
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=decode_get_response,
-        )
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._shm = ShmState(shared_memory)
-        self._shm_lock = threading.Lock()
-        self._closed = False
+    @staticmethod
+    def _open_channel(target: str, max_message_bytes: int) -> Any:
+        return grpc.insecure_channel(target, options=channel_options(max_message_bytes, sync=True))
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -123,49 +75,28 @@ class KVStoreClient:
         return self.retry.call(attempt)
 
     def _segment(self) -> SharedSegment | None:
-        if not self._shm.decided:
-            with self._shm_lock:
-                if not self._shm.decided:
-                    request = pb.StatsRequest(namespace=self.namespace)
-                    stats: pb.StatsResponse = self._rpc(
-                        lambda: self._stub.Stats(request, timeout=self.timeout_s)
-                    )
-                    self._shm.adopt(stats)
-        return self._shm.segment
+        return self._shm.segment_for(self._fetch_stats)
 
-    def _fall_back(self, exc: FailedPrecondition) -> None:
-        if self._shm.required:
-            raise exc
-        self._shm.disable(str(exc))
+    def _fetch_stats(self) -> pb.StatsResponse:
+        request = self._stats_request()
+        response: pb.StatsResponse = self._rpc(
+            lambda: self._stub.Stats(request, timeout=self.timeout_s)
+        )
+        return response
 
     def _release_quietly(self, ids: list[str]) -> None:
         try:
             self._stub.Release(pb.ReleaseRequest(ids=ids), timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            logger.warning(
-                "kvstore: Release(%s) failed, the daemon will expire it: %s",
-                ids,
-                from_rpc_error(exc),
-            )
-
-    def _get_request(self, keys: list[bytes], shared_memory: bool) -> pb.GetRequest:
-        return rq.get_request(self.namespace, keys, shared_memory, self.verify_checksums)
+            self._release_failed(ids, from_rpc_error(exc))
 
     def _drop_corrupt(self, bad: list[bytes]) -> None:
         for key in bad:
-            logger.warning(
-                "kvstore: checksum mismatch for key %s in namespace %r; treating it as a miss "
-                "and evicting it",
-                key.hex(),
-                self.namespace,
-            )
-            request = pb.EvictRequest(namespace=self.namespace, keys=[key])
+            request = self._corrupt(key)
             try:
                 self._stub.Evict(request, timeout=self.timeout_s)
             except grpc.RpcError as exc:
-                logger.warning(
-                    "kvstore: evicting corrupt key %s failed: %s", key.hex(), from_rpc_error(exc)
-                )
+                self._evict_failed(key, from_rpc_error(exc))
 
     # --- put ------------------------------------------------------------------------------
 
@@ -187,7 +118,7 @@ class KVStoreClient:
             try:
                 return res.put_result(self._rpc(lambda: self._put_shm(plan)))
             except FailedPrecondition as exc:
-                self._fall_back(exc)
+                self._shm.fall_back(exc)
         header = plan.inline_header()
         response: pb.PutResponse = self._rpc(
             lambda: self._put(
@@ -202,8 +133,7 @@ class KVStoreClient:
         )
         committed = False
         try:
-            segment = self._shm.segment_named(reserved.shm_name)
-            write_reserved(segment, reserved, plan.payloads)
+            self._shm.write_reservation(reserved, plan.payloads)
             frame = plan.commit_frame(reserved.reservation_id)
             response: pb.PutResponse = self._put(iter([frame]), timeout=self.timeout_s)
             committed = True
@@ -241,20 +171,15 @@ class KVStoreClient:
             try:
                 return self._rpc(lambda: self._get_shm(keys, arrays))
             except FailedPrecondition as exc:
-                self._fall_back(exc)
+                self._shm.fall_back(exc)
         return self._rpc(lambda: self._get_inline(keys, arrays))
 
     def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
-        messages = list(self._get(self._get_request(keys, True), timeout=self.timeout_s))
-        if len(messages) != 1 or isinstance(messages[0], memoryview):
-            raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
-        response: pb.GetResponse = messages[0]
+        response = only_header(
+            list(self._get(self._get_request(keys, True), timeout=self.timeout_s))
+        )
         try:
-            header = parse_get_header(response, len(keys), capacities(arrays))
-            if not header.found_index:
-                return Fetched(header, [])
-            segment = self._shm.segment_named(response.shm_name)
-            return read_shm_get(segment, response, header, arrays, self.verify_checksums)
+            return self._shm.read_get(response, len(keys), arrays, self.verify_checksums)
         finally:
             if response.lease_id:
                 self._release_quietly([response.lease_id])
@@ -266,18 +191,13 @@ class KVStoreClient:
             first = next(stream, None)
             if first is None:
                 raise DataLoss("Get stream ended without a header")
-            header = parse_get_header(first, len(keys), capacities(arrays))
-            targets = None if arrays is None else [arrays[i] for i in header.found_index]
-            assembler = InlineAssembler(header, targets)
-            if isinstance(first, pb.GetResponse) and first.data:
-                assembler.feed(memoryview(first.data))
+            assembler = InlineAssembler.start(first, len(keys), arrays)
             for message in stream:
                 assembler.feed(chunk_of(message))
-            assembler.finish()
+            return assembler.fetched()
         except BaseException:
             call.cancel()
             raise
-        return Fetched(header, [] if arrays is not None else assembler.payloads())
 
     # --- control verbs --------------------------------------------------------------------
 
@@ -334,6 +254,7 @@ class KVStoreClient:
         return self._pin(self._stub.Pin, keys)
 
     def unpin(self, keys: Sequence[BlockKey]) -> res.PinResult:
+        """Undo pin: let these entries be evicted again."""
         return self._pin(self._stub.Unpin, keys)
 
     def _pin(
@@ -398,17 +319,10 @@ class KVStoreClient:
         )
         return res.release_result(response)
 
-    @property
-    def uses_shared_memory(self) -> bool | None:
-        """True/False once decided (after the first data call), None before."""
-        return (self._shm.segment is not None) if self._shm.decided else None
-
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._shm.close()
-        self._channel.close()
+        """Close the channel and unmap the segment; idempotent."""
+        if self._begin_close():
+            self._channel.close()
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -420,6 +334,3 @@ class KVStoreClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"KVStoreClient(target={self.target!r}, namespace={self.namespace!r})"

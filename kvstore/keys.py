@@ -1,5 +1,9 @@
 """Block keys: the chained SHA-256 scheme of DESIGN.md §3, and their validation.
 
+The one place the rules for keys and namespaces are written (`check_key`, `check_keys`,
+`check_namespace`); the client and the daemon's request checks call these and only change the
+exception type at their edge, never the rule or the message.
+
 key[-1] = SHA-256(b"kvstore/v1" || namespace), key[i] = SHA-256(key[i-1] || tokens of block i
 as little-endian uint32). Deterministic across processes and hosts; no seeds. The published
 test vectors (proto/kvstore/v1/key_vectors.json) let other languages reproduce them.
@@ -10,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import NewType
+from typing import NewType, cast
 
 BlockKey = NewType("BlockKey", bytes)
 
@@ -37,12 +41,26 @@ def check_namespace(namespace: str) -> str:
 
 
 def check_key(key: bytes, field: str = "key") -> BlockKey:
-    """Return key as a BlockKey if it is exactly 32 bytes, else raise naming `field`."""
+    """Return key as a BlockKey if it is exactly 32 bytes, else raise naming `field`.
+    bytearray and memoryview are accepted and copied to bytes (keys are hashed and stored)."""
+    if isinstance(key, memoryview):
+        key = key.tobytes()  # its length in bytes, whatever the view's item format
     if not isinstance(key, (bytes, bytearray)):
         raise InvalidKeyError(f"{field} must be bytes, got {type(key).__name__}")
     if len(key) != KEY_BYTES:
         raise InvalidKeyError(f"{field} is {len(key)} bytes; keys are {KEY_BYTES}-byte digests")
     return BlockKey(bytes(key))
+
+
+def check_keys(keys: Sequence[object], field: str = "keys") -> list[BlockKey]:
+    """keys as a list of BlockKey, else raise naming the bad entry (`keys[3] is 31 bytes`).
+    A list that already holds only 32-byte `bytes` is returned as it is, not copied."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise InvalidKeyError(f"{field} must be a sequence of {KEY_BYTES}-byte keys, not one key")
+    out = keys if isinstance(keys, list) else list(keys)
+    if all_keys(out):
+        return cast(list[BlockKey], out)
+    return [check_key(cast(bytes, key), f"{field}[{i}]") for i, key in enumerate(out)]
 
 
 def all_keys(items: Sequence[object]) -> bool:

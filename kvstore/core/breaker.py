@@ -10,6 +10,7 @@ A probe that never reports (its caller died) would leave the breaker half-open f
 a probe's turn lasts one backoff period; after that the next caller becomes the probe.
 A failure reported while already open (a call that started before the breaker opened) is
 counted but does not extend the wait: one outage seen by many threads is one failure.
+The waits are `kvstore.backoff.ExponentialBackoff` (the client's retry policy), without jitter.
 Thread-safe: the daemon's RPC threads and the L4 workers share one breaker.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+
+from kvstore.backoff import ExponentialBackoff
 
 CLOSED = "closed"
 OPEN = "open"
@@ -35,6 +38,8 @@ class Breaker:
             raise ValueError(f"max_backoff_s ({max_backoff_s}) must be >= backoff_s ({backoff_s})")
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        # No jitter: one breaker per daemon, and its waits stay exact for operators and tests.
+        self._waits = ExponentialBackoff(base_s=backoff_s, cap_s=max_backoff_s, jitter=False)
         self._clock = clock
         self._lock = threading.Lock()
         self._state = CLOSED
@@ -66,7 +71,7 @@ class Breaker:
 
     def _backoff(self) -> float:
         """The wait after the current run of consecutive failures."""
-        return float(min(self.max_backoff_s, self.backoff_s * 2.0 ** (self._consecutive - 1)))
+        return self._waits.compute(self._consecutive)
 
     def allow(self) -> bool:
         """Whether a call may go now; in half-open, yes only for the probe."""

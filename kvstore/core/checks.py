@@ -2,24 +2,32 @@
 
 Pure functions that raise InvalidArgument with a message naming the field (and the setting
 to change, where a limit is configurable). The store calls them first in every verb, so a bad
-request never reaches the index or a tier.
+request never reaches the index or a tier. The rules for keys and namespaces live in
+`kvstore.keys`; here their errors only become the daemon's InvalidArgument.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvstore.core.errors import InvalidArgument
-from kvstore.keys import BlockKey, InvalidKeyError, all_keys, check_key, check_namespace
+from kvstore.keys import BlockKey, InvalidKeyError, check_key, check_keys, check_namespace
 from kvstore.units import format_size
+
+T = TypeVar("T")
+
+
+def _checked(check: Callable[[], T]) -> T:
+    """check(), its InvalidKeyError raised as the daemon's InvalidArgument (same message)."""
+    try:
+        return check()
+    except InvalidKeyError as exc:
+        raise InvalidArgument(str(exc)) from exc
 
 
 def namespace(name: str) -> str:
-    try:
-        return check_namespace(name)
-    except InvalidKeyError as exc:
-        raise InvalidArgument(str(exc)) from exc
+    return _checked(lambda: check_namespace(name))
 
 
 def keys(name: str, raw: Sequence[bytes], max_batch_keys: int) -> list[BlockKey]:
@@ -30,12 +38,7 @@ def keys(name: str, raw: Sequence[bytes], max_batch_keys: int) -> list[BlockKey]
         )
     namespace(name)
     checked = list(raw)
-    if all_keys(checked):
-        return cast(list[BlockKey], checked)
-    try:
-        return [check_key(k, f"keys[{i}]") for i, k in enumerate(checked)]
-    except InvalidKeyError as exc:
-        raise InvalidArgument(str(exc)) from exc
+    return _checked(lambda: check_keys(checked, "keys"))
 
 
 def sizes(keys: Sequence[BlockKey], raw: Sequence[int], max_object_bytes: int) -> list[int]:
@@ -58,10 +61,7 @@ def chain_parents(
     """Each key's parent: keys[i-1] (parent_key for keys[0]), or none for independent keys."""
     first: BlockKey | None = None
     if parent:
-        try:
-            first = check_key(parent, "parent_key")
-        except InvalidKeyError as exc:
-            raise InvalidArgument(str(exc)) from exc
+        first = _checked(lambda: check_key(parent, "parent_key"))
     if independent:
         return [None] * len(keys)
     if len(set(keys)) != len(keys) or (first is not None and first in keys):

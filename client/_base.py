@@ -1,0 +1,123 @@
+"""`ClientBase`: the state and the steps `KVStoreClient` and `AsyncKVStoreClient` share, so
+that each writes only its control flow (blocking calls, or awaited ones), as redis-py's
+`retry.py` and `asyncio/retry.py` share a base.
+
+Shared here: the constructor and its checks, the stubs over the channel each subclass opens,
+the shared-memory decision (`ShmState`, one per client), the requests the data path builds,
+the warnings both log, `uses_shared_memory` and the repr. Verb arguments are checked and
+requests built in `_requests`, wire framing in `_wire`, results in `results`.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any
+
+from grpc_health.v1 import health_pb2_grpc
+
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+from . import _requests as rq
+from ._shm import ShmState
+from ._wire import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    GET_METHOD,
+    PUT_METHOD,
+    check_client_args,
+    decode_get_response,
+    identity,
+)
+from .errors import KVStoreError
+from .retry import Retry
+
+logger = logging.getLogger("kvstore.client")
+
+
+class ClientBase(ABC):
+    """A connection to one kvstore daemon, bound to one namespace; see the subclasses."""
+
+    def __init__(
+        self,
+        target: str,
+        namespace: str,
+        *,
+        shared_memory: bool | None = None,
+        retry: Retry | None = None,
+        timeout_s: float = 30.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        verify_checksums: bool = True,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        """shared_memory: None uses the daemon's segment when co-located, False never, True
+        requires it (FailedPrecondition on the first data call when it cannot be used)."""
+        self.namespace = check_client_args(namespace, chunk_bytes, max_message_bytes, timeout_s)
+        self.target = target
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.verify_checksums = verify_checksums
+        self.retry = retry if retry is not None else Retry()
+        self._channel = self._open_channel(target, max_message_bytes)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        # Put and Get bypass the generated serializers for their bulk bytes (see _wire).
+        self._put = self._channel.stream_unary(
+            PUT_METHOD,
+            request_serializer=identity,
+            response_deserializer=pb.PutResponse.FromString,
+        )
+        self._get = self._channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=decode_get_response,
+        )
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._shm = ShmState(shared_memory)
+        self._closed = False
+
+    @staticmethod
+    @abstractmethod
+    def _open_channel(target: str, max_message_bytes: int) -> Any:
+        """The channel the stubs run on: grpc's blocking one, or grpc.aio's."""
+
+    @property
+    def uses_shared_memory(self) -> bool | None:
+        """True/False once decided (after the first data call), None before."""
+        return self._shm.in_use
+
+    def _begin_close(self) -> bool:
+        """Mark the client closed and drop the segment; False when it already was."""
+        if self._closed:
+            return False
+        self._closed = True
+        self._shm.close()
+        return True
+
+    def _stats_request(self) -> pb.StatsRequest:
+        """The Stats call the shared-memory decision is made from."""
+        return pb.StatsRequest(namespace=self.namespace)
+
+    def _get_request(self, keys: list[bytes], shared_memory: bool) -> pb.GetRequest:
+        return rq.get_request(self.namespace, keys, shared_memory, self.verify_checksums)
+
+    def _corrupt(self, key: bytes) -> pb.EvictRequest:
+        """Log a block that failed its checksum; the request that evicts it."""
+        logger.warning(
+            "kvstore: checksum mismatch for key %s in namespace %r; treating it as a miss "
+            "and evicting it",
+            key.hex(),
+            self.namespace,
+        )
+        return pb.EvictRequest(namespace=self.namespace, keys=[key])
+
+    @staticmethod
+    def _evict_failed(key: bytes, exc: KVStoreError) -> None:
+        logger.warning("kvstore: evicting corrupt key %s failed: %s", key.hex(), exc)
+
+    @staticmethod
+    def _release_failed(ids: list[str], exc: KVStoreError) -> None:
+        logger.warning("kvstore: Release(%s) failed, the daemon will expire it: %s", ids, exc)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(target={self.target!r}, namespace={self.namespace!r})"
