@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import Figure, write_report  # noqa: E402
+from figures import Figure, run_main  # noqa: E402
 
 from kvstore.engine.demo import smollm2_path  # noqa: E402
 from kvstore.engine.errors import EngineError  # noqa: E402
@@ -166,11 +166,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    figures, setup = run(args)
-    if args.json:
-        write_report(args.json, figures, setup)
-    return 0
+    return run_main(parse_args(argv), run, printed=True)
 
 
 if __name__ == "__main__":

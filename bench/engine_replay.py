@@ -18,7 +18,7 @@ from typing import Any
 
 from kvstore.engine import LLM, SamplingParams
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's trace format
 Request = tuple[list[int], int]  # (prompt token ids, max tokens)
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 from engine_replay import TRACE, replay, requests_of, trace_slice
-from figures import Figure, write_report
+from figures import Figure, run_main
 
 from kvstore.client import KVStoreClient
 from kvstore.engine import LLM, SamplingParams
@@ -371,21 +371,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def all_figures(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     info(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}")
     with tempfile.TemporaryDirectory(prefix="engine-ttft-") as tmp:
         figures = ttft_figures(args, Path(tmp)) + replay_figures(args, Path(tmp))
     elapsed = time.perf_counter() - start
     info(f"done in {elapsed:.0f} s")
-    if args.json is not None:
-        setup = {key: str(value) if isinstance(value, Path) else value
-                 for key, value in vars(args).items()}
-        setup |= {"threads": torch.get_num_threads(), "cpus": os.cpu_count(), "seconds": elapsed,
-                  "loadavg_1m": [load_before, os.getloadavg()[0]]}
-        write_report(args.json, figures, setup)
-    return 0
+    setup = {key: str(value) if isinstance(value, Path) else value
+             for key, value in vars(args).items()}
+    setup |= {"threads": torch.get_num_threads(), "cpus": os.cpu_count(), "seconds": elapsed,
+              "loadavg_1m": [load_before, os.getloadavg()[0]]}
+    return figures, setup
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(parse_args(argv), all_figures, printed=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """The house format of every benchmark figure (STYLE.md): one line
-`bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x`, and the same as JSON."""
+`bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x`, the same as JSON, and the end of
+every bench script's main (`run_main`)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +45,30 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
+def _report(figures: list[Figure], setup: dict[str, Any]) -> dict[str, Any]:
+    return {"figures": {f.name: f.as_json() for f in figures}, "setup": setup}
+
+
 def write_report(path: Path, figures: list[Figure], setup: dict[str, Any]) -> None:
     """The --json report: every figure by name, and how the run was set up."""
-    report = {"figures": {f.name: f.as_json() for f in figures}, "setup": setup}
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    path.write_text(json.dumps(_report(figures, setup), indent=1) + "\n")
+
+
+Run = Callable[[argparse.Namespace], tuple[list[Figure], dict[str, Any]]]
+
+
+def run_main(args: argparse.Namespace, run: Run, *, printed: bool = False) -> int:
+    """A bench script's main once its flags are parsed: `run(args)` measures and returns its
+    figures and setup; print each figure's house line, unless `printed` (run printed them as
+    they came, between its `#` lines); write the report where `args.json` says: a path, or,
+    when --json is a bare flag, one line on stdout. Exit status 0: a script that cannot
+    measure raises, or returns its own status before calling this."""
+    figures, setup = run(args)
+    if not printed:
+        for figure in figures:
+            print(figure.line(), flush=True)
+    if args.json is True:
+        print(json.dumps(_report(figures, setup)))
+    elif args.json:  # a path; False or None: no report
+        write_report(args.json, figures, setup)
+    return 0

@@ -38,8 +38,8 @@ from kvstore.extents import PageRun
 from kvstore.tiers.base import Transfer
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.hbm import HbmTier, cuda_unavailable_reason
+from kvstore.units import MiB
 
-MiB = 1 << 20
 OBJECT_BYTES = 2 * MiB
 BATCH_OBJECTS = 32
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import Figure, write_report  # noqa: E402
+from figures import Figure, run_main  # noqa: E402
 
 from kvstore.core.index import Index  # noqa: E402
 from kvstore.core.pages import PageAllocator  # noqa: E402
@@ -130,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.reps = "2048,8192", 20
-    figures, setup = run(args)
-    if args.json:
-        write_report(args.json, figures, setup)
-    return 0
+    return run_main(args, run, printed=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from figures import Figure, write_report
+from figures import Figure, run_main
 
 NAME = "decode_kernel"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -168,7 +168,8 @@ def decode_kernel_figure(shape: Shape | None = None) -> Figure | None:
     return decode_kernel(shape or Shape())
 
 
-def parse_args(argv: list[str] | None) -> tuple[Shape, Path | None]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, with `shape` the Shape they name."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add, default = parser.add_argument, Shape()
@@ -189,11 +190,16 @@ def parse_args(argv: list[str] | None) -> tuple[Shape, Path | None]:
         args.dtype, args.reps, args.launches)
     if min(shape.seqs, shape.context, shape.reps, shape.block_size, shape.launches) < 1:
         parser.error("--seqs, --context, --reps, --launches and --block-size must be >= 1")
-    return shape, args.json
+    args.shape = shape
+    return args
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
+    return [decode_kernel(args.shape)], {"shape": asdict(args.shape), "quick": args.shape == QUICK}
 
 
 def main(argv: list[str] | None = None) -> int:
-    shape, json_path = parse_args(argv)
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print(f"bench {NAME}: skipped (no CUDA device)")
         return 0
@@ -203,14 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench {NAME}: skipped (cupy is not installed)")
         return 0
     try:
-        figure = decode_kernel(shape)
+        return run_main(args, run)
     except Exception as exc:  # report it in the house format and fail the run
         print(f"bench {NAME}: failed ({exc})")
         return 1
-    print(figure.line(), flush=True)
-    if json_path is not None:
-        write_report(json_path, [figure], {"shape": asdict(shape), "quick": shape == QUICK})
-    return 0
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import redis
-from figures import Figure, write_report
+from figures import Figure, run_main
 
 from kvstore.client import KVStoreClient
 from kvstore.core.blockframe import HEADER_BYTES, decode, encode
@@ -391,11 +391,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    figures, setup = run(args)
-    if args.json is not None:
-        write_report(args.json, figures, setup)
-    return 0
+    return run_main(parse_args(argv), run, printed=True)
 
 
 if __name__ == "__main__":

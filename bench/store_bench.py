@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import secrets
 import statistics
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import redis
-from figures import Figure, percentile
+from figures import Figure, percentile, run_main
 
 from kvstore.client import KVStoreClient
 from kvstore.tools.testing import start_daemon, start_redis
@@ -346,12 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.warmup, args.lookups = 3, 1, 20
     if args.batch < 1 or args.repeats < 1 or args.warmup < 0 or args.lookups < 1:
         parser.error("--batch, --repeats and --lookups must be >= 1, --warmup >= 0")
-    figures, setup = run(args)
-    for figure in figures:
-        print(figure.line(), flush=True)
-    if args.json:
-        print(json.dumps({"figures": {f.name: f.as_json() for f in figures}, "setup": setup}))
-    return 0
+    return run_main(args, run)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from figures import Figure, write_report
+from figures import Figure, run_main
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import BlockKey
@@ -345,17 +345,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     load_before = os.getloadavg()[0]
     figures: list[Figure] = []
     setup: dict[str, Any] = {"quick": args.quick, "cpus": os.cpu_count()}
     with bench_dir(args.dir) as workdir:
-        for part, shm_name, run in (("l3", f"kvstore-tierbench-l3-{tag}", l3_figures),
-                                    ("daemon", f"kvstore-tierbench-{tag}", load_figures)):
+        for part, shm_name, measure in (("l3", f"kvstore-tierbench-l3-{tag}", l3_figures),
+                                        ("daemon", f"kvstore-tierbench-{tag}", load_figures)):
             (workdir / part).mkdir()
-            part_figures, part_setup = run(args, workdir / part, shm_name)
+            part_figures, part_setup = measure(args, workdir / part, shm_name)
             for figure in part_figures:
                 print(figure.line(), flush=True)
             figures += part_figures
@@ -363,9 +362,11 @@ def main(argv: list[str] | None = None) -> int:
             setup.setdefault("shm_names", []).append(shm_name)
         setup["dir"] = str(workdir)
     setup["loadavg_1m"] = [load_before, os.getloadavg()[0]]
-    if args.json is not None:
-        write_report(args.json, figures, setup)
-    return 0
+    return figures, setup
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(parse_args(argv), run, printed=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_store  # noqa: E402
 import trace_sim  # noqa: E402
-from figures import Figure, percentile, write_report  # noqa: E402
+from figures import Figure, percentile, run_main  # noqa: E402
 
 from kvstore.client import KVStoreClient, KVStoreError  # noqa: E402
 from kvstore.keys import BlockKey  # noqa: E402
@@ -251,6 +251,8 @@ def start_systems(stack: ExitStack, args: argparse.Namespace, capacity_blocks: i
 
 def run(args: argparse.Namespace, requests: list[trace_sim.Request]
         ) -> tuple[list[Figure], dict[str, Any]]:
+    """The live replay and its baseline; prints `#` lines, the figures and the wall time."""
+    wall_start = time.monotonic()
     num_distinct = trace_sim.distinct_blocks(requests)
     [(label, capacity_blocks)] = trace_sim.resolve_capacities(repr(args.capacity), num_distinct)
     sim = {r.policy: r.token_hit_rate for r in trace_sim.simulate(
@@ -277,7 +279,12 @@ def run(args: argparse.Namespace, requests: list[trace_sim.Request]
             redis_evicted_keys=int(redis_client.info("stats")["evicted_keys"]),
             redis_keys_at_end=int(redis_client.dbsize()))
     info(setup, live, base)
-    return figures(label, capacity_blocks, live, base, sim["store"]), setup
+    found = figures(label, capacity_blocks, live, base, sim["store"])
+    for figure in found:
+        print(figure.line(), flush=True)
+    setup["wall_s"] = time.monotonic() - wall_start
+    print(f"# wall {setup['wall_s']:.1f} s")
+    return found, setup
 
 
 def info(setup: dict[str, Any], live: Tally, base: Tally) -> None:
@@ -372,15 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except trace_sim.TraceError as exc:
         print(f"trace_replay.py live: error: {exc}", file=sys.stderr)
         return 2
-    start = time.monotonic()
-    found, setup = run(args, requests)
-    for figure in found:
-        print(figure.line(), flush=True)
-    wall_s = time.monotonic() - start
-    print(f"# wall {wall_s:.1f} s")
-    if args.json is not None:
-        write_report(args.json, found, {**setup, "wall_s": wall_s})
-    return 0
+    return run_main(args, lambda args: run(args, requests), printed=True)
 
 
 if __name__ == "__main__":

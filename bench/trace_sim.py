@@ -16,7 +16,7 @@ Policies, each `access(request_index, hash_ids) -> the tier label of each hit bl
 - `LruPolicy`: plain LRU over blocks; touches every block of the request in order and
   evicts the least recently used block, even a parent whose child stays.
 - `StorePolicy` (bench/sim_store.py): drives the store's real pure index as the daemon
-  does: lookup, load L3 blocks of the hit prefix, `lease` (touch) it, `prepare_store` /
+  does: lookup, load L3 blocks of the hit prefix, `touch` it, `prepare_store` /
   `complete_store` the rest, demoting to L3 when there is one; eviction is the index's
   own: leaf-first, LRU, but a block used again (read, put again, or put again soon after
   its eviction) outlives blocks used once for HOT_TURNOVERS turnovers (`kvstore.core.order`).
@@ -47,17 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from figures import Figure, write_report
+from figures import Figure, run_main
 from sim_store import StorePolicy
 
 from kvstore.tier import Tier
 
 BLOCK_TOKENS = 512
 ONE_CACHE = Tier.DRAM.label  # the tier the one-cache policies stand for
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-    / "mooncake_synthetic_trace.jsonl"
-)
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 @dataclass(frozen=True)
@@ -354,6 +351,46 @@ def _figures(label: str, by_policy: Mapping[str, Result], l3_factor: float) -> l
     ]
 
 
+def _print_capacity(label: str, blocks: int, l3: int, by_policy: Mapping[str, Result]) -> None:
+    """The `#` lines of one capacity: every policy's hit rates, and what they mean."""
+    print(f"# capacity {label} = {blocks} blocks" + (
+        f" of dram + {l3} of nvme (one cache of {blocks + l3} for the others)" if l3 else
+        " (tier dram)"))
+    print("#   policy      block_hit  token_hit")
+    for name, result in by_policy.items():
+        print(f"#   {name:<11} {result.block_hit_rate:9.4f}  {result.token_hit_rate:9.4f}")
+    store = by_policy["store"]
+    if l3:
+        print("#   store token hits by tier: " + ", ".join(
+            f"{tier} {hits / store.tokens:.4f}"
+            for tier, hits in sorted(store.tier_token_hits.items())))
+    oracle, belady = by_policy["freq_oracle"], by_policy["belady"]
+    if belady.token_hits:
+        print(f"#   ceiling: freq_oracle = {oracle.token_hits / belady.token_hits:.2f}x belady "
+              "(knowing every block's remaining uses, not when)")
+
+
+def run(args: argparse.Namespace, requests: Sequence[Request],
+        capacities: Sequence[tuple[str, int]]) -> tuple[list[Figure], dict[str, object]]:
+    """Every policy at every capacity: `#` lines as it goes, the figures and setup at the end."""
+    num_distinct = distinct_blocks(requests)
+    print(f"# trace {args.trace}: {len(requests)} requests, {num_distinct} distinct blocks, "
+          f"{sum(len(r.hash_ids) for r in requests)} block accesses")
+    tiers = f"dram over an nvme {args.l3:g}x as large" if args.l3 else "one dram tier"
+    print("# store = kvstore.core.index.Index (leaf-first LRU, hot blocks first to stay), "
+          f"{tiers}, 1 page per block")
+    results = simulate(requests, [blocks for _, blocks in capacities], l3_factor=args.l3)
+    figures: list[Figure] = []
+    for n, (label, blocks) in enumerate(capacities):
+        chunk = results[n * len(POLICIES) : (n + 1) * len(POLICIES)]
+        by_policy = {r.policy: r for r in chunk}
+        l3 = round(args.l3 * blocks)
+        _print_capacity(label, blocks, l3, by_policy)
+        figures += _figures(label, by_policy, args.l3 if l3 else 0.0)
+    return figures, {"trace": str(args.trace), "requests": len(requests),
+                     "distinct_blocks": num_distinct, "l3_factor": args.l3}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -369,48 +406,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--requests must be >= 1, got {args.requests}")
     if not 0 <= args.l3 < float("inf"):
         parser.error(f"--l3 must be a number >= 0, got {args.l3}")
+    # Read and checked here, so a bad trace or capacity ends as a usage error (exit 2).
     try:
         requests = load_trace(args.trace)[: args.requests]
-        num_distinct = distinct_blocks(requests)
-        capacities = resolve_capacities(args.capacities, num_distinct)
+        capacities = resolve_capacities(args.capacities, distinct_blocks(requests))
     except TraceError as exc:
         parser.error(str(exc))
     except ValueError as exc:
         parser.error(f"--capacities: {exc}")
-    print(f"# trace {args.trace}: {len(requests)} requests, {num_distinct} distinct blocks, "
-          f"{sum(len(r.hash_ids) for r in requests)} block accesses")
-    tiers = f"dram over an nvme {args.l3:g}x as large" if args.l3 else "one dram tier"
-    print("# store = kvstore.core.index.Index (leaf-first LRU, hot blocks first to stay), "
-          f"{tiers}, 1 page per block")
-    results = simulate(requests, [blocks for _, blocks in capacities], l3_factor=args.l3)
-    figures: list[Figure] = []
-    for n, (label, blocks) in enumerate(capacities):
-        chunk = results[n * len(POLICIES) : (n + 1) * len(POLICIES)]
-        by_policy = {r.policy: r for r in chunk}
-        l3 = round(args.l3 * blocks)
-        print(f"# capacity {label} = {blocks} blocks" + (
-            f" of dram + {l3} of nvme (one cache of {blocks + l3} for the others)" if l3 else
-            " (tier dram)"))
-        print("#   policy      block_hit  token_hit")
-        for name, result in by_policy.items():
-            print(f"#   {name:<11} {result.block_hit_rate:9.4f}  {result.token_hit_rate:9.4f}")
-        store = by_policy["store"]
-        if l3:
-            print("#   store token hits by tier: " + ", ".join(
-                f"{tier} {hits / store.tokens:.4f}"
-                for tier, hits in sorted(store.tier_token_hits.items())))
-        oracle, belady = by_policy["freq_oracle"], by_policy["belady"]
-        if belady.token_hits:
-            print(f"#   ceiling: freq_oracle = {oracle.token_hits / belady.token_hits:.2f}x belady "
-                  "(knowing every block's remaining uses, not when)")
-        figures += _figures(label, by_policy, args.l3 if l3 else 0.0)
-    for figure in figures:
-        print(figure.line())
-    if args.json is not None:
-        write_report(args.json, figures,
-                     {"trace": str(args.trace), "requests": len(requests),
-                      "distinct_blocks": num_distinct, "l3_factor": args.l3})
-    return 0
+    return run_main(args, lambda args: run(args, requests, capacities))
 
 
 if __name__ == "__main__":

@@ -9,14 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import REPO
 
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
-
-@pytest.mark.skipif(not TRACE.exists(), reason="needs ../shared/traces (the public trace)")
 def test_run_all_writes_the_figures_as_json_and_markdown(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "run_all.py"), "--only", "trace_sim", "--quick",

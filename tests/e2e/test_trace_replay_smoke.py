@@ -17,7 +17,7 @@ from tests.conftest import REPO
 from tests.e2e.house_format import check_report, printed_figures
 
 SCRIPT = REPO / "bench" / "trace_replay.py"
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = REPO / "bench" / "traces" / "mooncake_synthetic_trace.jsonl"
 # The live store drives the same index as the simulation, in the same namespace, so today
 # their hits agree exactly; the tolerance leaves room for timing (a lease, a mover) only.
 SIM_TOLERANCE = 0.02
@@ -41,7 +41,6 @@ def small_trace(tmp_path: Path, rows: list[dict[str, object]] | None = None) -> 
     return path
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="needs ../shared/traces (the public trace)")
 def test_live_quick_matches_the_simulation_and_reports_in_house_format(tmp_path: Path) -> None:
     report_path = tmp_path / "replay.json"
     proc = replay("live", "--quick", "--trace", str(TRACE), "--json", str(report_path))
