@@ -192,8 +192,8 @@ class Index:
 
     def lease(self, lease_id: str, namespace: str, keys: Sequence[BlockKey],
               deadline: float, need: Tier | None = None) -> list[Entry | None]:
-        """Touch and hold the entries of keys (None for a miss, or for an entry with no copy
-        in tier `need`) until release/expiry. No lease is recorded when nothing was found."""
+        """touch() the entries of keys and hold them until release/expiry (no lease is
+        recorded when nothing was found)."""
         if lease_id in self._leases:
             raise ValueError(f"lease {lease_id!r} exists")
         found = self.touch(namespace, keys, need)
@@ -206,9 +206,8 @@ class Index:
 
     def touch(self, namespace: str, keys: Sequence[BlockKey],
               need: Tier | None = None) -> list[Entry | None]:
-        """Mark the entries of keys used (each counted as seen once more, and the most recent
-        in the eviction order) without holding them; None for a miss, or for an entry with
-        no copy in tier `need`."""
+        """Mark the entries of keys used (seen once more, most recent in the eviction order)
+        without holding them; None for a miss, or for an entry with no copy in tier `need`."""
         found: list[Entry | None] = []
         for key in keys:
             entry = self.get(namespace, key)
@@ -296,9 +295,8 @@ class Index:
         )
 
     def make_room(self, tier: Tier, needed_pages: int) -> list[Entry] | None:
-        """Evict copies in tier, leaf first in eviction order, until needed_pages are free;
-        all or nothing.
-        Returns the entries whose copy in tier went (some may keep a copy elsewhere)."""
+        """Evict copies in tier, leaf first in eviction order, until needed_pages are free, all
+        or nothing; returns the entries whose copy in tier went (some keep one elsewhere)."""
         allocator = self._allocators[tier]
         evicted: list[tuple[Entry, Pages, int, bool]] = []
         while allocator.free_pages < needed_pages:
@@ -319,7 +317,7 @@ class Index:
                 entry.copies, entry.tier = {tier: pages}, tier
                 self._link(entry)
             else:
-                self._add_place(entry, tier, pages)
+                self._add_copy(entry, tier, pages)
             entry.touch_seq = touch_seq  # back to its old place in the eviction order
             entry.in_heaps = 0
             self._order.push(entry)
@@ -352,7 +350,7 @@ class Index:
 
     def add_copy(self, entry: Entry, tier: Tier, pages: Pages) -> None:
         """A copy of entry now lies on pages of tier (allocated by alloc())."""
-        self._add_place(entry, tier, pages)
+        self._add_copy(entry, tier, pages)
         self._order.push(entry)
 
     def drop_copy(self, entry: Entry, tier: Tier, evicted: bool = False) -> bool:
@@ -396,7 +394,7 @@ class Index:
             self._usage.count(entry, tier, +1)
         self._children.link(entry)
 
-    def _add_place(self, entry: Entry, tier: Tier, pages: Pages) -> None:
+    def _add_copy(self, entry: Entry, tier: Tier, pages: Pages) -> None:
         before = entry.tier
         entry.copies[tier] = pages
         entry.tier = min(entry.copies)
