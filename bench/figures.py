@@ -1,4 +1,4 @@
-"""The house format of every benchmark figure (STYLE.md): one line
+"""The house format of every benchmark figure: one line
 `bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x`, the same as JSON, and the end of
 every bench script's main (`run_main`)."""
 

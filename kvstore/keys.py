@@ -1,4 +1,5 @@
-"""Block keys: the chained SHA-256 scheme of DESIGN.md §3, and their validation.
+"""Block keys: the chained SHA-256 scheme (docs/architecture.md, "Keys and namespaces"), and
+their validation.
 
 The one place the rules for keys and namespaces are written (`check_key`, `check_keys`,
 `check_namespace`); the client and the daemon's request checks call these and only change the

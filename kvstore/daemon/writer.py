@@ -21,6 +21,7 @@ import xxhash
 from kvstore.core import checks
 from kvstore.core.errors import Aborted, InvalidArgument, ResourceExhausted
 from kvstore.core.index import Index
+from kvstore.core.placement import RoomStep
 from kvstore.core.records import CommitResult, PutSession, Reservation, StorePlan
 from kvstore.daemon.config import Config
 from kvstore.daemon.remote import Remote
@@ -81,15 +82,18 @@ class Writer:
         self, plan_id: str, namespace: str, keys: list[BlockKey], sizes: list[int],
         parents: list[BlockKey | None], timeout_s: float,
     ) -> StorePlan | None:
-        """With the lock held: L2 pages for a put. When L2 is full, wait (at most
-        movers.put_wait_s) for the mover to demote blocks to L3, then evict instead."""
+        """With the lock held: L2 pages for a put, where the placement planner says: free
+        pages; else, when it says demote, the mover's (waited for at most movers.put_wait_s);
+        else pages made by eviction."""
         movers = self._config.movers
         deadline = self._clock() + timeout_s
         args = (plan_id, namespace, keys, sizes, parents, Tier.DRAM, deadline)
         plan = self._index.prepare_store(*args, evict=False)
         if plan is None:
             need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
-            if self._tiering.wait_for_room(Tier.DRAM, need, movers.put_wait_s):
+            room = self._tiering.placement.room(Tier.DRAM, need)
+            if room.step is RoomStep.DEMOTE and self._tiering.wait_for_room(
+                    Tier.DRAM, need, movers.put_wait_s):
                 plan = self._index.prepare_store(*args, evict=False)
         if plan is None:
             plan = self._index.prepare_store(*args, evict=True)
