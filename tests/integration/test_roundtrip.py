@@ -16,8 +16,8 @@ import pytest
 
 from kvstore.client import AsyncKVStoreClient, KVStoreClient, prefix_keys
 from kvstore.tools.testing import Daemon, start_daemon
+from kvstore.units import MiB
 
-KiB, MiB = 1 << 10, 1 << 20
 # Page-sized, off-by-one around pages (64 KiB) and 4 KiB, and objects that need two and three
 # 4 MiB gRPC messages: the daemon's 8 MiB message limit fails any put that is not split.
 SIZES = [1, 7, 4095, 4096, 4097, 65535, 65536, 65537, MiB + 3, 5 * MiB + 7, 9 * MiB - 1]
