@@ -1,5 +1,6 @@
-"""The records the index and the store keep and hand out: tiers, entries, store plans,
-leases, put sessions, reservations, read results and stats.
+"""The records the index and the store keep and hand out: entries, store plans, leases, put
+sessions, reservations, read results and store stats (the tiers and a tier's figures are
+shared with the client: `kvstore.tier`).
 
 Pure data; `kvstore.core.index` and `kvstore.daemon.store` own every rule about them.
 """

@@ -1,4 +1,4 @@
-"""`make run`: start kvstore-server on embedded defaults, drive a demo workload, show stats.
+"""`make demo-store`: start kvstore-server on embedded defaults, drive a demo workload, show stats.
 
 The workload is what an inference engine does with the store: requests share a few system
 prompts, each request's blocks get chained prefix keys, the engine asks `lookup` for the
