@@ -219,6 +219,7 @@ def test_default_config_values(rendered: dict[str, Rendered]) -> None:
     assert cfg.dram.capacity_bytes == 8 << 30
     assert (cfg.nvme.capacity_bytes, cfg.nvme.backend) == (100 << 30, "auto")
     assert cfg.remote.url == ""
+    assert (cfg.server.max_object_bytes, cfg.server.max_response_bytes) == (64 << 20, 1 << 30)
 
 
 # --- value sets ---------------------------------------------------------------------------

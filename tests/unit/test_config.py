@@ -18,6 +18,7 @@ from kvstore.daemon.config import (
     format_size,
     load_config,
     parse_size,
+    redact_url,
 )
 
 
@@ -68,6 +69,7 @@ def test_defaults_when_nothing_is_set() -> None:
     assert cfg == Config()
     assert cfg.server.port == 50051
     assert cfg.server.max_message_bytes == 8 << 20
+    assert cfg.server.max_response_bytes == 1 << 30
     assert cfg.dram.capacity_bytes == 1 << 30
     assert cfg.dram.page_size_bytes == 64 << 10
     assert cfg.leases.sweep_interval_s == 0.5
@@ -163,6 +165,7 @@ def test_every_bad_value_is_reported_at_once() -> None:
         ("server.chunk_bytes=32KiB", "server.chunk_bytes"),
         ("server.max_message_bytes=4MiB", "server.max_message_bytes"),
         ("server.max_object_bytes=0", "server.max_object_bytes"),
+        ("server.max_response_bytes=32MiB", "server.max_response_bytes"),
         ("server.max_batch_keys=0", "server.max_batch_keys"),
         ("server.workers=0", "server.workers"),
         ("server.grace_s=-1", "server.grace_s"),
@@ -299,3 +302,53 @@ def test_config_to_dict_hides_the_redis_password() -> None:
     assert "s3cret" not in str(data) and "other-pw" not in str(data)
     plain = config_to_dict(load_config(env={}, overrides=["remote.url=redis://r:6379/0"]))
     assert plain["remote"]["url"] == "redis://r:6379/0" and plain["remote"]["password"] == ""
+
+
+def test_max_response_bytes_below_max_object_bytes_says_what_to_use() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides=["server.max_object_bytes=256MiB",
+                                       "server.max_response_bytes=128MiB"])
+    assert str(err.value) == (
+        "server.max_response_bytes = '128MiB' (from --set): must be >= server.max_object_bytes "
+        "(256.0 MiB): a Get returns at least one block; raise it (e.g. 1GiB) or lower "
+        "server.max_object_bytes")
+    cfg = load_config(env={}, overrides=["server.max_response_bytes=64MiB"])
+    assert cfg.server.max_response_bytes == cfg.server.max_object_bytes == 64 << 20
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://ops:s3cret@redis.example:6380/2", "redis://ops:***@redis.example:6380/2"),
+        ("redis://:s3cret@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+        ("rediss://ops:p%40ss@[::1]:6379/0", "rediss://ops:***@[::1]:6379/0"),
+        ("redis://ops:p@ss@r:6379", "redis://ops:***@r:6379"),  # an unencoded @ is the password's
+        ("redis://r:6379/0?password=s3cret", "redis://r:6379/0?password=***"),
+        ("redis://r:6379/0?socket_timeout=5&PassWord=a&db=1&TOKEN=b&auth=c&pass=d&x=%2F",
+         "redis://r:6379/0?socket_timeout=5&PassWord=***&db=1&TOKEN=***&auth=***&pass=***&x=%2F"),
+        ("redis://r/0?pass%77ord=s3cret&password=again", "redis://r/0?pass%77ord=***&password=***"),
+        ("redis://ops:a@r:6379/0?password=b", "redis://ops:***@r:6379/0?password=***"),
+    ],
+)
+def test_redact_url_hides_every_secret(url: str, expected: str) -> None:
+    assert redact_url(url) == expected
+
+
+@pytest.mark.parametrize("url", [
+    "",
+    "redis://r:6379/0",
+    "rediss://ops@r:6379/0",  # a user name alone is no secret
+    "redis://ops:@r:6379/0",  # nor an empty password
+    "redis://r:6379/0?passwords=x&authority=y&tokens=z&password=",  # other names; no value
+    "redis://r:6379/0?socket_timeout=5&&health_check_interval=2",
+])
+def test_redact_url_keeps_a_url_without_secrets_as_written(url: str) -> None:
+    assert redact_url(url) == url
+
+
+def test_config_to_dict_hides_a_password_in_the_query_string() -> None:
+    data = config_to_dict(load_config(env={"KVSTORE_REMOTE_PASSWORD": "env-pw"}, overrides=[
+        "remote.url=redis://r:6379/0?socket_timeout=1&password=q-secret&db=0"]))
+    assert data["remote"]["url"] == "redis://r:6379/0?socket_timeout=1&password=***&db=0"
+    assert data["remote"]["password"] == "***"
+    assert "q-secret" not in json.dumps(data) and "env-pw" not in json.dumps(data)

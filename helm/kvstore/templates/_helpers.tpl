@@ -184,6 +184,7 @@ app.kubernetes.io/part-of: kvstore
       "max_message_bytes" (include "kvstore.daemonSize" $v.server.maxMessageSize)
       "chunk_bytes" (include "kvstore.daemonSize" $v.server.chunkSize)
       "max_object_bytes" (include "kvstore.daemonSize" $v.server.maxObjectSize)
+      "max_response_bytes" (include "kvstore.daemonSize" $v.server.maxResponseSize)
       "max_batch_keys" (int $v.server.maxBatchKeys) "grace_s" $v.server.graceSeconds -}}
 {{- $metrics := dict "enabled" $v.metrics.enabled "host" "0.0.0.0" "port" (int $v.metrics.port) -}}
 {{- $hbm := dict "mode" (ternary "on" "off" $v.hbm.enabled) "device" 0

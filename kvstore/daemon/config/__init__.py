@@ -1,6 +1,7 @@
 """The daemon's configuration: one tree of frozen dataclasses, loaded and validated once.
 
     schema.py  the tree (a docstring per field), its flat tables, ConfigError, config_to_dict
+               and redact_url (secrets out of what operators see)
     rules.py   every rule a value must satisfy, with the fix it names
     load.py    defaults < YAML file < KVSTORE_* environment < flags; sizes parsed once
 
@@ -32,6 +33,7 @@ from kvstore.daemon.config.schema import (
     RemoteConfig,
     ServerConfig,
     config_to_dict,
+    redact_url,
 )
 from kvstore.units import format_size, parse_size
 
@@ -60,4 +62,5 @@ __all__ = [
     "format_size",
     "load_config",
     "parse_size",
+    "redact_url",
 ]

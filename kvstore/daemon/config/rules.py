@@ -49,6 +49,9 @@ def _server(cfg: Config, out: _Problems) -> None:
              f"must be >= server.chunk_bytes ({format_size(s.chunk_bytes)}) + 64KiB "
              f"= {s.chunk_bytes + 64 * KiB}; raise it or lower server.chunk_bytes")
     out.need(s.max_object_bytes > 0, "server.max_object_bytes", "must be > 0; use e.g. 64MiB")
+    out.need(s.max_response_bytes >= s.max_object_bytes, "server.max_response_bytes",
+             f"must be >= server.max_object_bytes ({format_size(s.max_object_bytes)}): a Get "
+             "returns at least one block; raise it (e.g. 1GiB) or lower server.max_object_bytes")
     out.need(s.max_batch_keys >= 1, "server.max_batch_keys", "must be >= 1; use e.g. 4096")
     out.need(s.workers >= 1, "server.workers", "must be >= 1; use e.g. 8")
 

@@ -2,9 +2,9 @@
 
 Owns what a setting is (its section, name, type, default and meaning), the flat tables
 derived from the tree (KINDS, DEFAULTS: keyed "section.field"), ConfigError, and the
-operator-facing dump (config_to_dict, secrets hidden). Loading lives in load.py and the rules a
-value must satisfy in rules.py. Sizes (fields ending _bytes) are ints of bytes; durations
-(fields ending _s) are float seconds.
+operator-facing dump (config_to_dict, secrets hidden by redact_url). Loading lives in load.py
+and the rules a value must satisfy in rules.py. Sizes (fields ending _bytes) are ints of bytes;
+durations (fields ending _s) are float seconds.
 """
 
 from __future__ import annotations  # keeps field types as names: KINDS reads them as "int" etc.
@@ -12,11 +12,13 @@ from __future__ import annotations  # keeps field types as names: KINDS reads th
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 from kvstore.units import GiB, KiB, MiB
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: Query parameters of remote.url whose value is a secret (names compared in lower case).
+SECRET_QUERY_PARAMS = frozenset({"password", "pass", "token", "auth"})
 
 
 class ConfigError(ValueError):
@@ -33,6 +35,8 @@ class ServerConfig:
     max_message_bytes: int = 8 * MiB
     chunk_bytes: int = 4 * MiB  #: Payload bytes per streamed message.
     max_object_bytes: int = 64 * MiB  #: Largest single block.
+    #: Most bytes one Get may return (all its blocks together); must be >= max_object_bytes.
+    max_response_bytes: int = 1 * GiB
     max_batch_keys: int = 4096  #: Most keys in one request.
     workers: int = 8  #: RPC worker threads; each streaming transfer in flight holds one.
     grace_s: float = 5.0  #: Shutdown grace period.
@@ -169,16 +173,34 @@ KINDS = {key: kind for key, (kind, _) in _settings().items()}
 DEFAULTS = {key: default for key, (_, default) in _settings().items()}
 
 
+def redact_url(url: str) -> str:
+    """url with each secret in it replaced by "***": the password of `user:password@` (or
+    `:password@`), and the value of every query parameter named password, pass, token or auth
+    (in any case). Everything else, the other parameters and their order included, is kept as
+    written; a URL without secrets comes back unchanged. Pure."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    netloc = f"{user}:***@{hostport}" if at and password else parts.netloc
+    query = "&".join(_redact_param(param) for param in parts.query.split("&"))
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def _redact_param(param: str) -> str:
+    """One `name=value` of a query string, its value "***" when the name is a secret's."""
+    name, _, value = param.partition("=")
+    secret = bool(value) and unquote_plus(name).lower() in SECRET_QUERY_PARAMS
+    return f"{name}=***" if secret else param
+
+
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """The config as plain JSON-ready data; sizes are ints of bytes. Secrets (the Redis
-    password, alone or in remote.url) read "***": this goes to operators and their logs."""
+    """The config as plain JSON-ready data; sizes are ints of bytes. Secrets (remote.password,
+    and any in remote.url: see redact_url) read "***": this goes to operators and their logs."""
     data = dataclasses.asdict(cfg)
     remote = data["remote"]
     if remote["password"]:
         remote["password"] = "***"
-    url = urlsplit(remote["url"])
-    if url.password:
-        user = f"{url.username}:" if url.username else ":"
-        remote["url"] = url._replace(netloc=f"{user}***@{url.hostname}"
-                                     + (f":{url.port}" if url.port else "")).geturl()
+    remote["url"] = redact_url(remote["url"])
     return data
