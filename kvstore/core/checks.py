@@ -70,3 +70,16 @@ def chain_parents(
             "would make it its own ancestor; set independent for unrelated blocks"
         )
     return [first, *keys[:-1]]
+
+
+def distinct(keys: Sequence[BlockKey], verb: str) -> None:
+    """A read names each key once: a repeated key would multiply the work (and the bytes a
+    Get returns) without adding anything, so it is refused rather than served once."""
+    if len(set(keys)) == len(keys):
+        return
+    first: dict[BlockKey, int] = {}
+    for i, key in enumerate(keys):
+        if key in first:
+            raise InvalidArgument(f"keys[{i}] repeats keys[{first[key]}]: a {verb} names each "
+                                  "key once")
+        first[key] = i

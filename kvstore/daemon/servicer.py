@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore import __version__
 from kvstore.core.errors import (
@@ -25,7 +26,7 @@ from kvstore.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvstore.core.records import StoreStats
+from kvstore.core.records import ReadResult, StoreStats
 from kvstore.daemon.config import config_to_dict
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
@@ -33,6 +34,7 @@ from kvstore.proto.frames import data_frame, data_of
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.shm import host_id
 from kvstore.tier import Tier
+from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.daemon.server")
 
@@ -46,13 +48,50 @@ _STATUS = {
 }
 
 
+MAX_MESSAGE_CHARS = 512  # of an error's text: it echoes client input, and goes in metadata
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The one place that maps an exception to a gRPC status."""
+    """The one place that maps an exception to a gRPC status (and a bounded message)."""
     for cls, code in _STATUS.items():
         if isinstance(exc, cls):
-            return code, str(exc)
+            return code, bounded(str(exc))
     log.error("internal error", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(exc).__name__}: {exc}")
+
+
+def bounded(message: str) -> str:
+    """message, cut in the middle to about MAX_MESSAGE_CHARS: an echoed 100 kB id must not
+    make an error too large for the status metadata, and the head (the field) and the tail
+    (what to do) are what a reader needs."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    half = MAX_MESSAGE_CHARS // 2
+    cut = len(message) - 2 * half
+    return f"{message[:half]} ...({cut} characters cut)... {message[-half:]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes do not parse: its deserializer returns this instead of raising,
+    because gRPC answers a raising deserializer with INTERNAL and logs a traceback."""
+
+    message: str
+
+
+def _decoder(cls: Any) -> Callable[[bytes], Any]:
+    def decode(raw: bytes) -> Any:
+        try:
+            return cls.FromString(raw)
+        except DecodeError as exc:
+            return Undecodable(f"{cls.__name__}: the request does not parse ({exc})")
+    return decode
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(request.message)
+    return request
 
 
 def _tier(value: int, field: str) -> Tier | None:
@@ -83,6 +122,9 @@ class KVStoreServicer:
 
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception,
               started: float) -> None:
+        if not context.is_active():  # the client went away: a cancellation, not a fault
+            self.metrics.observe_rpc(method, "CANCELLED", time.perf_counter() - started)
+            context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the call")
         code, message = status_for(exc)
         self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
         context.abort(code, message)
@@ -95,7 +137,7 @@ class KVStoreServicer:
         started = time.perf_counter()
         session = None
         try:
-            first = next(request_iterator, None)
+            first = _parsed(next(request_iterator, None))
             if first is None:
                 raise InvalidArgument("PutRequest: the stream carried no message")
             if isinstance(first, memoryview):
@@ -113,12 +155,14 @@ class KVStoreServicer:
                 )
                 if first.data:
                     self.store.write(session, memoryview(first.data))
-                for msg in request_iterator:
+                for msg in map(_parsed, request_iterator):
                     if isinstance(msg, memoryview):  # a data-only frame, not copied
                         self.store.write(session, msg)
                         continue
-                    if msg.keys or msg.sizes or msg.reservation_id or msg.namespace:
-                        raise InvalidArgument("keys: only the first PutRequest carries a header")
+                    header = [f.name for f, _ in msg.ListFields() if f.name != "data"]
+                    if header:
+                        raise InvalidArgument(f"{header[0]}: only the first PutRequest carries "
+                                              "a header; later ones carry data alone")
                     self.store.write(session, memoryview(msg.data))
                 result = self.store.commit(session)
                 session = None
@@ -137,6 +181,7 @@ class KVStoreServicer:
             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         started = time.perf_counter()
         try:
+            request = _parsed(request)
             shared = request.mode == pb.GET_MODE_SHARED_MEMORY
             if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
                 raise InvalidArgument(f"mode {request.mode} is not a GetMode")
@@ -150,6 +195,7 @@ class KVStoreServicer:
                 )
             leased = not (shared and request.no_lease)  # inline reads lease while streaming
             result = self.store.read(request.namespace, request.keys, timeout_s, leased)
+            self._bound_response(result, shared)
         except Exception as exc:
             self._fail(context, "Get", exc, started)
             raise
@@ -187,10 +233,23 @@ class KVStoreServicer:
                 with contextlib.suppress(InvalidArgument):  # expired mid-stream: reported above
                     self.store.release([result.lease_id])
 
+    def _bound_response(self, result: ReadResult, shared: bool) -> None:
+        """An inline Get streams every found byte: refuse one over server.max_response_bytes
+        (its lease released) rather than let one small request make the daemon send GiBs."""
+        cap = self.config.server.max_response_bytes
+        total = sum(e.size_bytes for e in result.entries if e is not None)
+        if shared or total <= cap:
+            return
+        self.store.release([result.lease_id])
+        raise ResourceExhausted(
+            f"keys: the Get would return {format_size(total)}, over server.max_response_bytes "
+            f"({format_size(cap)}); ask for fewer keys per Get")
+
     def _unary(self, method: str, context: grpc.ServicerContext,
-               fn: Callable[[], Any]) -> Any:
+               fn: Callable[[], Any], request: Any) -> Any:
         started = time.perf_counter()
         try:
+            _parsed(request)
             response = fn()
         except Exception as exc:
             self._fail(context, method, exc, started)
@@ -203,14 +262,16 @@ class KVStoreServicer:
         def run() -> pb.LookupResponse:
             prefix, tiers = self.store.lookup(request.namespace, request.keys)
             return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
-        return self._unary("Lookup", context, run)
+        return self._unary("Lookup", context, run, request)
 
     def _streamed(self, method: str, context: grpc.ServicerContext,
-                  progress: Callable[[], Iterator[Any]], message: type[Any]) -> Iterator[Any]:
+                  progress: Callable[[], Iterator[Any]], message: type[Any],
+                  request: Any) -> Iterator[Any]:
         """A progress stream (Prefetch, Prewarm): each step as `message` (same field names),
         its errors mapped like any call's."""
         started = time.perf_counter()
         try:
+            _parsed(request)
             for step in progress():
                 yield message(**dataclasses.asdict(step))
         except Exception as exc:
@@ -225,20 +286,20 @@ class KVStoreServicer:
             deadline_s = request.deadline_ms / 1000 if request.deadline_ms else None
             return self.store.prefetch(request.namespace, request.keys, target, deadline_s,
                                        cancelled=lambda: not context.is_active())
-        return self._streamed("Prefetch", context, progress, pb.PrefetchProgress)
+        return self._streamed("Prefetch", context, progress, pb.PrefetchProgress, request)
 
     def Hot(self, request: pb.HotRequest, context: grpc.ServicerContext) -> pb.HotResponse:
         def run() -> pb.HotResponse:
             hot = self.store.hot(request.namespace, request.limit)
             return pb.HotResponse(keys=[k for k, _ in hot], scores=[s for _, s in hot])
-        return self._unary("Hot", context, run)
+        return self._unary("Hot", context, run, request)
 
     def Prewarm(self, request: pb.PrewarmRequest,
                 context: grpc.ServicerContext) -> Iterator[pb.PrewarmProgress]:
         return self._streamed(
             "Prewarm", context,
             lambda: self.store.prewarm(request.bytes, list(request.namespaces)),
-            pb.PrewarmProgress)
+            pb.PrewarmProgress, request)
 
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:
@@ -256,13 +317,13 @@ class KVStoreServicer:
                 shm_name=self.store.dram.shm_name if self.store.dram else "",
                 expires_in_ms=int(r.expires_in_s * 1000),
             )
-        return self._unary("Reserve", context, run)
+        return self._unary("Reserve", context, run, request)
 
     def Release(self, request: pb.ReleaseRequest,
                 context: grpc.ServicerContext) -> pb.ReleaseResponse:
         def run() -> pb.ReleaseResponse:
             return pb.ReleaseResponse(released=self.store.release(request.ids))
-        return self._unary("Release", context, run)
+        return self._unary("Release", context, run, request)
 
     def Evict(self, request: pb.EvictRequest,
               context: grpc.ServicerContext) -> pb.EvictResponse:
@@ -271,28 +332,28 @@ class KVStoreServicer:
                                  _tier(request.tier, "tier"))
             return pb.EvictResponse(evicted=r.evicted, evicted_bytes=r.evicted_bytes,
                                     skipped=r.skipped)
-        return self._unary("Evict", context, run)
+        return self._unary("Evict", context, run, request)
 
     def Pin(self, request: pb.PinRequest,
             context: grpc.ServicerContext) -> pb.PinResponse:
         def run() -> pb.PinResponse:
             changed, missing = self.store.set_pinned(request.namespace, request.keys, True)
             return pb.PinResponse(changed=changed, missing=missing)
-        return self._unary("Pin", context, run)
+        return self._unary("Pin", context, run, request)
 
     def Unpin(self, request: pb.PinRequest,
               context: grpc.ServicerContext) -> pb.PinResponse:
         def run() -> pb.PinResponse:
             changed, missing = self.store.set_pinned(request.namespace, request.keys, False)
             return pb.PinResponse(changed=changed, missing=missing)
-        return self._unary("Unpin", context, run)
+        return self._unary("Unpin", context, run, request)
 
     def Stats(self, request: pb.StatsRequest,
               context: grpc.ServicerContext) -> pb.StatsResponse:
         def run() -> pb.StatsResponse:
             return self._stats_response(self.store.stats(request.namespace),
                                         request.include_config)
-        return self._unary("Stats", context, run)
+        return self._unary("Stats", context, run, request)
 
     def _stats_response(self, s: StoreStats, include_config: bool) -> pb.StatsResponse:
         tiers = [
@@ -309,9 +370,9 @@ class KVStoreServicer:
         )
 
 
-def _decode_put(raw: bytes) -> pb.PutRequest | memoryview:
+def _decode_put(raw: bytes) -> pb.PutRequest | memoryview | Undecodable:
     data = data_of(raw)
-    return pb.PutRequest.FromString(raw) if data is None else data
+    return _decoder(pb.PutRequest)(raw) if data is None else data
 
 
 def _encode_get(message: pb.GetResponse | bytes) -> bytes:
@@ -326,16 +387,16 @@ def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
     bulk bytes as raw frames (kvstore.proto.frames)."""
     def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+            fn, request_deserializer=_decoder(req), response_serializer=resp.SerializeToString
         )
     table = {
         "Put": grpc.stream_unary_rpc_method_handler(
             s.Put, request_deserializer=_decode_put,
             response_serializer=pb.PutResponse.SerializeToString),
         "Get": grpc.unary_stream_rpc_method_handler(
-            s.Get, request_deserializer=pb.GetRequest.FromString, response_serializer=_encode_get),
+            s.Get, request_deserializer=_decoder(pb.GetRequest), response_serializer=_encode_get),
         "Prefetch": grpc.unary_stream_rpc_method_handler(
-            s.Prefetch, request_deserializer=pb.PrefetchRequest.FromString,
+            s.Prefetch, request_deserializer=_decoder(pb.PrefetchRequest),
             response_serializer=pb.PrefetchProgress.SerializeToString),
         "Lookup": unary(s.Lookup, pb.LookupRequest, pb.LookupResponse),
         "Reserve": unary(s.Reserve, pb.ReserveRequest, pb.ReserveResponse),
@@ -346,7 +407,7 @@ def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
         "Stats": unary(s.Stats, pb.StatsRequest, pb.StatsResponse),
         "Hot": unary(s.Hot, pb.HotRequest, pb.HotResponse),
         "Prewarm": grpc.unary_stream_rpc_method_handler(
-            s.Prewarm, request_deserializer=pb.PrewarmRequest.FromString,
+            s.Prewarm, request_deserializer=_decoder(pb.PrewarmRequest),
             response_serializer=pb.PrewarmProgress.SerializeToString),
     }
     declared = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}

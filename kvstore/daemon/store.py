@@ -156,6 +156,7 @@ class Store:
         leased=False only touch them (for readers that verify checksums). Blocks only in L3
         are loaded into L2 first; a load already in flight is waited for, not repeated."""
         checked = self._check_keys(namespace, keys)
+        checks.distinct(checked, "Get")
         lease_id = secrets.token_hex(12)
         self._fetch_remote(namespace, checked)
         with self._lock:
@@ -302,6 +303,7 @@ class Store:
         """Bring keys up to target (default: the highest enabled tier); see kvstore.daemon.prefetch.
         Input is checked here, before the first progress message."""
         checked = self._check_keys(namespace, keys)
+        checks.distinct(checked, "Prefetch")
         tiers = self._opened.tiers
         if target is None:
             target = min(tiers, default=Tier.DRAM)
@@ -386,6 +388,7 @@ class Store:
 
     def set_pinned(self, namespace: str, keys: Sequence[bytes], pinned: bool) -> tuple[int, int]:
         checked = self._check_keys(namespace, keys)
+        checks.distinct(checked, "Pin" if pinned else "Unpin")
         with self._lock:
             return self.index.set_pinned(namespace, checked, pinned)
 
