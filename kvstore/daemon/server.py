@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -77,7 +78,8 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
     ]
     pool = futures.ThreadPoolExecutor(config.server.workers, thread_name_prefix="rpc")
     server = grpc.server(pool, options=options)
-    server.add_generic_rpc_handlers((handlers(KVStoreServicer(store, metrics)),))
+    servicer = KVStoreServicer(store, metrics)
+    server.add_generic_rpc_handlers((handlers(servicer),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -112,12 +114,24 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
     try:
         stop.wait()
     finally:
-        log.info("shutting down")
         stop.set()
-        _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-        server.stop(config.server.grace_s).wait()
+        _drain(config, servicer, health_servicer)
+        server.stop(config.server.grace_s - config.server.drain_notice_s).wait()
         sweeper.join()
         pool.shutdown()
+
+
+def _drain(config: Config, servicer: KVStoreServicer,
+           health_servicer: health.HealthServicer) -> None:
+    """Say so before stopping: health turns NOT_SERVING and new data calls get UNAVAILABLE,
+    while the server still answers, for server.drain_notice_s; Kubernetes and clients see a
+    draining replica instead of a refused connection. In-flight calls go on meanwhile."""
+    notice_s = config.server.drain_notice_s
+    log.info("shutting down: NOT_SERVING for %.1fs, then up to %.1fs for calls in flight",
+             notice_s, config.server.grace_s - notice_s)
+    servicer.draining.set()
+    _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    time.sleep(notice_s)
 
 
 def _keep_freed_buffers() -> None:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -119,6 +120,15 @@ class KVStoreServicer:
         self.metrics = metrics
         self.config = store.config
         self.host_id = host_id()
+        self.draining = threading.Event()  # set on SIGTERM: new data calls are refused
+
+    def _admit(self, request: Any, method: str) -> Any:
+        """The request, parsed, if the daemon takes new calls of this method: while draining
+        only Release (readers must be able to let go) and Stats (operators watch) are."""
+        if self.draining.is_set() and method not in ("Release", "Stats"):
+            raise Unavailable("the daemon is draining (it is stopping): retry on another "
+                              "replica or after its restart")
+        return _parsed(request)
 
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception,
               started: float) -> None:
@@ -137,7 +147,7 @@ class KVStoreServicer:
         started = time.perf_counter()
         session = None
         try:
-            first = _parsed(next(request_iterator, None))
+            first = self._admit(next(request_iterator, None), "Put")
             if first is None:
                 raise InvalidArgument("PutRequest: the stream carried no message")
             if isinstance(first, memoryview):
@@ -181,7 +191,7 @@ class KVStoreServicer:
             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         started = time.perf_counter()
         try:
-            request = _parsed(request)
+            request = self._admit(request, "Get")
             shared = request.mode == pb.GET_MODE_SHARED_MEMORY
             if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
                 raise InvalidArgument(f"mode {request.mode} is not a GetMode")
@@ -249,7 +259,7 @@ class KVStoreServicer:
                fn: Callable[[], Any], request: Any) -> Any:
         started = time.perf_counter()
         try:
-            _parsed(request)
+            self._admit(request, method)
             response = fn()
         except Exception as exc:
             self._fail(context, method, exc, started)
@@ -271,7 +281,7 @@ class KVStoreServicer:
         its errors mapped like any call's."""
         started = time.perf_counter()
         try:
-            _parsed(request)
+            self._admit(request, method)
             for step in progress():
                 yield message(**dataclasses.asdict(step))
         except Exception as exc:

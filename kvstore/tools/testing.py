@@ -92,8 +92,11 @@ def start_daemon(workdir: Path, *settings: str, env: dict[str, str] | None = Non
     log_path = workdir / f"kvstore-server-{port}.log"
     args = [sys.executable, "-m", "kvstore.daemon.server", "--port", str(port),
             "--metrics-port", str(metrics_port)]
-    # L3 lives in workdir and is small unless settings say otherwise (later --set wins).
-    defaults = (f"nvme.dir={workdir / f'l3-{port}'}", "nvme.capacity_bytes=64MiB")
+    # L3 lives in workdir and is small unless settings say otherwise (later --set wins), and
+    # a stop skips the drain notice (a second per daemon, hundreds of daemons per suite);
+    # the drain test sets its own.
+    defaults = (f"nvme.dir={workdir / f'l3-{port}'}", "nvme.capacity_bytes=64MiB",
+                "server.drain_notice_s=0")
     for setting in (*defaults, *settings):
         args += ["--set", setting]
     with log_path.open("w") as log:

@@ -220,6 +220,7 @@ def test_default_config_values(rendered: dict[str, Rendered]) -> None:
     assert (cfg.nvme.capacity_bytes, cfg.nvme.backend) == (100 << 30, "auto")
     assert cfg.remote.url == ""
     assert (cfg.server.max_object_bytes, cfg.server.max_response_bytes) == (64 << 20, 1 << 30)
+    assert (cfg.server.grace_s, cfg.server.drain_notice_s) == (5, 1)
 
 
 # --- value sets ---------------------------------------------------------------------------
@@ -437,6 +438,9 @@ BAD_VALUES = {
                        r"/nvme/placement"),
     "GDS on the CPU image": ({"image": {"variant": "cpu"}, "nvme": {"gds": {"enabled": True}}},
                              helm_python.HelmRenderError, r"--set image\.variant=cuda"),
+    "drain notice past the grace": ({"server": {"drainNoticeSeconds": 9}},
+                                    helm_python.HelmRenderError,
+                                    r"--set server\.drainNoticeSeconds=1"),
 }
 
 

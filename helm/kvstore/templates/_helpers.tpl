@@ -185,7 +185,8 @@ app.kubernetes.io/part-of: kvstore
       "chunk_bytes" (include "kvstore.daemonSize" $v.server.chunkSize)
       "max_object_bytes" (include "kvstore.daemonSize" $v.server.maxObjectSize)
       "max_response_bytes" (include "kvstore.daemonSize" $v.server.maxResponseSize)
-      "max_batch_keys" (int $v.server.maxBatchKeys) "grace_s" $v.server.graceSeconds -}}
+      "max_batch_keys" (int $v.server.maxBatchKeys) "grace_s" $v.server.graceSeconds
+      "drain_notice_s" $v.server.drainNoticeSeconds -}}
 {{- $metrics := dict "enabled" $v.metrics.enabled "host" "0.0.0.0" "port" (int $v.metrics.port) -}}
 {{- $hbm := dict "mode" (ternary "on" "off" $v.hbm.enabled) "device" 0
       "capacity_bytes" (include "kvstore.daemonSize" (default "0" $v.hbm.size))
@@ -253,6 +254,9 @@ Fail early, with the --set that fixes it, on values the daemon or Kubernetes wou
 {{- end -}}
 {{- if le (int $v.terminationGracePeriodSeconds) (int $v.server.graceSeconds) -}}
 {{- $messages = append $messages (printf "kvstore: terminationGracePeriodSeconds\n    The pod must outlive the daemon's drain (server.graceSeconds=%v):\n    --set terminationGracePeriodSeconds=%d" $v.server.graceSeconds (add (int $v.server.graceSeconds) 25)) -}}
+{{- end -}}
+{{- if gt (float64 $v.server.drainNoticeSeconds) (float64 $v.server.graceSeconds) -}}
+{{- $messages = append $messages (printf "kvstore: server.drainNoticeSeconds\n    The drain notice is part of server.graceSeconds=%v:\n    --set server.drainNoticeSeconds=1" $v.server.graceSeconds) -}}
 {{- end -}}
 {{- if $messages -}}
 {{- printf "\nVALUES VALIDATION:\n%s" (join "\n\n" $messages) | fail -}}

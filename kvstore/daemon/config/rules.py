@@ -72,6 +72,9 @@ def _durations(cfg: Config, out: _Problems) -> None:
     """The server's grace period and the lease timers (the tiers' timers are with their tier)."""
     grace_s = cfg.server.grace_s
     out.need(math.isfinite(grace_s) and grace_s >= 0, "server.grace_s", "must be >= 0; use e.g. 5")
+    notice = cfg.server.drain_notice_s
+    out.need(math.isfinite(notice) and 0 <= notice <= grace_s, "server.drain_notice_s",
+             "must be >= 0 and at most server.grace_s; use e.g. 1")
     for name in ("lease_timeout_s", "reservation_timeout_s", "sweep_interval_s"):
         value = getattr(cfg.leases, name)
         out.need(math.isfinite(value) and value > 0, f"leases.{name}", "must be > 0; use e.g. 30")

@@ -39,7 +39,11 @@ class ServerConfig:
     max_response_bytes: int = 1 * GiB
     max_batch_keys: int = 4096  #: Most keys in one request.
     workers: int = 8  #: RPC worker threads; each streaming transfer in flight holds one.
-    grace_s: float = 5.0  #: Shutdown grace period.
+    grace_s: float = 5.0  #: Shutdown grace period: SIGTERM to exit, drain notice included.
+    #: On SIGTERM, how long health says NOT_SERVING (and new data calls get UNAVAILABLE)
+    #: before the server stops taking calls, so clients and probes see the drain; part of
+    #: grace_s.
+    drain_notice_s: float = 1.0
 
 
 @dataclass(frozen=True)
