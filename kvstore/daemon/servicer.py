@@ -28,6 +28,7 @@ from kvstore.core.errors import (
     Unavailable,
 )
 from kvstore.core.records import ReadResult, StoreStats
+from kvstore.daemon.admission import StreamSlots
 from kvstore.daemon.config import config_to_dict
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
@@ -121,6 +122,7 @@ class KVStoreServicer:
         self.config = store.config
         self.host_id = host_id()
         self.draining = threading.Event()  # set on SIGTERM: new data calls are refused
+        self.slots = StreamSlots(self.config.server)  # streams in flight, capped
 
     def _admit(self, request: Any, method: str) -> Any:
         """The request, parsed, if the daemon takes new calls of this method: while draining
@@ -146,7 +148,9 @@ class KVStoreServicer:
             context: grpc.ServicerContext) -> pb.PutResponse:
         started = time.perf_counter()
         session = None
+        slot = contextlib.ExitStack()
         try:
+            slot.enter_context(self.slots.held(context.peer()))
             first = self._admit(next(request_iterator, None), "Put")
             if first is None:
                 raise InvalidArgument("PutRequest: the stream carried no message")
@@ -186,11 +190,14 @@ class KVStoreServicer:
         finally:
             if session is not None:
                 self.store.abort(session.plan_id)
+            slot.close()
 
     def Get(self, request: pb.GetRequest,
             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         started = time.perf_counter()
+        slot = contextlib.ExitStack()
         try:
+            slot.enter_context(self.slots.held(context.peer()))
             request = self._admit(request, "Get")
             shared = request.mode == pb.GET_MODE_SHARED_MEMORY
             if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
@@ -207,8 +214,15 @@ class KVStoreServicer:
             result = self.store.read(request.namespace, request.keys, timeout_s, leased)
             self._bound_response(result, shared)
         except Exception as exc:
+            slot.close()
             self._fail(context, "Get", exc, started)
             raise
+        with slot:
+            yield from self._get_reply(result, shared, timeout_s, leased, started, context)
+
+    def _get_reply(self, result: ReadResult, shared: bool, timeout_s: float, leased: bool,
+                   started: float, context: grpc.ServicerContext
+                   ) -> Iterator[pb.GetResponse | bytes]:
         found = [e is not None for e in result.entries]
         hits = [e for e in result.entries if e is not None]
         head = pb.GetResponse(
@@ -281,9 +295,10 @@ class KVStoreServicer:
         its errors mapped like any call's."""
         started = time.perf_counter()
         try:
-            self._admit(request, method)
-            for step in progress():
-                yield message(**dataclasses.asdict(step))
+            with self.slots.held(context.peer()):
+                self._admit(request, method)
+                for step in progress():
+                    yield message(**dataclasses.asdict(step))
         except Exception as exc:
             self._fail(context, method, exc, started)
             raise

@@ -181,6 +181,8 @@ app.kubernetes.io/part-of: kvstore
 {{- define "kvstore.config" -}}
 {{- $v := .Values -}}
 {{- $server := dict "host" "0.0.0.0" "port" (int $v.server.grpcPort) "workers" (int $v.server.workers)
+      "max_streams" (int $v.server.maxStreams)
+      "max_streams_per_connection" (int $v.server.maxStreamsPerConnection)
       "max_message_bytes" (include "kvstore.daemonSize" $v.server.maxMessageSize)
       "chunk_bytes" (include "kvstore.daemonSize" $v.server.chunkSize)
       "max_object_bytes" (include "kvstore.daemonSize" $v.server.maxObjectSize)

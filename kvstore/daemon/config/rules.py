@@ -54,6 +54,11 @@ def _server(cfg: Config, out: _Problems) -> None:
              "returns at least one block; raise it (e.g. 1GiB) or lower server.max_object_bytes")
     out.need(s.max_batch_keys >= 1, "server.max_batch_keys", "must be >= 1; use e.g. 4096")
     out.need(s.workers >= 1, "server.workers", "must be >= 1; use e.g. 8")
+    out.need(s.max_streams == 0 or 1 <= s.max_streams < s.workers, "server.max_streams",
+             "must be 0 (server.workers - 2) or 1 .. server.workers - 1: a thread must stay "
+             "free for unary calls and the health check")
+    out.need(s.max_streams_per_connection >= 1, "server.max_streams_per_connection",
+             "must be >= 1; use e.g. 4")
 
 
 def _dram(cfg: Config, out: _Problems) -> None:

@@ -39,6 +39,12 @@ class ServerConfig:
     max_response_bytes: int = 1 * GiB
     max_batch_keys: int = 4096  #: Most keys in one request.
     workers: int = 8  #: RPC worker threads; each streaming transfer in flight holds one.
+    #: Most streaming calls (Put, Get, Prefetch, Prewarm) in flight at once; past it, new
+    #: ones get RESOURCE_EXHAUSTED. 0 = workers - 2 (at least 1): two threads stay free for
+    #: unary calls and the health check.
+    max_streams: int = 0
+    #: Most streaming calls in flight on one client connection.
+    max_streams_per_connection: int = 4
     grace_s: float = 5.0  #: Shutdown grace period: SIGTERM to exit, drain notice included.
     #: On SIGTERM, how long health says NOT_SERVING (and new data calls get UNAVAILABLE)
     #: before the server stops taking calls, so clients and probes see the drain; part of

@@ -1,0 +1,147 @@
+"""Idle streams cannot freeze the daemon (a real daemon, raw gRPC): header-only Put streams
+and inline Gets nobody reads each hold an RPC thread, so at most server.max_streams run at
+once (all workers but two by default) and server.max_streams_per_connection on one
+connection. Past a cap a new stream is RESOURCE_EXHAUSTED at once, naming the setting, while
+another client's Lookup and the health check keep answering within 2 s; once the hog lets
+go, streams are served again."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.client import KVStoreClient
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
+from kvstore.tools.testing import Daemon
+
+NS = "caps"
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+BLOCK = 48 << 20  # far more than gRPC buffers for a reader that does not read
+KEY = b"\x09" * 32
+
+
+def connection(target: str) -> grpc.Channel:
+    """A channel on its own TCP connection (gRPC shares them between alike channels)."""
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+@pytest.fixture
+def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    d = daemon_factory("dram.capacity_bytes=128MiB", "server.workers=8",
+                       "server.max_streams_per_connection=4", "server.chunk_bytes=256KiB",
+                       "nvme.enabled=false")
+    with KVStoreClient(d.target, NS) as kv:
+        kv.put([KEY], [bytes(BLOCK)])
+    return d
+
+
+class IdlePut:
+    """A Put stream that sends its header and then nothing until released."""
+
+    def __init__(self, stub: rpc.KVStoreStub, n: int) -> None:
+        self.release = threading.Event()
+
+        def messages() -> Iterator[pb.PutRequest]:
+            yield pb.PutRequest(namespace=NS, keys=[bytes([n]) * 32], sizes=[1000],
+                                independent=True)
+            self.release.wait(30)
+
+        self.call = stub.Put.future(messages(), timeout=30)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self.release.set()
+
+
+def wait_for_plans(target: str, count: int) -> None:
+    """Until the daemon holds count open put plans: the idle streams are in, each holding
+    its thread (a stream's header is read, and planned, before it waits for data)."""
+    deadline = time.monotonic() + 10
+    with KVStoreClient(target, NS) as kv:
+        while kv.stats().reservations != count:
+            assert time.monotonic() < deadline, kv.stats().reservations
+            time.sleep(0.05)
+
+
+def expect_exhausted(setting: str, call: Callable[[], object]) -> None:
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == EXHAUSTED, info.value.details()
+    assert setting in (info.value.details() or ""), info.value.details()
+    assert time.monotonic() - started < 2, "refused at once, not after queueing"
+
+
+def others_still_served(target: str) -> None:
+    with connection(target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == serving
+        reply = rpc.KVStoreStub(ch).Lookup(pb.LookupRequest(namespace=NS, keys=[KEY]), timeout=2)
+        assert reply.prefix_length == 1
+
+
+def wait_until_served(target: str) -> None:
+    deadline = time.monotonic() + 10
+    with KVStoreClient(target, NS) as kv:
+        while True:
+            try:
+                kv.put([b"\x0a" * 32], [b"after"], independent=True)
+                return
+            except Exception:
+                assert time.monotonic() < deadline, "streams never freed"
+                time.sleep(0.1)
+
+
+def test_idle_put_streams_hit_the_caps_and_nothing_else_starves(daemon: Daemon) -> None:
+    hog_a, hog_b, other = (connection(daemon.target) for _ in range(3))
+    try:
+        a, b = rpc.KVStoreStub(hog_a), rpc.KVStoreStub(hog_b)
+        idle = [IdlePut(a, 16 + i) for i in range(4)]
+        wait_for_plans(daemon.target, 4)
+        expect_exhausted("server.max_streams_per_connection", lambda: IdlePut(a, 30).call.result())
+        idle += [IdlePut(b, 20 + i) for i in range(2)]  # 6 = workers - 2 streams in flight
+        wait_for_plans(daemon.target, 6)
+        put = rpc.KVStoreStub(other).Put
+        expect_exhausted("server.max_streams", lambda: put(iter([pb.PutRequest(
+            namespace=NS, keys=[b"\x0b" * 32], sizes=[1], data=b"x", independent=True)]),
+            timeout=5))
+        others_still_served(daemon.target)
+        for stream in idle:
+            stream.cancel()
+        wait_until_served(daemon.target)
+    finally:
+        for ch in (hog_a, hog_b, other):
+            ch.close()
+
+
+def test_unread_inline_gets_hold_slots_until_they_end(daemon: Daemon) -> None:
+    hogs = [connection(daemon.target) for _ in range(2)]
+    try:
+        gets = []
+        for ch in hogs:
+            for _ in range(3):
+                stream = rpc.KVStoreStub(ch).Get(pb.GetRequest(namespace=NS, keys=[KEY]),
+                                                timeout=30)
+                assert list(next(stream).found) == [True]  # the header, then nothing read
+                gets.append(stream)
+        with connection(daemon.target) as other:
+            stub = rpc.KVStoreStub(other)
+            expect_exhausted("server.max_streams", lambda: list(stub.Get(
+                pb.GetRequest(namespace=NS, keys=[KEY]), timeout=5)))
+        others_still_served(daemon.target)
+        for stream in gets:
+            stream.cancel()
+        wait_until_served(daemon.target)
+    finally:
+        for ch in hogs:
+            ch.close()
+    with KVStoreClient(daemon.target, NS) as kv:
+        assert kv.get([KEY]) == [bytes(BLOCK)]
+        assert kv.stats().leases == 0  # the cancelled Gets' leases went back
