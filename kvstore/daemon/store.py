@@ -361,6 +361,9 @@ class Store:
             raise InvalidArgument("give exactly one of keys, bytes or all")
         if tier is not None and not self._stats[tier].enabled:
             raise FailedPrecondition(f"tier {tier.label} is not enabled")
+        if tier == Tier.REMOTE and not keys:  # L4 has no eviction order: its keys expire
+            raise FailedPrecondition("tier remote: L4 blocks expire after remote.ttl_s and "
+                                     "cannot be evicted by bytes or all; name their keys")
         if namespace:
             checks.namespace(namespace)
         with self._lock:

@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstore.client import AsyncKVStoreClient, HotResult, KVStoreClient, PrewarmResult
+from kvstore.client import (
+    AsyncKVStoreClient,
+    FailedPrecondition,
+    HotResult,
+    KVStoreClient,
+    PrewarmResult,
+)
 from kvstore.client.results import TierStats
 from kvstore.tiers.redis_pool import block_key
 from kvstore.tools.testing import (
@@ -405,3 +411,18 @@ def test_the_async_client_ranks_hot_keys_and_prewarms_with_coroutine_progress(
     assert set(hot.keys) == set(keys[:2]) and hot.scores[0] >= hot.scores[1] > 0
     assert final.done and final.blocks == 4 and seen[-1] == 4
     assert clients(d).lookup(keys).tiers == ["dram"] * 4
+
+
+def test_evicting_l4_by_bytes_or_all_is_refused_naming_the_tier(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+) -> None:
+    """L4 has no eviction order (its keys expire): bytes= or all= for tier remote was an
+    INTERNAL KeyError; it is FAILED_PRECONDITION, and the blocks stay."""
+    kv = clients(daemon_factory(*l4(server.url)))
+    keys, values = blocks(2)
+    kv.put(keys, values)
+    with pytest.raises(FailedPrecondition, match="tier remote"):
+        kv.evict(tier="remote", bytes=1 << 20)
+    with pytest.raises(FailedPrecondition, match="tier remote"):
+        kv.evict(tier="remote", all=True)
+    assert kv.get(keys) == values
