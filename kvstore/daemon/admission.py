@@ -5,7 +5,9 @@ The daemon serves from a pool of `server.workers` threads, and a streaming call 
 Prefetch, Prewarm) holds one for as long as its client keeps it open, reading or not. So at
 most `max_streams` streams run at once (by default all workers but two, which stay free for
 unary calls such as Lookup and for the health check), and at most
-`max_streams_per_connection` on one client connection. Past either cap a new stream is
+`max_streams_per_connection` on one client connection (by default as many: gRPC carries all
+the channels of a client process on one connection, so a tighter default would cap an
+engine's threads together). Past either cap a new stream is
 refused at once with RESOURCE_EXHAUSTED naming the setting, instead of queueing behind the
 others until every caller times out.
 """
@@ -30,7 +32,7 @@ class StreamSlots:
 
     def __init__(self, server: ServerConfig) -> None:
         self.limit = stream_cap(server)
-        self.per_connection = server.max_streams_per_connection
+        self.per_connection = server.max_streams_per_connection or self.limit
         self._lock = threading.Lock()
         self._by_peer: dict[str, int] = {}
         self.in_flight = 0

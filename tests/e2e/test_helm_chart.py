@@ -221,7 +221,7 @@ def test_default_config_values(rendered: dict[str, Rendered]) -> None:
     assert cfg.remote.url == ""
     assert (cfg.server.max_object_bytes, cfg.server.max_response_bytes) == (64 << 20, 1 << 30)
     assert (cfg.server.grace_s, cfg.server.drain_notice_s) == (5, 1)
-    assert (cfg.server.max_streams, cfg.server.max_streams_per_connection) == (0, 4)
+    assert (cfg.server.max_streams, cfg.server.max_streams_per_connection) == (0, 0)
 
 
 # --- value sets ---------------------------------------------------------------------------

@@ -169,7 +169,7 @@ def test_every_bad_value_is_reported_at_once() -> None:
         ("server.max_batch_keys=0", "server.max_batch_keys"),
         ("server.workers=0", "server.workers"),
         ("server.max_streams=8", "server.max_streams"),
-        ("server.max_streams_per_connection=0", "server.max_streams_per_connection"),
+        ("server.max_streams_per_connection=-1", "server.max_streams_per_connection"),
         ("server.drain_notice_s=9", "server.drain_notice_s"),
         ("server.grace_s=-1", "server.grace_s"),
         ("leases.lease_timeout_s=0", "leases.lease_timeout_s"),

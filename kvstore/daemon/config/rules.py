@@ -57,8 +57,8 @@ def _server(cfg: Config, out: _Problems) -> None:
     out.need(s.max_streams == 0 or 1 <= s.max_streams < s.workers, "server.max_streams",
              "must be 0 (server.workers - 2) or 1 .. server.workers - 1: a thread must stay "
              "free for unary calls and the health check")
-    out.need(s.max_streams_per_connection >= 1, "server.max_streams_per_connection",
-             "must be >= 1; use e.g. 4")
+    out.need(s.max_streams_per_connection >= 0, "server.max_streams_per_connection",
+             "must be >= 0 (0 = server.max_streams); use e.g. 4")
 
 
 def _dram(cfg: Config, out: _Problems) -> None:

@@ -43,8 +43,9 @@ class ServerConfig:
     #: ones get RESOURCE_EXHAUSTED. 0 = workers - 2 (at least 1): two threads stay free for
     #: unary calls and the health check.
     max_streams: int = 0
-    #: Most streaming calls in flight on one client connection.
-    max_streams_per_connection: int = 4
+    #: Most streaming calls in flight on one client connection; 0 = max_streams. gRPC shares
+    #: one connection among the channels of a process, so this caps a client process.
+    max_streams_per_connection: int = 0
     grace_s: float = 5.0  #: Shutdown grace period: SIGTERM to exit, drain notice included.
     #: On SIGTERM, how long health says NOT_SERVING (and new data calls get UNAVAILABLE)
     #: before the server stops taking calls, so clients and probes see the drain; part of
