@@ -10,7 +10,9 @@
 #   pytest    the GPU test files (scripts/gpu_env.py test-files), -m gpu, 60 s a test (<= 150 s)
 #   gpu_bench l2_pinned_h2d, l2_to_l1, kvikio_read                         (<= 60 s)
 #   kernels   decode_kernel vs SDPA                                        (<= 45 s)
-# About 2 minutes when all goes well; every limit together stays under 6.
+# About 2 minutes when all goes well. The whole run also has a budget, GPU_CHECK_BUDGET_S
+# (default 230 s): each stage's limit is cut to what is left of it, so a run never takes more
+# than ~4 minutes of device time and a second try fits in a 15-minute lease.
 #
 # Files under $OUT (./gpu-check-out when OUT is unset), written unbuffered as the run goes, so
 # a killed run keeps what it had: gpu-check.txt (the summary: stage statuses and every `bench`
@@ -28,6 +30,9 @@ summary="$out/gpu-check.txt"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 wheels=${GPU_CHECK_WHEELS:-.whl}
+budget_end=$((SECONDS + ${GPU_CHECK_BUDGET_S:-230}))
+# limit N: N seconds, or what is left of the run's budget when that is less (at least 1).
+limit() { local left=$((budget_end - SECONDS)); ((left < 1)) && left=1; echo $((left < $1 ? left : $1)); }
 declare -A status=()
 say() { echo "$*" | tee -a "$summary"; }
 
@@ -58,13 +63,13 @@ say "== setup (log: setup.log)"
   set -e
   if [ -d "$wheels" ]; then
     # Only what the image lacks is in .whl, so nothing here shadows its own test stack.
-    timeout 60 "$py" -m pip install --no-index --no-deps --no-compile --no-cache-dir \
+    timeout "$(limit 60)" "$py" -m pip install --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target /tmp/kvstore-site "$wheels"/*.whl
   else
     echo "no $wheels/: run 'make gpu-wheels' where pip reaches an index, and carry .whl"
   fi
   if [ "${GPU_CHECK_INSTALL:-1}" != 0 ]; then
-    timeout 60 "$py" -m pip install --no-index --no-deps --no-build-isolation -e .
+    timeout "$(limit 60)" "$py" -m pip install --no-index --no-deps --no-build-isolation -e .
   fi
 ) >"$out/setup.log" 2>&1
 status[setup]=$?
@@ -75,7 +80,7 @@ fi
 [ -d "$wheels" ] && export PYTHONPATH=/tmp/kvstore-site${PYTHONPATH:+:$PYTHONPATH}
 
 say "== preflight"
-timeout 60 "$py" scripts/gpu_env.py preflight 2>&1 | tee -a "$out/setup.log" "$summary"
+timeout "$(limit 60)" "$py" scripts/gpu_env.py preflight 2>&1 | tee -a "$out/setup.log" "$summary"
 status[preflight]=${PIPESTATUS[0]}
 [ "${status[preflight]}" -eq 0 ] || finish
 
@@ -83,17 +88,17 @@ say "== pytest -m gpu (log: pytest.log)"
 mapfile -t files < <("$py" scripts/gpu_env.py test-files)
 per_test=()
 "$py" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=60)
-timeout -k 5 150 "$py" -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=10 \
+timeout -k 5 "$(limit 150)" "$py" -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=10 \
   --continue-on-collection-errors "${per_test[@]}" "${files[@]}" >"$out/pytest.log" 2>&1
 status[pytest]=$?
 
 say "== bench/gpu_bench.py (log: bench.log)"
-timeout -k 5 60 "$py" bench/gpu_bench.py --moved-bytes $((1 << 30)) --repeats 5 --json \
+timeout -k 5 "$(limit 60)" "$py" bench/gpu_bench.py --moved-bytes $((1 << 30)) --repeats 5 --json \
   >>"$out/bench.log" 2>&1
 status[gpu_bench]=$?
 grep '^{' "$out/bench.log" | tail -n 1 >"$out/gpu_bench.json"
 
 say "== bench/kernel_bench.py"
-timeout -k 5 45 "$py" bench/kernel_bench.py --json "$out/kernel_bench.json" >>"$out/bench.log" 2>&1
+timeout -k 5 "$(limit 45)" "$py" bench/kernel_bench.py --json "$out/kernel_bench.json" >>"$out/bench.log" 2>&1
 status[kernels]=$?
 finish
