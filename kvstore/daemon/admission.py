@@ -1,5 +1,5 @@
 """Admission of streaming calls: the caps that keep a few slow or idle clients from taking
-every RPC thread.
+every RPC thread, and the reaper that aborts streams whose client has gone quiet.
 
 The daemon serves from a pool of `server.workers` threads, and a streaming call (Put, Get,
 Prefetch, Prewarm) holds one for as long as its client keeps it open, reading or not. So at
@@ -10,16 +10,28 @@ the channels of a client process on one connection, so a tighter default would c
 engine's threads together). Past either cap a new stream is
 refused at once with RESOURCE_EXHAUSTED naming the setting, instead of queueing behind the
 others until every caller times out.
+
+A stream that waits on its client (for the next Put message, or for the client to take the
+next Get chunk) longer than `server.stream_idle_s` is aborted by `reap_idle`: the client gets
+ABORTED naming the setting, the handler's blocked read or send fails at once, and the put's
+pages or the read's lease go back. Time the daemon spends working for a stream (loading
+from L3, waiting for a prefetch) is not idle time.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
+
+import grpc
 
 from kvstore.core.errors import ResourceExhausted
 from kvstore.daemon.config import ServerConfig
+
+T = TypeVar("T")
 
 
 def stream_cap(server: ServerConfig) -> int:
@@ -27,37 +39,116 @@ def stream_cap(server: ServerConfig) -> int:
     return server.max_streams or max(1, server.workers - 2)
 
 
+class Stream:
+    """One streaming call in flight, and since when (if at all) it waits on its client."""
+
+    __slots__ = ("peer", "_context", "waiting_since", "longest_wait_s", "aborted")
+
+    def __init__(self, peer: str, context: grpc.ServicerContext) -> None:
+        self.peer = peer
+        self._context = context
+        self.waiting_since: float | None = None
+        self.longest_wait_s = 0.0
+        self.aborted = False  # by the reaper: its client sees ABORTED
+
+    def receive(self, messages: Iterable[T]) -> Iterator[T]:
+        """messages (the request stream), each wait for the next one counted as idle."""
+        source = iter(messages)
+        while True:
+            self._wait()
+            try:
+                message = next(source)
+            except StopIteration:
+                return
+            finally:
+                self._work()
+            yield message
+
+    def send(self, messages: Iterable[T]) -> Iterator[T]:
+        """messages (the response stream), the wait for the client to take each counted
+        as idle: gRPC resumes the generator once the message before is sent."""
+        for message in messages:
+            self._wait()
+            yield message
+            self._work()
+
+    def _wait(self) -> None:
+        self.waiting_since = time.monotonic()
+
+    def _work(self) -> None:
+        since = self.waiting_since
+        if since is not None:
+            self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - since)
+        self.waiting_since = None
+
+    def abort(self, details: str) -> None:
+        """End the call now with ABORTED (details as its message). gRPC's public cancel()
+        carries no status, so the call's own cancel(code, details) is used where grpc has
+        it (the client then reads why), the public one where not."""
+        self.aborted = True
+        call = getattr(getattr(self._context, "_rpc_event", None), "call", None)
+        try:
+            call.cancel(grpc.StatusCode.ABORTED.value[0], details)  # type: ignore[union-attr]
+        except (AttributeError, TypeError):
+            self._context.cancel()
+
+
 class StreamSlots:
-    """Counts the streams in flight, in all and per connection (gRPC's peer string)."""
+    """Counts the streams in flight, in all and per connection (gRPC's peer string), and
+    aborts those idle past server.stream_idle_s."""
 
     def __init__(self, server: ServerConfig) -> None:
         self.limit = stream_cap(server)
         self.per_connection = server.max_streams_per_connection or self.limit
+        self.idle_s = server.stream_idle_s
         self._lock = threading.Lock()
         self._by_peer: dict[str, int] = {}
-        self.in_flight = 0
+        self._streams: set[Stream] = set()
+        self.aborted_idle = 0  # streams reaped since start
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
 
     @contextmanager
-    def held(self, peer: str) -> Iterator[None]:
+    def held(self, peer: str, context: grpc.ServicerContext) -> Iterator[Stream]:
         """A slot for one stream of peer while the block runs; ResourceExhausted if none."""
         with self._lock:
-            if self.in_flight >= self.limit:
+            if len(self._streams) >= self.limit:
                 raise ResourceExhausted(
-                    f"{self.in_flight} streams are in flight, the most the daemon runs at once "
-                    "(server.max_streams): retry shortly, or raise server.workers")
+                    f"{len(self._streams)} streams are in flight, the most the daemon runs at "
+                    "once (server.max_streams): retry shortly, or raise server.workers")
             if self._by_peer.get(peer, 0) >= self.per_connection:
                 raise ResourceExhausted(
                     f"this connection has {self.per_connection} streams in flight "
                     "(server.max_streams_per_connection): finish or cancel one first")
-            self.in_flight += 1
+            stream = Stream(peer, context)
+            self._streams.add(stream)
             self._by_peer[peer] = self._by_peer.get(peer, 0) + 1
         try:
-            yield
+            yield stream
         finally:
             with self._lock:
-                self.in_flight -= 1
+                self._streams.discard(stream)
                 left = self._by_peer[peer] - 1
                 if left:
                     self._by_peer[peer] = left
                 else:
                     del self._by_peer[peer]
+
+    def reap_idle(self, now: float | None = None) -> int:
+        """Abort every stream that has waited on its client past idle_s; how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = [s for s in self._streams if not s.aborted and s.waiting_since is not None
+                    and now - s.waiting_since > self.idle_s]
+        for stream in idle:
+            stream.abort(f"the stream sent or took nothing for {self.idle_s:g} s "
+                         "(server.stream_idle_s); its pages and lease were let go")
+        self.aborted_idle += len(idle)
+        return len(idle)
+
+    def reap_forever(self, stop: threading.Event) -> None:
+        """reap_idle() several times per idle_s until stop is set (the reaper thread)."""
+        while not stop.wait(min(1.0, self.idle_s / 4)):
+            self.reap_idle()

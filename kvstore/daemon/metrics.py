@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
@@ -32,6 +32,8 @@ RPC_LATENCY_BUCKETS_S = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
+#: Buckets of a stream's longest wait on its client, up to past server.stream_idle_s.
+STREAM_WAIT_BUCKETS_S = (0.001, 0.01, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class TierStatsLike(Protocol):
@@ -189,6 +191,21 @@ class Metrics:
             buckets=RPC_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
+        self._stream_wait = Histogram(
+            "kvstore_stream_longest_wait_seconds",
+            "Per finished streaming call: the longest it waited on its client for the next "
+            "message or to take one (server.stream_idle_s aborts past it).",
+            labelnames=("method",),
+            buckets=STREAM_WAIT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._streams_aborted_idle = Counter(
+            "kvstore_streams_aborted_idle",
+            "Streaming calls aborted because their client sent or took nothing for "
+            "server.stream_idle_s.",
+            labelnames=("method",),
+            registry=self.registry,
+        )
         self.registry.register(_TierCollector(stats_fn))
         if loads_coalesced_fn is not None:
             self.registry.register(_CountCollector(
@@ -203,6 +220,13 @@ class Metrics:
     def observe_rpc(self, method: str, code: str, latency_s: float) -> None:
         """Record one finished RPC, e.g. observe_rpc("Get", "OK", 0.0003)."""
         self._rpc_latency.labels(method=method, code=code).observe(latency_s)
+
+    def observe_stream(self, method: str, longest_wait_s: float, aborted_idle: bool) -> None:
+        """Record one finished streaming call: its longest wait on its client, and whether
+        the idle reaper ended it."""
+        self._stream_wait.labels(method=method).observe(longest_wait_s)
+        if aborted_idle:
+            self._streams_aborted_idle.labels(method=method).inc()
 
     def render(self) -> bytes:
         """The text exposition of everything, as an HTTP scrape would return it."""

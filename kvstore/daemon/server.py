@@ -107,6 +107,10 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
         args=(store, config.leases.sweep_interval_s, stop, health_servicer),
     )
     sweeper.start()
+    reaper_stop = threading.Event()  # the reaper outlives stop: it also ends idle streams
+    reaper = threading.Thread(target=servicer.slots.reap_forever, name="stream-reaper",
+                              daemon=True, args=(reaper_stop,))  # while the server drains
+    reaper.start()
     shm = store.dram.shm_name if store.dram else "off"
     print(f"kvstore-server {__version__} listening on {config.server.host}:{port} "
           f"(metrics port {metrics_port or 'off'}, L2 shm {shm}, {store.describe_l3()})",
@@ -117,7 +121,9 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
         stop.set()
         _drain(config, servicer, health_servicer)
         server.stop(config.server.grace_s - config.server.drain_notice_s).wait()
+        reaper_stop.set()
         sweeper.join()
+        reaper.join()
         pool.shutdown()
 
 

@@ -28,7 +28,7 @@ from kvstore.core.errors import (
     Unavailable,
 )
 from kvstore.core.records import ReadResult, StoreStats
-from kvstore.daemon.admission import StreamSlots
+from kvstore.daemon.admission import Stream, StreamSlots
 from kvstore.daemon.config import config_to_dict
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
@@ -133,7 +133,10 @@ class KVStoreServicer:
         return _parsed(request)
 
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception,
-              started: float) -> None:
+              started: float, stream: Stream | None = None) -> None:
+        if stream is not None and stream.aborted:  # idle: the reaper told the client why
+            self.metrics.observe_rpc(method, "ABORTED", time.perf_counter() - started)
+            context.abort(grpc.StatusCode.ABORTED, "server.stream_idle_s")
         if not context.is_active():  # the client went away: a cancellation, not a fault
             self.metrics.observe_rpc(method, "CANCELLED", time.perf_counter() - started)
             context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the call")
@@ -148,10 +151,12 @@ class KVStoreServicer:
             context: grpc.ServicerContext) -> pb.PutResponse:
         started = time.perf_counter()
         session = None
+        stream = None
         slot = contextlib.ExitStack()
         try:
-            slot.enter_context(self.slots.held(context.peer()))
-            first = self._admit(next(request_iterator, None), "Put")
+            stream = slot.enter_context(self.slots.held(context.peer(), context))
+            messages = stream.receive(request_iterator)
+            first = self._admit(next(messages, None), "Put")
             if first is None:
                 raise InvalidArgument("PutRequest: the stream carried no message")
             if isinstance(first, memoryview):
@@ -169,7 +174,7 @@ class KVStoreServicer:
                 )
                 if first.data:
                     self.store.write(session, memoryview(first.data))
-                for msg in map(_parsed, request_iterator):
+                for msg in map(_parsed, messages):
                     if isinstance(msg, memoryview):  # a data-only frame, not copied
                         self.store.write(session, msg)
                         continue
@@ -185,19 +190,21 @@ class KVStoreServicer:
                 stored=result.stored, existing=result.existing, evicted=result.evicted
             )
         except Exception as exc:
-            self._fail(context, "Put", exc, started)
+            self._fail(context, "Put", exc, started, stream)
             raise
         finally:
             if session is not None:
                 self.store.abort(session.plan_id)
             slot.close()
+            if stream is not None:
+                self.metrics.observe_stream("Put", stream.longest_wait_s, stream.aborted)
 
     def Get(self, request: pb.GetRequest,
             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         started = time.perf_counter()
         slot = contextlib.ExitStack()
         try:
-            slot.enter_context(self.slots.held(context.peer()))
+            stream = slot.enter_context(self.slots.held(context.peer(), context))
             request = self._admit(request, "Get")
             shared = request.mode == pb.GET_MODE_SHARED_MEMORY
             if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
@@ -217,8 +224,16 @@ class KVStoreServicer:
             slot.close()
             self._fail(context, "Get", exc, started)
             raise
-        with slot:
-            yield from self._get_reply(result, shared, timeout_s, leased, started, context)
+        try:
+            with slot:
+                yield from stream.send(
+                    self._get_reply(result, shared, timeout_s, leased, started, context))
+        except GeneratorExit:  # gRPC stopped sending: the client left, or the reaper ended it
+            code = "ABORTED" if stream.aborted else "CANCELLED"
+            self.metrics.observe_rpc("Get", code, time.perf_counter() - started)
+            raise
+        finally:
+            self.metrics.observe_stream("Get", stream.longest_wait_s, stream.aborted)
 
     def _get_reply(self, result: ReadResult, shared: bool, timeout_s: float, leased: bool,
                    started: float, context: grpc.ServicerContext
@@ -294,14 +309,22 @@ class KVStoreServicer:
         """A progress stream (Prefetch, Prewarm): each step as `message` (same field names),
         its errors mapped like any call's."""
         started = time.perf_counter()
+        stream = None
         try:
-            with self.slots.held(context.peer()):
+            with self.slots.held(context.peer(), context) as stream:
                 self._admit(request, method)
-                for step in progress():
+                for step in stream.send(progress()):
                     yield message(**dataclasses.asdict(step))
-        except Exception as exc:
-            self._fail(context, method, exc, started)
+        except GeneratorExit:  # gRPC stopped sending: the client left, or the reaper ended it
+            code = "ABORTED" if stream is not None and stream.aborted else "CANCELLED"
+            self.metrics.observe_rpc(method, code, time.perf_counter() - started)
             raise
+        except Exception as exc:
+            self._fail(context, method, exc, started, stream)
+            raise
+        finally:
+            if stream is not None:
+                self.metrics.observe_stream(method, stream.longest_wait_s, stream.aborted)
         self._ok(method, started)
 
     def Prefetch(self, request: pb.PrefetchRequest,

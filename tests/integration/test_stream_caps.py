@@ -3,12 +3,15 @@ and inline Gets nobody reads each hold an RPC thread, so at most server.max_stre
 once (all workers but two by default) and server.max_streams_per_connection on one
 connection. Past a cap a new stream is RESOURCE_EXHAUSTED at once, naming the setting, while
 another client's Lookup and the health check keep answering within 2 s; once the hog lets
-go, streams are served again."""
+go, streams are served again. A stream that waits on its client longer than
+server.stream_idle_s is aborted (ABORTED, naming the setting) and what it held goes back,
+while a slow client that keeps sending is served."""
 
 from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -145,3 +148,82 @@ def test_unread_inline_gets_hold_slots_until_they_end(daemon: Daemon) -> None:
     with KVStoreClient(daemon.target, NS) as kv:
         assert kv.get([KEY]) == [bytes(BLOCK)]
         assert kv.stats().leases == 0  # the cancelled Gets' leases went back
+
+
+IDLE_S = 1.0
+
+
+@pytest.fixture
+def idle_daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    d = daemon_factory("dram.capacity_bytes=128MiB", "server.chunk_bytes=256KiB",
+                       f"server.stream_idle_s={IDLE_S}", "nvme.enabled=false")
+    with KVStoreClient(d.target, NS) as kv:
+        kv.put([KEY], [bytes(BLOCK)])
+    return d
+
+
+def aborted_idle(d: Daemon, method: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics").read().decode()
+    prefix = f'kvstore_streams_aborted_idle_total{{method="{method}"}} '
+    return next((float(line.removeprefix(prefix)) for line in text.splitlines()
+                 if line.startswith(prefix)), 0.0)
+
+
+def expect_idle_abort(call: Callable[[], object]) -> float:
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == grpc.StatusCode.ABORTED, info.value.details()
+    assert "server.stream_idle_s" in (info.value.details() or ""), info.value.details()
+    return time.monotonic() - started
+
+
+def test_an_idle_put_stream_is_aborted_and_its_pages_freed(idle_daemon: Daemon) -> None:
+    with connection(idle_daemon.target) as ch:
+        idle = IdlePut(rpc.KVStoreStub(ch), 40)
+        wait_for_plans(idle_daemon.target, 1)
+        waited = expect_idle_abort(idle.call.result)
+        idle.release.set()
+    assert IDLE_S < waited + 0.5 < IDLE_S + 2.5, waited  # after stream_idle_s, not much later
+    wait_for_plans(idle_daemon.target, 0)  # the plan's pages went back
+    assert aborted_idle(idle_daemon, "Put") == 1
+    with KVStoreClient(idle_daemon.target, NS) as kv:
+        assert kv.lookup([bytes([40]) * 32]).prefix_length == 0
+    assert "Traceback" not in idle_daemon.log(), idle_daemon.log()
+
+
+def test_an_unread_inline_get_is_aborted_and_its_lease_released(idle_daemon: Daemon) -> None:
+    with connection(idle_daemon.target) as ch:
+        stream = rpc.KVStoreStub(ch).Get(pb.GetRequest(namespace=NS, keys=[KEY]), timeout=30)
+        assert list(next(stream).found) == [True]  # the header, then nothing read
+        time.sleep(IDLE_S * 3)  # gRPC's buffers fill at once, then the daemon waits on us
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+    assert info.value.code() == grpc.StatusCode.ABORTED, info.value.details()
+    assert "server.stream_idle_s" in (info.value.details() or "")
+    with KVStoreClient(idle_daemon.target, NS) as kv:
+        deadline = time.monotonic() + 5
+        while kv.stats().leases:
+            assert time.monotonic() < deadline, "the aborted Get kept its lease"
+            time.sleep(0.05)
+        assert kv.get([KEY]) == [bytes(BLOCK)]
+    assert aborted_idle(idle_daemon, "Get") == 1
+    assert "Traceback" not in idle_daemon.log(), idle_daemon.log()
+
+
+def test_a_slow_client_that_keeps_sending_is_not_idle(idle_daemon: Daemon) -> None:
+    """Six gaps of 0.6 x stream_idle_s: 3.6 x stream_idle_s in all, never idle that long."""
+    key, size = b"\x0c" * 32, 6 * 1000
+
+    def slow() -> Iterator[pb.PutRequest]:
+        yield pb.PutRequest(namespace=NS, keys=[key], sizes=[size], independent=True)
+        for _ in range(6):
+            time.sleep(IDLE_S * 0.6)
+            yield pb.PutRequest(data=b"s" * 1000)
+
+    with connection(idle_daemon.target) as ch:
+        assert rpc.KVStoreStub(ch).Put(slow(), timeout=30).stored == 1
+    with KVStoreClient(idle_daemon.target, NS) as kv:
+        assert kv.get([key]) == [b"s" * size]
+    assert aborted_idle(idle_daemon, "Put") == 0

@@ -59,6 +59,8 @@ def _server(cfg: Config, out: _Problems) -> None:
              "free for unary calls and the health check")
     out.need(s.max_streams_per_connection >= 0, "server.max_streams_per_connection",
              "must be >= 0 (0 = server.max_streams); use e.g. 4")
+    out.need(math.isfinite(s.stream_idle_s) and s.stream_idle_s > 0, "server.stream_idle_s",
+             "must be > 0; use e.g. 10")
 
 
 def _dram(cfg: Config, out: _Problems) -> None:

@@ -46,6 +46,9 @@ class ServerConfig:
     #: Most streaming calls in flight on one client connection; 0 = max_streams. gRPC shares
     #: one connection among the channels of a process, so this caps a client process.
     max_streams_per_connection: int = 0
+    #: A streaming call that waits this long on its client (for the next Put message, or
+    #: for the client to take the next Get chunk) is aborted (ABORTED) and its pages freed.
+    stream_idle_s: float = 10.0
     grace_s: float = 5.0  #: Shutdown grace period: SIGTERM to exit, drain notice included.
     #: On SIGTERM, how long health says NOT_SERVING (and new data calls get UNAVAILABLE)
     #: before the server stops taking calls, so clients and probes see the drain; part of
