@@ -29,6 +29,8 @@ from .errors import (
     from_rpc_error,
 )
 from .results import (
+    ClientHoldings,
+    DrainResult,
     EvictResult,
     HotResult,
     LookupResult,
@@ -54,9 +56,11 @@ __all__ = [
     "Aborted",
     "AsyncKVStoreClient",
     "BlockKey",
+    "ClientHoldings",
     "ConstantBackoff",
     "DataLoss",
     "DeadlineExceeded",
+    "DrainResult",
     "EvictResult",
     "ExponentialBackoff",
     "FailedPrecondition",

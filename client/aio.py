@@ -279,6 +279,13 @@ class AsyncKVStoreClient(ClientBase):
         )
         return res.stats_result(response)
 
+    async def drain(self) -> res.DrainResult:
+        """See KVStoreClient.drain."""
+        response: pb.DrainResponse = await self._rpc(
+            lambda: self._stub.Drain(pb.DrainRequest(), timeout=self.timeout_s)
+        )
+        return res.drain_result(response)
+
     async def hot(self, limit: int = 100) -> res.HotResult:
         """See KVStoreClient.hot."""
         request = rq.hot_request(self.namespace, limit)

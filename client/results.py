@@ -5,7 +5,7 @@ figures are `kvstore.tier.TierStats`, the record the daemon itself counts into."
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvstore.keys import BlockKey
@@ -15,6 +15,8 @@ from kvstore.tier import Tier, TierStats, tier_name
 from .errors import DataLoss
 
 __all__ = [
+    "ClientHoldings",
+    "DrainResult",
     "EvictResult",
     "HotResult",
     "LookupResult",
@@ -105,6 +107,30 @@ class PrewarmResult:
 
 
 @dataclass(frozen=True)
+class ClientHoldings:
+    """What one client holds in the daemon, against the caps of its `clients` settings."""
+
+    client: str
+    """The caller's peer host ("ipv4:10.0.0.7"); "" is the daemon's own work."""
+    leases: int
+    reservations: int
+    """Reserves not committed, and Puts in flight."""
+    reserved_bytes: int
+    pins: int
+    pinned_bytes: int
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    already_draining: bool
+    """A drain had begun before this call."""
+    streams_in_flight: int
+    """Streaming calls the drain lets finish."""
+    grace_s: float
+    """The daemon exits at most this long after the drain began."""
+
+
+@dataclass(frozen=True)
 class Stats:
     tiers: list[TierStats]
     shm_name: str
@@ -121,6 +147,10 @@ class Stats:
     misses: int
     prewarm: PrewarmResult | None = None
     """The running or last pre-warm from L4; None when there was none."""
+    clients: list[ClientHoldings] = field(default_factory=list)
+    """What each client holds now (leases, reservations, pins)."""
+    draining: bool = False
+    """The daemon is stopping (SIGTERM or Drain) and refuses new data calls."""
 
     def tier(self, name: str) -> TierStats | None:
         """The stats of one tier by name, or None if the daemon does not report it."""
@@ -189,7 +219,15 @@ def stats_result(resp: pb.StatsResponse) -> Stats:
         hits=resp.hits,
         misses=resp.misses,
         prewarm=prewarm_result(resp.prewarm) if resp.HasField("prewarm") else None,
+        clients=[ClientHoldings(c.client, c.leases, c.reservations, c.reserved_bytes, c.pins,
+                                c.pinned_bytes) for c in resp.clients],
+        draining=resp.draining,
     )
+
+
+def drain_result(resp: pb.DrainResponse) -> DrainResult:
+    return DrainResult(already_draining=resp.already_draining,
+                       streams_in_flight=resp.streams_in_flight, grace_s=resp.grace_s)
 
 
 def hot_result(resp: pb.HotResponse) -> HotResult:

@@ -274,6 +274,15 @@ class KVStoreClient(ClientBase):
         )
         return res.stats_result(response)
 
+    def drain(self) -> res.DrainResult:
+        """Stop the daemon gracefully, as SIGTERM does: health turns NOT_SERVING, new data
+        calls get UNAVAILABLE, calls in flight finish, and it exits 0 within
+        server.grace_s. Asking again while it drains changes nothing."""
+        response: pb.DrainResponse = self._rpc(
+            lambda: self._stub.Drain(pb.DrainRequest(), timeout=self.timeout_s)
+        )
+        return res.drain_result(response)
+
     def hot(self, limit: int = 100) -> res.HotResult:
         """The `limit` most used blocks of this namespace across every daemon sharing the L4
         pool, hottest first. FailedPrecondition when L4 is off."""

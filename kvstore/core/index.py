@@ -17,10 +17,12 @@ may have copies in several tiers (`Entry.copies`); movers use `pick` .. `done`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from kvstore.core.children import ChildCounts
 from kvstore.core.ghosts import GhostFilter
+from kvstore.core.holdings import Holdings
 from kvstore.core.order import EvictionOrder
 from kvstore.core.pages import AllocatorStats, PageAllocator
 from kvstore.core.records import CommitResult, Entry, Lease, PlannedBlock, StorePlan
@@ -41,10 +43,10 @@ class Index:
         self._page_size = dict(page_size_bytes)
         self._entries: dict[str, dict[BlockKey, Entry]] = {}  # namespace -> key -> entry
         self._num_entries = 0
-        self._num_pinned = 0  # only set_pinned changes it: eviction never takes a pinned entry
         self._order = EvictionOrder(allocators, self.get)
         self._plans: dict[str, StorePlan] = {}
         self._leases: dict[str, Lease] = {}
+        self.holdings = Holdings()  # each client's leases, plans and pins
         self._usage = UsageBook()
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
         self._children = ChildCounts(self.get)
@@ -86,7 +88,7 @@ class Index:
         return len(self._plans)
 
     def pinned_count(self) -> int:
-        return self._num_pinned
+        return len(self.holdings.pins)
 
     def pages_per_object(self, tier: Tier, size_bytes: int) -> int:
         return max(1, -(-size_bytes // self._page_size[tier]))
@@ -102,6 +104,7 @@ class Index:
     def prepare_store(
         self, plan_id: str, namespace: str, keys: Sequence[BlockKey], sizes: Sequence[int],
         parents: Sequence[BlockKey | None], tier: Tier, deadline: float, evict: bool = True,
+        client: str = "",
     ) -> StorePlan | None:
         """Reserve pages for the keys not yet stored; None when they cannot fit even after
         evicting every evictable entry of the tier (then nothing is reserved or evicted), or
@@ -141,8 +144,9 @@ class Index:
             pages = allocator.alloc(self.pages_per_object(tier, block.size_bytes))
             assert pages is not None, "room was made for the whole plan"
             block.pages = pages
-        plan = StorePlan(plan_id, namespace, tier, blocks, existing, evicted, deadline)
+        plan = StorePlan(plan_id, namespace, tier, blocks, existing, evicted, deadline, client)
         self._plans[plan_id] = plan
+        self.holdings.change(client, reservations=1, reserved_bytes=plan.size_bytes)
         return plan
 
     def plan(self, plan_id: str) -> StorePlan | None:
@@ -156,6 +160,7 @@ class Index:
         plan = self._plans.pop(plan_id, None)
         if plan is None:
             raise KeyError(f"unknown or expired plan {plan_id!r}")
+        self.holdings.change(plan.client, reservations=-1, reserved_bytes=-plan.size_bytes)
         allocator = self._allocators[plan.tier]
         if not success:
             for block in plan.blocks:
@@ -191,7 +196,7 @@ class Index:
     # --- reads and leases ------------------------------------------------------------------
 
     def lease(self, lease_id: str, namespace: str, keys: Sequence[BlockKey],
-              deadline: float, need: Tier | None = None) -> list[Entry | None]:
+              deadline: float, need: Tier | None = None, client: str = "") -> list[Entry | None]:
         """touch() the entries of keys and hold them until release/expiry (no lease is
         recorded when nothing was found)."""
         if lease_id in self._leases:
@@ -201,7 +206,8 @@ class Index:
         for entry in held:
             entry.leases += 1
         if held:
-            self._leases[lease_id] = Lease(lease_id, held, deadline)
+            self._leases[lease_id] = Lease(lease_id, held, deadline, client)
+            self.holdings.change(client, leases=1)
         return found
 
     def touch(self, namespace: str, keys: Sequence[BlockKey],
@@ -226,6 +232,7 @@ class Index:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        self.holdings.change(lease.client, leases=-1)
         for entry in lease.entries:
             entry.leases -= 1
             self._order.push(entry)
@@ -233,19 +240,32 @@ class Index:
 
     # --- pins ------------------------------------------------------------------------------
 
-    def set_pinned(self, namespace: str, keys: Iterable[BlockKey], pinned: bool) -> tuple[int, int]:
-        """(changed, missing)."""
+    def set_pinned(self, namespace: str, keys: Iterable[BlockKey], pinned: bool,
+                   client: str = "", deadline: float = math.inf) -> tuple[int, int]:
+        """Pin (for client, until deadline) or unpin; (changed, missing). Pinning a pinned
+        key renews it, and charges it to this client."""
         changed = missing = 0
         for key in keys:
             entry = self.get(namespace, key)
             if entry is None:
                 missing += 1
-            elif entry.pinned != pinned:
+                continue
+            if pinned:
+                self.holdings.pin(namespace, key, client, entry.size_bytes, deadline)
+            else:
+                self.holdings.unpin(namespace, key)
+            if entry.pinned != pinned:
                 entry.pinned = pinned
-                self._num_pinned += 1 if pinned else -1
                 changed += 1
                 self._order.push(entry)
         return changed, missing
+
+    def expire_pins(self, now: float) -> list[tuple[str, BlockKey]]:
+        """Unpin the pins past their deadline; their (namespace, key)s."""
+        expired = self.holdings.expired_pins(now)
+        for namespace, key in expired:
+            self.set_pinned(namespace, [key], False)
+        return expired
 
     # --- eviction --------------------------------------------------------------------------
 
@@ -433,6 +453,8 @@ class Index:
         if not bucket:
             del self._entries[entry.namespace]
         self._num_entries -= 1
+        if entry.pinned:  # removed anyway (damaged bytes): its pin goes with it
+            self.holdings.unpin(entry.namespace, entry.key)
         for tier, pages in entry.copies.items():
             self._usage.count(entry, tier, -1)
             self._allocators[tier].free(pages)

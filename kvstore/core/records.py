@@ -86,6 +86,11 @@ class StorePlan:
     existing: list[int]  # request positions already stored (or repeated in the request)
     evicted: list[Entry]  # entries removed to make room; their pages may be reused
     deadline: float
+    client: str = ""  # who made it (kvstore.core.holdings)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(block.size_bytes for block in self.blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +105,7 @@ class Lease:
     lease_id: str
     entries: list[Entry]
     deadline: float
+    client: str = ""  # who holds it (kvstore.core.holdings)
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
+from urllib.parse import unquote
 
 import grpc
 
@@ -32,6 +33,16 @@ from kvstore.core.errors import ResourceExhausted
 from kvstore.daemon.config import ServerConfig
 
 T = TypeVar("T")
+
+
+def client_of(peer: str) -> str:
+    """The caller's identity for the per-client caps (kvstore.core.holdings): its peer host,
+    the port dropped, so all connections of one host count together ("ipv4:10.0.0.7",
+    "ipv6:[::1]"); any other kind of peer (a Unix socket) as gRPC gives it."""
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in address:
+        return f"{kind}:{unquote(address.rpartition(':')[0])}"  # gRPC escapes [ and ]
+    return peer
 
 
 def stream_cap(server: ServerConfig) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 from wsgiref.simple_server import WSGIServer
 
@@ -21,6 +21,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvstore.core.holdings import Holding
     from kvstore.daemon.store import Store
 
 logger = logging.getLogger(__name__)
@@ -177,12 +178,49 @@ class _CountCollector(Collector):
         yield family
 
 
+#: (metric name, help, attribute of kvstore.core.holdings.Holding)
+_CLIENT_GAUGES = (
+    ("kvstore_client_leases", "Read leases the client holds (cap: clients.max_leases).",
+     "leases"),
+    ("kvstore_client_reservations", "Reservations and Puts in flight of the client "
+     "(cap: clients.max_reservations).", "reservations"),
+    ("kvstore_client_reserved_bytes", "Their bytes (cap: clients.max_reserved_share of L2).",
+     "reserved_bytes"),
+    ("kvstore_client_pins", "Blocks the client pinned (each ends after clients.max_pin_s).",
+     "pins"),
+    ("kvstore_client_pinned_bytes", "Their bytes (cap: clients.max_pinned_share of L2).",
+     "pinned_bytes"),
+)
+
+
+class _HoldingsCollector(Collector):
+    """What each client holds, by client ("" = the daemon's own work), read on each scrape;
+    a client that holds nothing has no series."""
+
+    def __init__(self, holdings_fn: Callable[[], Mapping[str, Holding]]) -> None:
+        self._holdings_fn = holdings_fn
+
+    def describe(self) -> Iterator[Metric]:
+        for name, doc, _ in _CLIENT_GAUGES:
+            yield GaugeMetricFamily(name, doc, labels=["client"])
+
+    def collect(self) -> Iterator[Metric]:
+        held = self._holdings_fn()
+        for name, doc, attr in _CLIENT_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["client"])
+            for client, holding in held.items():
+                family.add_metric([client], float(getattr(holding, attr)))
+            yield family
+
+
 class Metrics:
     """The daemon's metrics registry and its optional HTTP exporter; with loads_coalesced_fn,
-    also the count of loads joined instead of started."""
+    also the count of loads joined instead of started, and with holdings_fn what each
+    client holds."""
 
     def __init__(self, stats_fn: Callable[[], Sequence[TierStatsLike]],
-                 loads_coalesced_fn: Callable[[], int] | None = None) -> None:
+                 loads_coalesced_fn: Callable[[], int] | None = None,
+                 holdings_fn: Callable[[], Mapping[str, Holding]] | None = None) -> None:
         self.registry = CollectorRegistry()
         self._rpc_latency = Histogram(
             "kvstore_rpc_latency_seconds",
@@ -212,6 +250,8 @@ class Metrics:
                 LOADS_COALESCED, "Loads of a block (L3 -> L2, L2 -> L1) that a reader joined "
                 "instead of starting another: concurrent readers share one read.",
                 loads_coalesced_fn))
+        if holdings_fn is not None:
+            self.registry.register(_HoldingsCollector(holdings_fn))
         self._lock = threading.Lock()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -261,5 +301,7 @@ class Metrics:
 
 
 def store_metrics(store: Store) -> Metrics:
-    """The metrics of a store: its tier stats and its coalesced loads, read on each scrape."""
-    return Metrics(lambda: store.stats().tiers, lambda: store.tiering.loads_coalesced)
+    """The metrics of a store: its tier stats, its coalesced loads and what each client
+    holds, read on each scrape."""
+    return Metrics(lambda: store.stats().tiers, lambda: store.tiering.loads_coalesced,
+                   store.holdings)

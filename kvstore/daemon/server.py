@@ -37,17 +37,18 @@ def _set_health(health_servicer: health.HealthServicer, status: int) -> None:
 
 def _sweep_forever(store: Store, interval_s: float, stop: threading.Event,
                    health_servicer: health.HealthServicer) -> None:
-    """Expire leases and reservations. If this ever fails the daemon says so through
+    """Expire leases, reservations and pins. If this ever fails the daemon says so through
     health (NOT_SERVING) and the log; it never dies silently."""
     while not stop.wait(interval_s):
         try:
-            leases, reservations = store.sweep()
+            leases, reservations, pins = store.sweep()
         except Exception:
             log.exception("lease sweeper failed; marking NOT_SERVING")
             _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
             return
-        if leases or reservations:
-            log.info("expired %d leases and %d reservations", leases, reservations)
+        if leases or reservations or pins:
+            log.info("expired %d leases, %d reservations and %d pins (clients.max_pin_s)",
+                     leases, reservations, pins)
 
 
 def serve(config: Config, stop: threading.Event) -> None:
@@ -78,7 +79,7 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
     ]
     pool = futures.ThreadPoolExecutor(config.server.workers, thread_name_prefix="rpc")
     server = grpc.server(pool, options=options)
-    servicer = KVStoreServicer(store, metrics)
+    servicer = KVStoreServicer(store, metrics, drain=stop.set)  # Drain: as SIGTERM
     server.add_generic_rpc_handlers((handlers(servicer),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

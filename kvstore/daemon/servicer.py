@@ -28,7 +28,7 @@ from kvstore.core.errors import (
     Unavailable,
 )
 from kvstore.core.records import ReadResult, StoreStats
-from kvstore.daemon.admission import Stream, StreamSlots
+from kvstore.daemon.admission import Stream, StreamSlots, client_of
 from kvstore.daemon.config import config_to_dict
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
@@ -116,8 +116,11 @@ MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages t
 
 
 class KVStoreServicer:
-    def __init__(self, store: Store, metrics: Metrics) -> None:
+    def __init__(self, store: Store, metrics: Metrics,
+                 drain: Callable[[], None] = lambda: None) -> None:
+        """drain() begins a graceful stop (the Drain verb), as SIGTERM does."""
         self.store = store
+        self._drain = drain
         self.metrics = metrics
         self.config = store.config
         self.host_id = host_id()
@@ -126,8 +129,9 @@ class KVStoreServicer:
 
     def _admit(self, request: Any, method: str) -> Any:
         """The request, parsed, if the daemon takes new calls of this method: while draining
-        only Release (readers must be able to let go) and Stats (operators watch) are."""
-        if self.draining.is_set() and method not in ("Release", "Stats"):
+        only Release (readers must be able to let go), Stats (operators watch) and Drain
+        are."""
+        if self.draining.is_set() and method not in ("Release", "Stats", "Drain"):
             raise Unavailable("the daemon is draining (it is stopping): retry on another "
                               "replica or after its restart")
         return _parsed(request)
@@ -170,8 +174,8 @@ class KVStoreServicer:
                 result = self.store.commit_reservation(first.namespace, first.reservation_id)
             else:
                 session = self.store.begin_put(
-                    first.namespace, first.keys, first.sizes, first.parent_key, first.independent
-                )
+                    first.namespace, first.keys, first.sizes, first.parent_key,
+                    first.independent, client_of(context.peer()))
                 if first.data:
                     self.store.write(session, memoryview(first.data))
                 for msg in map(_parsed, messages):
@@ -218,7 +222,8 @@ class KVStoreServicer:
                     f"lease_timeout_ms {request.lease_timeout_ms} exceeds {MAX_LEASE_S * 1000}"
                 )
             leased = not (shared and request.no_lease)  # inline reads lease while streaming
-            result = self.store.read(request.namespace, request.keys, timeout_s, leased)
+            result = self.store.read(request.namespace, request.keys, timeout_s, leased,
+                                     client_of(context.peer()))
             self._bound_response(result, shared)
         except Exception as exc:
             slot.close()
@@ -358,7 +363,8 @@ class KVStoreServicer:
                     f"timeout_ms {request.timeout_ms} exceeds {MAX_LEASE_S * 1000}"
                 )
             r = self.store.reserve(request.namespace, request.keys, request.sizes,
-                                   request.parent_key, request.independent, timeout_s)
+                                   request.parent_key, request.independent, timeout_s,
+                                   client_of(context.peer()))
             return pb.ReserveResponse(
                 reservation_id=r.reservation_id, exists=r.exists,
                 locations=_locations(r.extents),
@@ -385,7 +391,8 @@ class KVStoreServicer:
     def Pin(self, request: pb.PinRequest,
             context: grpc.ServicerContext) -> pb.PinResponse:
         def run() -> pb.PinResponse:
-            changed, missing = self.store.set_pinned(request.namespace, request.keys, True)
+            changed, missing = self.store.set_pinned(request.namespace, request.keys, True,
+                                                     client_of(context.peer()))
             return pb.PinResponse(changed=changed, missing=missing)
         return self._unary("Pin", context, run, request)
 
@@ -403,6 +410,19 @@ class KVStoreServicer:
                                         request.include_config)
         return self._unary("Stats", context, run, request)
 
+    def Drain(self, request: pb.DrainRequest,
+              context: grpc.ServicerContext) -> pb.DrainResponse:
+        def run() -> pb.DrainResponse:
+            already = self.draining.is_set()
+            log.info("Drain asked by %s%s", context.peer(), " (already draining)" if already
+                     else "")
+            response = pb.DrainResponse(already_draining=already,
+                                        streams_in_flight=self.slots.in_flight,
+                                        grace_s=self.config.server.grace_s)
+            self._drain()
+            return response
+        return self._unary("Drain", context, run, request)
+
     def _stats_response(self, s: StoreStats, include_config: bool) -> pb.StatsResponse:
         tiers = [
             pb.TierStats(**{**dataclasses.asdict(t), "tier": Tier[t.tier.upper()].value})
@@ -415,6 +435,9 @@ class KVStoreServicer:
             hits=s.hits, misses=s.misses,
             config_json=json.dumps(config_to_dict(self.config)) if include_config else "",
             prewarm=pb.PrewarmProgress(**dataclasses.asdict(s.prewarm)) if s.prewarm else None,
+            clients=[pb.ClientHoldings(client=client, **dataclasses.asdict(held))
+                     for client, held in self.store.holdings().items()],
+            draining=self.draining.is_set(),
         )
 
 
@@ -457,6 +480,7 @@ def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
         "Prewarm": grpc.unary_stream_rpc_method_handler(
             s.Prewarm, request_deserializer=_decoder(pb.PrewarmRequest),
             response_serializer=pb.PrewarmProgress.SerializeToString),
+        "Drain": unary(s.Drain, pb.DrainRequest, pb.DrainResponse),
     }
     declared = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
     if set(table) != declared:  # the .proto grew a method this table does not serve

@@ -10,6 +10,7 @@ bytes are copied out, so the pages under a reader are never reused.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -18,6 +19,7 @@ from dataclasses import replace
 
 from kvstore.core import checks
 from kvstore.core.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.core.holdings import Caps, Holding
 from kvstore.core.index import Index
 from kvstore.core.pages import PageAllocator
 from kvstore.core.records import (
@@ -44,6 +46,16 @@ from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS
 from kvstore.units import format_size
 
 log = logging.getLogger(__name__)
+
+
+def client_caps(config: Config) -> Caps:
+    """The clients section as caps: shares of L2 in bytes, a share of 1 meaning no cap."""
+    c, l2 = config.clients, config.dram.capacity_bytes if config.dram.enabled else 0
+
+    def share(value: float) -> float:
+        return math.inf if value >= 1 or not l2 else value * l2
+    return Caps(c.max_leases, c.max_reservations, share(c.max_reserved_share),
+                share(c.max_pinned_share))
 
 
 class Store:
@@ -73,8 +85,9 @@ class Store:
                                  self.dram, self._stats[Tier.REMOTE])
             self._stats[Tier.REMOTE].enabled = True
             self._stats[Tier.REMOTE].backend = self._opened.remote.backend
+        self.caps = client_caps(config)
         self._writer = Writer(config, self.index, self._lock, self.tiering, self._stats,
-                              self._slot_tier, lambda: self.remote, clock)
+                              self._slot_tier, lambda: self.remote, clock, self.caps)
         try:
             self.adopted = self.tiering.adopt()
         except BaseException:
@@ -118,9 +131,10 @@ class Store:
     # --- puts (kvstore.daemon.writer) ------------------------------------------------------
 
     def begin_put(self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
-                  parent: bytes = b"", independent: bool = False) -> PutSession:
+                  parent: bytes = b"", independent: bool = False,
+                  client: str = "") -> PutSession:
         """Plan an inline put; feed its bytes with write(), then commit() or abort()."""
-        return self._writer.begin_put(namespace, keys, sizes, parent, independent)
+        return self._writer.begin_put(namespace, keys, sizes, parent, independent, client)
 
     def write(self, session: PutSession, data: memoryview) -> None:
         """Append a chunk of the concatenated payloads."""
@@ -140,9 +154,10 @@ class Store:
 
     def reserve(self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
                 parent: bytes = b"", independent: bool = False,
-                timeout_s: float | None = None) -> Reservation:
+                timeout_s: float | None = None, client: str = "") -> Reservation:
         """Pages for the client to write itself; commit_reservation() makes them entries."""
-        return self._writer.reserve(namespace, keys, sizes, parent, independent, timeout_s)
+        return self._writer.reserve(namespace, keys, sizes, parent, independent, timeout_s,
+                                    client)
 
     def commit_reservation(self, namespace: str, reservation_id: str) -> CommitResult:
         return self._writer.commit_reservation(namespace, reservation_id)
@@ -150,7 +165,8 @@ class Store:
     # --- reads -----------------------------------------------------------------------------
 
     def read(
-        self, namespace: str, keys: Sequence[bytes], lease_timeout_s: float, leased: bool = True
+        self, namespace: str, keys: Sequence[bytes], lease_timeout_s: float, leased: bool = True,
+        client: str = "",
     ) -> ReadResult:
         """Lease the found entries (the caller copies their bytes, then release()s), or with
         leased=False only touch them (for readers that verify checksums). Blocks only in L3
@@ -160,20 +176,24 @@ class Store:
         lease_id = secrets.token_hex(12)
         self._fetch_remote(namespace, checked)
         with self._lock:
+            if leased:
+                self.index.holdings.check(client, self.caps, leases=1)
             loads = self._start_loads(namespace, checked, Tier.DRAM)
             if not loads:  # the usual case, every hit in L2: lease in the same critical section
-                return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads)
+                return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads,
+                                   client)
         for load in loads.values():
             load.wait()
-        return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads)
+        return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads, client)
 
     def _lease(self, namespace: str, checked: list[BlockKey], lease_id: str, leased: bool,
-               lease_timeout_s: float, loads: dict[BlockKey, Load]) -> ReadResult:
+               lease_timeout_s: float, loads: dict[BlockKey, Load], client: str) -> ReadResult:
         tier = self.dram
         with self._lock:
             if leased:
                 deadline = self._clock() + lease_timeout_s
-                entries = self.index.lease(lease_id, namespace, checked, deadline, need=Tier.DRAM)
+                entries = self.index.lease(lease_id, namespace, checked, deadline,
+                                           need=Tier.DRAM, client=client)
             else:
                 entries = self.index.touch(namespace, checked, need=Tier.DRAM)
             result = ReadResult(lease_id, entries)
@@ -389,17 +409,34 @@ class Store:
             self.tiering.room.notify_all()
             return EvictResult(len(gone), sum(e.size_bytes for e in gone.values()), skipped)
 
-    def set_pinned(self, namespace: str, keys: Sequence[bytes], pinned: bool) -> tuple[int, int]:
+    def set_pinned(self, namespace: str, keys: Sequence[bytes], pinned: bool,
+                   client: str = "") -> tuple[int, int]:
+        """Pin (for clients.max_pin_s, renewed by pinning again) or unpin; (changed,
+        missing). Pins count against the client's clients.max_pinned_share."""
         checked = self._check_keys(namespace, keys)
         checks.distinct(checked, "Pin" if pinned else "Unpin")
         with self._lock:
-            return self.index.set_pinned(namespace, checked, pinned)
+            if not pinned:
+                return self.index.set_pinned(namespace, checked, False)
+            found = [e for e in (self.index.get(namespace, k) for k in checked) if e is not None]
+            more = sum(e.size_bytes for e in found
+                       if self.index.holdings.pinned_by(namespace, e.key) != client)
+            self.index.holdings.check(client, self.caps, pinned_bytes=more)
+            deadline = self._clock() + self.config.clients.max_pin_s
+            return self.index.set_pinned(namespace, checked, True, client, deadline)
 
-    def sweep(self) -> tuple[int, int]:
-        """Expire leases and reservations past their deadline; (leases, reservations)."""
+    def sweep(self) -> tuple[int, int, int]:
+        """Expire leases, reservations and pins past their deadline; how many of each."""
         with self._lock:
-            leases, plans = self.index.expire(self._clock())
-        return len(leases), len(plans)
+            now = self._clock()
+            leases, plans = self.index.expire(now)
+            pins = self.index.expire_pins(now)
+        return len(leases), len(plans), len(pins)
+
+    def holdings(self) -> dict[str, Holding]:
+        """What each client holds now (leases, reservations, pins), by client."""
+        with self._lock:
+            return self.index.holdings.all()
 
     def stats(self, namespace: str = "") -> StoreStats:
         if namespace:

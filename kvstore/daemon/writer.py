@@ -20,6 +20,7 @@ import xxhash
 
 from kvstore.core import checks
 from kvstore.core.errors import Aborted, InvalidArgument, ResourceExhausted
+from kvstore.core.holdings import Caps
 from kvstore.core.index import Index
 from kvstore.core.placement import RoomStep
 from kvstore.core.records import CommitResult, PutSession, Reservation, StorePlan
@@ -39,7 +40,7 @@ class Writer:
     def __init__(
         self, config: Config, index: Index, lock: threading.RLock, tiering: Tiering,
         stats: dict[Tier, TierStats], slot_tier: Callable[[], DramTier],
-        remote: Callable[[], Remote | None], clock: Callable[[], float],
+        remote: Callable[[], Remote | None], clock: Callable[[], float], caps: Caps,
     ) -> None:
         """slot_tier() returns L2 or raises FailedPrecondition; remote() returns L4 or None.
         Both are asked at each call: the store drops them when it closes."""
@@ -51,12 +52,13 @@ class Writer:
         self._slot_tier = slot_tier
         self._remote = remote
         self._clock = clock
+        self._caps = caps
 
     # --- planning --------------------------------------------------------------------------
 
     def _plan(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes,
-        independent: bool, timeout_s: float,
+        independent: bool, timeout_s: float, client: str,
     ) -> tuple[str, list[BlockKey], list[int], list[list[Extent] | None]]:
         server = self._config.server
         checked = checks.keys(namespace, keys, server.max_batch_keys)
@@ -65,7 +67,9 @@ class Writer:
         tier = self._slot_tier()
         plan_id = secrets.token_hex(12)
         with self._lock:
-            plan = self._prepare(plan_id, namespace, checked, sizes, parents, timeout_s)
+            self._index.holdings.check(client, self._caps, reservations=1,
+                                       reserved_bytes=sum(sizes))
+            plan = self._prepare(plan_id, namespace, checked, sizes, parents, timeout_s, client)
             if plan is None:
                 need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
                 raise ResourceExhausted(
@@ -80,7 +84,7 @@ class Writer:
 
     def _prepare(
         self, plan_id: str, namespace: str, keys: list[BlockKey], sizes: list[int],
-        parents: list[BlockKey | None], timeout_s: float,
+        parents: list[BlockKey | None], timeout_s: float, client: str,
     ) -> StorePlan | None:
         """With the lock held: L2 pages for a put, where the placement planner says: free
         pages; else, when it says demote, the mover's (waited for at most movers.put_wait_s);
@@ -88,15 +92,15 @@ class Writer:
         movers = self._config.movers
         deadline = self._clock() + timeout_s
         args = (plan_id, namespace, keys, sizes, parents, Tier.DRAM, deadline)
-        plan = self._index.prepare_store(*args, evict=False)
+        plan = self._index.prepare_store(*args, evict=False, client=client)
         if plan is None:
             need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
             room = self._tiering.placement.room(Tier.DRAM, need)
             if room.step is RoomStep.DEMOTE and self._tiering.wait_for_room(
                     Tier.DRAM, need, movers.put_wait_s):
-                plan = self._index.prepare_store(*args, evict=False)
+                plan = self._index.prepare_store(*args, evict=False, client=client)
         if plan is None:
-            plan = self._index.prepare_store(*args, evict=True)
+            plan = self._index.prepare_store(*args, evict=True, client=client)
         if self._tiering.fullness(Tier.DRAM) >= movers.high_watermark:
             self._tiering.wake.set()
         return plan
@@ -105,12 +109,12 @@ class Writer:
 
     def begin_put(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
-        parent: bytes = b"", independent: bool = False,
+        parent: bytes = b"", independent: bool = False, client: str = "",
     ) -> PutSession:
         """Plan an inline put; feed its bytes with write(), then commit() or abort()."""
         plan_id, _, sizes, targets = self._plan(
             namespace, keys, sizes, parent, independent,
-            self._config.leases.reservation_timeout_s,
+            self._config.leases.reservation_timeout_s, client,
         )
         hashers = [xxhash.xxh3_64() if t is not None else None for t in targets]
         return PutSession(plan_id, namespace, sizes, targets, hashers, sum(sizes))
@@ -196,11 +200,12 @@ class Writer:
 
     def reserve(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes = b"",
-        independent: bool = False, timeout_s: float | None = None,
+        independent: bool = False, timeout_s: float | None = None, client: str = "",
     ) -> Reservation:
         """Pages for the client to write itself; commit_reservation() makes them entries."""
         timeout_s = timeout_s or self._config.leases.reservation_timeout_s
-        plan_id, _, _, targets = self._plan(namespace, keys, sizes, parent, independent, timeout_s)
+        plan_id, _, _, targets = self._plan(namespace, keys, sizes, parent, independent,
+                                            timeout_s, client)
         return Reservation(
             plan_id, [t is None for t in targets], [t or [] for t in targets], timeout_s
         )

@@ -10,6 +10,8 @@
       prewarm [--bytes SIZE] [--namespace NS ...] [--max-time SECONDS] [--json]
                                            pull the hottest L4 blocks local, with progress
       health                               prints SERVING etc.; exit 0 only when SERVING
+      drain [--wait] [--json]              stop the daemon gracefully, as SIGTERM does; --wait
+                                           until it has exited
       config [--json]                      the daemon's effective config
 
 Exit codes: 0 success, 1 a request failed (`error: <message>` on stderr, or health not
@@ -170,6 +172,10 @@ def _add_daemon_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     health = sub.add_parser("health", help="grpc.health.v1 status; exit 0 only when SERVING")
     health.add_argument("--service", default="", help='health service name (default "")')
 
+    drain = sub.add_parser("drain", help="stop the daemon gracefully (NOT_SERVING, then exit)")
+    drain.add_argument("--wait", action="store_true", help="until the daemon has exited")
+    drain.add_argument("--json", action="store_true")
+
     config = sub.add_parser("config", help="the daemon's effective configuration")
     config.add_argument("--json", action="store_true", help="raw JSON")
 
@@ -292,6 +298,33 @@ def cmd_health(client: KVStoreClient, args: argparse.Namespace, console: Console
     return EXIT_OK if status == "SERVING" else EXIT_FAILED
 
 
+def cmd_drain(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    result = client.drain()
+    stopped = _wait_stopped(client, result.grace_s + 5) if args.wait else None
+    if args.json:
+        _print_json({**asdict(result), **({"stopped": stopped} if args.wait else {})})
+    else:
+        state = "was already draining" if result.already_draining else "is draining"
+        print(f"the daemon at {client.target} {state}: health NOT_SERVING, new data calls "
+              f"refused, {result.streams_in_flight} streams in flight finishing; it exits "
+              f"within {result.grace_s:g} s")
+        if stopped is not None:
+            print("it has stopped" if stopped else "error: it is still running", flush=True)
+    return EXIT_FAILED if stopped is False else EXIT_OK
+
+
+def _wait_stopped(client: KVStoreClient, timeout_s: float) -> bool:
+    """Whether the daemon stops answering (it exited) within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            client.health()
+        except KVStoreError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def cmd_config(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
     stats = client.stats(include_config=True)
     if not stats.config_json:
@@ -314,6 +347,7 @@ COMMANDS: dict[str, Command] = {
     "hot": cmd_hot,
     "prewarm": cmd_prewarm,
     "health": cmd_health,
+    "drain": cmd_drain,
     "config": cmd_config,
 }
 _NEEDS_NAMESPACE = frozenset({"lookup", "pin", "unpin", "hot"})

@@ -1,6 +1,7 @@
 """The tables and views `kvstore-admin` prints, built from the client's results; no I/O.
 
-    stats_view     per-tier table, movement/health table and summary (also the demos' view)
+    stats_view     per-tier table, movement/health table, what each client holds, and the
+                   summary (also the demos' view)
     lookup_table   one row per key: its tier, or a miss
     hot_table      the hottest L4 blocks and their scores
 
@@ -106,9 +107,24 @@ def stats_view(stats: Stats, target: str) -> Group:
     if (p := stats.prewarm) is not None:
         rows.append(("pre-warm", f"{p.blocks:,} blocks, {format_size(p.bytes)} of "
                      f"{format_size(p.target_bytes)}" + ("" if p.done else " (running)")))
+    if stats.draining:
+        rows.insert(0, ("state", "[red]draining[/] (stopping: new data calls are refused)"))
     for name, value in rows:
         summary.add_row(name, value)
-    return Group(_tier_table(stats, target), _movement_table(stats), summary)
+    parts = [_tier_table(stats, target), _movement_table(stats)]
+    if stats.clients:
+        parts.append(_clients_table(stats))
+    return Group(*parts, summary)
+
+
+def _clients_table(stats: Stats) -> Table:
+    """One row per client holding something: its leases, reservations and pins."""
+    table = Table("client", "leases", "reservations", "reserved", "pins", "pinned",
+                  title="held by clients (caps: the clients.* settings)", title_justify="left")
+    for c in stats.clients:
+        table.add_row(c.client or "(daemon)", f"{c.leases:,}", f"{c.reservations:,}",
+                      format_size(c.reserved_bytes), f"{c.pins:,}", format_size(c.pinned_bytes))
+    return table
 
 
 def lookup_table(keys: Sequence[BlockKey], tiers: Sequence[str | None]) -> Table:

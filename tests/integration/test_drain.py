@@ -1,10 +1,16 @@
 """Graceful drain on SIGTERM, against a real daemon: for server.drain_notice_s the daemon still
 answers, with health NOT_SERVING, new data calls UNAVAILABLE (naming the drain) and Release
 and Stats still served; a Get streaming when the signal came finishes bit-exact; then the
-daemon exits 0 within server.grace_s."""
+daemon exits 0 within server.grace_s. `kvstore-admin drain` (the Drain verb) does the same
+without a signal, and says so in Stats."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -52,3 +58,35 @@ def test_sigterm_drains_visibly_then_exits_zero(daemon_factory: Callable[..., Da
     assert d.proc.wait(timeout=10) == 0, d.log()
     assert time.monotonic() - signalled < 6 + 1, "exited within server.grace_s"
     assert "Traceback" not in d.log(), d.log()
+
+
+def test_admin_drain_stops_the_daemon_like_sigterm(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory("server.drain_notice_s=1.5", "server.grace_s=5", "nvme.enabled=false",
+                       "dram.capacity_bytes=8MiB")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    out: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def drain() -> None:
+        out["drain"] = subprocess.run(
+            [sys.executable, "-m", "kvstore.tools.admin", "--target", d.target, "drain",
+             "--wait", "--json"], capture_output=True, text=True, timeout=30, env=env)
+
+    asked = time.monotonic()
+    waiter = threading.Thread(target=drain)
+    waiter.start()
+    with KVStoreClient(d.target, NS) as kv:
+        deadline = time.monotonic() + 5
+        while not kv.stats().draining:  # Stats is served while draining, and says so
+            assert time.monotonic() < deadline, "Drain never began"
+            time.sleep(0.05)
+        assert kv.health() == "NOT_SERVING"
+        again = kv.drain()  # a second Drain changes nothing
+        assert again.already_draining and again.grace_s == 5
+    waiter.join(timeout=30)
+    done = out["drain"]
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    reply = json.loads(done.stdout)
+    assert reply["already_draining"] is False and reply["stopped"] is True
+    assert d.proc.wait(timeout=10) == 0, d.log()
+    assert time.monotonic() - asked < 5 + 3, "exited within server.grace_s"
+    assert "Drain asked by" in d.log()

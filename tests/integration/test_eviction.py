@@ -21,8 +21,10 @@ NUM_PAGES = 16
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    # clients.max_pinned_share=1: the one client here pins the whole tier on purpose
     d = start_daemon(tmp_path_factory.mktemp("eviction"), "nvme.enabled=false",
-                     "dram.capacity_bytes=1MiB", "dram.page_size_bytes=64KiB")
+                     "dram.capacity_bytes=1MiB", "dram.page_size_bytes=64KiB",
+                     "clients.max_pinned_share=1")
     yield d
     assert d.stop() == 0, d.log()
 

@@ -35,6 +35,7 @@ def problems(cfg: Config) -> list[Problem]:
     _nvme(cfg, out)
     _movers(cfg, out)
     _remote(cfg, out)
+    _clients(cfg, out)
     return list(out)
 
 
@@ -140,3 +141,15 @@ def _remote(cfg: Config, out: _Problems) -> None:
         out.need(math.isfinite(value) and value > 0, f"remote.{name}", "must be > 0")
     out.need(math.isfinite(r.ttl_s) and r.ttl_s >= 0, "remote.ttl_s",
              "must be >= 0 (0 = no TTL)")
+
+
+def _clients(cfg: Config, out: _Problems) -> None:
+    c = cfg.clients
+    for name in ("max_leases", "max_reservations"):
+        out.need(getattr(c, name) >= 1, f"clients.{name}", "must be >= 1; use e.g. 256")
+    for name in ("max_reserved_share", "max_pinned_share"):
+        value = getattr(c, name)
+        out.need(0 < value <= 1, f"clients.{name}",
+                 "must be in (0, 1] (a share of dram.capacity_bytes; 1 = no cap); use e.g. 0.5")
+    out.need(math.isfinite(c.max_pin_s) and c.max_pin_s > 0, "clients.max_pin_s",
+             "must be > 0; use e.g. 3600")

@@ -139,6 +139,23 @@ class LeaseConfig:
 
 
 @dataclass(frozen=True)
+class ClientConfig:
+    """What one client may hold at once (section `clients`); past a cap, RESOURCE_EXHAUSTED
+    naming it. A client is a caller's peer host (all processes of one host together)."""
+
+    max_leases: int = 1024  #: Live read leases (shared-memory Gets not yet Released).
+    #: Live reservations and inline Puts in flight.
+    max_reservations: int = 256
+    #: Their bytes together, as a share of dram.capacity_bytes (1 = no cap); a client
+    #: holding none may always make one, however large.
+    max_reserved_share: float = 0.5
+    #: Bytes of pinned blocks, as a share of dram.capacity_bytes (1 = no cap).
+    max_pinned_share: float = 0.5
+    #: A pin ends after this long unless the block is pinned again (which renews it).
+    max_pin_s: float = 3600.0
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     """The Prometheus HTTP exporter (section `metrics`)."""
 
@@ -158,6 +175,7 @@ class Config:
     movers: MoverConfig = field(default_factory=MoverConfig)  #: Demotion between tiers.
     remote: RemoteConfig = field(default_factory=RemoteConfig)  #: L4 Redis pool.
     leases: LeaseConfig = field(default_factory=LeaseConfig)  #: Read leases and reservations.
+    clients: ClientConfig = field(default_factory=ClientConfig)  #: What one client may hold.
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  #: Prometheus exporter.
     log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR.
 
@@ -170,6 +188,7 @@ SECTIONS: dict[str, type[Any]] = {
     "movers": MoverConfig,
     "remote": RemoteConfig,
     "leases": LeaseConfig,
+    "clients": ClientConfig,
     "metrics": MetricsConfig,
 }
 

@@ -288,7 +288,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., free_pages: _Optional[int] = ..., largest_free_run_pages: _Optional[int] = ..., backend: _Optional[str] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., io_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., read_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "shm_name", "shm_size_bytes", "host_id", "leases", "reservations", "pinned", "version", "config_json", "hits", "misses", "prewarm")
+    __slots__ = ("tiers", "shm_name", "shm_size_bytes", "host_id", "leases", "reservations", "pinned", "version", "config_json", "hits", "misses", "prewarm", "clients", "draining")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,8 @@ class StatsResponse(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     PREWARM_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     shm_name: str
     shm_size_bytes: int
@@ -313,7 +315,39 @@ class StatsResponse(_message.Message):
     hits: int
     misses: int
     prewarm: PrewarmProgress
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., pinned: _Optional[int] = ..., version: _Optional[str] = ..., config_json: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., prewarm: _Optional[_Union[PrewarmProgress, _Mapping]] = ...) -> None: ...
+    clients: _containers.RepeatedCompositeFieldContainer[ClientHoldings]
+    draining: bool
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., pinned: _Optional[int] = ..., version: _Optional[str] = ..., config_json: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., prewarm: _Optional[_Union[PrewarmProgress, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientHoldings, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class ClientHoldings(_message.Message):
+    __slots__ = ("client", "leases", "reservations", "reserved_bytes", "pins", "pinned_bytes")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    leases: int
+    reservations: int
+    reserved_bytes: int
+    pins: int
+    pinned_bytes: int
+    def __init__(self, client: _Optional[str] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., pins: _Optional[int] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("already_draining", "streams_in_flight", "grace_s")
+    ALREADY_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    already_draining: bool
+    streams_in_flight: int
+    grace_s: float
+    def __init__(self, already_draining: _Optional[bool] = ..., streams_in_flight: _Optional[int] = ..., grace_s: _Optional[float] = ...) -> None: ...
 
 class HotRequest(_message.Message):
     __slots__ = ("namespace", "limit")

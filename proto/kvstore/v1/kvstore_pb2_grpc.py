@@ -94,6 +94,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PrewarmRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PrewarmProgress.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvstore.v1.KVStore/Drain',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -194,6 +199,16 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop the daemon gracefully, as SIGTERM does: health turns NOT_SERVING at once and new
+        data calls get UNAVAILABLE for server.drain_notice_s, calls in flight finish, the L4
+        queue and the L3 manifest are flushed, and the daemon exits 0 within server.grace_s.
+        Answered before the drain begins; asking again while draining changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -256,6 +271,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Prewarm,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PrewarmRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PrewarmProgress.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DrainRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -582,6 +602,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Prewarm',
             kvstore_dot_v1_dot_kvstore__pb2.PrewarmRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.PrewarmProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Drain',
+            kvstore_dot_v1_dot_kvstore__pb2.DrainRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
