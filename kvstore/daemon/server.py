@@ -55,14 +55,19 @@ def serve(config: Config, stop: threading.Event) -> None:
     """Run the daemon until stop is set. Whatever startup made is undone if it fails."""
     store = Store(config)
     metrics = store_metrics(store)
+    drain_began: list[float] = []  # set by _serve once the drain begins
     try:
-        _serve(config, store, metrics, stop)
+        _serve(config, store, metrics, stop, drain_began)
     finally:
         metrics.stop()
-        store.close()
+        # The L4 write-through queue gets what is left of server.grace_s (5 s at startup).
+        left_s = config.server.grace_s - (time.monotonic() - drain_began[0]) if drain_began \
+            else 5.0
+        store.close(l4_flush_s=max(0.5, left_s))
 
 
-def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event) -> None:
+def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event,
+           drain_began: list[float]) -> None:
     metrics_port = 0
     if config.metrics.enabled:
         try:
@@ -120,6 +125,7 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
         stop.wait()
     finally:
         stop.set()
+        drain_began.append(time.monotonic())
         _drain(config, servicer, health_servicer)
         server.stop(config.server.grace_s - config.server.drain_notice_s).wait()
         reaper_stop.set()

@@ -108,9 +108,11 @@ class Store:
         if self.remote is not None:
             self.remote.start(on_failure)
 
-    def close(self) -> None:
+    def close(self, l4_flush_s: float = 5.0) -> None:
+        """Stop the workers and close the tiers; blocks queued for L4 get up to l4_flush_s
+        to reach Redis first, and the L3 manifest is closed consistent."""
         if self.remote is not None:
-            self.remote.close()
+            self.remote.close(l4_flush_s)
             self.remote = None
         if self._mover is not None:
             self._mover.stop()

@@ -183,6 +183,7 @@ app.kubernetes.io/part-of: kvstore
 {{- $server := dict "host" "0.0.0.0" "port" (int $v.server.grpcPort) "workers" (int $v.server.workers)
       "max_streams" (int $v.server.maxStreams)
       "max_streams_per_connection" (int $v.server.maxStreamsPerConnection)
+      "stream_idle_s" $v.server.streamIdleSeconds
       "max_message_bytes" (include "kvstore.daemonSize" $v.server.maxMessageSize)
       "chunk_bytes" (include "kvstore.daemonSize" $v.server.chunkSize)
       "max_object_bytes" (include "kvstore.daemonSize" $v.server.maxObjectSize)
@@ -211,8 +212,12 @@ app.kubernetes.io/part-of: kvstore
       "ttl_s" $v.remote.ttlSeconds "compress" $v.remote.compress
       "queue_bytes" (include "kvstore.daemonSize" $v.remote.queueSize)
       "prewarm_bytes" (include "kvstore.daemonSize" $v.remote.prewarmSize) -}}
+{{- $clients := dict "max_leases" (int $v.clients.maxLeases)
+      "max_reservations" (int $v.clients.maxReservations)
+      "max_reserved_share" $v.clients.maxReservedShare "max_pinned_share" $v.clients.maxPinnedShare
+      "max_pin_s" $v.clients.maxPinSeconds -}}
 {{- $managed := dict "server" $server "metrics" $metrics "hbm" $hbm "dram" $dram "nvme" $nvme
-      "remote" $remote "log_level" $v.server.logLevel -}}
+      "remote" $remote "clients" $clients "log_level" $v.server.logLevel -}}
 {{- mergeOverwrite (deepCopy $v.extraConfig) $managed | toYaml -}}
 {{- end -}}
 

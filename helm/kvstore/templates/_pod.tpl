@@ -80,6 +80,11 @@ spec:
       image: {{ include "kvstore.image" . }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
       args: ["--config", "/etc/kvstore/kvstore.yaml"]
+      lifecycle:
+        preStop:  # drain visibly (health NOT_SERVING) before the kubelet's SIGTERM, and wait
+          exec:
+            command: ["kvstore-admin", "--target", "127.0.0.1:{{ .Values.server.grpcPort }}",
+                      "drain", "--wait"]
       env:
         - name: HOME
           value: /tmp
