@@ -3,8 +3,8 @@ server on the same servicer shape (a 1,024-key Lookup; a Get that streams 32 x 2
 4 MiB messages). Each server runs in its own process and the client alternates between them
 round by round, so the machine's drift hits both alike.
 
-Prints `bench server_model_<figure>: aio <x> vs threads <y> = <ratio>x`. The result that chose
-grpc.aio for kvstore/daemon/server.py is in docs/operations.md.
+Prints `bench server_model_<figure>: aio <x> vs threads <y> = <ratio>x`. The results that chose
+the thread pool for kvstore/daemon/server.py are in docs/operations.md.
 """
 
 from __future__ import annotations
