@@ -53,6 +53,31 @@ _STATUS = {
 MAX_MESSAGE_CHARS = 512  # of an error's text: it echoes client input, and goes in metadata
 
 
+class FaultLog:
+    """Client faults (bad input, caps reached) on one INFO line each, at most `per_s` lines
+    a second: a barrage of bad requests must not flood the log. Lines left out are counted
+    and reported with the next one written."""
+
+    def __init__(self, per_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval_s = 1.0 / per_s
+        self._clock = clock
+        self._next = 0.0
+        self._skipped = 0
+        self._lock = threading.Lock()
+
+    def fault(self, method: str, peer: str, code: grpc.StatusCode, message: str) -> None:
+        with self._lock:
+            now = self._clock()
+            if now < self._next:
+                self._skipped += 1
+                return
+            self._next = now + self._interval_s
+            skipped, self._skipped = self._skipped, 0
+        more = f" ({skipped} more client faults not logged)" if skipped else ""
+        log.info("client fault: %s from %s: %s %s%s", method, peer, code.name,
+                 message.replace("\n", " "), more)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place that maps an exception to a gRPC status (and a bounded message)."""
     for cls, code in _STATUS.items():
@@ -126,6 +151,7 @@ class KVStoreServicer:
         self.host_id = host_id()
         self.draining = threading.Event()  # set on SIGTERM: new data calls are refused
         self.slots = StreamSlots(self.config.server)  # streams in flight, capped
+        self.faults = FaultLog()
 
     def _admit(self, request: Any, method: str) -> Any:
         """The request, parsed, if the daemon takes new calls of this method: while draining
@@ -146,6 +172,8 @@ class KVStoreServicer:
             context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the call")
         code, message = status_for(exc)
         self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
+        if code is not grpc.StatusCode.INTERNAL:  # a bug is logged with its traceback instead
+            self.faults.fault(method, context.peer(), code, message)
         context.abort(code, message)
 
     def _ok(self, method: str, started: float) -> None:
