@@ -17,7 +17,7 @@ import time
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
@@ -28,6 +28,30 @@ from kvstore.daemon.servicer import SERVICE_NAME, KVStoreServicer, handlers
 from kvstore.daemon.store import Store
 
 log = logging.getLogger("kvstore.daemon.server")
+
+
+HEALTH_THREADS = 2  # Check runs on these, never behind the data calls on server.workers
+
+
+def health_handlers(health_servicer: health.HealthServicer,
+                    pool: futures.ThreadPoolExecutor) -> grpc.GenericRpcHandler:
+    """grpc.health.v1, with Check on its own threads (grpc's experimental_thread_pool hook
+    on a method): a probe is answered however many data calls hold or wait for the
+    server's workers. Watch is grpc-health's own, and holds no thread while it waits."""
+    def check(request: health_pb2.HealthCheckRequest,
+              context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
+        response: health_pb2.HealthCheckResponse = health_servicer.Check(request, context)
+        return response
+
+    check.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return grpc.method_handlers_generic_handler(health.SERVICE_NAME, {
+        "Check": grpc.unary_unary_rpc_method_handler(
+            check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            health_servicer.Watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
+    })
 
 
 def _set_health(health_servicer: health.HealthServicer, status: int) -> None:
@@ -87,7 +111,8 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
     servicer = KVStoreServicer(store, metrics, drain=stop.set)  # Drain: as SIGTERM
     server.add_generic_rpc_handlers((handlers(servicer),))
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="health")
+    server.add_generic_rpc_handlers((health_handlers(health_servicer, health_pool),))
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
@@ -132,6 +157,7 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
         sweeper.join()
         reaper.join()
         pool.shutdown()
+        health_pool.shutdown()
 
 
 def _drain(config: Config, servicer: KVStoreServicer,
