@@ -147,7 +147,11 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
           f"(metrics port {metrics_port or 'off'}, L2 shm {shm}, {store.describe_l3()})",
           flush=True)
     try:
-        stop.wait()
+        # Poll, not wait(): the kernel may hand SIGTERM to any thread, and CPython runs the
+        # handler only when the main thread runs bytecode again; a wait without a timeout
+        # would then never wake, and the daemon would ignore the signal.
+        while not stop.wait(0.1):
+            pass
     finally:
         stop.set()
         drain_began.append(time.monotonic())
