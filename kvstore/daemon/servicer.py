@@ -1,8 +1,9 @@
 """The KVStore servicer: decode each request, call the store, encode the reply.
 
 Thin on purpose: every error is mapped to a status code in one function,
-`status_for`, and Put and Get move their bulk bytes as raw frames (kvstore.proto.frames),
-registered through `handlers()` instead of the generated add_KVStoreServicer_to_server.
+`kvstore.daemon.faults.status_for`, and Put and Get move their bulk bytes as raw frames
+(kvstore.proto.frames), registered through `handlers()` instead of the generated
+add_KVStoreServicer_to_server.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvstore import __version__
 from kvstore.core.errors import (
-    Aborted,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -30,6 +29,7 @@ from kvstore.core.errors import (
 from kvstore.core.records import ReadResult, StoreStats
 from kvstore.daemon.admission import Stream, StreamSlots, client_of
 from kvstore.daemon.config import config_to_dict
+from kvstore.daemon.faults import FaultLog, Undecodable, decoder, parsed, status_for
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
 from kvstore.proto.frames import data_frame, data_of
@@ -41,84 +41,6 @@ from kvstore.units import format_size
 log = logging.getLogger("kvstore.daemon.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-_STATUS = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    Aborted: grpc.StatusCode.ABORTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-}
-
-
-MAX_MESSAGE_CHARS = 512  # of an error's text: it echoes client input, and goes in metadata
-
-
-class FaultLog:
-    """Client faults (bad input, caps reached) on one INFO line each, at most `per_s` lines
-    a second: a barrage of bad requests must not flood the log. Lines left out are counted
-    and reported with the next one written."""
-
-    def __init__(self, per_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._interval_s = 1.0 / per_s
-        self._clock = clock
-        self._next = 0.0
-        self._skipped = 0
-        self._lock = threading.Lock()
-
-    def fault(self, method: str, peer: str, code: grpc.StatusCode, message: str) -> None:
-        with self._lock:
-            now = self._clock()
-            if now < self._next:
-                self._skipped += 1
-                return
-            self._next = now + self._interval_s
-            skipped, self._skipped = self._skipped, 0
-        more = f" ({skipped} more client faults not logged)" if skipped else ""
-        log.info("client fault: %s from %s: %s %s%s", method, peer, code.name,
-                 message.replace("\n", " "), more)
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The one place that maps an exception to a gRPC status (and a bounded message)."""
-    for cls, code in _STATUS.items():
-        if isinstance(exc, cls):
-            return code, bounded(str(exc))
-    log.error("internal error", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(exc).__name__}: {exc}")
-
-
-def bounded(message: str) -> str:
-    """message, cut in the middle to about MAX_MESSAGE_CHARS: an echoed 100 kB id must not
-    make an error too large for the status metadata, and the head (the field) and the tail
-    (what to do) are what a reader needs."""
-    if len(message) <= MAX_MESSAGE_CHARS:
-        return message
-    half = MAX_MESSAGE_CHARS // 2
-    cut = len(message) - 2 * half
-    return f"{message[:half]} ...({cut} characters cut)... {message[-half:]}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Undecodable:
-    """A request whose bytes do not parse: its deserializer returns this instead of raising,
-    because gRPC answers a raising deserializer with INTERNAL and logs a traceback."""
-
-    message: str
-
-
-def _decoder(cls: Any) -> Callable[[bytes], Any]:
-    def decode(raw: bytes) -> Any:
-        try:
-            return cls.FromString(raw)
-        except DecodeError as exc:
-            return Undecodable(f"{cls.__name__}: the request does not parse ({exc})")
-    return decode
-
-
-def _parsed(request: Any) -> Any:
-    if isinstance(request, Undecodable):
-        raise InvalidArgument(request.message)
-    return request
 
 
 def _tier(value: int, field: str) -> Tier | None:
@@ -160,7 +82,7 @@ class KVStoreServicer:
         if self.draining.is_set() and method not in ("Release", "Stats", "Drain"):
             raise Unavailable("the daemon is draining (it is stopping): retry on another "
                               "replica or after its restart")
-        return _parsed(request)
+        return parsed(request)
 
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception,
               started: float, stream: Stream | None = None) -> None:
@@ -208,7 +130,7 @@ class KVStoreServicer:
                     first.independent, client_of(context.peer()))
                 if first.data:
                     self.store.write(session, memoryview(first.data))
-                for msg in map(_parsed, messages):
+                for msg in map(parsed, messages):
                     if isinstance(msg, memoryview):  # a data-only frame, not copied
                         self.store.write(session, msg)
                         continue
@@ -478,7 +400,7 @@ class KVStoreServicer:
 
 def _decode_put(raw: bytes) -> pb.PutRequest | memoryview | Undecodable:
     data = data_of(raw)
-    return _decoder(pb.PutRequest)(raw) if data is None else data
+    return decoder(pb.PutRequest)(raw) if data is None else data
 
 
 def _encode_get(message: pb.GetResponse | bytes) -> bytes:
@@ -493,16 +415,16 @@ def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
     bulk bytes as raw frames (kvstore.proto.frames)."""
     def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=_decoder(req), response_serializer=resp.SerializeToString
+            fn, request_deserializer=decoder(req), response_serializer=resp.SerializeToString
         )
     table = {
         "Put": grpc.stream_unary_rpc_method_handler(
             s.Put, request_deserializer=_decode_put,
             response_serializer=pb.PutResponse.SerializeToString),
         "Get": grpc.unary_stream_rpc_method_handler(
-            s.Get, request_deserializer=_decoder(pb.GetRequest), response_serializer=_encode_get),
+            s.Get, request_deserializer=decoder(pb.GetRequest), response_serializer=_encode_get),
         "Prefetch": grpc.unary_stream_rpc_method_handler(
-            s.Prefetch, request_deserializer=_decoder(pb.PrefetchRequest),
+            s.Prefetch, request_deserializer=decoder(pb.PrefetchRequest),
             response_serializer=pb.PrefetchProgress.SerializeToString),
         "Lookup": unary(s.Lookup, pb.LookupRequest, pb.LookupResponse),
         "Reserve": unary(s.Reserve, pb.ReserveRequest, pb.ReserveResponse),
@@ -513,7 +435,7 @@ def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
         "Stats": unary(s.Stats, pb.StatsRequest, pb.StatsResponse),
         "Hot": unary(s.Hot, pb.HotRequest, pb.HotResponse),
         "Prewarm": grpc.unary_stream_rpc_method_handler(
-            s.Prewarm, request_deserializer=_decoder(pb.PrewarmRequest),
+            s.Prewarm, request_deserializer=decoder(pb.PrewarmRequest),
             response_serializer=pb.PrewarmProgress.SerializeToString),
         "Drain": unary(s.Drain, pb.DrainRequest, pb.DrainResponse),
     }

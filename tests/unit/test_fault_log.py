@@ -1,5 +1,5 @@
 """Client faults are logged on one line each, at most a few a second, and the lines left out
-are counted in the next one (kvstore.daemon.servicer.FaultLog, with a hand-moved clock)."""
+are counted in the next one (kvstore.daemon.faults.FaultLog, with a hand-moved clock)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import grpc
 import pytest
 
-from kvstore.daemon.servicer import FaultLog
+from kvstore.daemon.faults import FaultLog
 
 
 def test_a_barrage_of_faults_logs_a_few_lines_and_counts_the_rest(
