@@ -227,3 +227,49 @@ def test_a_slow_client_that_keeps_sending_is_not_idle(idle_daemon: Daemon) -> No
     with KVStoreClient(idle_daemon.target, NS) as kv:
         assert kv.get([key]) == [b"s" * size]
     assert aborted_idle(idle_daemon, "Put") == 0
+
+
+def test_64_idle_puts_and_64_unread_gets_at_once(idle_daemon: Daemon) -> None:
+    """The issue's barrage: 64 header-only Put streams and 64 inline Gets nobody reads, from
+    eight connections. The daemon runs the first server.max_streams and refuses the rest at
+    once; the victim's Lookup and health answer within 2 s throughout; the reaper then ends
+    every stream it ran, and every page and lease comes back."""
+    hogs = [connection(idle_daemon.target) for _ in range(8)]
+    try:
+        puts = [IdlePut(rpc.KVStoreStub(hogs[i % 8]), 100 + i) for i in range(64)]
+        gets = []
+        for i in range(64):
+            stream = rpc.KVStoreStub(hogs[i % 8]).Get(pb.GetRequest(namespace=NS, keys=[KEY]),
+                                                      timeout=30)
+            gets.append(stream)
+        others_still_served(idle_daemon.target)
+        codes: dict[str, int] = {}
+        for put in puts:
+            try:
+                put.call.result(timeout=IDLE_S + 10)
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
+            codes[code] = codes.get(code, 0) + 1
+            put.release.set()
+        for stream in gets:
+            try:
+                for _ in stream:
+                    pass
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
+            codes[code] = codes.get(code, 0) + 1
+        assert set(codes) <= {"RESOURCE_EXHAUSTED", "ABORTED", "OK"}, codes
+        assert codes.get("RESOURCE_EXHAUSTED", 0) >= 64, codes  # most: 6 run at a time
+        assert codes.get("ABORTED", 0) >= 1, codes
+        others_still_served(idle_daemon.target)
+    finally:
+        for ch in hogs:
+            ch.close()
+    with KVStoreClient(idle_daemon.target, NS) as kv:
+        deadline = time.monotonic() + 10
+        while (s := kv.stats()).leases or s.reservations:
+            assert time.monotonic() < deadline, (s.leases, s.reservations)
+            time.sleep(0.05)
+        assert kv.get([KEY]) == [bytes(BLOCK)]
