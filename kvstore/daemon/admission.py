@@ -30,7 +30,7 @@ from urllib.parse import unquote
 import grpc
 
 from kvstore.core.errors import ResourceExhausted
-from kvstore.daemon.config import ServerConfig
+from kvstore.daemon.config import Config, ServerConfig
 
 T = TypeVar("T")
 
@@ -48,6 +48,13 @@ def client_of(peer: str) -> str:
 def stream_cap(server: ServerConfig) -> int:
     """server.max_streams, or when it is 0, every worker but two (at least one)."""
     return server.max_streams or max(1, server.workers - 2)
+
+
+def client_stream_cap(config: Config) -> int:
+    """clients.max_streams, or when it is 0, the stream cap less a quarter (at least one):
+    the slots one client cannot take stay for the others."""
+    cap = stream_cap(config.server)
+    return config.clients.max_streams or max(1, cap - max(1, cap // 4))
 
 
 class Stream:
@@ -105,15 +112,18 @@ class Stream:
 
 
 class StreamSlots:
-    """Counts the streams in flight, in all and per connection (gRPC's peer string), and
-    aborts those idle past server.stream_idle_s."""
+    """Counts the streams in flight, in all, per client (client_of) and per connection
+    (gRPC's peer string), and aborts those idle past server.stream_idle_s."""
 
-    def __init__(self, server: ServerConfig) -> None:
+    def __init__(self, config: Config) -> None:
+        server = config.server
         self.limit = stream_cap(server)
+        self.per_client = client_stream_cap(config)
         self.per_connection = server.max_streams_per_connection or self.limit
         self.idle_s = server.stream_idle_s
         self._lock = threading.Lock()
         self._by_peer: dict[str, int] = {}
+        self._by_client: dict[str, int] = {}
         self._streams: set[Stream] = set()
         self.aborted_idle = 0  # streams reaped since start
 
@@ -133,19 +143,22 @@ class StreamSlots:
                 raise ResourceExhausted(
                     f"this connection has {self.per_connection} streams in flight "
                     "(server.max_streams_per_connection): finish or cancel one first")
+            client = client_of(peer)
+            if self._by_client.get(client, 0) >= self.per_client:
+                raise ResourceExhausted(
+                    f"this client ({client}) has {self.per_client} streams in flight, the "
+                    "most one client may (clients.max_streams): finish or cancel one first")
             stream = Stream(peer, context)
             self._streams.add(stream)
-            self._by_peer[peer] = self._by_peer.get(peer, 0) + 1
+            _count(self._by_peer, peer, 1)
+            _count(self._by_client, client, 1)
         try:
             yield stream
         finally:
             with self._lock:
                 self._streams.discard(stream)
-                left = self._by_peer[peer] - 1
-                if left:
-                    self._by_peer[peer] = left
-                else:
-                    del self._by_peer[peer]
+                _count(self._by_peer, peer, -1)
+                _count(self._by_client, client, -1)
 
     def reap_idle(self, now: float | None = None) -> int:
         """Abort every stream that has waited on its client past idle_s; how many."""
@@ -163,3 +176,11 @@ class StreamSlots:
         """reap_idle() several times per idle_s until stop is set (the reaper thread)."""
         while not stop.wait(min(1.0, self.idle_s / 4)):
             self.reap_idle()
+
+
+def _count(counts: dict[str, int], name: str, delta: int) -> None:
+    left = counts.get(name, 0) + delta
+    if left:
+        counts[name] = left
+    else:
+        del counts[name]

@@ -72,7 +72,7 @@ class KVStoreServicer:
         self.config = store.config
         self.host_id = host_id()
         self.draining = threading.Event()  # set on SIGTERM: new data calls are refused
-        self.slots = StreamSlots(self.config.server)  # streams in flight, capped
+        self.slots = StreamSlots(self.config)  # streams in flight, capped
         self.faults = FaultLog()
 
     def _admit(self, request: Any, method: str) -> Any:

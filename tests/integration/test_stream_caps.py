@@ -1,14 +1,16 @@
 """Idle streams cannot freeze the daemon (a real daemon, raw gRPC): header-only Put streams
 and inline Gets nobody reads each hold an RPC thread, so at most server.max_streams run at
-once (all workers but two by default) and server.max_streams_per_connection on one
-connection. Past a cap a new stream is RESOURCE_EXHAUSTED at once, naming the setting, while
-another client's Lookup and the health check keep answering within 2 s; once the hog lets
-go, streams are served again. A stream that waits on its client longer than
-server.stream_idle_s is aborted (ABORTED, naming the setting) and what it held goes back,
-while a slow client that keeps sending is served."""
+once (all workers but two by default), clients.max_streams from one client (a quarter of
+them stay for the others) and server.max_streams_per_connection on one connection. Past a
+cap a new stream is RESOURCE_EXHAUSTED at once, naming the setting, while another client's
+Lookup and the health check keep answering within 2 s; once the hog lets go, streams are
+served again. A stream that waits on its client longer than server.stream_idle_s is aborted
+(ABORTED, naming the setting) and what it held goes back, while a slow client that keeps
+sending is served."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import urllib.request
@@ -36,9 +38,10 @@ def connection(target: str) -> grpc.Channel:
 
 @pytest.fixture
 def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    # Every hog here is one client (127.0.0.1), so its cap is lifted to the server's.
     d = daemon_factory("dram.capacity_bytes=128MiB", "server.workers=8",
                        "server.max_streams_per_connection=4", "server.chunk_bytes=256KiB",
-                       "nvme.enabled=false")
+                       "nvme.enabled=false", "clients.max_streams=6")
     with KVStoreClient(d.target, NS) as kv:
         kv.put([KEY], [bytes(BLOCK)])
     return d
@@ -273,3 +276,29 @@ def test_64_idle_puts_and_64_unread_gets_at_once(idle_daemon: Daemon) -> None:
             assert time.monotonic() < deadline, (s.leases, s.reservations)
             time.sleep(0.05)
         assert kv.get([KEY]) == [bytes(BLOCK)]
+
+
+def test_one_client_cannot_take_every_stream_slot(daemon_factory: Callable[..., Daemon]) -> None:
+    """A hog on 127.0.0.1 spread over six connections gets clients.max_streams (five of the
+    six slots) and then RESOURCE_EXHAUSTED naming it; a client on ::1 still gets a stream."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 loopback: the second client needs an address of its own")
+    d = daemon_factory("server.host=[::]", "dram.capacity_bytes=128MiB", "nvme.enabled=false",
+                       "server.workers=8")
+    with KVStoreClient(f"[::1]:{d.port}", NS) as kv:
+        kv.put([KEY], [b"k" * 1000])
+    hogs = [connection(f"127.0.0.1:{d.port}") for _ in range(6)]
+    try:
+        idle = [IdlePut(rpc.KVStoreStub(ch), 60 + i) for i, ch in enumerate(hogs[:5])]
+        wait_for_plans(f"[::1]:{d.port}", 5)
+        expect_exhausted("clients.max_streams", lambda: IdlePut(
+            rpc.KVStoreStub(hogs[5]), 70).call.result())
+        with connection(f"[::1]:{d.port}") as other:
+            got = list(rpc.KVStoreStub(other).Get(pb.GetRequest(namespace=NS, keys=[KEY]),
+                                                  timeout=2))
+        assert b"".join(m.data for m in got) == b"k" * 1000
+        for stream in idle:
+            stream.cancel()
+    finally:
+        for ch in hogs:
+            ch.close()

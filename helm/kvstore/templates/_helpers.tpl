@@ -212,7 +212,7 @@ app.kubernetes.io/part-of: kvstore
       "ttl_s" $v.remote.ttlSeconds "compress" $v.remote.compress
       "queue_bytes" (include "kvstore.daemonSize" $v.remote.queueSize)
       "prewarm_bytes" (include "kvstore.daemonSize" $v.remote.prewarmSize) -}}
-{{- $clients := dict "max_leases" (int $v.clients.maxLeases)
+{{- $clients := dict "max_leases" (int $v.clients.maxLeases) "max_streams" (int $v.clients.maxStreams)
       "max_reservations" (int $v.clients.maxReservations)
       "max_reserved_share" $v.clients.maxReservedShare "max_pinned_share" $v.clients.maxPinnedShare
       "max_pin_s" $v.clients.maxPinSeconds -}}

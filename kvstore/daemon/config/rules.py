@@ -147,6 +147,8 @@ def _clients(cfg: Config, out: _Problems) -> None:
     c = cfg.clients
     for name in ("max_leases", "max_reservations"):
         out.need(getattr(c, name) >= 1, f"clients.{name}", "must be >= 1; use e.g. 256")
+    out.need(c.max_streams >= 0, "clients.max_streams",
+             "must be >= 0 (0 = server.max_streams less a quarter); use e.g. 4")
     for name in ("max_reserved_share", "max_pinned_share"):
         value = getattr(c, name)
         out.need(0 < value <= 1, f"clients.{name}",

@@ -144,6 +144,9 @@ class ClientConfig:
     naming it. A client is a caller's peer host (all processes of one host together)."""
 
     max_leases: int = 1024  #: Live read leases (shared-memory Gets not yet Released).
+    #: Streaming calls in flight; 0 = server.max_streams less a quarter (at least one), so
+    #: one client never takes every stream slot from the others.
+    max_streams: int = 0
     #: Live reservations and inline Puts in flight.
     max_reservations: int = 256
     #: Their bytes together, as a share of dram.capacity_bytes (1 = no cap); a client
