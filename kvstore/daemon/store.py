@@ -178,7 +178,7 @@ class Store:
         lease_id = secrets.token_hex(12)
         self._fetch_remote(namespace, checked)
         with self._lock:
-            if leased:
+            if leased:  # no load started for a client at its cap (and checked again below)
                 self.index.holdings.check(client, self.caps, leases=1)
             loads = self._start_loads(namespace, checked, Tier.DRAM)
             if not loads:  # the usual case, every hit in L2: lease in the same critical section
@@ -193,6 +193,8 @@ class Store:
         tier = self.dram
         with self._lock:
             if leased:
+                if loads:  # other reads of this client may have leased while we waited
+                    self.index.holdings.check(client, self.caps, leases=1)
                 deadline = self._clock() + lease_timeout_s
                 entries = self.index.lease(lease_id, namespace, checked, deadline,
                                            need=Tier.DRAM, client=client)
