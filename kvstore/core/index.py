@@ -352,10 +352,11 @@ class Index:
         """Give back pages from alloc() that never became a copy (a failed move)."""
         self._allocators[tier].free(pages)
 
-    def pick(self, tier: Tier, max_bytes: int) -> list[Entry]:
+    def pick(self, tier: Tier, max_bytes: int, max_entries: int | None = None) -> list[Entry]:
         """Copies in tier to move elsewhere, leaf first in eviction order, about max_bytes of
-        them (parents follow their picked children); each is busy (stays put) until done()."""
-        picked = self._order.pick(tier, max_bytes)
+        them and at most max_entries (parents follow their picked children); each is busy
+        (stays put) until done()."""
+        picked = self._order.pick(tier, max_bytes, max_entries)
         for entry in picked:
             entry.busy += 1
         return picked

@@ -90,15 +90,16 @@ class EvictionOrder:
             # Not evictable now; push() queues it again when it becomes evictable.
         return None
 
-    def pick(self, tier: Tier, max_bytes: int) -> list[Entry]:
-        """Victims in tier, about max_bytes of them, in leaf-first eviction order, taken out of
-        the queue. A parent follows as soon as every child it has cached in tier (or above)
-        is taken, as if they had already moved, so a chain leaves a tier tail first."""
+    def pick(self, tier: Tier, max_bytes: int, max_entries: int | None = None) -> list[Entry]:
+        """Victims in tier, about max_bytes of them (and at most max_entries), in leaf-first
+        eviction order, taken out of the queue. A parent follows as soon as every child it
+        has cached in tier (or above) is taken, as if they had already moved, so a chain
+        leaves a tier tail first."""
         picked: list[Entry] = []
         under: dict[tuple[str, BlockKey], int] = {}  # picked children per parent
         follow: list[Entry] = []
         total = 0
-        while total < max_bytes:
+        while total < max_bytes and (max_entries is None or len(picked) < max_entries):
             entry = follow.pop() if follow else self.pop_victim(tier)
             if entry is None:
                 break

@@ -57,6 +57,19 @@ def test_pick_takes_the_leaf_then_its_parents_as_if_they_had_moved() -> None:
     assert names(index.evict_in_order(D, None)) == ["c", "b", "a", "x"]
 
 
+def test_pick_stops_at_max_entries_and_the_next_pick_goes_on_in_order() -> None:
+    index, clock = make_index(num_pages=8, tiers=(D, N))
+    put(index, "a", "b", "c")
+    clock.tick()
+    put(index, "x")
+    first = index.pick(D, 8 * 100, max_entries=2)
+    assert names(first) == ["c", "b"]  # a follows b, but the round is full
+    for e in first:
+        index.done(e)
+        index.drop_copy(e, D)  # as if demoted: b went, so a is a leaf now
+    assert names(index.pick(D, 8 * 100, max_entries=2)) == ["a", "x"]
+
+
 def test_pick_takes_a_parent_only_after_all_its_children_in_the_tier() -> None:
     index, clock = make_index(num_pages=8, tiers=(D, N))
     put(index, "r", "a")
