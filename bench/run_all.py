@@ -50,6 +50,7 @@ SUITE = (
     # args replace quick_args under --quick, so both name the mode.
     Script("trace_replay", ("live",), quick_args=("live", "--quick"), timeout_s=300),
     Script("index_scaling", timeout_s=180),
+    Script("soak", timeout_s=600),  # without --report: docs/RELIABILITY.md is left as it is
     Script("gpu_bench", quick_args=(), timeout_s=180, gpu=True),
     Script("kernel_bench", timeout_s=90, gpu=True),
 )

@@ -7,9 +7,10 @@ most `max_streams` streams run at once (by default all workers but two, which st
 unary calls such as Lookup and for the health check), and at most
 `max_streams_per_connection` on one client connection (by default as many: gRPC carries all
 the channels of a client process on one connection, so a tighter default would cap an
-engine's threads together). Past either cap a new stream is
-refused at once with RESOURCE_EXHAUSTED naming the setting, instead of queueing behind the
-others until every caller times out.
+engine's threads together), and at most `clients.max_streams` from one client (a peer
+host, `client_of`; by default a quarter of the slots always stay for other clients). Past
+any cap a new stream is refused at once with RESOURCE_EXHAUSTED naming the setting, instead
+of queueing behind the others until every caller times out.
 
 A stream that waits on its client (for the next Put message, or for the client to take the
 next Get chunk) longer than `server.stream_idle_s` is aborted by `reap_idle`: the client gets
