@@ -3,22 +3,22 @@
 Every public method checks its input first and raises a typed error naming the field
 (kvstore.core.errors), so a bad request never reaches the index or a tier and never damages
 stored data. Puts are two-phase (plan → write → commit, or abort) and belong to the store's
-Writer (kvstore.daemon.writer), to which the put verbs here delegate; reads hold a lease while
-bytes are copied out, so the pages under a reader are never reused.
+Writer (kvstore.daemon.writer); reads hold a lease while bytes are copied out, so the pages
+under a reader are never reused, and belong to its Reader (kvstore.daemon.reader). The put
+and read verbs here delegate to them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from kvstore.core import checks
-from kvstore.core.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.core.errors import FailedPrecondition, InvalidArgument
 from kvstore.core.holdings import Caps, Holding
 from kvstore.core.index import Index
 from kvstore.core.pages import PageAllocator
@@ -35,9 +35,10 @@ from kvstore.core.records import (
 from kvstore.daemon.config import Config
 from kvstore.daemon.movers import Mover
 from kvstore.daemon.prefetch import PrefetchProgress, prefetch
+from kvstore.daemon.reader import Reader
 from kvstore.daemon.remote import Remote
 from kvstore.daemon.tier_setup import open_tiers
-from kvstore.daemon.tiering import Load, Tiering
+from kvstore.daemon.tiering import Tiering
 from kvstore.daemon.writer import Writer
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier, TierStats
@@ -88,6 +89,9 @@ class Store:
         self.caps = client_caps(config)
         self._writer = Writer(config, self.index, self._lock, self.tiering, self._stats,
                               self._slot_tier, lambda: self.remote, clock, self.caps)
+        self._reader = Reader(config, self.index, self._lock, self.tiering, self._stats,
+                              lambda: self.dram, lambda: self.remote, self._writer, clock,
+                              self.caps)
         try:
             self.adopted = self.tiering.adopt()
         except BaseException:
@@ -171,134 +175,19 @@ class Store:
         client: str = "",
     ) -> ReadResult:
         """Lease the found entries (the caller copies their bytes, then release()s), or with
-        leased=False only touch them (for readers that verify checksums). Blocks only in L3
-        are loaded into L2 first; a load already in flight is waited for, not repeated."""
-        checked = self._check_keys(namespace, keys)
-        checks.distinct(checked, "Get")
-        lease_id = secrets.token_hex(12)
-        self._fetch_remote(namespace, checked)
-        with self._lock:
-            if leased:  # no load started for a client at its cap (and checked again below)
-                self.index.holdings.check(client, self.caps, leases=1)
-            loads = self._start_loads(namespace, checked, Tier.DRAM)
-            if not loads:  # the usual case, every hit in L2: lease in the same critical section
-                return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads,
-                                   client)
-        for load in loads.values():
-            load.wait()
-        return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads, client)
-
-    def _lease(self, namespace: str, checked: list[BlockKey], lease_id: str, leased: bool,
-               lease_timeout_s: float, loads: dict[BlockKey, Load], client: str) -> ReadResult:
-        tier = self.dram
-        with self._lock:
-            if leased:
-                if loads:  # other reads of this client may have leased while we waited
-                    self.index.holdings.check(client, self.caps, leases=1)
-                deadline = self._clock() + lease_timeout_s
-                entries = self.index.lease(lease_id, namespace, checked, deadline,
-                                           need=Tier.DRAM, client=client)
-            else:
-                entries = self.index.touch(namespace, checked, need=Tier.DRAM)
-            result = ReadResult(lease_id, entries)
-            for key, entry in zip(checked, entries, strict=True):
-                self._count_read(entry, loads.get(key))
-                if entry is not None:
-                    assert tier is not None, "entries exist only in enabled tiers"
-                    result.extents.append(
-                        tier.extents(entry.copies[Tier.DRAM], entry.size_bytes))
-        if self.remote is not None:
-            self.remote.touch(namespace, [k for k, e in zip(checked, entries, strict=True) if e])
-        return result
-
-    def _fetch_remote(self, namespace: str, keys: Sequence[BlockKey]) -> None:
-        """Bring the keys no local tier has from L4 into L2 (one batched round trip)."""
-        if self.remote is None:
-            return
-        missing = self._missing(namespace, list(dict.fromkeys(keys)))
-        if not missing:
-            return
-        found = [(k, p) for k, p in zip(missing, self.remote.fetch(namespace, missing),
-                                        strict=True) if p is not None]
-        if not found:
-            return
-        try:
-            self.import_blocks(namespace, [k for k, _ in found], [p for _, p in found])
-        except ResourceExhausted as exc:  # more than L2 can take at once: they stay misses
-            log.warning("L4 hits not brought into L2: %s", exc)
-
-    def _start_loads(self, namespace: str, keys: Sequence[BlockKey],
-                     target: Tier) -> dict[BlockKey, Load]:
-        """With the lock held: loads of the keys cached only below target."""
-        loads: dict[BlockKey, Load] = {}
-        for key in keys:
-            entry = self.index.get(namespace, key)
-            if entry is not None and entry.tier > target and key not in loads:
-                loads[key] = self.tiering.load(entry, target)
-        return loads
-
-    def _count_read(self, entry: Entry | None, load: Load | None) -> None:
-        dram, nvme = self._stats[Tier.DRAM], self._stats[Tier.NVME]
-        if entry is not None and load is None:
-            dram.hits += 1
-            dram.bytes_out += entry.size_bytes
-            return
-        dram.misses += 1
-        if entry is not None:
-            nvme.hits += 1
-        elif nvme.enabled:
-            nvme.misses += 1
+        leased=False only touch them (for readers that verify checksums)."""
+        return self._reader.read(namespace, keys, lease_timeout_s, leased, client)
 
     def chunks(
         self, result: ReadResult, chunk_bytes: int, copy: Callable[[list[memoryview], int], bytes]
     ) -> Iterator[bytes]:
-        """The found payloads concatenated, cut into pieces of at most chunk_bytes; each is
-        handed to copy(views, size) (which frames it for the wire) under the lock with the
-        lease checked, so the bytes copied are never those of a reused page."""
-        tier = self._slot_tier()
-        pending: list[memoryview] = []
-        pending_bytes = 0
-        for extents in result.extents:
-            for view in tier.views(extents):
-                while len(view):
-                    take = view[: chunk_bytes - pending_bytes]
-                    view = view[len(take) :]
-                    pending.append(take)
-                    pending_bytes += len(take)
-                    if pending_bytes == chunk_bytes:
-                        yield self._copy(result.lease_id, pending, pending_bytes, copy)
-                        pending, pending_bytes = [], 0
-        if pending:
-            yield self._copy(result.lease_id, pending, pending_bytes, copy)
-
-    def _copy(
-        self, lease_id: str, views: list[memoryview], size: int,
-        copy: Callable[[list[memoryview], int], bytes],
-    ) -> bytes:
-        with self._lock:
-            if not self.index.has_lease(lease_id):
-                raise Aborted("the read outlived leases.lease_timeout_s and its lease expired")
-            return copy(views, size)
+        """The found payloads in pieces of at most chunk_bytes, each copy()'d under its lease."""
+        return self._reader.chunks(result, chunk_bytes, copy)
 
     def release(self, ids: Sequence[str]) -> int:
         """End leases and abandon reservations; unknown or expired ids are an error (after
         the known ones are released)."""
-        unknown: list[str] = []
-        released = 0
-        with self._lock:
-            for rid in ids:
-                if self.index.release(rid):
-                    released += 1
-                elif self.index.plan(rid) is not None:
-                    self.index.complete_store(rid, None, success=False)
-                    released += 1
-                else:
-                    unknown.append(rid)
-        if unknown:
-            raise InvalidArgument(
-                f"ids: {unknown[:3]!r} unknown or expired ({len(unknown)} in all)"
-            )
-        return released
+        return self._reader.release(ids)
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> tuple[int, list[Tier | None]]:
         checked = self._check_keys(namespace, keys)
@@ -336,7 +225,7 @@ class Store:
         if deadline_s is not None and not deadline_s > 0:
             raise InvalidArgument(f"deadline_ms must be > 0, got {deadline_s * 1000:g}")
         deadline = self._clock() + deadline_s if deadline_s is not None else None
-        self._fetch_remote(namespace, checked)  # L4 hits first, in one batch: then local
+        self._reader.fetch_remote(namespace, checked)  # L4 hits first, in one batch
         return prefetch(self._lock, self.index, self.tiering, namespace, checked, target,
                         deadline, cancelled, self._clock, 2 * self.config.nvme.io_threads)
 
@@ -362,17 +251,13 @@ class Store:
         room = sum(t.capacity_bytes for t in self._opened.tiers.values() if t.name != "hbm")
         target = min(max_bytes or self.config.remote.prewarm_bytes,
                      int(room * self.config.movers.low_watermark))
-        return self._tracked(remote.prewarm(target, self._missing, self.import_blocks,
+        return self._tracked(remote.prewarm(target, self._reader.missing, self.import_blocks,
                                             namespaces))
 
     def _tracked(self, progress: Iterator[PrewarmState]) -> Iterator[PrewarmState]:
         for state in progress:
             self._prewarm = state  # what stats() reports
             yield state
-
-    def _missing(self, namespace: str, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        with self._lock:
-            return [k for k in keys if self.index.get(namespace, k) is None]
 
     # --- operators -------------------------------------------------------------------------
 
