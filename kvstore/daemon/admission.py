@@ -61,10 +61,10 @@ def client_stream_cap(config: Config) -> int:
 class Stream:
     """One streaming call in flight, and since when (if at all) it waits on its client."""
 
-    __slots__ = ("peer", "_context", "waiting_since", "longest_wait_s", "aborted")
+    __slots__ = ("client", "_context", "waiting_since", "longest_wait_s", "aborted")
 
-    def __init__(self, peer: str, context: grpc.ServicerContext) -> None:
-        self.peer = peer
+    def __init__(self, client: str, context: grpc.ServicerContext) -> None:
+        self.client = client  # client_of its peer: whom its put or lease is charged to
         self._context = context
         self.waiting_since: float | None = None
         self.longest_wait_s = 0.0
@@ -126,7 +126,6 @@ class StreamSlots:
         self._by_peer: dict[str, int] = {}
         self._by_client: dict[str, int] = {}
         self._streams: set[Stream] = set()
-        self.aborted_idle = 0  # streams reaped since start
 
     @property
     def in_flight(self) -> int:
@@ -149,7 +148,7 @@ class StreamSlots:
                 raise ResourceExhausted(
                     f"this client ({client}) has {self.per_client} streams in flight, the "
                     "most one client may (clients.max_streams): finish or cancel one first")
-            stream = Stream(peer, context)
+            stream = Stream(client, context)
             self._streams.add(stream)
             _count(self._by_peer, peer, 1)
             _count(self._by_client, client, 1)
@@ -170,7 +169,6 @@ class StreamSlots:
         for stream in idle:
             stream.abort(f"the stream sent or took nothing for {self.idle_s:g} s "
                          "(server.stream_idle_s); its pages and lease were let go")
-        self.aborted_idle += len(idle)
         return len(idle)
 
     def reap_forever(self, stop: threading.Event) -> None:

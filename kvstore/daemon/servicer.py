@@ -127,7 +127,7 @@ class KVStoreServicer:
             else:
                 session = self.store.begin_put(
                     first.namespace, first.keys, first.sizes, first.parent_key,
-                    first.independent, client_of(context.peer()))
+                    first.independent, stream.client)
                 if first.data:
                     self.store.write(session, memoryview(first.data))
                 for msg in map(parsed, messages):
@@ -180,7 +180,7 @@ class KVStoreServicer:
                 )
             leased = not (shared and request.no_lease)  # inline reads lease while streaming
             result = self.store.read(request.namespace, request.keys, timeout_s, leased,
-                                     client_of(context.peer()))
+                                     stream.client)
             self._bound_response(result, shared)
         except Exception as exc:
             slot.close()
