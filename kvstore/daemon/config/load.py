@@ -33,7 +33,11 @@ from kvstore.units import parse_size
 ENV_PREFIX = "KVSTORE_"
 ENV_CONFIG_FILE = "KVSTORE_CONFIG"
 #: KVSTORE_* names that belong to clients and tools, not to the daemon's config.
-ENV_CLIENT_NAMES = frozenset({"KVSTORE_TARGET", "KVSTORE_NAMESPACE"})
+ENV_CLIENT_NAMES = frozenset({
+    "KVSTORE_TARGET", "KVSTORE_NAMESPACE", "KVSTORE_TOKEN", "KVSTORE_TOKEN_FILE",
+    "KVSTORE_TLS_CA_FILE", "KVSTORE_TLS_CERT_FILE", "KVSTORE_TLS_KEY_FILE",
+    "KVSTORE_TLS_SERVER_NAME", "KVSTORE_UNIX_SOCKET",
+})
 #: KVSTORE_SECTION_FIELD -> "section.field", for every setting.
 ENV_NAMES = {ENV_PREFIX + path.replace(".", "_").upper(): path for path in KINDS}
 

@@ -36,6 +36,7 @@ def problems(cfg: Config) -> list[Problem]:
     _movers(cfg, out)
     _remote(cfg, out)
     _clients(cfg, out)
+    _auth(cfg, out)
     return list(out)
 
 
@@ -155,3 +156,21 @@ def _clients(cfg: Config, out: _Problems) -> None:
                  "must be in (0, 1] (a share of dram.capacity_bytes; 1 = no cap); use e.g. 0.5")
     out.need(math.isfinite(c.max_pin_s) and c.max_pin_s > 0, "clients.max_pin_s",
              "must be > 0; use e.g. 3600")
+
+
+AUTH_MODES = ("off", "token", "mtls")
+
+
+def _auth(cfg: Config, out: _Problems) -> None:
+    a, s = cfg.auth, cfg.server
+    out.need(a.mode in AUTH_MODES, "auth.mode", f"must be one of {', '.join(AUTH_MODES)}")
+    out.need(a.mode == "off" or bool(a.tenants_file), "auth.tenants_file",
+             f"auth.mode={a.mode} needs a tenants file (docs/security.md)")
+    out.need(bool(s.tls_cert_file) == bool(s.tls_key_file),
+             "server.tls_key_file" if s.tls_cert_file else "server.tls_cert_file",
+             "server.tls_cert_file and server.tls_key_file go together")
+    if a.mode == "mtls":
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            out.need(bool(getattr(s, name)), f"server.{name}", "auth.mode=mtls needs it")
+    out.need(not s.tls_client_ca_file or bool(s.tls_cert_file), "server.tls_client_ca_file",
+             "client certificates need TLS: set server.tls_cert_file and server.tls_key_file")

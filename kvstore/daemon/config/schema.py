@@ -54,6 +54,27 @@ class ServerConfig:
     #: before the server stops taking calls, so clients and probes see the drain; part of
     #: grace_s.
     drain_notice_s: float = 1.0
+    #: PEM certificate chain the server presents; with tls_key_file, gRPC is served over TLS.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""  #: PEM private key of tls_cert_file.
+    #: PEM CA bundle client certificates must chain to (auth.mode=mtls requires it).
+    tls_client_ca_file: str = ""
+    #: Path of the daemon's local Unix socket, where co-located clients exchange an Attach
+    #: ticket for their tenant's shared-memory arenas; "" = none (with auth on, clients
+    #: then move data inline).
+    unix_socket: str = ""
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Who may call the daemon (section `auth`; docs/security.md)."""
+
+    #: off (every caller is one trusted tenant: a warning at start), token (a bearer token in
+    #: each call's metadata) or mtls (the client certificate names the tenant).
+    mode: str = "off"
+    #: YAML list of tenants: names, token hashes, certificate identities, namespace prefixes,
+    #: role and quotas. Required unless mode is off; re-read on SIGHUP.
+    tenants_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -141,7 +162,8 @@ class LeaseConfig:
 @dataclass(frozen=True)
 class ClientConfig:
     """What one client may hold at once (section `clients`); past a cap, RESOURCE_EXHAUSTED
-    naming it. A client is a caller's peer host (all processes of one host together)."""
+    naming it. A client is the caller's tenant with auth on, else its peer host (all
+    processes of one host together)."""
 
     max_leases: int = 1024  #: Live read leases (shared-memory Gets not yet Released).
     #: Streaming calls in flight; 0 = server.max_streams less a quarter (at least one), so
@@ -179,6 +201,7 @@ class Config:
     remote: RemoteConfig = field(default_factory=RemoteConfig)  #: L4 Redis pool.
     leases: LeaseConfig = field(default_factory=LeaseConfig)  #: Read leases and reservations.
     clients: ClientConfig = field(default_factory=ClientConfig)  #: What one client may hold.
+    auth: AuthConfig = field(default_factory=AuthConfig)  #: Tenants and their credentials.
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  #: Prometheus exporter.
     log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR.
 
@@ -192,6 +215,7 @@ SECTIONS: dict[str, type[Any]] = {
     "remote": RemoteConfig,
     "leases": LeaseConfig,
     "clients": ClientConfig,
+    "auth": AuthConfig,
     "metrics": MetricsConfig,
 }
 

@@ -84,7 +84,7 @@ class GetRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., mode: _Optional[_Union[GetMode, str]] = ..., lease_timeout_ms: _Optional[int] = ..., no_lease: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("found", "sizes", "checksums", "data", "lease_id", "locations", "shm_name", "lease_expires_in_ms")
+    __slots__ = ("found", "sizes", "checksums", "data", "lease_id", "locations", "shm_name", "lease_expires_in_ms", "arena")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class GetResponse(_message.Message):
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
     found: _containers.RepeatedScalarFieldContainer[bool]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
@@ -101,7 +102,8 @@ class GetResponse(_message.Message):
     locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     shm_name: str
     lease_expires_in_ms: int
-    def __init__(self, found: _Optional[_Iterable[bool]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_in_ms: _Optional[int] = ...) -> None: ...
+    arena: str
+    def __init__(self, found: _Optional[_Iterable[bool]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_in_ms: _Optional[int] = ..., arena: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "keys")
@@ -164,18 +166,20 @@ class ReserveRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., independent: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "exists", "locations", "shm_name", "expires_in_ms")
+    __slots__ = ("reservation_id", "exists", "locations", "shm_name", "expires_in_ms", "arena")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     EXISTS_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     exists: _containers.RepeatedScalarFieldContainer[bool]
     locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     shm_name: str
     expires_in_ms: int
-    def __init__(self, reservation_id: _Optional[str] = ..., exists: _Optional[_Iterable[bool]] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., shm_name: _Optional[str] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+    arena: str
+    def __init__(self, reservation_id: _Optional[str] = ..., exists: _Optional[_Iterable[bool]] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., shm_name: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., arena: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("ids",)
@@ -288,7 +292,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., free_pages: _Optional[int] = ..., largest_free_run_pages: _Optional[int] = ..., backend: _Optional[str] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., io_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., read_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "shm_name", "shm_size_bytes", "host_id", "leases", "reservations", "pinned", "version", "config_json", "hits", "misses", "prewarm", "clients", "draining")
+    __slots__ = ("tiers", "shm_name", "shm_size_bytes", "host_id", "leases", "reservations", "pinned", "version", "config_json", "hits", "misses", "prewarm", "clients", "draining", "auth_mode", "tenant", "unix_socket")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +307,9 @@ class StatsResponse(_message.Message):
     PREWARM_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    AUTH_MODE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     shm_name: str
     shm_size_bytes: int
@@ -317,7 +324,10 @@ class StatsResponse(_message.Message):
     prewarm: PrewarmProgress
     clients: _containers.RepeatedCompositeFieldContainer[ClientHoldings]
     draining: bool
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., pinned: _Optional[int] = ..., version: _Optional[str] = ..., config_json: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., prewarm: _Optional[_Union[PrewarmProgress, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientHoldings, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    auth_mode: str
+    tenant: str
+    unix_socket: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., pinned: _Optional[int] = ..., version: _Optional[str] = ..., config_json: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., prewarm: _Optional[_Union[PrewarmProgress, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientHoldings, _Mapping]]] = ..., draining: _Optional[bool] = ..., auth_mode: _Optional[str] = ..., tenant: _Optional[str] = ..., unix_socket: _Optional[str] = ...) -> None: ...
 
 class ClientHoldings(_message.Message):
     __slots__ = ("client", "leases", "reservations", "reserved_bytes", "pins", "pinned_bytes")
@@ -348,6 +358,20 @@ class DrainResponse(_message.Message):
     streams_in_flight: int
     grace_s: float
     def __init__(self, already_draining: _Optional[bool] = ..., streams_in_flight: _Optional[int] = ..., grace_s: _Optional[float] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("ticket", "unix_socket", "expires_in_ms")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    ticket: str
+    unix_socket: str
+    expires_in_ms: int
+    def __init__(self, ticket: _Optional[str] = ..., unix_socket: _Optional[str] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class HotRequest(_message.Message):
     __slots__ = ("namespace", "limit")

@@ -99,6 +99,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/kvstore.v1.KVStore/Attach',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttachResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -209,6 +214,16 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """A one-time ticket for the daemon's Unix socket (StatsResponse.unix_socket), where a
+        co-located client exchanges it for the file descriptors of its tenant's shared-memory
+        arenas (passed with SCM_RIGHTS; the protocol is in docs/security.md). FAILED_PRECONDITION
+        when the daemon has no Unix socket or no L2 tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -276,6 +291,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DrainRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DrainResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -629,6 +649,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Drain',
             kvstore_dot_v1_dot_kvstore__pb2.DrainRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Attach',
+            kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.AttachResponse.FromString,
             options,
             channel_credentials,
             insecure,
