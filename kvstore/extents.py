@@ -15,3 +15,11 @@ class PageRun(NamedTuple):
 
     start: int
     length: int
+
+
+class Arena(NamedTuple):
+    """A tenant's share of one slot tier: pages [first_page, first_page + num_pages)."""
+
+    name: str  # the tenant's ("" for the one arena of a daemon without tenants)
+    first_page: int
+    num_pages: int

@@ -13,37 +13,61 @@ in SGLang's radix cache; a copy in tier t is a leaf there when no child is cache
 faster tier, so a parent can be demoted to L3 after its child. Pinned, leased, moving and
 uncommitted entries never go, nor the cached keys of a put while it makes room. An entry
 may have copies in several tiers (`Entry.copies`); movers use `pick` .. `done`.
+
+Each tier may be split into arenas, one per tenant (`kvstore.core.pages.TierPages`):
+`arena_of(namespace)` names the arena a namespace's blocks are stored in (None: no tenant
+owns it, so it cannot be stored), and the entry keeps that arena (`Entry.arena`) in every
+tier it has a copy in. Room is made within the arena only: a tenant at its arena's capacity
+evicts its own blocks, never another's. Without arenas every tier is one arena "".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvstore.core.children import ChildCounts
 from kvstore.core.ghosts import GhostFilter
 from kvstore.core.holdings import Holdings
 from kvstore.core.order import EvictionOrder
-from kvstore.core.pages import AllocatorStats, PageAllocator
+from kvstore.core.pages import AllocatorStats, PageAllocator, TierPages
 from kvstore.core.records import CommitResult, Entry, Lease, PlannedBlock, StorePlan
 from kvstore.core.usage import UsageBook
-from kvstore.extents import PageRun
+from kvstore.extents import Arena, PageRun
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier
 
 Pages = tuple[PageRun, ...]
 
 
+def one_arena(namespace: str) -> str | None:
+    """The arena of every namespace when tiers are not split: the one arena ""."""
+    return ""
+
+
 class Index:
     """All entries of one daemon, their pages in each slot tier, and who holds them."""
 
     def __init__(self, allocators: Mapping[Tier, PageAllocator],
-                 page_size_bytes: Mapping[Tier, int]) -> None:
-        self._allocators = dict(allocators)
+                 page_size_bytes: Mapping[Tier, int],
+                 arenas: Mapping[Tier, Sequence[Arena]] | None = None,
+                 arena_of: Callable[[str], str | None] | None = None) -> None:
+        """arenas: every tier's split (its allocator's pages into those arenas), or None
+        for one arena "" per tier that is its allocator. arena_of: a namespace's arena
+        (default: ""); it may be replaced at any time (`index.arena_of = ...`): an entry
+        keeps the arena it was stored in."""
+        if arenas and set(arenas) != set(allocators):
+            raise ValueError(f"arenas split tiers {sorted(t.label for t in arenas)}; split "
+                             f"every tier ({sorted(t.label for t in allocators)}) or none")
+        self._pages = {t: TierPages.split(a.num_pages, arenas[t]) if arenas else
+                       TierPages.whole(a) for t, a in allocators.items()}
+        self.arena_of: Callable[[str], str | None] = arena_of or one_arena
         self._page_size = dict(page_size_bytes)
         self._entries: dict[str, dict[BlockKey, Entry]] = {}  # namespace -> key -> entry
         self._num_entries = 0
-        self._order = EvictionOrder(allocators, self.get)
+        self._order = EvictionOrder(
+            {t: {name: a.num_pages for name, a in pages.arenas.items()}
+             for t, pages in self._pages.items()}, self.get)
         self._plans: dict[str, StorePlan] = {}
         self._leases: dict[str, Lease] = {}
         self.holdings = Holdings()  # each client's leases, plans and pins
@@ -76,8 +100,29 @@ class Index:
     def has_lease(self, lease_id: str) -> bool:
         return lease_id in self._leases
 
+    def holder_of(self, lease_or_plan_id: str) -> str | None:
+        """The client holding the lease or plan of this id; None when there is neither."""
+        lease = self._leases.get(lease_or_plan_id)
+        if lease is not None:
+            return lease.client
+        plan = self._plans.get(lease_or_plan_id)
+        return plan.client if plan is not None else None
+
     def allocator_stats(self, tier: Tier) -> AllocatorStats:
-        return self._allocators[tier].stats()
+        """The whole tier's pages (every arena's together)."""
+        return self._pages[tier].stats()
+
+    def arena_names(self, tier: Tier) -> list[str]:
+        return list(self._pages[tier].arenas)
+
+    def arena_usage(self, tier: Tier, arena: str) -> tuple[int, int, int, int]:
+        """(objects, used_bytes, free_pages, num_pages) of arena in tier; an arena the tier
+        does not have holds nothing and has no pages."""
+        objects, used_bytes = self._usage.arena(tier, arena)
+        allocator = self._pages[tier].arenas.get(arena)
+        if allocator is None:
+            return objects, used_bytes, 0, 0
+        return objects, used_bytes, allocator.free_pages, allocator.num_pages
 
     @property
     def num_leases(self) -> int:
@@ -93,8 +138,12 @@ class Index:
     def pages_per_object(self, tier: Tier, size_bytes: int) -> int:
         return max(1, -(-size_bytes // self._page_size[tier]))
 
-    def free_pages(self, tier: Tier) -> int:
-        return self._allocators[tier].free_pages
+    def free_pages(self, tier: Tier, arena: str | None = None) -> int:
+        """Free pages of tier's arena (0 for one it does not have), or of the whole tier."""
+        if arena is None:
+            return self._pages[tier].free_pages
+        allocator = self._pages[tier].arenas.get(arena)
+        return allocator.free_pages if allocator is not None else 0
 
     def entries(self, tier: Tier | None = None) -> Iterator[Entry]:  # with a copy in tier
         return (e for e in self._all_entries() if tier is None or tier in e.copies)
@@ -106,12 +155,16 @@ class Index:
         parents: Sequence[BlockKey | None], tier: Tier, deadline: float, evict: bool = True,
         client: str = "",
     ) -> StorePlan | None:
-        """Reserve pages for the keys not yet stored; None when they cannot fit even after
-        evicting every evictable entry of the tier (then nothing is reserved or evicted), or
-        with evict=False when they do not fit in the free pages."""
+        """Reserve pages for the keys not yet stored, in the namespace's arena of tier; None
+        when they cannot fit even after evicting every evictable entry of that arena (then
+        nothing is reserved or evicted), with evict=False when they do not fit in its free
+        pages, or when the namespace has no arena there."""
         if plan_id in self._plans:
             raise ValueError(f"plan {plan_id!r} exists")
-        allocator = self._allocators[tier]
+        arena = self.arena_of(namespace)
+        allocator = self._pages[tier].arenas.get(arena) if arena is not None else None
+        if arena is None or allocator is None:
+            return None
         blocks: list[PlannedBlock] = []
         existing: list[int] = []
         seen: set[BlockKey] = set()
@@ -130,7 +183,7 @@ class Index:
             return None
         for entry in cached:  # held, so that making room cannot evict them
             entry.busy += 1
-        evicted = self.make_room(tier, needed) if evict else (
+        evicted = self.make_room(tier, needed, arena) if evict else (
             [] if allocator.free_pages >= needed else None)
         for entry in cached:  # a put of a cached key is a use: it counts, and refreshes it
             entry.busy -= 1
@@ -144,7 +197,8 @@ class Index:
             pages = allocator.alloc(self.pages_per_object(tier, block.size_bytes))
             assert pages is not None, "room was made for the whole plan"
             block.pages = pages
-        plan = StorePlan(plan_id, namespace, tier, blocks, existing, evicted, deadline, client)
+        plan = StorePlan(plan_id, namespace, tier, blocks, existing, evicted, deadline, client,
+                         arena)
         self._plans[plan_id] = plan
         self.holdings.change(client, reservations=1, reserved_bytes=plan.size_bytes)
         return plan
@@ -161,7 +215,7 @@ class Index:
         if plan is None:
             raise KeyError(f"unknown or expired plan {plan_id!r}")
         self.holdings.change(plan.client, reservations=-1, reserved_bytes=-plan.size_bytes)
-        allocator = self._allocators[plan.tier]
+        allocator = self._pages[plan.tier].arenas[plan.arena]
         if not success:
             for block in plan.blocks:
                 allocator.free(block.pages)
@@ -175,7 +229,7 @@ class Index:
                 continue
             entry = Entry(
                 plan.namespace, block.key, block.size_bytes, {plan.tier: block.pages}, checksum,
-                block.parent,
+                block.parent, plan.arena,
             )
             self._insert(entry)
             stored += 1
@@ -287,8 +341,9 @@ class Index:
 
     def evict_in_order(self, tier: Tier, min_bytes: int | None,
                   namespace: str | None = None) -> list[Entry]:
-        """Evict copies in tier, leaf first in eviction order (of one namespace, or all)
-        until min_bytes are freed, or everything evictable when min_bytes is None."""
+        """Evict copies in tier, leaf first in eviction order (of one namespace, or all; in
+        every arena of tier) until min_bytes are freed, or everything evictable when
+        min_bytes is None."""
         evicted: list[Entry] = []
         freed = 0
         others: list[Entry] = []
@@ -314,13 +369,16 @@ class Index:
             if (namespace is None or e.namespace == namespace) and not e.evictable
         )
 
-    def make_room(self, tier: Tier, needed_pages: int) -> list[Entry] | None:
-        """Evict copies in tier, leaf first in eviction order, until needed_pages are free, all
-        or nothing; returns the entries whose copy in tier went (some keep one elsewhere)."""
-        allocator = self._allocators[tier]
+    def make_room(self, tier: Tier, needed_pages: int, arena: str = "") -> list[Entry] | None:
+        """Evict copies in tier's arena, leaf first in eviction order, until needed_pages are
+        free there, all or nothing; returns the entries whose copy in tier went (some keep
+        one elsewhere). None when they cannot be freed, or the tier has no such arena."""
+        allocator = self._pages[tier].arenas.get(arena)
+        if allocator is None or needed_pages > allocator.num_pages:
+            return None
         evicted: list[tuple[Entry, Pages, int, bool]] = []
         while allocator.free_pages < needed_pages:
-            entry = self._order.pop_victim(tier)
+            entry = self._order.pop_victim(tier, arena)
             if entry is None:
                 self._restore(tier, evicted)
                 return None
@@ -331,7 +389,7 @@ class Index:
     def _restore(self, tier: Tier, evicted: list[tuple[Entry, Pages, int, bool]]) -> None:
         """Undo evictions whose pages nothing has reused: a refused put evicts nothing."""
         for entry, pages, touch_seq, removed in reversed(evicted):
-            self._allocators[tier].take(pages)
+            self._pages[tier].arenas[entry.arena].take(pages)
             self.evictions[tier] -= 1
             if removed:
                 entry.copies, entry.tier = {tier: pages}, tier
@@ -344,19 +402,24 @@ class Index:
 
     # --- moves between tiers (the store's movers and loads) --------------------------------
 
-    def alloc(self, tier: Tier, size_bytes: int) -> Pages | None:
-        """Free pages for an object in tier, evicting nothing; None when they are not free."""
-        return self._allocators[tier].alloc(self.pages_per_object(tier, size_bytes))
+    def alloc(self, tier: Tier, size_bytes: int, arena: str = "") -> Pages | None:
+        """Free pages for an object in tier's arena, evicting nothing; None when they are not
+        free (or the tier has no such arena)."""
+        allocator = self._pages[tier].arenas.get(arena)
+        if allocator is None:
+            return None
+        return allocator.alloc(self.pages_per_object(tier, size_bytes))
 
     def free(self, tier: Tier, pages: Pages) -> None:
         """Give back pages from alloc() that never became a copy (a failed move)."""
-        self._allocators[tier].free(pages)
+        self._pages[tier].free(pages)
 
-    def pick(self, tier: Tier, max_bytes: int, max_entries: int | None = None) -> list[Entry]:
-        """Copies in tier to move elsewhere, leaf first in eviction order, about max_bytes of
-        them and at most max_entries (parents follow their picked children); each is busy
-        (stays put) until done()."""
-        picked = self._order.pick(tier, max_bytes, max_entries)
+    def pick(self, tier: Tier, max_bytes: int, max_entries: int | None = None,
+             arena: str | None = None) -> list[Entry]:
+        """Copies in tier's arena (None: any arena) to move elsewhere, leaf first in eviction
+        order, about max_bytes of them and at most max_entries (parents follow their picked
+        children); each is busy (stays put) until done()."""
+        picked = self._order.pick(tier, max_bytes, max_entries, arena)
         for entry in picked:
             entry.busy += 1
         return picked
@@ -370,7 +433,9 @@ class Index:
         self._order.push(entry)
 
     def add_copy(self, entry: Entry, tier: Tier, pages: Pages) -> None:
-        """A copy of entry now lies on pages of tier (allocated by alloc())."""
+        """A copy of entry now lies on pages of tier (allocated by alloc() in entry.arena)."""
+        if not self._pages[tier].holds(entry.arena, pages):
+            raise ValueError(f"pages {pages} of {tier.label} lie outside arena {entry.arena!r}")
         self._add_copy(entry, tier, pages)
         self._order.push(entry)
 
@@ -388,14 +453,19 @@ class Index:
         parent: BlockKey | None, tier: Tier, pages: Pages,
     ) -> Entry | None:
         """Re-adopt an object a previous run left in tier (from the L3 manifest); None when
-        the key is cached already or its pages are not free."""
+        the key is cached already, its pages are not free, or they do not lie inside its
+        namespace's arena (tenants or their split changed across the restart)."""
         if self.get(namespace, key) is not None:
             return None
+        arena = self.arena_of(namespace)
+        allocator = self._pages[tier].arenas.get(arena) if arena is not None else None
+        if arena is None or allocator is None:
+            return None
         try:
-            self._allocators[tier].take(pages)
+            allocator.take(pages)
         except ValueError:
             return None
-        entry = Entry(namespace, key, size_bytes, {tier: pages}, checksum, parent)
+        entry = Entry(namespace, key, size_bytes, {tier: pages}, checksum, parent, arena)
         self._insert(entry)
         return entry
 
@@ -436,7 +506,7 @@ class Index:
                 self._remove(entry, counted=False)
                 return True
         before = entry.tier
-        self._allocators[tier].free(entry.copies.pop(tier))
+        self._pages[tier].arenas[entry.arena].free(entry.copies.pop(tier))
         entry.tier = min(entry.copies)
         self._usage.count(entry, tier, -1)
         self._order.forget(entry, tier)
@@ -458,7 +528,7 @@ class Index:
             self.holdings.unpin(entry.namespace, entry.key)
         for tier, pages in entry.copies.items():
             self._usage.count(entry, tier, -1)
-            self._allocators[tier].free(pages)
+            self._pages[tier].arenas[entry.arena].free(pages)
             if counted:
                 self.evictions[tier] += 1
         entry.touch_seq = 0

@@ -5,21 +5,24 @@ simulator (`bench/sim_store.py` executes them without), so both follow the same 
 changes only the index (`kvstore.core.index`: alloc, make_room, done, add_copy, drop_copy) and
 returns small frozen plans saying what happened and what I/O the executor must still do.
 
-Decisions:
+Decisions, each within one arena of the tier (a tenant's pages, `kvstore.core.index`; a
+tier without tenants is the one arena ""):
 
-- `room(tier, num_pages, demoted)`: where num_pages for a load or a put come from: the free
-  pages (FREE); else, when the tier demotes to a tier below by writing (L2 with an L3), from
-  demotion first (DEMOTE: the daemon waits for its mover, the simulator demotes at once; then
-  ask again with demoted=True); else, and once demoted, from eviction in eviction order (EVICT).
-- `alloc(tier, size_bytes, demoted)`: that room taken for one object: its pages (free, or
-  freed by evicting; the evicted entries are reported), or None when the step is DEMOTE or
-  nothing more can be evicted.
+- `room(tier, num_pages, demoted, arena)`: where num_pages for a load or a put come from: the
+  arena's free pages (FREE); else, when the tier demotes to a tier below by writing (L2 with
+  an L3), from demotion first (DEMOTE: the daemon waits for its mover, the simulator demotes
+  at once; then ask again with demoted=True); else, once demoted, or when num_pages exceed
+  the arena's capacity, from eviction in eviction order (EVICT, which refuses what cannot fit).
+- `alloc(tier, size_bytes, demoted, arena)`: that room taken for one object: its pages (free,
+  or freed by evicting the arena's own blocks; the evicted entries are reported), or None
+  when the step is DEMOTE or nothing more can be evicted.
 - `demote(entry, tier)`: where a block picked to leave tier (`Index.pick`) goes. A block with
   a copy below drops this copy (DROP: an L1 copy, which L2 always holds too; an L2 copy of a
   block L3 holds). A block seen fewer than `admit_min_seen` times is not admitted to L3 and
-  leaves L2 unwritten (NOT_ADMITTED). Else it takes L3 pages: free ones, else those of L3's
-  own victims, in eviction order (WRITE; the victims are reported, for the daemon to journal
-  their FREE records before the pages are written); else it leaves L2 (NO_ROOM).
+  leaves L2 unwritten (NOT_ADMITTED). Else it takes L3 pages of its own arena: free ones,
+  else those of L3 victims of that arena, in eviction order (WRITE; the victims are reported,
+  for the daemon to journal their FREE records before the pages are written); else it leaves
+  L2 (NO_ROOM).
 - `finish_demotion(demotion, written)`: after a WRITE: the L3 copy joins the block and its L2
   copy goes (unless a reader took it meanwhile); a failed write frees the L3 pages and the
   block leaves L2.
@@ -111,32 +114,35 @@ class Placement:
 
     # --- room for a load or a put ------------------------------------------------------------
 
-    def room(self, tier: Tier, num_pages: int, demoted: bool = False) -> Room:
-        """Where num_pages in tier come from: FREE, else DEMOTE (unless demoted already),
-        else EVICT. Changes nothing."""
-        short_pages = max(0, num_pages - self._index.free_pages(tier))
+    def room(self, tier: Tier, num_pages: int, demoted: bool = False, arena: str = "") -> Room:
+        """Where num_pages in tier's arena come from: FREE, else DEMOTE (unless demoted
+        already, or they can never fit), else EVICT. Changes nothing."""
+        short_pages = max(0, num_pages - self._index.free_pages(tier, arena))
         if not short_pages:
             step = RoomStep.FREE
         # Demoting an L1 copy only drops it, which evicting it does at once: L1 never waits.
-        elif not demoted and tier != Tier.HBM and self.can_demote(tier):
+        elif (not demoted and tier != Tier.HBM and self.can_demote(tier)
+              and num_pages <= self._index.arena_usage(tier, arena)[3]):
             step = RoomStep.DEMOTE
         else:
             step = RoomStep.EVICT
         return Room(tier, step, num_pages, short_pages)
 
-    def alloc(self, tier: Tier, size_bytes: int, demoted: bool = False) -> Allocation:
-        """Pages in tier for one object of size_bytes, as room() decides: free ones, or (EVICT)
-        freed by evicting in eviction order, all or nothing; none yet when it says DEMOTE."""
-        room = self.room(tier, self._index.pages_per_object(tier, size_bytes), demoted)
+    def alloc(self, tier: Tier, size_bytes: int, demoted: bool = False,
+              arena: str = "") -> Allocation:
+        """Pages in tier's arena for one object of size_bytes, as room() decides: free ones,
+        or (EVICT) freed by evicting in eviction order, all or nothing; none yet when it says
+        DEMOTE."""
+        room = self.room(tier, self._index.pages_per_object(tier, size_bytes), demoted, arena)
         if room.step is RoomStep.DEMOTE:
             return Allocation(room, None)
         evicted: list[Entry] = []
         if room.step is RoomStep.EVICT:
-            made = self._index.make_room(tier, room.num_pages)
+            made = self._index.make_room(tier, room.num_pages, arena)
             if made is None:
                 return Allocation(room, None)
             evicted = made
-        pages = self._index.alloc(tier, size_bytes)
+        pages = self._index.alloc(tier, size_bytes, arena)
         assert pages is not None, "the pages were free or made free"
         return Allocation(room, pages, tuple(evicted))
 
@@ -154,7 +160,7 @@ class Placement:
         if entry.seen < self.admit_min_seen:
             left = self._leave(entry, tier, evicted=True)
             return Demotion(entry, tier, Move.NOT_ADMITTED, left=left)
-        got = self.alloc(Tier.NVME, entry.size_bytes)
+        got = self.alloc(Tier.NVME, entry.size_bytes, arena=entry.arena)
         if got.pages is None:
             return Demotion(entry, tier, Move.NO_ROOM, left=self._leave(entry, tier, evicted=True))
         return Demotion(entry, tier, Move.WRITE, got.pages, got.evicted)
@@ -183,8 +189,9 @@ class Placement:
     # --- promotion -----------------------------------------------------------------------------
 
     def promote(self, entry: Entry, tier: Tier, pages: Pages) -> bool:
-        """A load's new copy of entry on pages of tier (from alloc()) joins it. True when that
-        freed its L3 copy (exclusive placement: an L2 copy replaces it; journal the FREE)."""
+        """A load's new copy of entry on pages of tier (from alloc() in entry.arena) joins
+        it. True when that freed its L3 copy (exclusive placement: an L2 copy replaces it;
+        journal the FREE)."""
         self._index.add_copy(entry, tier, pages)
         if tier == Tier.DRAM and not self.inclusive and Tier.NVME in entry.copies:
             self._index.drop_copy(entry, Tier.NVME)

@@ -36,6 +36,8 @@ class Entry:
     copies: dict[Tier, tuple[PageRun, ...]]
     checksum: int
     parent: BlockKey | None
+    # The arena (tenant) whose pages its copies take in every tier, fixed when it is stored.
+    arena: str = ""
     # Cached children by their highest tier (shared with the index's child counts): a copy
     # in tier t is a leaf there when no child is cached in t or above.
     child_tiers: list[int] = field(default_factory=lambda: [0] * NUM_TIERS)
@@ -87,6 +89,7 @@ class StorePlan:
     evicted: list[Entry]  # entries removed to make room; their pages may be reused
     deadline: float
     client: str = ""  # who made it (kvstore.core.holdings)
+    arena: str = ""  # whose pages the blocks take (the namespace's arena at prepare time)
 
     @property
     def size_bytes(self) -> int:

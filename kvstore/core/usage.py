@@ -1,6 +1,8 @@
-"""What each namespace keeps in each tier: objects and bytes, for Stats and quotas.
+"""What each namespace, and each arena, keeps in each tier: objects and bytes, for Stats and
+quotas.
 
-Pure; the index counts every copy that appears in or leaves a tier.
+Pure; the index counts every copy that appears in or leaves a tier. One book entry per
+(namespace, arena, tier), so counting a copy costs one dict update; Stats sum them.
 """
 
 from __future__ import annotations
@@ -19,24 +21,33 @@ class _Usage:
 
 class UsageBook:
     def __init__(self) -> None:
-        self._usage: dict[tuple[str, Tier], _Usage] = {}
+        # (namespace, arena, tier): a namespace's blocks keep the arena they were stored in,
+        # so one namespace has two arenas only after its tenant changed
+        self._usage: dict[tuple[str, str, Tier], _Usage] = {}
 
     def count(self, entry: Entry, tier: Tier, sign: int) -> None:
         """entry's copy in tier appeared (sign +1) or left (-1)."""
-        usage = self._usage.setdefault((entry.namespace, tier), _Usage())
+        at = (entry.namespace, entry.arena, tier)
+        usage = self._usage.get(at)
+        if usage is None:
+            usage = self._usage[at] = _Usage()
         usage.objects += sign
         usage.size_bytes += sign * entry.size_bytes
         if not usage.objects:
-            del self._usage[(entry.namespace, tier)]
+            del self._usage[at]
 
     def get(self, tier: Tier, namespace: str | None = None) -> tuple[int, int]:
         """(objects, bytes) committed in tier, for one namespace or all."""
-        if namespace is not None:
-            u = self._usage.get((namespace, tier))
-            return (u.objects, u.size_bytes) if u else (0, 0)
+        return self._sum(tier, namespace, None)
+
+    def arena(self, tier: Tier, arena: str) -> tuple[int, int]:
+        """(objects, bytes) committed in tier's arena."""
+        return self._sum(tier, None, arena)
+
+    def _sum(self, tier: Tier, namespace: str | None, arena: str | None) -> tuple[int, int]:
         objects = size = 0
-        for (_, t), u in self._usage.items():
-            if t == tier:
+        for (ns, a, t), u in self._usage.items():
+            if t == tier and namespace in (None, ns) and arena in (None, a):
                 objects += u.objects
                 size += u.size_bytes
         return objects, size

@@ -5,6 +5,10 @@ What goes where is the planner's (`kvstore.core.placement`: free pages, demotion
 L3 pages, L3 eviction or a drop; admission; exclusive or inclusive L3); this module executes
 its plans: the locking, the I/O, the manifest journal, the counters, waiting for the mover.
 
+With tenants each slot tier is split into arenas (`kvstore.core.index`): the watermarks,
+the mover's demotions and waiting for room all apply per arena, and a block demoted out of
+its L2 arena lands in the same tenant's L3 arena.
+
 The store's lock guards the index; every method here takes it only to plan and to finish a
 move, never around I/O. An entry being moved or loaded is `busy` in the index, so neither
 its copy nor its pages change under the transfer. Order for crash safety: a block's bytes
@@ -85,7 +89,10 @@ class Tiering:
         self.mover_running = False  # set by the mover: whether waiting for room can help
         self._compact_at = config.nvme.compact_after_records  # journal records
         self.meter = IoMeter()
-        self._waiting: dict[Tier, list[int]] = {}  # free pages each waiting put or load needs
+        # free pages each waiting put or load needs, by tier and arena
+        self._waiting: dict[tuple[Tier, str], list[int]] = {}
+        self._arena_pages = {t: {a: index.arena_usage(t, a)[3] for a in index.arena_names(t)}
+                             for t in tiers}
         threads = 2 * config.nvme.io_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="load")
 
@@ -101,7 +108,8 @@ class Tiering:
     # --- start-up --------------------------------------------------------------------------
 
     def adopt(self) -> int:
-        """Re-adopt what the L3 manifest lists; then compact it. Returns blocks adopted."""
+        """Re-adopt what the L3 manifest lists (a block whose pages lie outside its tenant's
+        arena now is dropped); then compact it. Returns blocks adopted."""
         if self.manifest is None:
             return 0
         report = self.manifest.load()
@@ -126,33 +134,42 @@ class Tiering:
 
     # --- pressure ----------------------------------------------------------------------------
 
-    def fullness(self, tier: Tier) -> float:
-        total: int = self.tiers[tier].num_pages
-        return 1.0 - self.index.free_pages(tier) / total
+    def fullness(self, tier: Tier, arena: str | None = None) -> float:
+        """How full tier's arena is (one the tier does not have: 1.0), or with arena None its
+        fullest arena: the mover has work once that passes the high watermark."""
+        if arena is not None:
+            num_pages = self._arena_pages[tier].get(arena, 0)
+            return 1.0 - self.index.free_pages(tier, arena) / num_pages if num_pages else 1.0
+        return max(self.fullness(tier, a) for a in self._arena_pages[tier])
 
-    def wait_for_room(self, tier: Tier, num_pages: int, timeout_s: float) -> bool:
+    def wait_for_room(self, tier: Tier, num_pages: int, timeout_s: float,
+                      arena: str = "") -> bool:
         """With the lock held: ask the mover for room and wait up to timeout_s for
-        num_pages free pages in tier. False at once when no mover can free pages there."""
-        if not self.mover_running or not self.placement.can_demote(tier):
+        num_pages free pages in tier's arena. False at once when no mover can free pages
+        there, or the arena could never hold them."""
+        if (not self.mover_running or not self.placement.can_demote(tier)
+                or num_pages > self._arena_pages[tier].get(arena, 0)):
             return False
-        waiting = self._waiting.setdefault(tier, [])
+        waiting = self._waiting.setdefault((tier, arena), [])
         waiting.append(num_pages)
         self.wake.set()
         try:
             return self.room.wait_for(
-                lambda: self.index.free_pages(tier) >= num_pages, timeout_s)
+                lambda: self.index.free_pages(tier, arena) >= num_pages, timeout_s)
         finally:
             waiting.remove(num_pages)
 
     def step(self) -> int:
-        """One mover step: demote from every tier above its high watermark down towards its
-        low watermark (or until a waiting put or load fits). Returns the bytes moved."""
+        """One mover step: demote from every arena of every tier above its high watermark
+        down towards its low watermark (or until a waiting put or load fits). Returns the
+        bytes moved."""
         moved = 0
         # Without L3 there is nowhere to demote L2 blocks to: puts evict on demand instead.
         for tier in (t for t in (Tier.HBM, Tier.DRAM) if self.placement.can_demote(t)):
-            want = self._want_bytes(tier)
-            if want > 0:
-                moved += self._demote(tier, want)
+            for arena in self._arena_pages[tier]:
+                want = self._want_bytes(tier, arena)
+                if want > 0:
+                    moved += self._demote(tier, want, arena)
         if self.manifest is not None and self.manifest.journal_records >= self._compact_at:
             self._compact()
         return moved
@@ -170,36 +187,39 @@ class Tiering:
                 self._compact_at = self.manifest.journal_records + every
                 log.warning("L3 manifest: no room to compact (%s); retrying later", exc)
 
-    def _want_bytes(self, tier: Tier) -> int:
-        """Bytes to demote from tier now: down to the low watermark once past the high one,
-        or enough for what a waiting put or load needs, at most movers.batch_bytes."""
+    def _want_bytes(self, tier: Tier, arena: str) -> int:
+        """Bytes to demote from tier's arena now: down to the low watermark once past the
+        high one, or enough for what a waiting put or load needs, at most movers.batch_bytes."""
         mv = self.config.movers
-        slot = self.tiers[tier]
+        page_bytes: int = self.tiers[tier].page_size_bytes
+        fullness = self.fullness(tier, arena)
         want = 0
-        if self.fullness(tier) >= mv.high_watermark:
-            want = int((self.fullness(tier) - mv.low_watermark) * slot.capacity_bytes) + 1
-        short = max(self._waiting.get(tier, [0]), default=0) - self.index.free_pages(tier)
-        page_bytes: int = slot.page_size_bytes
+        if fullness >= mv.high_watermark:
+            capacity_bytes = self._arena_pages[tier][arena] * page_bytes
+            want = int((fullness - mv.low_watermark) * capacity_bytes) + 1
+        short = (max(self._waiting.get((tier, arena), [0]), default=0)
+                 - self.index.free_pages(tier, arena))
         return min(mv.batch_bytes, max(want, short * page_bytes))
 
     # --- demotion ----------------------------------------------------------------------------
 
-    def _demote(self, tier: Tier, want_bytes: int) -> int:
-        """Move about want_bytes out of tier in eviction order, each block where the planner
-        says, in rounds of at most DEMOTE_ROUND_BLOCKS blocks. Returns the bytes picked."""
+    def _demote(self, tier: Tier, want_bytes: int, arena: str) -> int:
+        """Move about want_bytes out of tier's arena in eviction order, each block where the
+        planner says, in rounds of at most DEMOTE_ROUND_BLOCKS blocks. Returns the bytes
+        picked."""
         moved = 0
         while moved < want_bytes:
-            picked = self._demote_round(tier, want_bytes - moved)
+            picked = self._demote_round(tier, want_bytes - moved, arena)
             if not picked:
                 break
             moved += picked
         return moved
 
-    def _demote_round(self, tier: Tier, want_bytes: int) -> int:
+    def _demote_round(self, tier: Tier, want_bytes: int, arena: str) -> int:
         """One round of _demote: pick and plan under the lock, write L3 outside it, finish
         under it again; waiting puts are woken at its end. Returns the bytes picked."""
         with self.room:
-            picked = self.index.pick(tier, want_bytes, DEMOTE_ROUND_BLOCKS)
+            picked = self.index.pick(tier, want_bytes, DEMOTE_ROUND_BLOCKS, arena)
             writes = [d for d in (self._plan_demotion(e, tier) for e in picked)
                       if d.move is Move.WRITE]
             batch = [Transfer(d.pages, d.entry.size_bytes,
@@ -274,21 +294,22 @@ class Tiering:
                 self.room.notify_all()
             load.finish(ok)
 
-    def _room(self, tier: Tier, size_bytes: int) -> Pages | None:
-        """Pages in tier for a load, as the planner places them: free ones, else the mover's
-        (waited for), else evicted ones."""
+    def _room(self, tier: Tier, size_bytes: int, arena: str = "") -> Pages | None:
+        """Pages in tier's arena for a load, as the planner places them: free ones, else the
+        mover's (waited for), else evicted ones."""
         with self.room:
-            got = self.placement.alloc(tier, size_bytes)
+            got = self.placement.alloc(tier, size_bytes, arena=arena)
             if got.room.step is RoomStep.DEMOTE:
-                self.wait_for_room(tier, got.room.num_pages, self.config.movers.put_wait_s)
-                got = self.placement.alloc(tier, size_bytes, demoted=True)
+                self.wait_for_room(tier, got.room.num_pages, self.config.movers.put_wait_s,
+                                   arena)
+                got = self.placement.alloc(tier, size_bytes, demoted=True, arena=arena)
             return got.pages
 
     def _load_l3(self, entry: Entry) -> bool:
         """L3 -> L2, straight into the new L2 pages, checked against the block's checksum."""
         if Tier.NVME not in entry.copies:
             return False
-        pages = self._room(Tier.DRAM, entry.size_bytes)
+        pages = self._room(Tier.DRAM, entry.size_bytes, entry.arena)
         if pages is None:
             return False
         buffers = self.dram.buffers(pages, entry.size_bytes)
@@ -321,7 +342,7 @@ class Tiering:
 
     def _load_l1(self, entry: Entry) -> bool:
         """L2 -> L1 through the pinned L2 pages (the entry is busy: they stay put)."""
-        pages = self._room(Tier.HBM, entry.size_bytes)
+        pages = self._room(Tier.HBM, entry.size_bytes, entry.arena)
         if pages is None:
             return False
         buffers = self.dram.buffers(entry.copies[Tier.DRAM], entry.size_bytes)

@@ -112,6 +112,16 @@ def test_l1_evicts_at_once_and_its_blocks_stay_in_l2() -> None:
     assert set(entry(index, "a").copies) == {D}
 
 
+def test_room_for_more_pages_than_the_tier_holds_is_refused_without_waiting_or_evicting() -> None:
+    index, placement = make(l2_pages=4, l3_pages=4)
+    put_each(index, "a", "b")
+    # No demotion could make 5 pages of 4: no waiting for the mover, and nothing evicted.
+    assert placement.room(D, 5) == Room(D, RoomStep.EVICT, 5, 3)
+    got = placement.alloc(D, 500)
+    assert (got.pages, got.evicted) == (None, ())
+    assert stored(index) == {"a", "b"} and index.evictions[D] == 0
+
+
 def test_which_tiers_can_free_pages_by_moving_blocks_down() -> None:
     _, all_tiers = make(l2_pages=4, l3_pages=4, l1_pages=2)
     assert [all_tiers.can_demote(t) for t in (H, D, N)] == [True, True, False]
