@@ -1,20 +1,28 @@
-"""L2 DRAM tier: one shared-memory segment of fixed-size pages.
+"""L2 DRAM tier: shared memory of fixed-size pages, in one segment or one arena per tenant.
 
-The segment is mode 0600 and removed on clean shutdown. Co-located clients attach to it by
-name and read or write blocks with no copy through the daemon. When CUDA is present the
-segment is registered as pinned (page-locked) memory, so a GPU can DMA to and from it.
-This module does I/O on pages it is told about; which pages belong to what is the index's.
+Without tenants (auth.mode=off) the pages are one named segment under /dev/shm, mode 0600 and
+removed on clean shutdown, which co-located clients attach by name. With tenants each tenant's
+page range (kvstore.extents.Arena) is an arena of its own: an anonymous memfd that no name
+opens, handed only to that tenant's clients as a file descriptor (kvstore.daemon.attach).
+Offsets inside the daemon are over all arenas end to end; `arena_extents` turns them into the
+arena and the offsets a client sees. When CUDA is present every arena is registered as pinned
+(page-locked) memory, so a GPU can DMA to and from it. This module does I/O on pages it is told
+about; which pages belong to what is the index's.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import mmap
+import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
-from kvstore.extents import Extent, PageRun
+from kvstore.extents import Arena, Extent, PageRun
 from kvstore.shm import Segment, create_segment, list_segments, remove_stale_segments
 from kvstore.tiers.base import Transfer, padded_size
 
@@ -30,18 +38,53 @@ class DramTier:
     backend = "shm"
 
     def __init__(
-        self, capacity_bytes: int, page_size_bytes: int, shm_name: str, pin_memory: bool
+        self, capacity_bytes: int, page_size_bytes: int, shm_name: str, pin_memory: bool,
+        arenas: Sequence[Arena] | None = None,
     ) -> None:
+        """arenas None: one named segment; else one memfd per arena (pages outside every
+        arena are never used)."""
         self.page_size_bytes = page_size_bytes
         self.num_pages = capacity_bytes // page_size_bytes
         self.capacity_bytes = self.num_pages * page_size_bytes
-        # A daemon that crashed left its segment in /dev/shm (tmpfs: real memory); reclaim
-        # those, and this name if a crash left it, before taking more.
-        remove_stale_segments({*list_segments(STALE_PREFIX), shm_name})
-        self._segment: Segment = create_segment(shm_name, self.capacity_bytes)
-        self.shm_name = self._segment.name
-        self._buf = np.frombuffer(self._segment.view(), dtype=np.uint8)
-        self.pinned = pin_memory and _register_pinned(self._buf)
+        self._segment: Segment | None = None
+        self._parts: list[_Part] = []
+        if arenas is None:
+            # A daemon that crashed left its segment in /dev/shm (tmpfs: real memory);
+            # reclaim those, and this name if a crash left it, before taking more.
+            remove_stale_segments({*list_segments(STALE_PREFIX), shm_name})
+            self._segment = create_segment(shm_name, self.capacity_bytes)
+            self.shm_name = self._segment.name
+            array = np.frombuffer(self._segment.view(), dtype=np.uint8)
+            self._parts.append(_Part("", 0, array, -1))
+        else:
+            self.shm_name = ""  # nothing anyone can open by name
+            for arena in arenas:
+                self._parts.append(_memfd_part(arena, page_size_bytes))
+        self._bases = [part.base for part in self._parts]
+        self.pinned = pin_memory and all(_register_pinned(p.array) for p in self._parts)
+
+    def arena_fds(self, name: str) -> list[tuple[str, int, int]]:
+        """(arena name, descriptor, size in bytes) of the named tenant's arenas: what its
+        clients receive. The descriptors stay the tier's; senders duplicate them."""
+        return [(p.name, p.fd, p.array.nbytes) for p in self._parts if p.name == name and p.fd >= 0]
+
+    def arena_extents(self, extents: Sequence[Extent]) -> tuple[str, list[Extent]]:
+        """The arena an object's extents lie in, and the extents as offsets in that arena."""
+        if not extents:
+            return (self._parts[0].name if len(self._parts) == 1 else ""), []
+        part = self._part_at(extents[0][0])
+        return part.name, [(offset - part.base, n) for offset, n in extents]
+
+    def _part_at(self, offset: int) -> _Part:
+        return self._parts[bisect.bisect_right(self._bases, offset) - 1]
+
+    def _slice(self, offset: int, length: int) -> np.ndarray:
+        part = self._part_at(offset) if len(self._parts) > 1 else self._parts[0]
+        start = offset - part.base
+        if start < 0 or start + length > part.array.nbytes:
+            raise ValueError(f"bytes [{offset}, {offset + length}) lie outside arena "
+                             f"{part.name!r}")
+        return part.array[start : start + length]
 
     def extents(self, pages: Sequence[PageRun], size_bytes: int) -> list[Extent]:
         """Byte ranges of the segment that hold an object of size_bytes on pages, in order."""
@@ -64,8 +107,7 @@ class DramTier:
                 offset -= ext_length
                 continue
             n = min(ext_length - offset, len(src) - done)
-            start = ext_offset + offset
-            self._buf[start : start + n] = src[done : done + n]
+            self._slice(ext_offset + offset, n)[:] = src[done : done + n]
             done += n
             offset = 0
             if done == len(src):
@@ -75,9 +117,8 @@ class DramTier:
 
     def views(self, extents: Sequence[Extent]) -> Iterator[memoryview]:
         """Zero-copy views of the object's bytes, extent by extent."""
-        mv = self._buf.data
         for offset, length in extents:
-            yield mv[offset : offset + length]
+            yield self._slice(offset, length).data
 
     def buffers(
         self, pages: Sequence[PageRun], size_bytes: int, pad: bool = True
@@ -126,12 +167,54 @@ class DramTier:
         return h.intdigest()
 
     def close(self) -> None:
-        """Unlink the segment (clients still attached keep their mapping until they close)."""
-        if self.pinned:
-            _unregister_pinned(self._buf)
-        del self._buf
-        self._segment.close()
-        self._segment.unlink()
+        """Unlink the segment, close the arenas' descriptors (clients that hold a mapping or
+        a descriptor keep it until they close it)."""
+        for part in self._parts:
+            if self.pinned:
+                _unregister_pinned(part.array)
+            if part.fd >= 0:
+                os.close(part.fd)
+        self._parts = []
+        if self._segment is not None:
+            self._segment.close()
+            self._segment.unlink()
+
+
+@dataclass
+class _Part:
+    """One mapped arena: bytes [base, base + array.nbytes) of the tier's offsets."""
+
+    name: str
+    base: int
+    array: np.ndarray
+    fd: int  # the memfd (-1 for the named segment)
+
+
+def _memfd_part(arena: Arena, page_size_bytes: int) -> _Part:
+    size = arena.num_pages * page_size_bytes
+    fd = os.memfd_create(f"kvstore-arena-{arena.name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        # Whoever holds the descriptor may map and write it, but never resize it: a client
+        # shrinking its arena would make the daemon's next touch of those pages a SIGBUS.
+        fcntl_seals(fd)
+        buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Part(arena.name, arena.first_page * page_size_bytes,
+                 np.frombuffer(buf, dtype=np.uint8), fd)
+
+
+_F_ADD_SEALS, _F_SEAL_SEAL, _F_SEAL_SHRINK, _F_SEAL_GROW = 1033, 0x1, 0x2, 0x4
+
+
+def fcntl_seals(fd: int) -> None:
+    """Seal the memfd's size (shrink and grow) and its seals."""
+    import fcntl
+
+    fcntl.fcntl(fd, getattr(fcntl, "F_ADD_SEALS", _F_ADD_SEALS),
+                _F_SEAL_SHRINK | _F_SEAL_GROW | _F_SEAL_SEAL)
 
 
 def _copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> None:

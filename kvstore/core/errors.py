@@ -28,6 +28,14 @@ class Unavailable(StoreError):
     """Starting, draining or a backend down."""
 
 
+class Unauthenticated(StoreError):
+    """A call with no credentials, or credentials no tenant has."""
+
+
+class PermissionDenied(StoreError):
+    """The caller's tenant does not own the namespace, or its role may not use the verb."""
+
+
 class StartupError(Exception):
     """The daemon cannot start (a port is taken, shared memory is short, the L3 folder is in
     use); the message says what to change."""

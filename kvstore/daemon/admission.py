@@ -132,8 +132,10 @@ class StreamSlots:
         return len(self._streams)
 
     @contextmanager
-    def held(self, peer: str, context: grpc.ServicerContext) -> Iterator[Stream]:
-        """A slot for one stream of peer while the block runs; ResourceExhausted if none."""
+    def held(self, peer: str, context: grpc.ServicerContext,
+             client: str | None = None) -> Iterator[Stream]:
+        """A slot for one stream of peer while the block runs; ResourceExhausted if none.
+        client: who the per-client cap counts it for (a tenant); default the peer host."""
         with self._lock:
             if len(self._streams) >= self.limit:
                 raise ResourceExhausted(
@@ -143,7 +145,7 @@ class StreamSlots:
                 raise ResourceExhausted(
                     f"this connection has {self.per_connection} streams in flight "
                     "(server.max_streams_per_connection): finish or cancel one first")
-            client = client_of(peer)
+            client = client if client is not None else client_of(peer)
             if self._by_client.get(client, 0) >= self.per_client:
                 raise ResourceExhausted(
                     f"this client ({client}) has {self.per_client} streams in flight, the "

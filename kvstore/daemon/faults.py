@@ -19,7 +19,9 @@ from kvstore.core.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -30,6 +32,8 @@ _STATUS = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     Aborted: grpc.StatusCode.ABORTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

@@ -172,14 +172,16 @@ class Reader:
                 raise Aborted("the read outlived leases.lease_timeout_s and its lease expired")
             return copy(views, size)
 
-    def release(self, ids: Sequence[str]) -> int:
+    def release(self, ids: Sequence[str], owner: str | None = None) -> int:
         """End leases and abandon reservations; unknown or expired ids are an error (after
-        the known ones are released)."""
+        the known ones are released). With owner, another client's ids count as unknown."""
         unknown: list[str] = []
         released = 0
         with self._lock:
             for rid in ids:
-                if self._index.release(rid):
+                if owner is not None and self._index.holder_of(rid) not in (owner, None):
+                    unknown.append(rid)
+                elif self._index.release(rid):
                     released += 1
                 elif self._index.plan(rid) is not None:
                     self._index.complete_store(rid, None, success=False)

@@ -22,6 +22,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
 from kvstore.core.errors import StartupError
+from kvstore.daemon.attach import AttachSocket
+from kvstore.daemon.auth import Auth, server_credentials
 from kvstore.daemon.config import Config, ConfigError, add_arguments, config_from_args
 from kvstore.daemon.metrics import Metrics, store_metrics
 from kvstore.daemon.servicer import SERVICE_NAME, KVStoreServicer, handlers
@@ -75,13 +77,15 @@ def _sweep_forever(store: Store, interval_s: float, stop: threading.Event,
                      leases, reservations, pins)
 
 
-def serve(config: Config, stop: threading.Event) -> None:
-    """Run the daemon until stop is set. Whatever startup made is undone if it fails."""
-    store = Store(config)
+def serve(config: Config, stop: threading.Event,
+          reload: threading.Event | None = None) -> None:
+    """Run the daemon until stop is set; re-read the tenants file each time reload is set
+    (SIGHUP). Whatever startup made is undone if it fails."""
+    store = Store(config, auth=Auth(config))
     metrics = store_metrics(store)
     drain_began: list[float] = []  # set by _serve once the drain begins
     try:
-        _serve(config, store, metrics, stop, drain_began)
+        _serve(config, store, metrics, stop, reload or threading.Event(), drain_began)
     finally:
         metrics.stop()
         # The L4 write-through queue gets what is left of server.grace_s (5 s at startup).
@@ -91,7 +95,7 @@ def serve(config: Config, stop: threading.Event) -> None:
 
 
 def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event,
-           drain_began: list[float]) -> None:
+           reload: threading.Event, drain_began: list[float]) -> None:
     metrics_port = 0
     if config.metrics.enabled:
         try:
@@ -117,10 +121,13 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = f"{config.server.host}:{config.server.port}"
+    credentials = server_credentials(config)
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if credentials else \
+            server.add_insecure_port(address)
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {address}: {exc} (server.port)") from exc
+    attach = _attach_socket(config, store, servicer)
     server.start()
 
     def worker_failed(reason: str) -> None:
@@ -142,26 +149,47 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
     reaper = threading.Thread(target=servicer.slots.reap_forever, name="stream-reaper",
                               daemon=True, args=(reaper_stop,))  # while the server drains
     reaper.start()
-    shm = store.dram.shm_name if store.dram else "off"
+    shm = (store.dram.shm_name or "per-tenant arenas") if store.dram else "off"
+    tls = "TLS" if credentials else "plaintext"
     print(f"kvstore-server {__version__} listening on {config.server.host}:{port} "
-          f"(metrics port {metrics_port or 'off'}, L2 shm {shm}, {store.describe_l3()})",
+          f"({tls}, auth {config.auth.mode}, metrics port {metrics_port or 'off'}, L2 shm {shm}"
+          f"{', unix socket ' + attach.path if attach else ''}, {store.describe_l3()})",
           flush=True)
     try:
         # Poll, not wait(): the kernel may hand SIGTERM to any thread, and CPython runs the
         # handler only when the main thread runs bytecode again; a wait without a timeout
         # would then never wake, and the daemon would ignore the signal.
         while not stop.wait(0.1):
-            pass
+            if reload.is_set():
+                reload.clear()
+                store.auth.reload()
     finally:
         stop.set()
         drain_began.append(time.monotonic())
         _drain(config, servicer, health_servicer)
         server.stop(config.server.grace_s - config.server.drain_notice_s).wait()
         reaper_stop.set()
+        if attach is not None:
+            attach.close()
         sweeper.join()
         reaper.join()
         pool.shutdown()
         health_pool.shutdown()
+
+
+def _attach_socket(config: Config, store: Store,
+                   servicer: KVStoreServicer) -> AttachSocket | None:
+    """The Unix socket that hands tenants their arenas (auth on, L2 on, a path set)."""
+    path = config.server.unix_socket
+    if not path:
+        return None
+    if not store.auth.on or store.dram is None:
+        log.warning("server.unix_socket is unused: it serves tenants' arenas (auth on, L2 "
+                    "on); with auth off clients attach the named segment")
+        return None
+    attach = AttachSocket(path, servicer.tickets, store.dram.arena_fds)
+    attach.start()
+    return attach
 
 
 def _drain(config: Config, servicer: KVStoreServicer,
@@ -209,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _keep_freed_buffers()
     stop = threading.Event()
+    reload = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())  # re-read auth.tenants_file
     try:
-        serve(config, stop)
+        serve(config, stop, reload)
     except (StartupError, OSError) as exc:
         print(f"kvstore-server: cannot start: {exc}", file=sys.stderr)
         return 2

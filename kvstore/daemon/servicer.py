@@ -27,7 +27,9 @@ from kvstore.core.errors import (
     Unavailable,
 )
 from kvstore.core.records import ReadResult, StoreStats
+from kvstore.core.tenants import Tenant
 from kvstore.daemon.admission import Stream, StreamSlots, client_of
+from kvstore.daemon.attach import ATTACH_TICKET_S, Tickets
 from kvstore.daemon.config import config_to_dict
 from kvstore.daemon.faults import FaultLog, Undecodable, decoder, parsed, status_for
 from kvstore.daemon.metrics import Metrics
@@ -62,6 +64,25 @@ def _locations(extents: list[list[tuple[int, int]]]) -> list[pb.BlockLocation]:
 MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages that long
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Caller:
+    """Who makes a call: its tenant, and the client its holdings are charged to (the tenant
+    with auth on, else the peer host)."""
+
+    tenant: Tenant
+    client: str
+
+    def data(self, namespace: str) -> None:
+        """A data verb (put, get, lookup, prefetch, reserve, pin): the tenant must own the
+        namespace, whatever its role."""
+        self.tenant.check_namespace(namespace)
+
+    def operate(self, namespace: str) -> None:
+        """An operator's verb on a namespace (evict, stats, hot): its owner, or an admin."""
+        if not self.tenant.admin:
+            self.tenant.check_namespace(namespace)
+
+
 class KVStoreServicer:
     def __init__(self, store: Store, metrics: Metrics,
                  drain: Callable[[], None] = lambda: None) -> None:
@@ -74,6 +95,13 @@ class KVStoreServicer:
         self.draining = threading.Event()  # set on SIGTERM: new data calls are refused
         self.slots = StreamSlots(self.config)  # streams in flight, capped
         self.faults = FaultLog()
+        self.auth = store.auth
+        self.tickets = Tickets()  # Attach's, redeemed on the Unix socket (kvstore.daemon.attach)
+
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
+        """Who is calling (Unauthenticated when nobody): decided before anything else."""
+        tenant = self.auth.caller(context)
+        return Caller(tenant, tenant.name if self.auth.on else client_of(context.peer()))
 
     def _admit(self, request: Any, method: str) -> Any:
         """The request, parsed, if the daemon takes new calls of this method: while draining
@@ -110,13 +138,15 @@ class KVStoreServicer:
         ended = threading.Event()
         context.add_callback(ended.set)  # on the call's end, a client's cancel included
         try:
-            stream = slot.enter_context(self.slots.held(context.peer(), context))
+            caller = self._caller(context)
+            stream = slot.enter_context(self.slots.held(context.peer(), context, caller.client))
             messages = stream.receive(request_iterator)
             first = self._admit(next(messages, None), "Put")
             if first is None:
                 raise InvalidArgument("PutRequest: the stream carried no message")
             if isinstance(first, memoryview):
                 raise InvalidArgument("PutRequest: the stream began with data and no header")
+            caller.data(first.namespace)
             if first.reservation_id:
                 if first.keys or first.sizes or first.data or first.parent_key:
                     raise InvalidArgument(
@@ -165,8 +195,10 @@ class KVStoreServicer:
         started = time.perf_counter()
         slot = contextlib.ExitStack()
         try:
-            stream = slot.enter_context(self.slots.held(context.peer(), context))
+            caller = self._caller(context)
+            stream = slot.enter_context(self.slots.held(context.peer(), context, caller.client))
             request = self._admit(request, "Get")
+            caller.data(request.namespace)
             shared = request.mode == pb.GET_MODE_SHARED_MEMORY
             if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
                 raise InvalidArgument(f"mode {request.mode} is not a GetMode")
@@ -209,8 +241,8 @@ class KVStoreServicer:
         )
         if shared:
             head.lease_id = result.lease_id if hits and leased else ""
-            head.locations.extend(_locations(result.extents))
-            head.shm_name = self.store.dram.shm_name if self.store.dram else ""
+            head.shm_name, head.arena, extents = self._shared(result.extents)
+            head.locations.extend(_locations(extents))
             head.lease_expires_in_ms = int(timeout_s * 1000)
             self._ok("Get", started)
             yield head
@@ -234,6 +266,23 @@ class KVStoreServicer:
                 with contextlib.suppress(InvalidArgument):  # expired mid-stream: reported above
                     self.store.release([result.lease_id])
 
+    def _shared(self, extents: list[list[tuple[int, int]]]
+                ) -> tuple[str, str, list[list[tuple[int, int]]]]:
+        """(shm_name, arena, extents as the client sees them): offsets in the named segment
+        (auth off), or in the tenant's arena (every block of one call lies in one arena)."""
+        dram = self.store.dram
+        if dram is None:
+            return "", "", extents
+        if dram.shm_name:
+            return dram.shm_name, "", extents
+        arena = ""
+        local: list[list[tuple[int, int]]] = []
+        for block in extents:
+            name, block_local = dram.arena_extents(block)
+            arena = arena or name
+            local.append(block_local)
+        return "", arena, local
+
     def _bound_response(self, result: ReadResult, shared: bool) -> None:
         """An inline Get streams every found byte: refuse one over server.max_response_bytes
         (its lease released) rather than let one small request make the daemon send GiBs."""
@@ -247,11 +296,12 @@ class KVStoreServicer:
             f"({format_size(cap)}); ask for fewer keys per Get")
 
     def _unary(self, method: str, context: grpc.ServicerContext,
-               fn: Callable[[], Any], request: Any) -> Any:
+               fn: Callable[[Caller], Any], request: Any) -> Any:
         started = time.perf_counter()
         try:
+            caller = self._caller(context)
             self._admit(request, method)
-            response = fn()
+            response = fn(caller)
         except Exception as exc:
             self._fail(context, method, exc, started)
             raise
@@ -260,22 +310,24 @@ class KVStoreServicer:
 
     def Lookup(self, request: pb.LookupRequest,
                context: grpc.ServicerContext) -> pb.LookupResponse:
-        def run() -> pb.LookupResponse:
+        def run(caller: Caller) -> pb.LookupResponse:
+            caller.data(request.namespace)
             prefix, tiers = self.store.lookup(request.namespace, request.keys)
             return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
         return self._unary("Lookup", context, run, request)
 
     def _streamed(self, method: str, context: grpc.ServicerContext,
-                  progress: Callable[[], Iterator[Any]], message: type[Any],
+                  progress: Callable[[Caller], Iterator[Any]], message: type[Any],
                   request: Any) -> Iterator[Any]:
         """A progress stream (Prefetch, Prewarm): each step as `message` (same field names),
         its errors mapped like any call's."""
         started = time.perf_counter()
         stream = None
         try:
-            with self.slots.held(context.peer(), context) as stream:
+            caller = self._caller(context)
+            with self.slots.held(context.peer(), context, caller.client) as stream:
                 self._admit(request, method)
-                for step in stream.send(progress()):
+                for step in stream.send(progress(caller)):
                     yield message(**dataclasses.asdict(step))
         except GeneratorExit:  # gRPC stopped sending: the client left, or the reaper ended it
             code = "ABORTED" if stream is not None and stream.aborted else "CANCELLED"
@@ -291,7 +343,8 @@ class KVStoreServicer:
 
     def Prefetch(self, request: pb.PrefetchRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.PrefetchProgress]:
-        def progress() -> Iterator[Any]:
+        def progress(caller: Caller) -> Iterator[Any]:
+            caller.data(request.namespace)
             target = _tier(request.target_tier, "target_tier")
             deadline_s = request.deadline_ms / 1000 if request.deadline_ms else None
             return self.store.prefetch(request.namespace, request.keys, target, deadline_s,
@@ -299,21 +352,31 @@ class KVStoreServicer:
         return self._streamed("Prefetch", context, progress, pb.PrefetchProgress, request)
 
     def Hot(self, request: pb.HotRequest, context: grpc.ServicerContext) -> pb.HotResponse:
-        def run() -> pb.HotResponse:
+        def run(caller: Caller) -> pb.HotResponse:
+            caller.operate(request.namespace)
             hot = self.store.hot(request.namespace, request.limit)
             return pb.HotResponse(keys=[k for k, _ in hot], scores=[s for _, s in hot])
         return self._unary("Hot", context, run, request)
 
     def Prewarm(self, request: pb.PrewarmRequest,
                 context: grpc.ServicerContext) -> Iterator[pb.PrewarmProgress]:
-        return self._streamed(
-            "Prewarm", context,
-            lambda: self.store.prewarm(request.bytes, list(request.namespaces)),
-            pb.PrewarmProgress, request)
+        def progress(caller: Caller) -> Iterator[Any]:
+            namespaces = list(request.namespaces)
+            for i, namespace in enumerate(namespaces):
+                if not caller.tenant.admin:
+                    caller.tenant.check_namespace(namespace, f"namespaces[{i}]")
+            if not namespaces and not caller.tenant.admin:  # every namespace it owns
+                namespaces = [n for n in self.store.remote_namespaces()
+                              if caller.tenant.owns(n)]
+                if not namespaces:
+                    return iter(())
+            return self.store.prewarm(request.bytes, namespaces)
+        return self._streamed("Prewarm", context, progress, pb.PrewarmProgress, request)
 
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:
-        def run() -> pb.ReserveResponse:
+        def run(caller: Caller) -> pb.ReserveResponse:
+            caller.data(request.namespace)
             timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
             if timeout_s is not None and timeout_s > MAX_LEASE_S:
                 raise InvalidArgument(
@@ -321,24 +384,29 @@ class KVStoreServicer:
                 )
             r = self.store.reserve(request.namespace, request.keys, request.sizes,
                                    request.parent_key, request.independent, timeout_s,
-                                   client_of(context.peer()))
+                                   caller.client)
+            shm_name, arena, extents = self._shared(r.extents)
             return pb.ReserveResponse(
                 reservation_id=r.reservation_id, exists=r.exists,
-                locations=_locations(r.extents),
-                shm_name=self.store.dram.shm_name if self.store.dram else "",
+                locations=_locations(extents), shm_name=shm_name, arena=arena,
                 expires_in_ms=int(r.expires_in_s * 1000),
             )
         return self._unary("Reserve", context, run, request)
 
     def Release(self, request: pb.ReleaseRequest,
                 context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        def run() -> pb.ReleaseResponse:
-            return pb.ReleaseResponse(released=self.store.release(request.ids))
+        def run(caller: Caller) -> pb.ReleaseResponse:
+            owner = caller.client if self.auth.on else None
+            return pb.ReleaseResponse(released=self.store.release(request.ids, owner))
         return self._unary("Release", context, run, request)
 
     def Evict(self, request: pb.EvictRequest,
               context: grpc.ServicerContext) -> pb.EvictResponse:
-        def run() -> pb.EvictResponse:
+        def run(caller: Caller) -> pb.EvictResponse:
+            if request.namespace:
+                caller.operate(request.namespace)
+            else:
+                caller.tenant.check_admin("Evict across every namespace (namespace empty)")
             r = self.store.evict(request.namespace, request.keys, request.bytes, request.all,
                                  _tier(request.tier, "tier"))
             return pb.EvictResponse(evicted=r.evicted, evicted_bytes=r.evicted_bytes,
@@ -347,29 +415,37 @@ class KVStoreServicer:
 
     def Pin(self, request: pb.PinRequest,
             context: grpc.ServicerContext) -> pb.PinResponse:
-        def run() -> pb.PinResponse:
+        def run(caller: Caller) -> pb.PinResponse:
+            caller.data(request.namespace)
             changed, missing = self.store.set_pinned(request.namespace, request.keys, True,
-                                                     client_of(context.peer()))
+                                                     caller.client)
             return pb.PinResponse(changed=changed, missing=missing)
         return self._unary("Pin", context, run, request)
 
     def Unpin(self, request: pb.PinRequest,
               context: grpc.ServicerContext) -> pb.PinResponse:
-        def run() -> pb.PinResponse:
+        def run(caller: Caller) -> pb.PinResponse:
+            caller.data(request.namespace)
             changed, missing = self.store.set_pinned(request.namespace, request.keys, False)
             return pb.PinResponse(changed=changed, missing=missing)
         return self._unary("Unpin", context, run, request)
 
     def Stats(self, request: pb.StatsRequest,
               context: grpc.ServicerContext) -> pb.StatsResponse:
-        def run() -> pb.StatsResponse:
-            return self._stats_response(self.store.stats(request.namespace),
-                                        request.include_config)
+        def run(caller: Caller) -> pb.StatsResponse:
+            if request.namespace:
+                caller.operate(request.namespace)
+            if request.include_config:
+                caller.tenant.check_admin("Stats include_config")
+            tenant = caller.tenant if self.auth.on else None
+            return self._stats_response(self.store.stats(request.namespace, tenant),
+                                        request.include_config, caller)
         return self._unary("Stats", context, run, request)
 
     def Drain(self, request: pb.DrainRequest,
               context: grpc.ServicerContext) -> pb.DrainResponse:
-        def run() -> pb.DrainResponse:
+        def run(caller: Caller) -> pb.DrainResponse:
+            caller.tenant.check_admin("Drain")
             already = self.draining.is_set()
             log.info("Drain asked by %s%s", context.peer(), " (already draining)" if already
                      else "")
@@ -380,7 +456,26 @@ class KVStoreServicer:
             return response
         return self._unary("Drain", context, run, request)
 
-    def _stats_response(self, s: StoreStats, include_config: bool) -> pb.StatsResponse:
+    def Attach(self, request: pb.AttachRequest,
+               context: grpc.ServicerContext) -> pb.AttachResponse:
+        def run(caller: Caller) -> pb.AttachResponse:
+            socket_path = self.config.server.unix_socket
+            if not self.auth.on:
+                raise FailedPrecondition("auth.mode is off: attach the named segment "
+                                         "(StatsResponse.shm_name) instead")
+            if self.store.dram is None or not socket_path:
+                raise FailedPrecondition("shared memory needs the dram tier and "
+                                         "server.unix_socket; move data inline")
+            if not self.store.dram.arena_fds(caller.tenant.name):
+                raise FailedPrecondition(f"tenant {caller.tenant.name!r} owns no namespace, so "
+                                         "it has no shared-memory arena")
+            return pb.AttachResponse(ticket=self.tickets.issue(caller.tenant.name),
+                                     unix_socket=socket_path,
+                                     expires_in_ms=int(ATTACH_TICKET_S * 1000))
+        return self._unary("Attach", context, run, request)
+
+    def _stats_response(self, s: StoreStats, include_config: bool,
+                        caller: Caller) -> pb.StatsResponse:
         tiers = [
             pb.TierStats(**{**dataclasses.asdict(t), "tier": Tier[t.tier.upper()].value})
             for t in s.tiers
@@ -393,8 +488,11 @@ class KVStoreServicer:
             config_json=json.dumps(config_to_dict(self.config)) if include_config else "",
             prewarm=pb.PrewarmProgress(**dataclasses.asdict(s.prewarm)) if s.prewarm else None,
             clients=[pb.ClientHoldings(client=client, **dataclasses.asdict(held))
-                     for client, held in self.store.holdings().items()],
+                     for client, held in self.store.holdings().items()
+                     if caller.tenant.admin or client == caller.client],
             draining=self.draining.is_set(),
+            auth_mode=self.auth.mode, tenant=caller.tenant.name,
+            unix_socket=self.config.server.unix_socket if self.auth.on else "",
         )
 
 
@@ -438,6 +536,7 @@ def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
             s.Prewarm, request_deserializer=decoder(pb.PrewarmRequest),
             response_serializer=pb.PrewarmProgress.SerializeToString),
         "Drain": unary(s.Drain, pb.DrainRequest, pb.DrainResponse),
+        "Attach": unary(s.Attach, pb.AttachRequest, pb.AttachResponse),
     }
     declared = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
     if set(table) != declared:  # the .proto grew a method this table does not serve

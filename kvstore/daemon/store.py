@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from kvstore.core import checks
-from kvstore.core.errors import FailedPrecondition, InvalidArgument
+from kvstore.core.errors import FailedPrecondition, InvalidArgument, StartupError
 from kvstore.core.holdings import Caps, Holding
 from kvstore.core.index import Index
 from kvstore.core.pages import PageAllocator
@@ -32,6 +32,8 @@ from kvstore.core.records import (
     Reservation,
     StoreStats,
 )
+from kvstore.core.tenants import Tenant, TenantsError, split_tier
+from kvstore.daemon.auth import Auth
 from kvstore.daemon.config import Config
 from kvstore.daemon.movers import Mover
 from kvstore.daemon.prefetch import PrefetchProgress, prefetch
@@ -40,6 +42,7 @@ from kvstore.daemon.remote import Remote
 from kvstore.daemon.tier_setup import open_tiers
 from kvstore.daemon.tiering import Tiering
 from kvstore.daemon.writer import Writer
+from kvstore.extents import Arena
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier, TierStats
 from kvstore.tiers.dram import DramTier
@@ -62,20 +65,38 @@ def client_caps(config: Config) -> Caps:
 class Store:
     """The daemon's data plane, independent of gRPC. Thread-safe (one lock)."""
 
-    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic,
+                 auth: Auth | None = None) -> None:
+        """auth: the daemon's tenants (read from config when None). With tenants, every slot
+        tier is split into one arena per tenant (its quota, or an equal share of the rest)."""
         self.config = config
         self._clock = clock
         self._lock = threading.RLock()
-        self._opened = open_tiers(config)
+        self.auth = auth if auth is not None else Auth(config)
+        holders = self.auth.tenants.holders() if self.auth.on else []
+        d = config.dram
+        dram_arenas = _split("dram", d.capacity_bytes // d.page_size_bytes, d.page_size_bytes,
+                             holders) if holders and d.enabled else None
+        self._opened = open_tiers(config, dram_arenas)
         tiers = self._opened.tiers
         dram = tiers.get(Tier.DRAM)
         self.dram: DramTier | None = dram if isinstance(dram, DramTier) else None
+        arenas: dict[Tier, list[Arena]] = {}
+        if holders:
+            try:
+                for t, x in tiers.items():
+                    arenas[t] = _split(t.label, x.num_pages, x.page_size_bytes, holders)
+            except StartupError:
+                self._opened.close()
+                raise
         self.index = Index({t: PageAllocator(x.num_pages) for t, x in tiers.items()},
-                           {t: x.page_size_bytes for t, x in tiers.items()})
+                           {t: x.page_size_bytes for t, x in tiers.items()},
+                           arenas=arenas or None, arena_of=self.auth.arena_of)
         self._stats = {t: TierStats(t.label, t in tiers) for t in Tier}
         for t, tier in tiers.items():
             self._stats[t].backend = tier.backend
-        self._hits = self._misses = 0  # Lookup: keys inside / past the cached prefix
+        # Lookup keys inside / past the cached prefix, by tenant ("" with auth off)
+        self._lookups: dict[str, list[int]] = {}
         self.tiering = Tiering(config, self.index, self._lock, tiers, self._opened.manifest,
                                self._stats)
         self._mover: Mover | None = None
@@ -184,10 +205,10 @@ class Store:
         """The found payloads in pieces of at most chunk_bytes, each copy()'d under its lease."""
         return self._reader.chunks(result, chunk_bytes, copy)
 
-    def release(self, ids: Sequence[str]) -> int:
+    def release(self, ids: Sequence[str], owner: str | None = None) -> int:
         """End leases and abandon reservations; unknown or expired ids are an error (after
-        the known ones are released)."""
-        return self._reader.release(ids)
+        the known ones are released). With owner, only that client's ids are released."""
+        return self._reader.release(ids, owner)
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> tuple[int, list[Tier | None]]:
         checked = self._check_keys(namespace, keys)
@@ -195,8 +216,7 @@ class Store:
         with self._lock:
             prefix, tiers = self.index.lookup(namespace, checked)
             if remote is None or prefix == len(checked):  # no L4 round trip to make
-                self._hits += prefix
-                self._misses += len(checked) - prefix
+                self._count_lookup(namespace, prefix, len(checked) - prefix)
                 return prefix, tiers
         misses = [i for i, t in enumerate(tiers) if t is None]
         there = remote.exists(namespace, [checked[i] for i in misses])
@@ -205,9 +225,16 @@ class Store:
                 tiers[i] = Tier.REMOTE
         prefix = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         with self._lock:
-            self._hits += prefix
-            self._misses += len(checked) - prefix
+            self._count_lookup(namespace, prefix, len(checked) - prefix)
         return prefix, tiers
+
+    def _count_lookup(self, namespace: str, hits: int, misses: int) -> None:
+        tenant = self.auth.arena_of(namespace) or ""
+        counts = self._lookups.get(tenant)
+        if counts is None:
+            counts = self._lookups[tenant] = [0, 0]
+        counts[0] += hits
+        counts[1] += misses
 
     def prefetch(
         self, namespace: str, keys: Sequence[bytes], target: Tier | None,
@@ -253,6 +280,10 @@ class Store:
                      int(room * self.config.movers.low_watermark))
         return self._tracked(remote.prewarm(target, self._reader.missing, self.import_blocks,
                                             namespaces))
+
+    def remote_namespaces(self) -> list[str]:
+        """The namespaces L4's popularity knows (for a tenant's own pre-warm)."""
+        return self._remote().namespaces()
 
     def _tracked(self, progress: Iterator[PrewarmState]) -> Iterator[PrewarmState]:
         for state in progress:
@@ -310,9 +341,17 @@ class Store:
             found = [e for e in (self.index.get(namespace, k) for k in checked) if e is not None]
             more = sum(e.size_bytes for e in found
                        if self.index.holdings.pinned_by(namespace, e.key) != client)
-            self.index.holdings.check(client, self.caps, pinned_bytes=more)
+            self.index.holdings.check(client, self._caps_of(client), pinned_bytes=more)
             deadline = self._clock() + self.config.clients.max_pin_s
             return self.index.set_pinned(namespace, checked, True, client, deadline)
+
+    def _caps_of(self, client: str) -> Caps:
+        """The caps of client: a tenant's quota.pinned replaces clients.max_pinned_share."""
+        tenant = next((t for t in self.auth.tenants if t.name == client), None) \
+            if self.auth.on else None
+        if tenant is None or "pinned" not in tenant.quota:
+            return self.caps
+        return replace(self.caps, pinned_bytes=tenant.quota["pinned"])
 
     def sweep(self) -> tuple[int, int, int]:
         """Expire leases, reservations and pins past their deadline; how many of each."""
@@ -327,25 +366,46 @@ class Store:
         with self._lock:
             return self.index.holdings.all()
 
-    def stats(self, namespace: str = "") -> StoreStats:
+    def stats(self, namespace: str = "", tenant: Tenant | None = None) -> StoreStats:
+        """The whole daemon's figures (tenant None or an admin), or a client tenant's own:
+        its arenas' capacity and use, its holdings and its Lookup hits; the per-tier
+        activity counters are the daemon's and stay hidden from it."""
         if namespace:
             checks.namespace(namespace)
+        own = tenant is not None and not tenant.admin
         with self._lock:
             out: list[TierStats] = []
             for t in Tier:
                 row = replace(self._stats[t])
                 tier = self._opened.tiers.get(t)
+                if own:
+                    row = TierStats(row.tier, row.enabled, backend=row.backend)
                 if tier is not None:
-                    alloc = self.index.allocator_stats(t)
                     row.capacity_bytes = tier.capacity_bytes
                     row.page_size_bytes = tier.page_size_bytes
-                    row.free_pages = alloc.free_pages
-                    row.largest_free_run_pages = alloc.largest_free_run
-                    row.objects, row.used_bytes = self.index.usage(t, namespace or None)
-                    row.evictions = self.index.evictions[t]
+                    if own:
+                        assert tenant is not None
+                        objects, used, free, pages = self.index.arena_usage(t, tenant.name)
+                        row.capacity_bytes = pages * tier.page_size_bytes
+                        row.free_pages = free
+                        row.objects, row.used_bytes = objects, used
+                    else:
+                        alloc = self.index.allocator_stats(t)
+                        row.free_pages = alloc.free_pages
+                        row.largest_free_run_pages = alloc.largest_free_run
+                        row.objects, row.used_bytes = self.index.usage(t, None)
+                        row.evictions = self.index.evictions[t]
+                    if namespace:
+                        row.objects, row.used_bytes = self.index.usage(t, namespace)
                 if t == Tier.REMOTE and self.remote is not None:
                     row.state = self.remote.state
                 out.append(row)
+            if own:
+                assert tenant is not None
+                held = self.index.holdings.of(tenant.name)
+                hits, misses = self._lookups.get(tenant.name, (0, 0))
+                return StoreStats(out, "", 0, held.leases, held.reservations, held.pins,
+                                  hits, misses, None)
             return StoreStats(
                 out,
                 self.dram.shm_name if self.dram else "",
@@ -353,7 +413,14 @@ class Store:
                 self.index.num_leases,
                 self.index.num_plans,
                 self.index.pinned_count(),
-                self._hits,
-                self._misses,
+                sum(c[0] for c in self._lookups.values()),
+                sum(c[1] for c in self._lookups.values()),
                 replace(self._prewarm) if self._prewarm else None,
             )
+
+
+def _split(tier: str, num_pages: int, page_size: int, holders: list[Tenant]) -> list[Arena]:
+    try:
+        return split_tier(tier, num_pages, page_size, holders)
+    except TenantsError as exc:
+        raise StartupError(f"auth.tenants_file: {exc}") from None

@@ -10,6 +10,7 @@ import fcntl
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 from kvstore.core.errors import StartupError
 from kvstore.daemon.config import Config
 from kvstore.daemon.manifest import Manifest
+from kvstore.extents import Arena
 from kvstore.tier import Tier
 from kvstore.tiers.base import SlotTier
 from kvstore.tiers.dram import DramTier
@@ -50,8 +52,9 @@ def l3_dir(config: Config) -> Path:
     return Path(cache) / "kvstore" / str(config.server.port)
 
 
-def open_tiers(config: Config) -> OpenTiers:
-    """Every enabled tier, opened; on failure whatever was opened is closed again."""
+def open_tiers(config: Config, dram_arenas: Sequence[Arena] | None = None) -> OpenTiers:
+    """Every enabled tier, opened; on failure whatever was opened is closed again. With
+    dram_arenas, L2 is one memfd per tenant's arena instead of one named segment."""
     opened = OpenTiers()
     with ExitStack() as undo:
         undo.callback(opened.close)
@@ -59,7 +62,7 @@ def open_tiers(config: Config) -> OpenTiers:
             dram = DramTier(
                 config.dram.capacity_bytes, config.dram.page_size_bytes,
                 config.dram.shm_name or f"kvstore-{config.server.port}-{secrets.token_hex(4)}",
-                config.dram.pin_memory,
+                config.dram.pin_memory, dram_arenas,
             )
             opened._stack.callback(dram.close)
             opened.tiers[Tier.DRAM] = dram

@@ -71,16 +71,30 @@ class Writer:
                                        reserved_bytes=sum(sizes))
             plan = self._prepare(plan_id, namespace, checked, sizes, parents, timeout_s, client)
             if plan is None:
-                need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
-                raise ResourceExhausted(
-                    f"sizes need {need} pages ({format_size(need * tier.page_size_bytes)}); the "
-                    f"dram tier cannot free that many (capacity {format_size(tier.capacity_bytes)},"
-                    " dram.capacity_bytes; pinned and leased blocks stay)"
-                )
+                raise self._no_room(namespace, sizes, tier.page_size_bytes,
+                                    tier.capacity_bytes)
             targets: list[list[Extent] | None] = [None] * len(checked)
             for block in plan.blocks:
                 targets[block.index] = tier.extents(block.pages, block.size_bytes)
         return plan_id, checked, sizes, targets
+
+    def _no_room(self, namespace: str, sizes: list[int], page_size: int,
+                 capacity_bytes: int) -> ResourceExhausted:
+        need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
+        wanted = f"sizes need {need} pages ({format_size(need * page_size)})"
+        arena = self._index.arena_of(namespace)
+        if arena is None:
+            return ResourceExhausted(f"namespace {namespace!r}: no tenant owns it, so it has "
+                                     "no pages to store in")
+        if arena:  # a tenant's arena: its quota, not the tier, is what is short
+            pages = self._index.arena_usage(Tier.DRAM, arena)[3]
+            return ResourceExhausted(
+                f"{wanted}; tenant {arena!r} cannot free that many in its dram arena "
+                f"({format_size(pages * page_size)}, its quota.dram; pinned and leased blocks "
+                "stay)")
+        return ResourceExhausted(
+            f"{wanted}; the dram tier cannot free that many (capacity "
+            f"{format_size(capacity_bytes)}, dram.capacity_bytes; pinned and leased blocks stay)")
 
     def _prepare(
         self, plan_id: str, namespace: str, keys: list[BlockKey], sizes: list[int],
@@ -92,16 +106,19 @@ class Writer:
         movers = self._config.movers
         deadline = self._clock() + timeout_s
         args = (plan_id, namespace, keys, sizes, parents, Tier.DRAM, deadline)
+        arena = self._index.arena_of(namespace)  # the tenant's (None: nobody owns it)
+        if arena is None:
+            return None
         plan = self._index.prepare_store(*args, evict=False, client=client)
         if plan is None:
             need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
-            room = self._tiering.placement.room(Tier.DRAM, need)
+            room = self._tiering.placement.room(Tier.DRAM, need, arena=arena)
             if room.step is RoomStep.DEMOTE and self._tiering.wait_for_room(
-                    Tier.DRAM, need, movers.put_wait_s):
+                    Tier.DRAM, need, movers.put_wait_s, arena):
                 plan = self._index.prepare_store(*args, evict=False, client=client)
         if plan is None:
             plan = self._index.prepare_store(*args, evict=True, client=client)
-        if self._tiering.fullness(Tier.DRAM) >= movers.high_watermark:
+        if self._tiering.fullness(Tier.DRAM, arena) >= movers.high_watermark:
             self._tiering.wake.set()
         return plan
 

@@ -1,6 +1,7 @@
 """Blocks round-trip bit-exact through a real daemon: inline and through shared memory, with
 every kind of caller buffer, across the two paths, across processes, and with the async
-client. Re-puts are acknowledged and change nothing; lookup reports the cached prefix."""
+client. Re-puts are acknowledged and change nothing; lookup reports the cached prefix.
+All of it twice: auth off (one named segment), and auth.mode=token (a tenant's arena)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,30 @@ SIZES = [1, 7, 4095, 4096, 4097, 65535, 65536, 65537, MiB + 3, 5 * MiB + 7, 9 * 
 MODES = [pytest.param(False, id="inline"), pytest.param(True, id="shm")]
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("roundtrip"), "dram.capacity_bytes=48MiB",
-                     "dram.page_size_bytes=64KiB", "server.max_object_bytes=16MiB")
-    yield d
-    assert d.stop() == 0, d.log()
+TOKEN = "roundtrip-token-0123456789"
+
+
+@pytest.fixture(scope="module", params=["off", "token"])
+def daemon(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The same daemon with auth off, then with auth.mode=token: one admin tenant owning
+    every namespace, whose shared memory is its own arena reached through the Unix socket
+    (the clients, and the subprocess one, take the token from KVSTORE_TOKEN)."""
+    workdir = tmp_path_factory.mktemp("roundtrip")
+    settings = ["dram.capacity_bytes=48MiB", "dram.page_size_bytes=64KiB",
+                "server.max_object_bytes=16MiB"]
+    with pytest.MonkeyPatch.context() as env:
+        if request.param == "token":
+            tenants = workdir / "tenants.yaml"
+            tenants.write_text(json.dumps({"tenants": [{
+                "name": "engine", "role": "admin", "namespaces": [""],
+                "tokens_sha256": [hashlib.sha256(TOKEN.encode()).hexdigest()]}]}))
+            settings += ["auth.mode=token", f"auth.tenants_file={tenants}",
+                         f"server.unix_socket={workdir / 'kvstore.sock'}"]
+            env.setenv("KVSTORE_TOKEN", TOKEN)
+        d = start_daemon(workdir, *settings)
+        yield d
+        assert d.stop() == 0, d.log()
 
 
 @pytest.fixture(autouse=True)
