@@ -7,6 +7,9 @@ key helpers, result types, the exception tree and retry policy.
     with KVStoreClient("127.0.0.1:50051", "llama3-8b/tp0") as kv:
         kv.put(keys, blocks)
         hits = kv.get_into(keys, buffers)
+
+With auth on, pass `token=` (or set KVSTORE_TOKEN / KVSTORE_TOKEN_FILE) and, for TLS or mTLS,
+`tls=TLS(ca_file, cert_file, key_file)` (or the KVSTORE_TLS_* variables); see `credentials`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from kvstore.keys import BlockKey, prefix_keys
 
 from .aio import AsyncKVStoreClient
+from .credentials import TLS
 from .errors import (
     Aborted,
     DataLoss,
@@ -80,6 +84,7 @@ __all__ = [
     "ResourceExhausted",
     "Retry",
     "Stats",
+    "TLS",
     "TierStats",
     "Unauthenticated",
     "Unavailable",

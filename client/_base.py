@@ -2,9 +2,10 @@
 that each writes only its control flow (blocking calls, or awaited ones), as redis-py's
 `retry.py` and `asyncio/retry.py` share a base.
 
-Shared here: the constructor and its checks, the stubs over the channel each subclass opens,
-the shared-memory decision (`ShmState`, one per client), the requests the data path builds,
-the warnings both log, `uses_shared_memory` and the repr. Verb arguments are checked and
+Shared here: the constructor and its checks, the credentials (`credentials`: the token bound
+to every call's metadata, TLS for the channel), the stubs over the channel each subclass
+opens, the shared-memory decision (`ShmState`, one per client), the requests the data path
+builds, the warnings both log, `uses_shared_memory` and the repr. Verb arguments are checked and
 requests built in `_requests`, wire framing in `_wire`, results in `results`.
 """
 
@@ -30,6 +31,16 @@ from ._wire import (
     decode_get_response,
     identity,
 )
+from .credentials import (
+    TLS,
+    ChannelSecurity,
+    bearer_metadata,
+    channel_security,
+    resolve_tls,
+    resolve_token,
+    resolve_unix_socket,
+    with_metadata,
+)
 from .errors import KVStoreError
 from .retry import Retry
 
@@ -50,16 +61,34 @@ class ClientBase(ABC):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         verify_checksums: bool = True,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        token: str | None = None,
+        tls: TLS | bool | None = None,
+        unix_socket: str | None = None,
     ) -> None:
-        """shared_memory: None uses the daemon's segment when co-located, False never, True
-        requires it (FailedPrecondition on the first data call when it cannot be used)."""
+        """shared_memory: None uses the daemon's shared memory when co-located, False never,
+        True requires it (FailedPrecondition on the first data call when it cannot be used).
+
+        token: sent as `authorization: Bearer <token>` on every call; None reads env
+        KVSTORE_TOKEN, else the file named by KVSTORE_TOKEN_FILE. tls: a `TLS`, True (the
+        system roots) or False (plaintext); None is TLS from KVSTORE_TLS_CA_FILE,
+        KVSTORE_TLS_CERT_FILE, KVSTORE_TLS_KEY_FILE and KVSTORE_TLS_SERVER_NAME when the CA or
+        the cert is set, else plaintext. unix_socket: the daemon's Unix socket (for Attach)
+        as this process sees it; None reads KVSTORE_UNIX_SOCKET, else the daemon's own path.
+        Files are read here: a bad token or an unreadable file is InvalidArgument naming it."""
         self.namespace = check_client_args(namespace, chunk_bytes, max_message_bytes, timeout_s)
         self.target = target
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.verify_checksums = verify_checksums
         self.retry = retry if retry is not None else Retry()
-        self._channel = self._open_channel(target, max_message_bytes)
+        secret = resolve_token(token)
+        settings = resolve_tls(tls)
+        socket_path = resolve_unix_socket(unix_socket)
+        security = channel_security(settings) if settings is not None else None
+        metadata = bearer_metadata(secret) if secret is not None else ()
+        self._channel = with_metadata(
+            self._open_channel(target, max_message_bytes, security), metadata
+        )
         self._stub = pb_grpc.KVStoreStub(self._channel)
         # Put and Get bypass the generated serializers for their bulk bytes (see _wire).
         self._put = self._channel.stream_unary(
@@ -73,13 +102,16 @@ class ClientBase(ABC):
             response_deserializer=decode_get_response,
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._shm = ShmState(shared_memory)
+        self._shm = ShmState(shared_memory, socket_path)
         self._closed = False
 
     @staticmethod
     @abstractmethod
-    def _open_channel(target: str, max_message_bytes: int) -> Any:
-        """The channel the stubs run on: grpc's blocking one, or grpc.aio's."""
+    def _open_channel(
+        target: str, max_message_bytes: int, security: ChannelSecurity | None
+    ) -> Any:
+        """The channel the stubs run on: grpc's blocking one, or grpc.aio's; TLS with
+        security, else plaintext."""
 
     @property
     def uses_shared_memory(self) -> bool | None:

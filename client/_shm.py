@@ -1,11 +1,17 @@
-"""The same-host fast path: deciding whether to use the daemon's shared-memory segment, and
-copying blocks in and out of it.
+"""The same-host fast path: whether to use the daemon's shared memory, and which.
 
-`ShmState` owns the decision for both clients (made once, from one Stats call: same host id
-and the segment attaches; undone for good by a fall-back), its one lock, and the attached
-segment. `SharedSegment` copies with numpy slices of one array over
-the whole mapping, so every copy is a single memcpy with no Python-level per-byte work.
-Extents from the daemon are bounds-checked before any copy; a bad one is DataLoss.
+`ShmState` owns the decision for both clients (made once, from one Stats call and on the
+arena path one Attach; undone for good by a fall-back), its one lock, and what is attached.
+Two ways in:
+
+    named segment   auth.mode off: Stats names /dev/shm/<shm_name>; same host id: attach it
+    arenas          auth on: shm_name is empty and Stats names a Unix socket; same kernel
+                    (the boot id: descriptors cross IPC namespaces, so pods need no hostIPC):
+                    Attach, trade its ticket on the socket for the tenant's arenas (_attach),
+                    and look each response's `arena` up by name (an unknown one: one
+                    re-Attach, then DataLoss)
+
+The copies themselves are `_segment`'s.
 """
 
 from __future__ import annotations
@@ -17,126 +23,61 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-import xxhash
-
 from kvstore import shm
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
-from ._buffers import ByteArray, address, copy_bytes
-from ._wire import Fetched, GetHeader, capacities, parse_get_header
-from .errors import DataLoss, FailedPrecondition
+from ._attach import Arena, receive_arenas
+from ._buffers import ByteArray
+from ._segment import SharedSegment, attach, only_header, read_shm_get, write_reserved
+from ._wire import Fetched, capacities, parse_get_header
+from .errors import DataLoss, DeadlineExceeded, FailedPrecondition, KVStoreError, Unavailable
+
+__all__ = [
+    "SharedSegment",
+    "ShmState",
+    "only_header",
+    "read_shm_get",
+    "same_kernel",
+    "write_reserved",
+]
 
 logger = logging.getLogger("kvstore.client")
 
-Spans = list[tuple[int, int]]
+FetchAttach = Callable[[], pb.AttachResponse]
+FetchAttachAsync = Callable[[], Awaitable[pb.AttachResponse]]
 
 
-class SharedSegment:
-    """The daemon's L2 segment, attached read-write in this process."""
-
-    def __init__(self, segment: Any) -> None:
-        self._segment = segment
-        self.name: str = segment.name
-        self._view: memoryview | None = segment.view()
-        self.size_bytes: int = self._view.nbytes
-        self.array: ByteArray = np.frombuffer(self._view, dtype=np.uint8)
-        self.address = address(self.array)
-
-    def spans(self, location: pb.BlockLocation, size: int, field: str) -> Spans:
-        """(offset, length) pairs holding exactly `size` bytes, checked against the mapping."""
-        out: Spans = []
-        remaining = size
-        limit = self.size_bytes
-        for extent in location.extents:
-            if remaining == 0:
-                break
-            offset, length = extent.offset, extent.length
-            if offset + length > limit:
-                raise DataLoss(
-                    f"{field}: extent [{offset}, {offset + length}) lies outside the "
-                    f"{limit}-byte segment {self.name}"
-                )
-            take = min(length, remaining)
-            out.append((offset, take))
-            remaining -= take
-        if remaining:
-            raise DataLoss(f"{field}: extents hold {size - remaining} of {size} bytes")
-        return out
-
-    def read_bytes(self, spans: Spans) -> bytes:
-        arr = self.array
-        if len(spans) == 1:
-            offset, length = spans[0]
-            return arr[offset : offset + length].tobytes()
-        return b"".join([arr[o : o + n].data for o, n in spans])
-
-    def read_into(self, spans: Spans, dst: ByteArray, *, digest: bool) -> int | None:
-        """Copy the spans into dst; with digest, return the xxh3-64 of the bytes copied
-        (hashed from dst, so what is verified is what the caller got)."""
-        arr = self.array
-        skew_base = address(dst) - self.address
-        pos = 0
-        for offset, length in spans:
-            copy_bytes(
-                dst[pos : pos + length], arr[offset : offset + length], skew_base + pos - offset
-            )
-            pos += length
-        return xxhash.xxh3_64_intdigest(dst[:pos].data) if digest else None
-
-    def write(self, spans: Spans, src: memoryview) -> None:
-        if not src.nbytes:
-            return
-        source = np.frombuffer(src, dtype=np.uint8)
-        arr = self.array
-        skew_base = self.address - address(source)
-        pos = 0
-        for offset, length in spans:
-            copy_bytes(
-                arr[offset : offset + length], source[pos : pos + length], skew_base + offset - pos
-            )
-            pos += length
-
-    def close(self) -> None:
-        # Drop our exports first so the mapping can actually be unmapped. A view another
-        # thread still reads through keeps the mapping alive (never a dangling pointer); it
-        # is unmapped when the last one is collected.
-        self.array = np.empty(0, np.uint8)
-        view, self._view = self._view, None
-        if view is not None:
-            try:
-                view.release()
-            except BufferError:
-                logger.debug("kvstore: segment %s still in use; unmapped later", self.name)
-        self._segment.close()
-
-
-def attach(name: str) -> SharedSegment:
-    """Attach the named segment; FailedPrecondition (with why) when it cannot be."""
-    try:
-        return SharedSegment(shm.attach_segment(name))
-    except (OSError, ValueError) as exc:
-        raise FailedPrecondition(f"cannot attach shared-memory segment {name!r}: {exc}") from None
+def same_kernel(theirs: str, mine: str) -> bool:
+    """Whether two host ids (kvstore.shm.host_id) name one kernel boot, whatever their IPC
+    namespaces: enough for descriptors passed over a Unix socket."""
+    return theirs.split(":", 1)[0] == mine.split(":", 1)[0]
 
 
 class ShmState:
-    """Whether the fast path is on, and the segment it uses: the one owner of that decision,
+    """Whether the fast path is on, and the memory it uses: the one owner of that decision,
     for the blocking and the asyncio client alike.
 
     mode None: use it when co-located; False: never; True: required (FailedPrecondition when
-    the daemon is on another host or its segment cannot be attached).
+    the daemon is on another host or its memory cannot be attached). unix_socket overrides
+    the socket path the daemon reports (its folder may be mounted elsewhere here).
 
-    The decision is made once, from one Stats call, however many threads or tasks make their
-    first data call together: the first claims it, the others wait for its outcome. A Stats
-    that fails (or a required path that cannot be had) leaves it undecided, and the next
-    caller tries again. A data call that finds the path broken falls back to inline for good
-    (`fall_back`), unless the path is required.
+    The decision is made once, from one Stats call (and an Attach on the arena path), however
+    many threads or tasks make their first data call together: the first claims it, the
+    others wait for its outcome. A Stats or Attach that fails with UNAVAILABLE (or a required
+    path that cannot be had) leaves it undecided, and the next caller tries again; any other
+    failure of the way in means inline, logged at INFO. A data call that finds the path
+    broken falls back to inline for good (`fall_back`), unless the path is required.
     """
 
-    def __init__(self, mode: bool | None) -> None:
+    def __init__(self, mode: bool | None, unix_socket: str | None = None) -> None:
         self.mode = mode
+        self.unix_socket = unix_socket
         self.decided = mode is False
         self.segment: SharedSegment | None = None
+        # The arena path: the tenant's arenas by name, and the socket they came through
+        # (None on the named-segment path).
+        self.arenas: dict[str, SharedSegment] = {}
+        self._socket_path: str | None = None
         # Guards the decision, re-attaching and closing; never held across an RPC or an
         # await, which is what lets one lock serve both clients.
         self._lock = threading.Lock()
@@ -148,40 +89,52 @@ class ShmState:
         return self.mode is True
 
     @property
+    def active(self) -> SharedSegment | None:
+        """The named segment, or the first arena; None when inline."""
+        if self.segment is not None:
+            return self.segment
+        return next(iter(self.arenas.values()), None)
+
+    @property
     def in_use(self) -> bool | None:
         """True/False once decided, None before."""
-        return (self.segment is not None) if self.decided else None
+        return (self.active is not None) if self.decided else None
 
-    def segment_for(self, fetch_stats: Callable[[], pb.StatsResponse]) -> SharedSegment | None:
-        """The segment to use, or None for inline; decides first (fetch_stats is the one
-        Stats call) when undecided. The blocking client's way in."""
+    def segment_for(
+        self,
+        fetch_stats: Callable[[], pb.StatsResponse],
+        fetch_attach: FetchAttach | None = None,
+    ) -> SharedSegment | None:
+        """The segment (or first arena) to use, or None for inline; decides first when
+        undecided (fetch_stats is the one Stats call, fetch_attach the Attach RPC). The
+        blocking client's way in."""
         while not self.decided:
             mine, turn = self._claim()
             if not mine:
                 turn.result()
                 continue
-            stats: pb.StatsResponse | None = None
             try:
-                stats = fetch_stats()
+                self.adopt(fetch_stats(), fetch_attach)
             finally:
-                self._settle(turn, stats)
-        return self.segment
+                self._settle(turn)
+        return self.active
 
     async def segment_for_async(
-        self, fetch_stats: Callable[[], Awaitable[pb.StatsResponse]]
+        self,
+        fetch_stats: Callable[[], Awaitable[pb.StatsResponse]],
+        fetch_attach: FetchAttachAsync | None = None,
     ) -> SharedSegment | None:
-        """segment_for, awaiting the Stats call and the decision: the asyncio client's way in."""
+        """segment_for, awaiting the calls and the decision: the asyncio client's way in."""
         while not self.decided:
             mine, turn = self._claim()
             if not mine:
                 await asyncio.wrap_future(turn)
                 continue
-            stats: pb.StatsResponse | None = None
             try:
-                stats = await fetch_stats()
+                await self.adopt_async(await fetch_stats(), fetch_attach)
             finally:
-                self._settle(turn, stats)
-        return self.segment
+                self._settle(turn)
+        return self.active
 
     def _claim(self) -> tuple[bool, Future[None]]:
         """(True, turn) when the caller is to decide now; else (False, what to wait for)."""
@@ -198,36 +151,122 @@ class ShmState:
             self._deciding = turn
             return True, turn
 
-    def _settle(self, turn: Future[None], stats: pb.StatsResponse | None) -> None:
-        """Adopt stats (None: the Stats call failed), then wake the waiters either way."""
-        try:
-            if stats is not None:
-                self.adopt(stats)
-        finally:
-            with self._lock:
-                self._deciding = None
-            turn.set_result(None)
+    def _settle(self, turn: Future[None]) -> None:
+        """The decision is made, or failed: wake the waiters either way."""
+        with self._lock:
+            self._deciding = None
+        turn.set_result(None)
 
-    def adopt(self, stats: pb.StatsResponse) -> None:
+    def adopt(self, stats: pb.StatsResponse, fetch_attach: FetchAttach | None = None) -> None:
         """Decide from the daemon's Stats; attach when co-located."""
         try:
-            self.segment = self._choose(stats)
-        except FailedPrecondition as exc:
-            if self.required:
-                raise
-            logger.info("kvstore: shared-memory path off: %s", exc)
-            self.segment = None
+            path = self._route(stats)
+            if path is None:
+                self.segment = attach(stats.shm_name)
+            else:
+                reply = self._attach_reply(fetch_attach)
+                path = self._path_for(reply, path)
+                self._adopt_arenas(path, receive_arenas(path, reply.ticket))
+        except KVStoreError as exc:
+            self._refuse(exc)
+            return
         self.decided = True
 
-    def _choose(self, stats: pb.StatsResponse) -> SharedSegment:
-        if not stats.shm_name:
-            raise FailedPrecondition("the daemon has no shared-memory segment (shm_name is empty)")
+    async def adopt_async(
+        self, stats: pb.StatsResponse, fetch_attach: FetchAttachAsync | None = None
+    ) -> None:
+        """adopt, awaiting Attach; the socket exchange (one-time, blocking) runs in a thread."""
+        try:
+            path = self._route(stats)
+            if path is None:
+                self.segment = attach(stats.shm_name)
+            else:
+                reply = await self._attach_reply(fetch_attach)
+                path = self._path_for(reply, path)
+                self._adopt_arenas(
+                    path, await asyncio.to_thread(receive_arenas, path, reply.ticket)
+                )
+        except KVStoreError as exc:
+            self._refuse(exc)
+            return
+        self.decided = True
+
+    def _route(self, stats: pb.StatsResponse) -> str | None:
+        """None: attach stats.shm_name by name; else the Unix socket to Attach through.
+        FailedPrecondition (why) when neither can work."""
         mine = shm.host_id()
-        if stats.host_id != mine:
+        elsewhere = FailedPrecondition(
+            f"the daemon runs on another host (host_id {stats.host_id!r}, ours {mine!r})"
+        )
+        if stats.shm_name:
+            if stats.host_id != mine:
+                raise elsewhere
+            return None
+        path = self.unix_socket or stats.unix_socket
+        if not path:
             raise FailedPrecondition(
-                f"the daemon runs on another host (host_id {stats.host_id!r}, ours {mine!r})"
+                "the daemon has no shared-memory segment (shm_name is empty) and no Unix socket"
             )
-        return attach(stats.shm_name)
+        if not same_kernel(stats.host_id, mine):
+            raise elsewhere
+        return path
+
+    @staticmethod
+    def _attach_reply(fetch_attach: Any) -> Any:
+        """fetch_attach() (an AttachResponse, or its awaitable); none: FailedPrecondition."""
+        if fetch_attach is None:
+            raise FailedPrecondition("the daemon's memory is reached only through Attach")
+        return fetch_attach()
+
+    def _path_for(self, reply: pb.AttachResponse, reported: str) -> str:
+        """The socket to trade the ticket on: ours, else the one Attach names."""
+        return self.unix_socket or reply.unix_socket or reported
+
+    def _adopt_arenas(self, path: str, arenas: list[Arena]) -> None:
+        fresh = {arena.name: SharedSegment(arena) for arena in arenas}
+        with self._lock:
+            old, self.arenas = self.arenas, fresh
+            self._socket_path = path
+        for segment in old.values():
+            segment.close()
+
+    def _refuse(self, exc: KVStoreError) -> None:
+        """The way in failed: try again later (UNAVAILABLE), raise (required), or go inline."""
+        if isinstance(exc, (Unavailable, DeadlineExceeded)):
+            raise exc
+        if self.required:
+            if isinstance(exc, FailedPrecondition):
+                raise exc
+            raise FailedPrecondition(f"shared memory is required but cannot be had: {exc}")
+        logger.info("kvstore: shared-memory path off: %s", exc)
+        self.decided = True
+
+    def needs_attach(self, name: str) -> bool:
+        """Whether a response names an arena this client does not hold (arena path only)."""
+        return bool(name) and self._socket_path is not None and name not in self.arenas
+
+    def ensure_arena(self, name: str, fetch_attach: FetchAttach) -> None:
+        """Before a response's arena is used: one re-Attach when it names one not held (the
+        daemon restarted, or added one); segment_named then finds it or raises DataLoss."""
+        if not self.needs_attach(name):
+            return
+        try:
+            reply = fetch_attach()
+            path = self._path_for(reply, self._socket_path or "")
+            self._adopt_arenas(path, receive_arenas(path, reply.ticket))
+        except KVStoreError as exc:
+            raise _reattach_failed(name, exc) from None
+
+    async def ensure_arena_async(self, name: str, fetch_attach: FetchAttachAsync) -> None:
+        """ensure_arena, awaiting Attach and running the socket exchange in a thread."""
+        if not self.needs_attach(name):
+            return
+        try:
+            reply = await fetch_attach()
+            path = self._path_for(reply, self._socket_path or "")
+            self._adopt_arenas(path, await asyncio.to_thread(receive_arenas, path, reply.ticket))
+        except KVStoreError as exc:
+            raise _reattach_failed(name, exc) from None
 
     def fall_back(self, exc: FailedPrecondition) -> None:
         """A data call found the fast path unusable: re-raise exc when it is required, else
@@ -237,7 +276,17 @@ class ShmState:
         self.disable(str(exc))
 
     def segment_named(self, name: str) -> SharedSegment:
-        """The segment a response names; re-attaches if the daemon moved to a new one."""
+        """The segment or arena a response names; re-attaches by name if the daemon moved to
+        a new segment. On the arena path an arena not held is DataLoss (ensure_arena first)."""
+        if self._socket_path is not None:
+            arenas = self.arenas
+            if not arenas:  # closed, or turned off by another call meanwhile
+                raise FailedPrecondition("the shared-memory path was turned off")
+            arena = arenas.get(name)
+            if arena is None:
+                raise DataLoss(f"the response names arena {name!r}, which the daemon did not "
+                               "pass this client" if name else "the response names no arena")
+            return arena
         current = self.segment
         if current is not None and (not name or name == current.name):
             return current
@@ -257,7 +306,10 @@ class ShmState:
         self, reserved: pb.ReserveResponse, payloads: Sequence[memoryview]
     ) -> int:
         """Write the payloads into the extents Reserve gave; the count written."""
-        return write_reserved(self.segment_named(reserved.shm_name), reserved, payloads)
+        if len(reserved.exists) == len(payloads) and all(reserved.exists):
+            return 0  # nothing to write, so no memory to name
+        segment = self.segment_named(reserved.arena or reserved.shm_name)
+        return write_reserved(segment, reserved, payloads)
 
     def read_get(
         self,
@@ -270,7 +322,7 @@ class ShmState:
         header = parse_get_header(response, num_keys, capacities(arrays))
         if not header.found_index:
             return Fetched(header, [])
-        segment = self.segment_named(response.shm_name)
+        segment = self.segment_named(response.arena or response.shm_name)
         return read_shm_get(segment, response, header, arrays, verify_checksums)
 
     def disable(self, reason: str) -> None:
@@ -282,60 +334,15 @@ class ShmState:
     def close(self) -> None:
         with self._lock:
             segment, self.segment = self.segment, None
-        if segment is not None:
-            segment.close()
+            arenas, self.arenas = self.arenas, {}
+        for held in [segment, *arenas.values()]:
+            if held is not None:
+                held.close()
 
 
-def only_header(messages: Sequence[pb.GetResponse | memoryview]) -> pb.GetResponse:
-    """The one message a shared-memory Get answers, else DataLoss."""
-    if len(messages) != 1 or isinstance(messages[0], memoryview):
-        raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
-    return messages[0]
-
-
-def read_shm_get(
-    segment: SharedSegment,
-    resp: pb.GetResponse,
-    header: GetHeader,
-    arrays: Sequence[ByteArray] | None,
-    verify_checksums: bool,
-) -> Fetched:
-    """Copy the found blocks out of shared memory: into arrays[request index] when given
-    (with their checksums computed on the way), else as bytes per found block."""
-    locations = resp.locations
-    if len(locations) != len(header.sizes):
-        raise DataLoss(
-            f"Get response has {len(locations)} locations for {len(header.sizes)} found keys"
-        )
-    if arrays is None:
-        payloads = [
-            segment.read_bytes(segment.spans(locations[j], size, f"locations[{j}]"))
-            for j, size in enumerate(header.sizes)
-        ]
-        return Fetched(header, payloads)
-    digests: list[int] = []
-    for j, size in enumerate(header.sizes):
-        spans = segment.spans(locations[j], size, f"locations[{j}]")
-        digest = segment.read_into(spans, arrays[header.found_index[j]], digest=verify_checksums)
-        if digest is not None:
-            digests.append(digest)
-    return Fetched(header, [], digests if verify_checksums else None)
-
-
-def write_reserved(
-    segment: SharedSegment, resp: pb.ReserveResponse, payloads: Sequence[memoryview]
-) -> int:
-    """Write every payload whose key does not exist into its reserved extents; the count."""
-    exists, locations = resp.exists, resp.locations
-    if len(exists) != len(payloads) or len(locations) != len(payloads):
-        raise DataLoss(
-            f"Reserve response has {len(exists)} exists flags and {len(locations)} locations "
-            f"for {len(payloads)} keys"
-        )
-    written = 0
-    for i, payload in enumerate(payloads):
-        if exists[i]:
-            continue
-        segment.write(segment.spans(locations[i], payload.nbytes, f"locations[{i}]"), payload)
-        written += 1
-    return written
+def _reattach_failed(name: str, exc: KVStoreError) -> KVStoreError:
+    """A failed re-Attach: UNAVAILABLE as it is (the call is retried), else FailedPrecondition
+    (the call falls back to inline, or fails when shared memory is required)."""
+    if isinstance(exc, (Unavailable, DeadlineExceeded)):
+        return exc
+    return FailedPrecondition(f"re-Attach for arena {name!r} failed: {exc}")

@@ -24,7 +24,7 @@ from . import _requests as rq
 from . import results as res
 from ._base import ClientBase
 from ._buffers import ByteArray
-from ._shm import SharedSegment, only_header
+from ._segment import SharedSegment, only_header
 from ._wire import (
     HEALTH_SERVICE,
     Fetched,
@@ -36,6 +36,7 @@ from ._wire import (
     finish_get_into,
     put_frames,
 )
+from .credentials import ChannelSecurity
 from .errors import DataLoss, FailedPrecondition, from_rpc_error
 
 __all__ = ["AsyncKVStoreClient"]
@@ -48,9 +49,14 @@ class AsyncKVStoreClient(ClientBase):
     """A grpc.aio connection to one kvstore daemon, bound to one namespace."""
 
     @staticmethod
-    def _open_channel(target: str, max_message_bytes: int) -> Any:
-        return grpc.aio.insecure_channel(
-            target, options=channel_options(max_message_bytes, sync=False)
+    def _open_channel(
+        target: str, max_message_bytes: int, security: ChannelSecurity | None
+    ) -> Any:
+        options = channel_options(max_message_bytes, sync=False)
+        if security is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(
+            target, security.credentials, options=[*options, *security.options]
         )
 
     # --- plumbing -------------------------------------------------------------------------
@@ -80,12 +86,18 @@ class AsyncKVStoreClient(ClientBase):
         return await self.retry.call_async(attempt)
 
     async def _segment(self) -> SharedSegment | None:
-        return await self._shm.segment_for_async(self._fetch_stats)
+        return await self._shm.segment_for_async(self._fetch_stats, self._fetch_attach)
 
     async def _fetch_stats(self) -> pb.StatsResponse:
         request = self._stats_request()
         response: pb.StatsResponse = await self._rpc(
             lambda: self._stub.Stats(request, timeout=self.timeout_s)
+        )
+        return response
+
+    async def _fetch_attach(self) -> pb.AttachResponse:
+        response: pb.AttachResponse = await self._rpc(
+            lambda: self._stub.Attach(pb.AttachRequest(), timeout=self.timeout_s)
         )
         return response
 
@@ -136,6 +148,7 @@ class AsyncKVStoreClient(ClientBase):
         )
         committed = False
         try:
+            await self._shm.ensure_arena_async(reserved.arena, self._fetch_attach)
             self._shm.write_reservation(reserved, plan.payloads)
             frame = plan.commit_frame(reserved.reservation_id)
             response: pb.PutResponse = await self._put(iter([frame]), timeout=self.timeout_s)
@@ -182,6 +195,7 @@ class AsyncKVStoreClient(ClientBase):
         call = self._get(self._get_request(keys, True), timeout=self.timeout_s)
         response = only_header([message async for message in call])
         try:
+            await self._shm.ensure_arena_async(response.arena, self._fetch_attach)
             return self._shm.read_get(response, len(keys), arrays, self.verify_checksums)
         finally:
             if response.lease_id:

@@ -111,7 +111,8 @@ class ClientHoldings:
     """What one client holds in the daemon, against the caps of its `clients` settings."""
 
     client: str
-    """The caller's peer host ("ipv4:10.0.0.7"); "" is the daemon's own work."""
+    """The caller's tenant (auth on) or peer host ("ipv4:10.0.0.7", auth off); "" is the
+    daemon's own work."""
     leases: int
     reservations: int
     """Reserves not committed, and Puts in flight."""
@@ -151,6 +152,13 @@ class Stats:
     """What each client holds now (leases, reservations, pins)."""
     draining: bool = False
     """The daemon is stopping (SIGTERM or Drain) and refuses new data calls."""
+    auth_mode: str = ""
+    """"off", "token" or "mtls" ("" from a daemon that predates auth: off)."""
+    tenant: str = ""
+    """The caller's tenant ("" with auth off); a client role sees only its own tenant's
+    figures in tiers, hits, misses and clients."""
+    unix_socket: str = ""
+    """The daemon's Unix socket for Attach, as its host sees it ("" when it has none)."""
 
     def tier(self, name: str) -> TierStats | None:
         """The stats of one tier by name, or None if the daemon does not report it."""
@@ -222,6 +230,9 @@ def stats_result(resp: pb.StatsResponse) -> Stats:
         clients=[ClientHoldings(c.client, c.leases, c.reservations, c.reserved_bytes, c.pins,
                                 c.pinned_bytes) for c in resp.clients],
         draining=resp.draining,
+        auth_mode=resp.auth_mode,
+        tenant=resp.tenant,
+        unix_socket=resp.unix_socket,
     )
 
 

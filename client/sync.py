@@ -1,9 +1,12 @@
 """`KVStoreClient`: the blocking client, one method per verb of `kvstore.v1.KVStore`.
 
-Data moves through the daemon's shared-memory segment when the daemon runs on this host
-(decided once, from one Stats call) and inline in the gRPC stream otherwise; `put`, `get` and
-`get_into` look the same either way. Every RPC is retried on UNAVAILABLE by `Retry` and its
-failures surface as the `KVStoreError` tree. Thread-safe: share one client per process.
+Data moves through the daemon's shared memory when the daemon runs on this host (decided
+once, from one Stats call, and with auth on an Attach through its Unix socket) and inline in
+the gRPC stream otherwise; `put`, `get` and `get_into` look the same either way. Every call
+carries the client's credentials (`credentials`: a bearer token, TLS). Every RPC is retried
+on UNAVAILABLE by `Retry` and its failures surface as the `KVStoreError` tree
+(UNAUTHENTICATED and PERMISSION_DENIED are never retried). Thread-safe: share one client per
+process.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from . import _requests as rq
 from . import results as res
 from ._base import ClientBase
 from ._buffers import ByteArray
-from ._shm import SharedSegment, only_header
+from ._segment import SharedSegment, only_header
 from ._wire import (
     HEALTH_SERVICE,
     Fetched,
@@ -34,6 +37,7 @@ from ._wire import (
     finish_get_into,
     put_frames,
 )
+from .credentials import ChannelSecurity
 from .errors import DataLoss, FailedPrecondition, from_rpc_error
 
 __all__ = ["KVStoreClient"]
@@ -46,8 +50,15 @@ class KVStoreClient(ClientBase):
     """A connection to one kvstore daemon, bound to one namespace."""
 
     @staticmethod
-    def _open_channel(target: str, max_message_bytes: int) -> Any:
-        return grpc.insecure_channel(target, options=channel_options(max_message_bytes, sync=True))
+    def _open_channel(
+        target: str, max_message_bytes: int, security: ChannelSecurity | None
+    ) -> Any:
+        options = channel_options(max_message_bytes, sync=True)
+        if security is None:
+            return grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(
+            target, security.credentials, options=[*options, *security.options]
+        )
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -75,12 +86,18 @@ class KVStoreClient(ClientBase):
         return self.retry.call(attempt)
 
     def _segment(self) -> SharedSegment | None:
-        return self._shm.segment_for(self._fetch_stats)
+        return self._shm.segment_for(self._fetch_stats, self._fetch_attach)
 
     def _fetch_stats(self) -> pb.StatsResponse:
         request = self._stats_request()
         response: pb.StatsResponse = self._rpc(
             lambda: self._stub.Stats(request, timeout=self.timeout_s)
+        )
+        return response
+
+    def _fetch_attach(self) -> pb.AttachResponse:
+        response: pb.AttachResponse = self._rpc(
+            lambda: self._stub.Attach(pb.AttachRequest(), timeout=self.timeout_s)
         )
         return response
 
@@ -133,6 +150,7 @@ class KVStoreClient(ClientBase):
         )
         committed = False
         try:
+            self._shm.ensure_arena(reserved.arena, self._fetch_attach)
             self._shm.write_reservation(reserved, plan.payloads)
             frame = plan.commit_frame(reserved.reservation_id)
             response: pb.PutResponse = self._put(iter([frame]), timeout=self.timeout_s)
@@ -179,6 +197,7 @@ class KVStoreClient(ClientBase):
             list(self._get(self._get_request(keys, True), timeout=self.timeout_s))
         )
         try:
+            self._shm.ensure_arena(response.arena, self._fetch_attach)
             return self._shm.read_get(response, len(keys), arrays, self.verify_checksums)
         finally:
             if response.lease_id:

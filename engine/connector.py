@@ -11,6 +11,13 @@ recomputed from the first failure on.
 One stored block = every layer's K and V of one engine block, contiguous
 ([layers, 2, block_size, kv_heads, head_dim], gather_blocks' staging row), under the block's
 chained key in the engine's namespace.
+
+Credentials for a daemon with auth on are the client's: token, tls and unix_socket given here
+(EngineConfig.store_token, store_tls, store_unix_socket), else the variables KVStoreClient
+reads (KVSTORE_TOKEN or KVSTORE_TOKEN_FILE, KVSTORE_TLS_CA_FILE / _CERT_FILE / _KEY_FILE /
+_SERVER_NAME, KVSTORE_UNIX_SOCKET). A malformed token or an unreadable certificate file is
+InvalidRequestError at start; credentials the daemon refuses (UNAUTHENTICATED,
+PERMISSION_DENIED) are store errors like any other: the engine recomputes and logs why.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.client import KVStoreClient
+from kvstore.client import TLS, KVStoreClient
 from kvstore.client.errors import KVStoreError
 from kvstore.client.retry import Retry
+from kvstore.engine.errors import InvalidRequestError
 from kvstore.kernels import KernelOps
 from kvstore.kernels.reference import staging_shape
 from kvstore.keys import BlockKey, prefix_keys
@@ -73,6 +81,9 @@ class StoreConnector:
         timeout_s: float = 2.0,
         max_pending_batches: int = 64,
         reconnect_s: float = 1.0,
+        token: str | None = None,
+        tls: TLS | bool | None = None,
+        unix_socket: str | None = None,
     ) -> None:
         self.namespace = namespace
         self.block_size = block_size
@@ -81,7 +92,12 @@ class StoreConnector:
         self.stats = ConnectorStats()
         # One attempt: a slow or dead store must cost a step at most timeout_s, once; the
         # reconnect thread does the retrying.
-        self.client = KVStoreClient(target, namespace, timeout_s=timeout_s, retry=Retry(attempts=1))
+        try:
+            self.client = KVStoreClient(target, namespace, timeout_s=timeout_s,
+                                        retry=Retry(attempts=1), token=token, tls=tls,
+                                        unix_socket=unix_socket)
+        except KVStoreError as exc:  # a malformed token, an unreadable certificate: config
+            raise InvalidRequestError(f"store {target}: {exc}") from None
         self._up = threading.Event()
         self._up.set()
         self._closing = threading.Event()

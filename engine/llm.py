@@ -12,6 +12,7 @@ from itertools import count
 
 import torch
 
+from kvstore.client import TLS
 from kvstore.engine.block_manager import BlockManager
 from kvstore.engine.connector import StoreConnector
 from kvstore.engine.errors import EngineError, InvalidRequestError
@@ -48,6 +49,13 @@ class EngineConfig:
     """A kvstore daemon (host:port): look prompts up there, load hits, offload full blocks."""
     store_timeout_s: float = 2.0
     """Longest a store call may hold a step; past it the store is off until it answers again."""
+    store_token: str | None = field(default=None, repr=False)
+    """The store's bearer token (auth.mode=token); None: KVSTORE_TOKEN or KVSTORE_TOKEN_FILE."""
+    store_tls: TLS | bool | None = None
+    """TLS to the store (kvstore.client.TLS; True: the system roots); None: KVSTORE_TLS_*."""
+    store_unix_socket: str | None = None
+    """The store's Unix socket as mounted here (shared memory with auth on); None:
+    KVSTORE_UNIX_SOCKET, else the path the daemon reports."""
     prewarm_bytes: int | None = None
     """At start, pull this namespace's hottest L4 blocks into the daemon (0: its default);
     None: no pre-warm."""
@@ -149,7 +157,8 @@ class LLM:
         if config.store is not None:
             self.connector = StoreConnector(
                 config.store, self.namespace, self.runner.kv_cache, config.block_size,
-                self.runner.ops, timeout_s=config.store_timeout_s,
+                self.runner.ops, timeout_s=config.store_timeout_s, token=config.store_token,
+                tls=config.store_tls, unix_socket=config.store_unix_socket,
             )
             if config.prewarm_bytes is not None:
                 self.connector.prewarm(config.prewarm_bytes)

@@ -1,8 +1,9 @@
 """`kvstore-admin`: the operator's command line for a running daemon, over the client library.
 
-    kvstore-admin [--target HOST:PORT] [--namespace NS] COMMAND
-      stats [--json] [--watch SECONDS]     per-tier tables and summary; --watch refreshes;
-                                           L4's "on" is up/down/probing (its circuit breaker)
+    kvstore-admin [--target HOST:PORT] [--namespace NS] [credentials] COMMAND
+      stats [--json] [--watch SECONDS]     per-tier tables and summary (the daemon's auth
+                                           mode and your tenant; a warning when auth is off);
+                                           --watch refreshes; L4's "on" is up/down/probing
       evict [--tier T] [--bytes SIZE] [--all] [--key HEX ...] [--namespace NS] [--json]
       lookup KEYHEX... | --tokens 1,2,3 [--block-size 16]      prefix length, tier per key
       pin KEYHEX... / unpin KEYHEX...
@@ -13,6 +14,11 @@
       drain [--wait] [--json]              stop the daemon gracefully, as SIGTERM does; --wait
                                            until it has exited
       config [--json]                      the daemon's effective config
+
+Credentials (auth.mode token or mtls; each flag's default is the client's variable):
+      --token TOKEN | --token-file PATH    bearer token (KVSTORE_TOKEN, KVSTORE_TOKEN_FILE)
+      --tls-ca PATH  --tls-cert PATH  --tls-key PATH  --tls-server-name NAME
+                                           TLS, mutual with a cert and key (KVSTORE_TLS_*)
 
 Exit codes: 0 success, 1 a request failed (`error: <message>` on stderr, or health not
 SERVING), 2 the daemon could not be reached (or the command line was wrong).
@@ -45,6 +51,7 @@ from kvstore.client import (
     Unavailable,
     prefix_keys,
 )
+from kvstore.client import credentials as cred
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.tier import TIER_LABELS
 from kvstore.tools.tables import hot_table, lookup_table, stats_view
@@ -111,10 +118,39 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"namespace for key commands (env {ENV_NAMESPACE})",
     )
     parser.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds per call")
+    _add_credentials(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_entry_commands(sub)
     _add_daemon_commands(sub)
     return parser
+
+
+def _add_credentials(parser: argparse.ArgumentParser) -> None:
+    """--token/--token-file and --tls-*: absent, the client's KVSTORE_* variables apply."""
+    auth = parser.add_argument_group("credentials (auth.mode token or mtls)")
+    token = auth.add_mutually_exclusive_group()
+    token.add_argument("--token", help=f"bearer token (env {cred.ENV_TOKEN}); visible in the "
+                       "process list: prefer --token-file")
+    token.add_argument("--token-file", metavar="PATH",
+                       help=f"a file holding the token (env {cred.ENV_TOKEN_FILE})")
+    for flag, var, what in (
+        ("--tls-ca", cred.ENV_TLS_CA_FILE, "CA bundle of the daemon's certificate; TLS on"),
+        ("--tls-cert", cred.ENV_TLS_CERT_FILE, "client certificate (mutual TLS), with --tls-key"),
+        ("--tls-key", cred.ENV_TLS_KEY_FILE, "the client certificate's key"),
+        ("--tls-server-name", cred.ENV_TLS_SERVER_NAME, "the name the daemon's certificate "
+         "carries, when not the target's host"),
+    ):
+        auth.add_argument(flag, metavar="NAME" if flag.endswith("name") else "PATH",
+                          help=f"{what} (env {var})")
+
+
+def _credentials(args: argparse.Namespace) -> dict[str, Any]:
+    """The client's token and tls from the flags (a flag absent: its variable)."""
+    token = args.token
+    if args.token_file is not None:
+        token = cred.read_token_file(args.token_file, "--token-file")
+    tls = cred.tls_settings(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    return {"token": token, "tls": tls}
 
 
 def _add_entry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -371,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shared_memory=False,
             timeout_s=args.timeout,
             retry=Retry(attempts=2),
+            **_credentials(args),
         )
     except KVStoreError as exc:
         parser.error(str(exc))

@@ -5,8 +5,9 @@
     lookup_table   one row per key: its tier, or a miss
     hot_table      the hottest L4 blocks and their scores
 
-L4's "on" cell shows its circuit breaker: up, down or probing. Bandwidths use decimal units,
-as disks and links are rated; sizes use binary units (kvstore.units.format_size).
+L4's "on" cell shows its circuit breaker: up, down or probing. The summary opens with the
+daemon's auth mode and the caller's tenant, and warns in red when auth is off. Bandwidths use
+decimal units, as disks and links are rated; sizes use binary units (kvstore.units.format_size).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvstore.client import Stats
 from kvstore.keys import BlockKey
 from kvstore.units import format_size
 
+AUTH_OFF_WARNING = "auth is OFF: any caller may read or evict every namespace"
 # L4's circuit breaker states as the stats table shows them.
 _BREAKER_CELLS = {"closed": "[green]up", "open": "[red]down", "half-open": "[yellow]probing"}
 
@@ -101,12 +103,14 @@ def stats_view(stats: Stats, target: str) -> Group:
         ("pinned", f"{stats.pinned:,}"),
         ("lookup hits / misses", f"{stats.hits:,} / {stats.misses:,} ({hit_rate})"),
         ("shm segment", shm),
+        *([("unix socket", stats.unix_socket)] if stats.unix_socket else []),
         ("host", stats.host_id or "?"),
         ("version", stats.version or "?"),
     ]
     if (p := stats.prewarm) is not None:
         rows.append(("pre-warm", f"{p.blocks:,} blocks, {format_size(p.bytes)} of "
                      f"{format_size(p.target_bytes)}" + ("" if p.done else " (running)")))
+    rows[:0] = _auth_rows(stats)
     if stats.draining:
         rows.insert(0, ("state", "[red]draining[/] (stopping: new data calls are refused)"))
     for name, value in rows:
@@ -115,6 +119,13 @@ def stats_view(stats: Stats, target: str) -> Group:
     if stats.clients:
         parts.append(_clients_table(stats))
     return Group(*parts, summary)
+
+
+def _auth_rows(stats: Stats) -> list[tuple[str, str]]:
+    """The auth mode and the caller's tenant; a daemon that reports no mode predates auth."""
+    if stats.auth_mode in ("", "off"):
+        return [("auth", f"[bold red]{AUTH_OFF_WARNING}[/]")]
+    return [("auth", stats.auth_mode), ("tenant", stats.tenant or "-")]
 
 
 def _clients_table(stats: Stats) -> Table:

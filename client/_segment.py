@@ -1,0 +1,168 @@
+"""Shared memory as the client sees it: `SharedSegment` (a mapped segment or arena, read and
+written through numpy slices of one array over the whole mapping, so every copy is a single
+memcpy with no Python-level per-byte work) and the copies a shared-memory Get or Reserve
+makes. Extents from the daemon are bounds-checked before any copy; a bad one is DataLoss.
+Which memory to use is decided in `_shm`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvstore import shm
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+
+from ._buffers import ByteArray, address, copy_bytes
+from ._wire import Fetched, GetHeader
+from .errors import DataLoss, FailedPrecondition
+
+logger = logging.getLogger("kvstore.client")
+
+Spans = list[tuple[int, int]]
+
+
+class SharedSegment:
+    """The daemon's L2 segment, attached read-write in this process."""
+
+    def __init__(self, segment: Any) -> None:
+        self._segment = segment
+        self.name: str = segment.name
+        self._view: memoryview | None = segment.view()
+        self.size_bytes: int = self._view.nbytes
+        self.array: ByteArray = np.frombuffer(self._view, dtype=np.uint8)
+        self.address = address(self.array)
+
+    def spans(self, location: pb.BlockLocation, size: int, field: str) -> Spans:
+        """(offset, length) pairs holding exactly `size` bytes, checked against the mapping."""
+        out: Spans = []
+        remaining = size
+        limit = self.size_bytes
+        for extent in location.extents:
+            if remaining == 0:
+                break
+            offset, length = extent.offset, extent.length
+            if offset + length > limit:
+                raise DataLoss(
+                    f"{field}: extent [{offset}, {offset + length}) lies outside the "
+                    f"{limit}-byte segment {self.name}"
+                )
+            take = min(length, remaining)
+            out.append((offset, take))
+            remaining -= take
+        if remaining:
+            raise DataLoss(f"{field}: extents hold {size - remaining} of {size} bytes")
+        return out
+
+    def read_bytes(self, spans: Spans) -> bytes:
+        arr = self.array
+        if len(spans) == 1:
+            offset, length = spans[0]
+            return arr[offset : offset + length].tobytes()
+        return b"".join([arr[o : o + n].data for o, n in spans])
+
+    def read_into(self, spans: Spans, dst: ByteArray, *, digest: bool) -> int | None:
+        """Copy the spans into dst; with digest, return the xxh3-64 of the bytes copied
+        (hashed from dst, so what is verified is what the caller got)."""
+        arr = self.array
+        skew_base = address(dst) - self.address
+        pos = 0
+        for offset, length in spans:
+            copy_bytes(
+                dst[pos : pos + length], arr[offset : offset + length], skew_base + pos - offset
+            )
+            pos += length
+        return xxhash.xxh3_64_intdigest(dst[:pos].data) if digest else None
+
+    def write(self, spans: Spans, src: memoryview) -> None:
+        if not src.nbytes:
+            return
+        source = np.frombuffer(src, dtype=np.uint8)
+        arr = self.array
+        skew_base = self.address - address(source)
+        pos = 0
+        for offset, length in spans:
+            copy_bytes(
+                arr[offset : offset + length], source[pos : pos + length], skew_base + offset - pos
+            )
+            pos += length
+
+    def close(self) -> None:
+        # Drop our exports first so the mapping can actually be unmapped. A view another
+        # thread still reads through keeps the mapping alive (never a dangling pointer); it
+        # is unmapped when the last one is collected.
+        self.array = np.empty(0, np.uint8)
+        view, self._view = self._view, None
+        if view is not None:
+            try:
+                view.release()
+            except BufferError:
+                logger.debug("kvstore: segment %s still in use; unmapped later", self.name)
+        self._segment.close()
+
+
+def attach(name: str) -> SharedSegment:
+    """Attach the named segment; FailedPrecondition (with why) when it cannot be."""
+    try:
+        return SharedSegment(shm.attach_segment(name))
+    except (OSError, ValueError) as exc:
+        raise FailedPrecondition(f"cannot attach shared-memory segment {name!r}: {exc}") from None
+
+
+def only_header(messages: Sequence[pb.GetResponse | memoryview]) -> pb.GetResponse:
+    """The one message a shared-memory Get answers, else DataLoss."""
+    if len(messages) != 1 or isinstance(messages[0], memoryview):
+        raise DataLoss(f"a shared-memory Get answered {len(messages)} messages, not one header")
+    return messages[0]
+
+
+def read_shm_get(
+    segment: SharedSegment,
+    resp: pb.GetResponse,
+    header: GetHeader,
+    arrays: Sequence[ByteArray] | None,
+    verify_checksums: bool,
+) -> Fetched:
+    """Copy the found blocks out of shared memory: into arrays[request index] when given
+    (with their checksums computed on the way), else as bytes per found block."""
+    locations = resp.locations
+    if len(locations) != len(header.sizes):
+        raise DataLoss(
+            f"Get response has {len(locations)} locations for {len(header.sizes)} found keys"
+        )
+    if arrays is None:
+        payloads = [
+            segment.read_bytes(segment.spans(locations[j], size, f"locations[{j}]"))
+            for j, size in enumerate(header.sizes)
+        ]
+        return Fetched(header, payloads)
+    digests: list[int] = []
+    for j, size in enumerate(header.sizes):
+        spans = segment.spans(locations[j], size, f"locations[{j}]")
+        digest = segment.read_into(spans, arrays[header.found_index[j]], digest=verify_checksums)
+        if digest is not None:
+            digests.append(digest)
+    return Fetched(header, [], digests if verify_checksums else None)
+
+
+def write_reserved(
+    segment: SharedSegment, resp: pb.ReserveResponse, payloads: Sequence[memoryview]
+) -> int:
+    """Write every payload whose key does not exist into its reserved extents; the count."""
+    exists, locations = resp.exists, resp.locations
+    if len(exists) != len(payloads) or len(locations) != len(payloads):
+        raise DataLoss(
+            f"Reserve response has {len(exists)} exists flags and {len(locations)} locations "
+            f"for {len(payloads)} keys"
+        )
+    written = 0
+    for i, payload in enumerate(payloads):
+        if exists[i]:
+            continue
+        segment.write(segment.spans(locations[i], payload.nbytes, f"locations[{i}]"), payload)
+        written += 1
+    return written
