@@ -1,11 +1,13 @@
 """The Helm chart helm/kvstore, rendered offline for several value sets: every object valid
 against the Kubernetes schemas (strict), the rendered YAML lint-clean, the fields that matter
-asserted (probes, volumes and sizes, resources, securityContext, labels and selectors), the
-ConfigMap accepted by the daemon's own config loader, and bad values refused with the fix."""
+asserted (probes, volumes and sizes, resources, securityContext, labels and selectors, auth:
+tenants file, token, TLS, Unix socket, hostIPC), the ConfigMap accepted by the daemon's own
+config loader, and bad values refused with the fix."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import tempfile
 from typing import Any
@@ -49,10 +51,17 @@ CPU_ONLY = {
     "nvme": {"size": "8Gi", "volume": {"type": "emptyDir"}},
     "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "4Gi"}},
 }
+TEAM_A = {"name": "team-a", "tokens_sha256": [hashlib.sha256(b"token-a").hexdigest()],
+          "namespaces": ["team-a/"], "role": "client",
+          "quota": {"dram": "2GiB", "nvme": "20GiB", "pinned": "512MiB"}}
+TEAM_B = {"name": "team-b", "identities": ["spiffe://cluster/ns/b/sa/engine", "engine-b"],
+          "namespaces": ["team-b/", "shared/"], "role": "admin"}
+NEXT_HASH = hashlib.sha256(b"the next token").hexdigest()
 CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
     "cpu": CPU_ONLY,
     "gpu_gds": {
+        "auth": {"mode": "off"},  # hostIPC (the named /dev/shm segment) exists only without auth
         "nvme": {"gds": {"enabled": True}},
         "dram": {"hostIPC": True},
         "service": {"internalTrafficPolicy": "Local"},
@@ -75,8 +84,7 @@ CASES: dict[str, dict[str, Any]] = {
         "remote": {"password": "trial-pw"},
         "networkPolicy": {"enabled": True},
     },
-    # The daemon has no gRPC auth token: "auth on" is the NetworkPolicy plus a Redis password
-    # from an existing Secret.
+    # The NetworkPolicy plus a Redis password from an existing Secret (gRPC auth is the default).
     "auth": {
         "networkPolicy": {"enabled": True, "metricsFrom": [
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
@@ -85,6 +93,17 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "hostpath_statefulset_cpu": {**CPU_ONLY, "kind": "StatefulSet", "replicaCount": 2,
                                  "nvme": {"size": "8Gi", "volume": {"type": "hostPath"}}},
+    "auth_off": {"auth": {"mode": "off"}},
+    "token_tls_tenants": {
+        "tls": {"enabled": True, "secretName": "kv-tls", "serverName": "kvstore.example"},
+        "auth": {"tenants": [TEAM_A, TEAM_B], "extraTokenHashes": [NEXT_HASH]},
+        "volumePermissions": {"enabled": True},
+    },
+    "mtls_tls": {
+        "auth": {"mode": "mtls", "tenants": [TEAM_B]},
+        "tls": {"enabled": True, "secretName": "kv-tls"},
+    },
+    "existing_secret": {"auth": {"existingSecret": "kv-tenants"}},
 }
 
 
@@ -209,8 +228,13 @@ def test_configmap_is_accepted_by_the_daemon(rendered: dict[str, Rendered], case
         assert mount(ctr, "l3")["mountPath"] == cfg.nvme.dir
     # The daemon refuses unknown KVSTORE_* variables: no Service links may inject them.
     assert pod_spec(wl)["enableServiceLinks"] is False
-    assert all(not e["name"].startswith("KVSTORE_") or e["name"] == "KVSTORE_REMOTE_PASSWORD"
-               for e in ctr["env"])
+    assert {e["name"] for e in ctr["env"] if e["name"].startswith("KVSTORE_")} <= \
+        {"KVSTORE_REMOTE_PASSWORD", "KVSTORE_SERVER_UNIX_SOCKET"}
+    # Every file the config names is mounted from where the chart put it.
+    files = [cfg.auth.tenants_file, cfg.server.tls_cert_file, cfg.server.tls_key_file,
+             cfg.server.tls_client_ca_file, cfg.server.unix_socket]
+    folders = {m["mountPath"] for m in ctr["volumeMounts"]}
+    assert all(f.rsplit("/", 1)[0] in folders for f in files if f), files
 
 
 def test_default_config_values(rendered: dict[str, Rendered]) -> None:
@@ -249,7 +273,9 @@ def test_defaults_are_a_gpu_daemonset(rendered: dict[str, Rendered]) -> None:
     limit = quantity_bytes(ctr["resources"]["limits"]["memory"])
     assert l2 <= quantity_bytes(shm["sizeLimit"]) <= limit
     assert volume(wl, "l3")["hostPath"] == {"path": "/var/lib/kvstore", "type": "DirectoryOrCreate"}
-    assert not {"hostIPC", "hostNetwork", "initContainers"} & spec.keys()
+    assert not {"hostIPC", "hostNetwork"} & spec.keys()
+    # Auth is on by default, so the only init container readies the Unix socket's folder.
+    assert [c["name"] for c in spec["initContainers"]] == ["socket-dir"]
 
 
 def test_restrictive_security_context(rendered: dict[str, Rendered]) -> None:
@@ -356,7 +382,7 @@ def _password_env(ctr: dict[str, Any]) -> dict[str, Any]:
 
 def test_external_redis(rendered: dict[str, Rendered]) -> None:
     r = rendered["external_redis"]
-    secret = r.one("Secret")
+    secret = r.one("Secret", FULLNAME)
     assert base64.b64decode(secret["data"]["redis-password"]) == b"s3cret"
     ref = _password_env(container(r.one("DaemonSet")))
     assert ref == {"name": secret["metadata"]["name"], "key": "redis-password"}
@@ -365,7 +391,8 @@ def test_external_redis(rendered: dict[str, Rendered]) -> None:
     assert cfg.remote.url == "rediss://redis.cache.svc:6380/2"
     assert cfg.remote.password == "s3cret"
     assert cfg.remote.prewarm_bytes == 4 << 30
-    assert not r.all("NetworkPolicy") and "no authentication" in r.notes
+    assert not r.all("NetworkPolicy") and "no authentication" not in r.notes
+    assert "metrics port 9400 is unauthenticated" in r.notes
     assert "without a password" not in r.notes
 
 
@@ -389,7 +416,8 @@ def test_bundled_redis(rendered: dict[str, Rendered]) -> None:
 
 def test_auth_network_policy_and_existing_secret(rendered: dict[str, Rendered]) -> None:
     r = rendered["auth"]
-    assert not r.all("Secret")
+    assert {s["metadata"]["name"] for s in r.all("Secret")} == \
+        {f"{FULLNAME}-token", f"{FULLNAME}-tenants"}  # auth's own, none for Redis
     assert _password_env(container(r.one("DaemonSet"))) == {"name": "redis-auth",
                                                              "key": "password"}
     policy = r.one("NetworkPolicy")
@@ -405,7 +433,8 @@ def test_auth_network_policy_and_existing_secret(rendered: dict[str, Rendered]) 
 
 
 def test_notes_warn_about_insecure_settings(chart: Any) -> None:
-    r = render(chart, {"remote": {"enabled": True, "address": "redis:6379"}})
+    r = render(chart, {"auth": {"mode": "off"},
+                       "remote": {"enabled": True, "address": "redis:6379"}})
     assert "no authentication" in r.notes
     assert "Redis (L4) is used without a password" in r.notes
     assert f"kvstore-admin --target {FULLNAME}.{NAMESPACE}.svc:50051" in r.notes
@@ -420,6 +449,212 @@ def test_helm_test_pod_runs_admin_health(rendered: dict[str, Rendered]) -> None:
     assert ctr["args"][:2] == ["--target", f"{FULLNAME}.{NAMESPACE}.svc:50051"]
     assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["spec"]["restartPolicy"] == "Never"
+
+
+# --- auth: tenants, token, TLS, the Unix socket ------------------------------------------
+
+
+def _secret_data(secret: dict[str, Any], key: str) -> str:
+    if key in secret.get("stringData", {}):
+        return secret["stringData"][key]
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def _tenants(r: Rendered) -> list[dict[str, Any]]:
+    return yaml.safe_load(_secret_data(r.one("Secret", f"{FULLNAME}-tenants"), "tenants.yaml"))[
+        "tenants"]
+
+
+def _admin_flags(command: list[str]) -> dict[str, str]:
+    """--flag value pairs of a kvstore-admin command line (the verb and its flags excluded)."""
+    flags = {}
+    for i, word in enumerate(command):
+        if word.startswith("--") and i + 1 < len(command) and not command[i + 1].startswith("--"):
+            flags[word] = command[i + 1]
+    return flags
+
+
+def _mode_of(case: str) -> str:
+    return str(CASES[case].get("auth", {}).get("mode", "token"))
+
+
+def test_token_is_the_default(rendered: dict[str, Rendered]) -> None:
+    """Defaults: token mode, a generated token whose sha256 is tenant default's only hash,
+    the tenants file mounted read-only where the config points, and the preStop drain
+    authenticated with the token file."""
+    r = rendered["defaults"]
+    cfg = daemon_config(r)
+    assert (cfg.auth.mode, cfg.auth.tenants_file) == ("token", "/etc/kvstore-auth/tenants.yaml")
+    token = _secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
+    assert len(token) >= 43 and token.isalnum()
+    assert _tenants(r) == [{"name": "default", "role": "admin", "namespaces": [""],
+                            "tokens_sha256": [hashlib.sha256(token.encode()).hexdigest()]}]
+    assert token not in r.one("ConfigMap")["data"]["kvstore.yaml"]
+    wl = workload(r)
+    ctr = container(wl)
+    assert volume(wl, "tenants")["secret"] == {
+        "secretName": f"{FULLNAME}-tenants", "defaultMode": 0o440,
+        "items": [{"key": "tenants.yaml", "path": "tenants.yaml"}]}
+    assert mount(ctr, "tenants") == {"name": "tenants", "mountPath": "/etc/kvstore-auth",
+                                     "readOnly": True}
+    assert volume(wl, "token")["secret"]["secretName"] == f"{FULLNAME}-token"
+    drain = ctr["lifecycle"]["preStop"]["exec"]["command"]
+    assert drain[0] == "kvstore-admin" and drain[-2:] == ["drain", "--wait"]
+    assert _admin_flags(drain) == {"--target": "127.0.0.1:50051",
+                                   "--token-file": "/etc/kvstore-token/token"}
+    assert "checksum/tenants" in wl["spec"]["template"]["metadata"]["annotations"]
+    # Health needs no credentials: the probes stay the kubelet's own gRPC probes.
+    assert ctr["readinessProbe"]["grpc"] == {"port": 50051}
+    notes = r.notes
+    assert f"get secret {FULLNAME}-token -o jsonpath='{{.data.token}}' | base64 -d" in notes
+    assert "KVSTORE_TOKEN_FILE" in notes and "tokens cross the network in clear" in notes
+    assert "auth.mode=off" not in notes
+
+
+def test_unix_socket_replaces_host_ipc(rendered: dict[str, Rendered]) -> None:
+    """With auth on, co-located clients get memfds over the Unix socket in a node folder;
+    the pod does not share the node's IPC namespace."""
+    r = rendered["defaults"]
+    wl = workload(r)
+    spec = pod_spec(wl)
+    assert daemon_config(r).server.unix_socket == "/run/kvstore/kvstore.sock"
+    assert volume(wl, "socket")["hostPath"] == {"path": "/run/kvstore", "type": "DirectoryOrCreate"}
+    assert mount(container(wl), "socket")["mountPath"] == "/run/kvstore"
+    [init] = spec["initContainers"]
+    assert init["command"] == ["chown", "10001:10001", "/run/kvstore"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert mount(init, "socket")["mountPath"] == "/run/kvstore"
+    assert "hostIPC" not in spec and "emptyDir" in volume(wl, "shm")
+    assert "hostPath: {path: /run/kvstore, type: Directory}" in r.notes
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_host_ipc_only_with_auth_off(rendered: dict[str, Rendered], case: str) -> None:
+    spec = pod_spec(workload(rendered[case]))
+    wants = _mode_of(case) == "off" and CASES[case].get("dram", {}).get("hostIPC", False)
+    assert spec.get("hostIPC", False) is wants
+    assert (volume(workload(rendered[case]), "socket") is None) is (_mode_of(case) == "off")
+
+
+def test_statefulset_replicas_each_bind_their_own_socket(rendered: dict[str, Rendered]) -> None:
+    """Replicas may share a node, hence the socket folder: the socket is named after the pod."""
+    r = rendered["statefulset"]
+    env = container(workload(r))["env"]
+    names = [e["name"] for e in env]
+    assert {"name": "KVSTORE_SERVER_UNIX_SOCKET", "value": "/run/kvstore/$(POD_NAME).sock"} in env
+    assert names.index("POD_NAME") < names.index("KVSTORE_SERVER_UNIX_SOCKET")
+    assert daemon_config(r).server.unix_socket == ""
+    cfg = daemon_config(r, env={"KVSTORE_SERVER_UNIX_SOCKET": "/run/kvstore/rel-kvstore-0.sock"})
+    assert cfg.server.unix_socket == "/run/kvstore/rel-kvstore-0.sock"
+
+
+def test_auth_off_is_loud(rendered: dict[str, Rendered]) -> None:
+    r = rendered["auth_off"]
+    cfg = daemon_config(r)
+    assert (cfg.auth.mode, cfg.auth.tenants_file, cfg.server.unix_socket) == ("off", "", "")
+    assert not r.all("Secret")
+    wl = workload(r)
+    ctr = container(wl)
+    assert {"tenants", "token", "socket", "tls"}.isdisjoint(
+        v["name"] for v in pod_spec(wl)["volumes"])
+    assert "initContainers" not in pod_spec(wl)
+    assert _admin_flags(ctr["lifecycle"]["preStop"]["exec"]["command"]) == \
+        {"--target": "127.0.0.1:50051"}
+    assert "WARNING: auth.mode=off: the gRPC endpoint has no authentication" in r.notes
+    assert "--set auth.mode=token" in r.notes and "--set networkPolicy.enabled=true" in r.notes
+
+
+def test_yaml_off_read_as_false_means_off(chart: Any) -> None:
+    """`mode: off` unquoted in a values file is YAML 1.1 false; the chart takes it as off."""
+    r = render(chart, {"auth": {"mode": False}})
+    assert daemon_config(r).auth.mode == "off"
+    assert not r.all("Secret")
+
+
+def test_extra_tenants_and_tls(rendered: dict[str, Rendered]) -> None:
+    """auth.tenants go into tenants.yaml as they are, after tenant default (which also takes
+    the rotation hashes); TLS mounts the Secret and moves the probes into the container."""
+    r = rendered["token_tls_tenants"]
+    default, *rest = _tenants(r)
+    token = _secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
+    assert default["tokens_sha256"] == [hashlib.sha256(token.encode()).hexdigest(), NEXT_HASH]
+    assert rest == [TEAM_A, TEAM_B]
+    assert default["namespaces"] == []  # "" would overlap the tenants' own prefixes
+    # The daemon takes the file as rendered: its own parser, its own rules.
+    from kvstore.core.tenants import parse_tenants
+    assert parse_tenants({"tenants": [default, *rest]}).names() == ["default", *(
+        t["name"] for t in rest)]
+    for case in rendered.values():
+        if case.all("Secret") and any(
+                s["metadata"]["name"] == f"{FULLNAME}-tenants" for s in case.all("Secret")):
+            parse_tenants({"tenants": _tenants(case)})
+    cfg = daemon_config(r)
+    assert (cfg.server.tls_cert_file, cfg.server.tls_key_file) == \
+        ("/etc/kvstore-tls/tls.crt", "/etc/kvstore-tls/tls.key")
+    assert cfg.server.tls_client_ca_file == ""  # token over TLS: no client certificates
+    wl = workload(r)
+    ctr = container(wl)
+    inits = [c["name"] for c in pod_spec(wl)["initContainers"]]
+    assert inits == ["socket-dir", "volume-permissions"]
+    assert volume(wl, "tls")["secret"] == {"secretName": "kv-tls", "defaultMode": 0o440}
+    tls_flags = {"--tls-ca": "/etc/kvstore-tls/ca.crt", "--tls-server-name": "kvstore.example"}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        command = ctr[probe]["exec"]["command"]
+        assert "grpc" not in ctr[probe] and command[-1] == "health", probe
+        assert _admin_flags(command) == {"--target": "127.0.0.1:50051",
+                                         "--timeout": str(ctr[probe]["timeoutSeconds"]),
+                                         **tls_flags}, probe
+    assert _admin_flags(ctr["lifecycle"]["preStop"]["exec"]["command"]) == {
+        "--target": "127.0.0.1:50051", **tls_flags, "--token-file": "/etc/kvstore-token/token"}
+    # The helm test pod gets the CA and nothing else of the TLS Secret.
+    test_pod = r.one("Pod")
+    assert test_pod["spec"]["volumes"][-1]["secret"] == {
+        "secretName": "kv-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    assert _admin_flags(test_pod["spec"]["containers"][0]["args"])["--tls-ca"] == \
+        "/etc/kvstore-tls/ca.crt"
+    assert "in clear" not in r.notes and "KVSTORE_TLS_CA_FILE" in r.notes
+
+
+def test_mtls(rendered: dict[str, Rendered]) -> None:
+    r = rendered["mtls_tls"]
+    cfg = daemon_config(r)
+    assert cfg.auth.mode == "mtls"
+    assert cfg.server.tls_client_ca_file == "/etc/kvstore-tls/ca.crt"
+    # No token in mtls: the tenants file holds the listed tenants only, and the pod holds no
+    # admin credential, so SIGTERM alone drains.
+    assert _tenants(r) == [TEAM_B]
+    assert [s["metadata"]["name"] for s in r.all("Secret")] == [f"{FULLNAME}-tenants"]
+    wl = workload(r)
+    assert volume(wl, "token") is None and "lifecycle" not in container(wl)
+    assert "exec" in container(wl)["livenessProbe"]
+    assert "KVSTORE_TLS_CERT_FILE" in r.notes and "no preStop drain" in r.notes
+
+
+def test_existing_tenants_secret(rendered: dict[str, Rendered]) -> None:
+    r = rendered["existing_secret"]
+    assert not r.all("Secret")
+    wl = workload(r)
+    assert volume(wl, "tenants")["secret"]["secretName"] == "kv-tenants"
+    assert volume(wl, "tenants")["secret"]["items"] == [{"key": "tenants.yaml",
+                                                         "path": "tenants.yaml"}]
+    assert volume(wl, "token") is None and "lifecycle" not in container(wl)
+    assert "checksum/tenants" not in wl["spec"]["template"]["metadata"]["annotations"]
+    assert daemon_config(r).auth.tenants_file == "/etc/kvstore-auth/tenants.yaml"
+    assert "Secret kv-tenants" in r.notes
+
+
+def test_tenant_changes_restart_pods_only_when_a_restart_is_needed(chart: Any) -> None:
+    """New tenants and quota changes roll the pods; a new hash waits for SIGHUP."""
+    def checksum(tenants: list[dict[str, Any]]) -> str:
+        wl = workload(render(chart, {"auth": {"tenants": tenants}}))
+        return wl["spec"]["template"]["metadata"]["annotations"]["checksum/tenants"]
+
+    base = checksum([TEAM_A])
+    rotated = {**TEAM_A, "tokens_sha256": TEAM_A["tokens_sha256"] + [NEXT_HASH]}
+    assert checksum([rotated]) == base
+    assert checksum([{**TEAM_A, "namespaces": ["team-a/", "x/"], "role": "admin"}]) == base
+    assert checksum([{**TEAM_A, "quota": {"dram": "4GiB"}}]) != base
+    assert checksum([TEAM_A, TEAM_B]) != base
 
 
 # --- bad values -------------------------------------------------------------------------
@@ -442,6 +677,32 @@ BAD_VALUES = {
     "drain notice past the grace": ({"server": {"drainNoticeSeconds": 9}},
                                     helm_python.HelmRenderError,
                                     r"--set server\.drainNoticeSeconds=1"),
+    "mtls without TLS": ({"auth": {"mode": "mtls", "tenants": [TEAM_B]}},
+                         helm_python.HelmRenderError, r"--set tls\.enabled=true"),
+    "TLS without a certificate": ({"tls": {"enabled": True}}, helm_python.HelmRenderError,
+                                  r"--set tls\.secretName="),
+    "hostIPC with auth on": ({"dram": {"hostIPC": True}}, helm_python.HelmRenderError,
+                             r"--set dram\.hostIPC=false"),
+    "tenants beside an existing Secret": ({"auth": {"existingSecret": "t", "tenants": [TEAM_A]}},
+                                          helm_python.HelmRenderError, r"Keep one"),
+    "mtls with nobody to name": ({"auth": {"mode": "mtls"},
+                                  "tls": {"enabled": True, "secretName": "kv-tls"}},
+                                 helm_python.HelmRenderError, r"auth\.existingSecret="),
+    "a second tenant default": ({"auth": {"tenants": [{**TEAM_A, "name": "default"}]}},
+                                helm_python.HelmRenderError, r"Rename yours"),
+    "rotation hashes without tenant default": (
+        {"auth": {"existingSecret": "t", "extraTokenHashes": [NEXT_HASH]}},
+        helm_python.HelmRenderError, r"--set auth\.extraTokenHashes=null"),
+    "unknown mode": ({"auth": {"mode": "oidc"}}, helm_python.HelmValuesError, r"/auth/mode"),
+    "a Kubernetes size as a quota": ({"auth": {"tenants": [{**TEAM_A, "quota": {"dram": "8Gi"}}]}},
+                                     helm_python.HelmValuesError, r"/auth/tenants/0/quota/dram"),
+    "a token in clear as its hash": (
+        {"auth": {"tenants": [{**TEAM_A, "tokens_sha256": ["s3cret"]}]}},
+        helm_python.HelmValuesError, r"/auth/tenants/0/tokens_sha256"),
+    "a misspelt tenant field": ({"auth": {"tenants": [{**TEAM_A, "namespace": ["a/"]}]}},
+                                helm_python.HelmValuesError, r"namespace"),
+    "an unknown role": ({"auth": {"tenants": [{**TEAM_A, "role": "root"}]}},
+                        helm_python.HelmValuesError, r"/auth/tenants/0/role"),
 }
 
 
@@ -466,3 +727,13 @@ def test_readme_documents_deploy_guide() -> None:
     for topic in ("helm install", "hostIPC", "helm upgrade", "kvstore-admin", "NetworkPolicy"):
         assert topic in guide, topic
     assert yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["name"] == "kvstore"
+    assert "(security.md)" in guide and "auth.existingSecret" in guide
+
+
+def test_security_guide_covers_what_the_chart_relies_on() -> None:
+    guide = (REPO / "docs" / "security.md").read_text()
+    for topic in ("Threat model", "SCM_RIGHTS", '{"arenas": [', '{"error": "..."}', "Attach",
+                  "printf %s \"$TOKEN\" | sha256sum", "kill -HUP", "openssl req", "URI:spiffe://",
+                  "tokens_sha256", "identities", "namespaces", "quota", "PERMISSION_DENIED",
+                  "UNAUTHENTICATED", "metrics port has no authentication", "auth.extraTokenHashes"):
+        assert topic in guide, topic

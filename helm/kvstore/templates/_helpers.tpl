@@ -147,6 +147,88 @@ app.kubernetes.io/part-of: kvstore
 {{- default (include "kvstore.fullname" .) .Values.remote.existingSecret -}}
 {{- end -}}
 
+{{/* auth.mode, with a YAML `off` that a values file read as false turned back into "off". */}}
+{{- define "kvstore.auth.mode" -}}
+{{- if eq (toString .Values.auth.mode) "false" }}off{{ else }}{{ .Values.auth.mode }}{{ end -}}
+{{- end -}}
+
+{{/* "true" when the daemon authenticates callers (auth.mode token or mtls), else "". */}}
+{{- define "kvstore.auth.enabled" -}}
+{{- if ne (include "kvstore.auth.mode" .) "off" }}true{{ end -}}
+{{- end -}}
+
+{{/* "true" when the chart writes the tenants file (auth on, no auth.existingSecret), else "". */}}
+{{- define "kvstore.auth.generated" -}}
+{{- if and (include "kvstore.auth.enabled" .) (not .Values.auth.existingSecret) }}true{{ end -}}
+{{- end -}}
+
+{{/* "true" when the chart also makes tenant `default` and its token (token mode, generated
+     tenants file), else "". The daemon pod then holds an admin credential of its own. */}}
+{{- define "kvstore.auth.ownToken" -}}
+{{- if and (include "kvstore.auth.generated" .) (eq (include "kvstore.auth.mode" .) "token") }}true{{ end -}}
+{{- end -}}
+
+{{/* The Secret with key tenants.yaml: auth.existingSecret, or the one the chart generates. */}}
+{{- define "kvstore.auth.tenantsSecretName" -}}
+{{- default (printf "%s-tenants" (include "kvstore.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* The generated Secret with the token of tenant `default` (key token), for engine pods. */}}
+{{- define "kvstore.auth.tokenSecretName" -}}
+{{- printf "%s-token" (include "kvstore.fullname" .) -}}
+{{- end -}}
+
+{{/* What decides whether the daemon must restart for a tenants change: tenant names and
+     quotas (credentials, namespaces and roles are re-read on SIGHUP instead). */}}
+{{- define "kvstore.auth.tenantsShape" -}}
+{{- $shape := list (include "kvstore.auth.mode" .) .Values.auth.existingSecret -}}
+{{- range .Values.auth.tenants -}}
+{{- $shape = append $shape (list (get . "name") (get . "quota")) -}}
+{{- end -}}
+{{- toJson $shape -}}
+{{- end -}}
+
+{{/* The name the chart's own clients expect in the server certificate. */}}
+{{- define "kvstore.tls.serverName" -}}
+{{- default (printf "%s.%s.svc" (include "kvstore.fullname" .) .Release.Namespace) .Values.tls.serverName -}}
+{{- end -}}
+
+{{/* "true" when the daemon has a Unix socket for Attach (auth on, L2 on, a node folder), else "". */}}
+{{- define "kvstore.unixSocket.enabled" -}}
+{{- if and (include "kvstore.auth.enabled" .) .Values.dram.enabled .Values.unixSocket.hostPath }}true{{ end -}}
+{{- end -}}
+
+{{/* "true" when the pod shares the node's IPC namespace: only with auth off, where L2 is one
+     named /dev/shm segment; with auth on co-located clients get memfds over the socket. */}}
+{{- define "kvstore.hostIPC" -}}
+{{- if and .Values.dram.hostIPC (not (include "kvstore.auth.enabled" .)) }}true{{ end -}}
+{{- end -}}
+
+{{/* "true" when the preStop hook can drain through the API: Drain needs an admin, so with
+     auth on only when the pod holds the generated admin token; else SIGTERM drains alone. */}}
+{{- define "kvstore.preStopDrain" -}}
+{{- if or (not (include "kvstore.auth.enabled" .)) (include "kvstore.auth.ownToken" .) }}true{{ end -}}
+{{- end -}}
+
+{{/* kvstore-admin's arguments for the chart's own calls (probes, preStop, helm test), as a
+     JSON list: dict with ctx (the root), target, timeout (optional), token (add the
+     mounted token file) and args (the verb and its flags). */}}
+{{- define "kvstore.adminArgs" -}}
+{{- $v := .ctx.Values -}}
+{{- $out := list "--target" .target -}}
+{{- with .timeout }}{{ $out = concat $out (list "--timeout" (toString .)) }}{{ end -}}
+{{- if $v.tls.enabled -}}
+{{- $out = concat $out (list "--tls-ca" "/etc/kvstore-tls/ca.crt" "--tls-server-name" (include "kvstore.tls.serverName" .ctx)) -}}
+{{- if eq (include "kvstore.auth.mode" .ctx) "mtls" -}}
+{{- /* mtls asks every handshake for a client certificate: the daemon's own pair serves
+       (issue it for client auth too); health and the handshake need no tenant. */ -}}
+{{- $out = concat $out (list "--tls-cert" "/etc/kvstore-tls/tls.crt" "--tls-key" "/etc/kvstore-tls/tls.key") -}}
+{{- end -}}
+{{- end -}}
+{{- if .token }}{{ $out = concat $out (list "--token-file" "/etc/kvstore-token/token") }}{{ end -}}
+{{- concat $out .args | toJson -}}
+{{- end -}}
+
 {{/* "true" when L2 is pinned CUDA memory (needs the IPC_LOCK capability), else "". */}}
 {{- define "kvstore.pinsMemory" -}}
 {{- if and .Values.dram.enabled .Values.dram.pinMemory .Values.hbm.enabled }}true{{ end -}}
@@ -190,6 +272,18 @@ app.kubernetes.io/part-of: kvstore
       "max_response_bytes" (include "kvstore.daemonSize" $v.server.maxResponseSize)
       "max_batch_keys" (int $v.server.maxBatchKeys) "grace_s" $v.server.graceSeconds
       "drain_notice_s" $v.server.drainNoticeSeconds -}}
+{{- if $v.tls.enabled -}}
+{{- $_ := set $server "tls_cert_file" "/etc/kvstore-tls/tls.crt" -}}
+{{- $_ := set $server "tls_key_file" "/etc/kvstore-tls/tls.key" -}}
+{{- if eq (include "kvstore.auth.mode" .) "mtls" }}{{ $_ := set $server "tls_client_ca_file" "/etc/kvstore-tls/ca.crt" }}{{ end -}}
+{{- end -}}
+{{- /* StatefulSet replicas may share a node, hence its socket folder: each sets its own
+       socket name through KVSTORE_SERVER_UNIX_SOCKET (_pod.tpl) instead. */ -}}
+{{- if and (include "kvstore.unixSocket.enabled" .) (ne $v.kind "StatefulSet") -}}
+{{- $_ := set $server "unix_socket" "/run/kvstore/kvstore.sock" -}}
+{{- end -}}
+{{- $auth := dict "mode" (include "kvstore.auth.mode" .) -}}
+{{- if include "kvstore.auth.enabled" . }}{{ $_ := set $auth "tenants_file" "/etc/kvstore-auth/tenants.yaml" }}{{ end -}}
 {{- $metrics := dict "enabled" $v.metrics.enabled "host" "0.0.0.0" "port" (int $v.metrics.port) -}}
 {{- $hbm := dict "mode" (ternary "on" "off" $v.hbm.enabled) "device" 0
       "capacity_bytes" (include "kvstore.daemonSize" (default "0" $v.hbm.size))
@@ -217,7 +311,7 @@ app.kubernetes.io/part-of: kvstore
       "max_reserved_share" $v.clients.maxReservedShare "max_pinned_share" $v.clients.maxPinnedShare
       "max_pin_s" $v.clients.maxPinSeconds -}}
 {{- $managed := dict "server" $server "metrics" $metrics "hbm" $hbm "dram" $dram "nvme" $nvme
-      "remote" $remote "clients" $clients "log_level" $v.server.logLevel -}}
+      "remote" $remote "clients" $clients "auth" $auth "log_level" $v.server.logLevel -}}
 {{- mergeOverwrite (deepCopy $v.extraConfig) $managed | toYaml -}}
 {{- end -}}
 
@@ -264,6 +358,35 @@ Fail early, with the --set that fixes it, on values the daemon or Kubernetes wou
 {{- end -}}
 {{- if gt (float64 $v.server.drainNoticeSeconds) (float64 $v.server.graceSeconds) -}}
 {{- $messages = append $messages (printf "kvstore: server.drainNoticeSeconds\n    The drain notice is part of server.graceSeconds=%v:\n    --set server.drainNoticeSeconds=1" $v.server.graceSeconds) -}}
+{{- end -}}
+{{- $mode := include "kvstore.auth.mode" . -}}
+{{- if not (has $mode (list "off" "token" "mtls")) -}}
+{{- $messages = append $messages (printf "kvstore: auth.mode\n    %q is not a mode:\n    --set auth.mode=token  or  --set auth.mode=mtls  or  --set auth.mode=off" $mode) -}}
+{{- end -}}
+{{- if and (eq $mode "mtls") (not $v.tls.enabled) -}}
+{{- $messages = append $messages "kvstore: auth.mode\n    auth.mode=mtls names tenants by their client certificates, which needs TLS. Turn it on with a\n    kubernetes.io/tls Secret holding tls.crt, tls.key and ca.crt (the CA of the client certificates):\n    --set tls.enabled=true --set tls.secretName=kvstore-tls\n    or use bearer tokens: --set auth.mode=token" -}}
+{{- end -}}
+{{- if and $v.tls.enabled (not $v.tls.secretName) -}}
+{{- $messages = append $messages "kvstore: tls.secretName\n    TLS is on (tls.enabled=true) but names no certificate. Give it a kubernetes.io/tls Secret\n    with tls.crt, tls.key and ca.crt:\n    --set tls.secretName=kvstore-tls  or  --set tls.enabled=false" -}}
+{{- end -}}
+{{- if and $v.dram.hostIPC (ne $mode "off") -}}
+{{- $messages = append $messages (printf "kvstore: dram.hostIPC\n    With auth on (auth.mode=%s) each tenant's L2 is a private memfd arena handed out over the\n    Unix socket, so hostIPC is not needed and would only expose the node's IPC namespace:\n    --set dram.hostIPC=false  (or, without authentication: --set auth.mode=off)" $mode) -}}
+{{- end -}}
+{{- if and $v.auth.existingSecret $v.auth.tenants -}}
+{{- $messages = append $messages "kvstore: auth.tenants\n    auth.tenants goes into the tenants file the chart generates, but auth.existingSecret\n    brings its own. Keep one: put the tenants in the Secret's tenants.yaml and --set auth.tenants=null,\n    or --set auth.existingSecret=" -}}
+{{- end -}}
+{{- if and (eq $mode "mtls") (not $v.auth.existingSecret) (not $v.auth.tenants) -}}
+{{- $messages = append $messages "kvstore: auth.tenants\n    With auth.mode=mtls the generated tenants file has no tenant (tenant default is named by a\n    token, which mtls does not accept): list tenants with their certificate identities in\n    auth.tenants (docs/security.md), or --set auth.existingSecret=<Secret with tenants.yaml>" -}}
+{{- end -}}
+{{- if include "kvstore.auth.ownToken" . -}}
+{{- range $v.auth.tenants -}}
+{{- if eq (toString (get . "name")) "default" -}}
+{{- $messages = append $messages "kvstore: auth.tenants\n    The chart already makes tenant \"default\" (role admin, the generated token). Rename yours:\n    auth.tenants[].name" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.auth.extraTokenHashes (not (include "kvstore.auth.ownToken" .)) -}}
+{{- $messages = append $messages "kvstore: auth.extraTokenHashes\n    These hashes belong to the generated tenant default, which exists only with auth.mode=token\n    and no auth.existingSecret. Put them in your tenants file instead:\n    --set auth.extraTokenHashes=null" -}}
 {{- end -}}
 {{- if $messages -}}
 {{- printf "\nVALUES VALIDATION:\n%s" (join "\n\n" $messages) | fail -}}

@@ -11,6 +11,11 @@ metadata:
     {{- end }}
   annotations:
     checksum/config: {{ include "kvstore.config" . | sha256sum }}
+    {{- if include "kvstore.auth.generated" . }}
+    {{- /* Adding or removing tenants or changing quotas needs a restart; the rest of a
+           tenants change waits for SIGHUP (docs/security.md), so only these roll the pods. */}}
+    checksum/tenants: {{ include "kvstore.auth.tenantsShape" . | sha256sum }}
+    {{- end }}
     {{- with .Values.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -20,7 +25,7 @@ spec:
   {{- /* Service links would inject KVSTORE_*_SERVICE_HOST-style variables, which the
          daemon rejects as unknown settings. */}}
   enableServiceLinks: false
-  {{- if .Values.dram.hostIPC }}
+  {{- if include "kvstore.hostIPC" . }}
   hostIPC: true
   {{- end }}
   {{- with .Values.image.pullSecrets }}
@@ -47,8 +52,32 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- if and .Values.volumePermissions.enabled .Values.nvme.enabled (eq .Values.nvme.volume.type "hostPath") }}
+  {{- $chownL3 := and .Values.volumePermissions.enabled .Values.nvme.enabled (eq .Values.nvme.volume.type "hostPath") }}
+  {{- $socket := include "kvstore.unixSocket.enabled" . }}
+  {{- if or $chownL3 $socket }}
   initContainers:
+  {{- end }}
+  {{- if $socket }}
+    {{- /* The kubelet creates the socket folder as root; the daemon (non-root) binds in it. */}}
+    - name: socket-dir
+      image: {{ include "kvstore.image" . }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      command: ["chown", "{{ .Values.podSecurityContext.runAsUser }}:{{ .Values.podSecurityContext.fsGroup }}", "/run/kvstore"]
+      securityContext:
+        runAsUser: 0
+        runAsNonRoot: false
+        allowPrivilegeEscalation: false
+        readOnlyRootFilesystem: true
+        capabilities:
+          drop: ["ALL"]
+          add: ["CHOWN"]
+        seccompProfile:
+          type: RuntimeDefault
+      volumeMounts:
+        - name: socket
+          mountPath: /run/kvstore
+  {{- end }}
+  {{- if $chownL3 }}
     - name: volume-permissions
       image: {{ include "kvstore.image" . }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -80,11 +109,14 @@ spec:
       image: {{ include "kvstore.image" . }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
       args: ["--config", "/etc/kvstore/kvstore.yaml"]
+      {{- if include "kvstore.preStopDrain" . }}
       lifecycle:
         preStop:  # drain visibly (health NOT_SERVING) before the kubelet's SIGTERM, and wait
           exec:
-            command: ["kvstore-admin", "--target", "127.0.0.1:{{ .Values.server.grpcPort }}",
-                      "drain", "--wait"]
+            command:
+              {{- $args := include "kvstore.adminArgs" (dict "ctx" . "target" (printf "127.0.0.1:%v" .Values.server.grpcPort) "token" (include "kvstore.auth.ownToken" .) "args" (list "drain" "--wait")) | fromJsonArray }}
+              {{- prepend $args "kvstore-admin" | toYaml | nindent 14 }}
+      {{- end }}
       env:
         - name: HOME
           value: /tmp
@@ -94,6 +126,10 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: metadata.name
+        {{- if and (include "kvstore.unixSocket.enabled" .) (eq .Values.kind "StatefulSet") }}
+        - name: KVSTORE_SERVER_UNIX_SOCKET  # replicas on one node share the socket folder
+          value: /run/kvstore/$(POD_NAME).sock
+        {{- end }}
         {{- if and (include "kvstore.remote.enabled" .) (include "kvstore.remote.hasPassword" .) }}
         - name: KVSTORE_REMOTE_PASSWORD
           valueFrom:
@@ -117,8 +153,17 @@ spec:
       {{- $p := index $.Values $probe }}
       {{- if $p.enabled }}
       {{ $probe }}:
+        {{- if $.Values.tls.enabled }}
+        {{- /* The kubelet's gRPC probe speaks plaintext only; over TLS kvstore-admin asks the
+               same grpc.health.v1 service (no credentials needed). */}}
+        exec:
+          command:
+            {{- $args := include "kvstore.adminArgs" (dict "ctx" $ "target" (printf "127.0.0.1:%v" $.Values.server.grpcPort) "timeout" $p.timeoutSeconds "args" (list "health")) | fromJsonArray }}
+            {{- prepend $args "kvstore-admin" | toYaml | nindent 12 }}
+        {{- else }}
         grpc:
           port: {{ $.Values.server.grpcPort }}
+        {{- end }}
         periodSeconds: {{ $p.periodSeconds }}
         timeoutSeconds: {{ $p.timeoutSeconds }}
         failureThreshold: {{ $p.failureThreshold }}
@@ -150,6 +195,25 @@ spec:
           mountPath: /run/udev
           readOnly: true
         {{- end }}
+        {{- if include "kvstore.auth.enabled" . }}
+        - name: tenants
+          mountPath: /etc/kvstore-auth
+          readOnly: true
+        {{- end }}
+        {{- if include "kvstore.auth.ownToken" . }}
+        - name: token
+          mountPath: /etc/kvstore-token
+          readOnly: true
+        {{- end }}
+        {{- if .Values.tls.enabled }}
+        - name: tls
+          mountPath: /etc/kvstore-tls
+          readOnly: true
+        {{- end }}
+        {{- if include "kvstore.unixSocket.enabled" . }}
+        - name: socket
+          mountPath: /run/kvstore
+        {{- end }}
         {{- with .Values.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -162,7 +226,7 @@ spec:
         sizeLimit: 1Gi
     {{- if .Values.dram.enabled }}
     - name: shm
-      {{- if .Values.dram.hostIPC }}
+      {{- if include "kvstore.hostIPC" . }}
       hostPath:
         path: /dev/shm
         type: Directory
@@ -190,6 +254,34 @@ spec:
       hostPath:
         path: /run/udev
         type: Directory
+    {{- end }}
+    {{- /* 0440: the files belong to fsGroup, and only the daemon reads them. */}}
+    {{- if include "kvstore.auth.enabled" . }}
+    - name: tenants
+      secret:
+        secretName: {{ include "kvstore.auth.tenantsSecretName" . }}
+        defaultMode: 0440
+        items:
+          - key: tenants.yaml
+            path: tenants.yaml
+    {{- end }}
+    {{- if include "kvstore.auth.ownToken" . }}
+    - name: token
+      secret:
+        secretName: {{ include "kvstore.auth.tokenSecretName" . }}
+        defaultMode: 0440
+    {{- end }}
+    {{- if .Values.tls.enabled }}
+    - name: tls
+      secret:
+        secretName: {{ .Values.tls.secretName }}
+        defaultMode: 0440
+    {{- end }}
+    {{- if include "kvstore.unixSocket.enabled" . }}
+    - name: socket
+      hostPath:
+        path: {{ .Values.unixSocket.hostPath }}
+        type: DirectoryOrCreate
     {{- end }}
     {{- with .Values.extraVolumes }}
     {{- toYaml . | nindent 4 }}
