@@ -13,6 +13,11 @@ For each object size (default 256 KiB and 2 MiB), in batches of 32:
 And `lookup` of a cached 1,024-key chain (p50 and p99; target p50 <= 2 ms) vs redis-py EXISTS
 of the same 1,024 keys in one pipeline.
 
+Then what authentication costs: a second daemon with auth.mode=token (a bearer token on every
+call, the tenant's shared memory an arena reached through the Unix socket) against the first
+(auth off), the same lookup p50 and the same 2 MiB shm_get_into, interleaved (target: within
+5%, ratio >= 0.95x).
+
 Every figure is warmed up, then ours and its baseline run alternately, repeat by repeat, so
 background load hits both alike; the median per-batch figure is reported. Puts write new keys
 every repeat (a re-put is an acknowledged no-op) and are evicted/deleted outside the timing.
@@ -23,7 +28,9 @@ Prints `bench <name>: <ours> <unit> vs <baseline> <baseline> <unit> = <ratio>x` 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
+import json
 import os
 import secrets
 import statistics
@@ -57,11 +64,12 @@ PAGE_ALIGN = 4096
 
 
 @contextmanager
-def kvstore_daemon(workdir: Path, capacity_bytes: int, shm_name: str) -> Iterator[str]:
+def kvstore_daemon(workdir: Path, capacity_bytes: int, shm_name: str,
+                   *auth: str) -> Iterator[str]:
     """A kvstore-server subprocess, SERVING; yields its target."""
     daemon = start_daemon(workdir, f"dram.capacity_bytes={capacity_bytes}",
                           f"dram.page_size_bytes={PAGE_BYTES}", f"dram.shm_name={shm_name}",
-                          "log_level=WARNING")
+                          "log_level=WARNING", *auth)
     try:
         yield daemon.target
     finally:
@@ -290,6 +298,48 @@ class Bench:
         ]
 
 
+AUTH_TOKEN = secrets.token_urlsafe(32)
+AUTH_SIZE = 2 * MiB
+
+
+def token_daemon_settings(workdir: Path) -> list[str]:
+    """auth.mode=token with one tenant owning the bench namespace, and the Unix socket."""
+    tenants = workdir / "tenants.yaml"
+    tenants.write_text(json.dumps({"tenants": [{
+        "name": "bench", "namespaces": [NAMESPACE],
+        "tokens_sha256": [hashlib.sha256(AUTH_TOKEN.encode()).hexdigest()]}]}))
+    return ["auth.mode=token", f"auth.tenants_file={tenants}",
+            f"server.unix_socket={workdir / 'kvstore.sock'}"]
+
+
+def auth_cost(off: KVStoreClient, token: KVStoreClient, batch: int, repeats: int,
+              lookups: int, warmup: int, rng: np.random.Generator) -> list[Figure]:
+    """Lookup p50 and 2 MiB shm_get_into with auth.mode=token vs auth off, interleaved."""
+    keys = new_keys(LOOKUP_KEYS)
+    for client in (off, token):
+        client.put(keys, [b"x"] * LOOKUP_KEYS)
+    token_s, off_s = paired(Op(lambda _: token.lookup(keys)), Op(lambda _: off.lookup(keys)),
+                            lookups, warmup * 5)
+    figures = [Figure(f"auth_lookup_{LOOKUP_KEYS}_p50",
+                      percentile([t * 1e3 for t in token_s], 0.5), "auth off",
+                      percentile([t * 1e3 for t in off_s], 0.5), "ms",
+                      lower_is_better=True, target=">= 0.95x",
+                      extra={"keys": LOOKUP_KEYS, "samples": lookups, "ours": "auth.mode=token"})]
+    blocks = Blocks.make(AUTH_SIZE, batch, rng)
+    data = new_keys(batch)
+    for client in (off, token):
+        client.put(data, blocks.payloads)
+        if not client.uses_shared_memory:
+            raise RuntimeError("a client of the auth comparison is not on shared memory")
+    ours, base = paired(Op(lambda _: token.get_into(data, blocks.destinations)),
+                        Op(lambda _: off.get_into(data, blocks.destinations)), repeats, warmup)
+    figures.append(gbps_figure(f"auth_shm_get_into_{size_label(AUTH_SIZE)}", blocks.batch_bytes,
+                               ours, "auth off", base, target=">= 0.95x"))
+    if token.get(data[:1]) != blocks.payloads[:1]:
+        raise RuntimeError("the token daemon returned other bytes than were put")
+    return figures
+
+
 def capacity_for(sizes: list[int], batch: int) -> int:
     """L2 bytes for every size's read set, one put batch in flight, the lookup chain."""
     def pages(size: int) -> int:
@@ -317,6 +367,14 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
         for size in sizes:
             figures += bench.per_size(Blocks.make(size, args.batch, rng))
         figures += bench.lookup(args.lookups)
+        token_dir = workdir / "token"
+        token_dir.mkdir()
+        token_target = stack.enter_context(kvstore_daemon(
+            token_dir, capacity, f"{shm_name}-unused", *token_daemon_settings(token_dir)))
+        with KVStoreClient(token_target, NAMESPACE, shared_memory=True,
+                           token=AUTH_TOKEN) as token:
+            figures += auth_cost(shm, token, args.batch, args.repeats, args.lookups,
+                                 args.warmup, rng)
     setup = {
         "batch": args.batch, "repeats": args.repeats, "warmup": args.warmup,
         "lookups": args.lookups, "sizes_bytes": sizes, "dram_capacity_bytes": capacity,
