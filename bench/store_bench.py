@@ -324,7 +324,7 @@ def auth_cost(off: KVStoreClient, token: KVStoreClient, batch: int, repeats: int
                       percentile([t * 1e3 for t in token_s], 0.5), "auth off",
                       percentile([t * 1e3 for t in off_s], 0.5), "ms",
                       lower_is_better=True, target=">= 0.95x",
-                      extra={"keys": LOOKUP_KEYS, "samples": lookups, "ours": "auth.mode=token"})]
+                      extra={"keys": LOOKUP_KEYS, "samples": lookups, "auth": "token vs off"})]
     blocks = Blocks.make(AUTH_SIZE, batch, rng)
     data = new_keys(batch)
     for client in (off, token):

@@ -17,7 +17,7 @@ BENCH = REPO / "bench" / "store_bench.py"
 FIGURES = {
     f"{kind}_{size}" for kind in ("shm_get_into", "shm_put", "inline_get", "inline_put")
     for size in ("256KiB", "2MiB")
-} | {"lookup_1024_p50", "lookup_1024_p99"}
+} | {"lookup_1024_p50", "lookup_1024_p99", "auth_lookup_1024_p50", "auth_shm_get_into_2MiB"}
 
 
 def test_store_bench_quick_json() -> None:
@@ -31,7 +31,7 @@ def test_store_bench_quick_json() -> None:
     report = json.loads(lines[-1])
     figures = report["figures"]
     check_report(figures, printed_figures(lines), FIGURES)
-    for name in FIGURES - {"lookup_1024_p50", "lookup_1024_p99"}:
+    for name in FIGURES - {"lookup_1024_p50", "lookup_1024_p99", "auth_lookup_1024_p50"}:
         assert figures[name]["batch_bytes"] == 32 * (256 << 10 if "256KiB" in name else 2 << 20)
 
     shm_name = report["setup"]["shm_name"]

@@ -25,7 +25,8 @@ import yaml
 from kvstore.client import TLS, AsyncKVStoreClient, KVStoreClient, PermissionDenied, Unauthenticated
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from kvstore.tools.testing import Daemon, Pki, make_pki, start_daemon
+from kvstore.tools.testing import Daemon, start_daemon
+from tests.integration.pki import Pki, make_pki
 
 TOKENS = {"team-a": "token-of-a-0123456789", "team-b": "token-of-b-0123456789",
           "root": "token-of-root-0123456789"}
