@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,6 @@ class Auth:
     def __init__(self, config: Config) -> None:
         self.mode = config.auth.mode
         self.path = config.auth.tenants_file
-        self._lock = threading.Lock()
         self.tenants = Tenants([])
         if self.on:
             try:
@@ -78,8 +76,7 @@ class Auth:
         if before != after:
             log.warning("SIGHUP: tenants or quotas changed; their arenas change at the next "
                         "restart (until then a new tenant cannot store blocks)")
-        with self._lock:
-            self.tenants = fresh
+        self.tenants = fresh  # one assignment: a call sees the old tenants or the new
         log.info("SIGHUP: re-read %d tenants from %s", len(fresh.tenants), self.path)
         return True
 
