@@ -86,6 +86,9 @@ class Writer:
         if arena is None:
             return ResourceExhausted(f"namespace {namespace!r}: no tenant owns it, so it has "
                                      "no pages to store in")
+        if arena and arena not in self._index.arena_names(Tier.DRAM):
+            return ResourceExhausted(f"tenant {arena!r} has no arena yet: tenants added since "
+                                     "the daemon started get theirs at its next restart")
         if arena:  # a tenant's arena: its quota, not the tier, is what is short
             pages = self._index.arena_usage(Tier.DRAM, arena)[3]
             return ResourceExhausted(

@@ -245,6 +245,20 @@ def test_sighup_revokes_and_adds_tokens(daemon: Daemon, stub: rpc.KVStoreStub,
         time.sleep(0.05)
     rotated = (("authorization", f"Bearer {fresh['team-a']}"),)
     assert stub.Lookup(lookup, metadata=rotated).prefix_length == 1  # its blocks stay
+    # A tenant added by SIGHUP may call at once, but gets its arena only at the next start.
+    doc = tenants_doc(fresh)
+    doc["tenants"].append({"name": "team-c", "tokens_sha256": [sha("token-of-c")],
+                           "namespaces": ["team-c/"]})
+    write_tenants(tenants_file, doc)
+    os.kill(daemon.proc.pid, signal.SIGHUP)
+    c = (("authorization", "Bearer token-of-c"),)
+    while code_of(lambda: stub.Stats(pb.StatsRequest(), metadata=c, timeout=5))[0] \
+            == UNAUTHENTICATED:
+        assert time.monotonic() < deadline, "the added tenant is still unknown after SIGHUP"
+        time.sleep(0.05)
+    code, details = code_of(lambda: stub.Put(iter([pb.PutRequest(
+        namespace="team-c/x", keys=[KEY], sizes=[3], data=b"abc")]), metadata=c, timeout=5))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "next restart" in details
     # A bad file keeps the tenants loaded before.
     tenants_file.write_text("tenants: [{name: broken")
     os.kill(daemon.proc.pid, signal.SIGHUP)
