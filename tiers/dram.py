@@ -75,6 +75,21 @@ class DramTier:
         part = self._part_at(extents[0][0])
         return part.name, [(offset - part.base, n) for offset, n in extents]
 
+    def client_extents(self, blocks: Sequence[Sequence[Extent]]
+                       ) -> tuple[str, str, list[list[Extent]]]:
+        """(shm_name, arena, extents) as a client sees the blocks of one call: offsets in the
+        named segment, or in the one arena they all lie in (a call names one tenant's
+        namespace, whose blocks all live in its arena)."""
+        if self.shm_name:
+            return self.shm_name, "", [list(b) for b in blocks]
+        arena = ""
+        local: list[list[Extent]] = []
+        for block in blocks:
+            name, offsets = self.arena_extents(block)
+            arena = arena or name
+            local.append(offsets)
+        return "", arena, local
+
     def _part_at(self, offset: int) -> _Part:
         return self._parts[bisect.bisect_right(self._bases, offset) - 1]
 

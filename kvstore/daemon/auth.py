@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import yaml
 
 from kvstore.core.errors import StartupError, Unauthenticated
 from kvstore.core.tenants import OPEN, Tenant, Tenants, TenantsError, parse_tenants
+from kvstore.daemon.admission import client_of
 from kvstore.daemon.config import Config
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,25 @@ BEARER = "bearer "
 #: auth_context properties that name a client certificate's identities (grpc core's).
 IDENTITY_PROPERTIES = ("x509_common_name", "x509_subject_alternative_name", "peer_uri",
                        "peer_spiffe_id")
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who makes a call: its tenant, and the client its holdings are charged to (the tenant
+    with auth on, else the peer host)."""
+
+    tenant: Tenant
+    client: str
+
+    def data(self, namespace: str) -> None:
+        """A data verb (put, get, lookup, prefetch, reserve, pin): the tenant must own the
+        namespace, whatever its role."""
+        self.tenant.check_namespace(namespace)
+
+    def operate(self, namespace: str) -> None:
+        """An operator's verb on a namespace (evict, stats, hot): its owner, or an admin."""
+        if not self.tenant.admin:
+            self.tenant.check_namespace(namespace)
 
 
 def read_tenants(path: str) -> Tenants:
@@ -80,10 +101,14 @@ class Auth:
         log.info("SIGHUP: re-read %d tenants from %s", len(fresh.tenants), self.path)
         return True
 
-    def caller(self, context: grpc.ServicerContext) -> Tenant:
-        """The tenant making this call; Unauthenticated when its credentials name none."""
+    def caller(self, context: grpc.ServicerContext) -> Caller:
+        """Who makes this call; Unauthenticated when its credentials name no tenant."""
         if not self.on:
-            return OPEN
+            return Caller(OPEN, client_of(context.peer()))
+        tenant = self._tenant(context)
+        return Caller(tenant, tenant.name)
+
+    def _tenant(self, context: grpc.ServicerContext) -> Tenant:
         tenants = self.tenants
         if self.mode == "mtls":
             tenant = tenants.by_identity(_identities(context))

@@ -29,6 +29,7 @@ from kvstore.daemon.writer import Writer
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier, TierStats
 from kvstore.tiers.dram import DramTier
+from kvstore.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Reader:
 
     def read(
         self, namespace: str, keys: Sequence[bytes], lease_timeout_s: float, leased: bool = True,
-        client: str = "",
+        client: str = "", inline: bool = False,
     ) -> ReadResult:
         """Lease the found entries (the caller copies their bytes, then release()s), or with
         leased=False only touch them (for readers that verify checksums). Blocks only in L3
@@ -71,11 +72,25 @@ class Reader:
                 self._index.holdings.check(client, self._caps, leases=1)
             loads = self._start_loads(namespace, checked, Tier.DRAM)
             if not loads:  # the usual case, every hit in L2: lease in the same critical section
-                return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads,
-                                   client)
+                result = self._lease(namespace, checked, lease_id, leased, lease_timeout_s,
+                                     loads, client)
+                return self._bounded(result) if inline else result
         for load in loads.values():
             load.wait()
-        return self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads, client)
+        result = self._lease(namespace, checked, lease_id, leased, lease_timeout_s, loads, client)
+        return self._bounded(result) if inline else result
+
+    def _bounded(self, result: ReadResult) -> ReadResult:
+        """An inline read streams every found byte: refuse one over server.max_response_bytes
+        (its lease released) rather than let one small request make the daemon send GiBs."""
+        cap = self._config.server.max_response_bytes
+        total = sum(e.size_bytes for e in result.entries if e is not None)
+        if total <= cap:
+            return result
+        self.release([result.lease_id])
+        raise ResourceExhausted(
+            f"keys: the Get would return {format_size(total)}, over server.max_response_bytes "
+            f"({format_size(cap)}); ask for fewer keys per Get")
 
     def _lease(self, namespace: str, checked: list[BlockKey], lease_id: str, leased: bool,
                lease_timeout_s: float, loads: dict[BlockKey, Load], client: str) -> ReadResult:

@@ -25,8 +25,9 @@ from kvstore.core.errors import StartupError
 from kvstore.daemon.attach import AttachSocket
 from kvstore.daemon.auth import Auth, server_credentials
 from kvstore.daemon.config import Config, ConfigError, add_arguments, config_from_args
+from kvstore.daemon.methods import SERVICE_NAME, handlers
 from kvstore.daemon.metrics import Metrics, store_metrics
-from kvstore.daemon.servicer import SERVICE_NAME, KVStoreServicer, handlers
+from kvstore.daemon.servicer import KVStoreServicer
 from kvstore.daemon.store import Store
 
 log = logging.getLogger("kvstore.daemon.server")

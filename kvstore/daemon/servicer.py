@@ -1,8 +1,10 @@
 """The KVStore servicer: decode each request, call the store, encode the reply.
 
-Thin on purpose: every error is mapped to a status code in one function,
-`kvstore.daemon.faults.status_for`, and Put and Get move their bulk bytes as raw frames
-(kvstore.proto.frames), registered through `handlers()` instead of the generated
+Thin on purpose: who is calling and what it may touch is decided first
+(`kvstore.daemon.auth`: a Caller's tenant owns the namespace, or its role allows the verb),
+every error is mapped to a status code in one function, `kvstore.daemon.faults.status_for`,
+and Put and Get move their bulk bytes as raw frames (kvstore.proto.frames), registered
+through `kvstore.daemon.methods.handlers()` instead of the generated
 add_KVStoreServicer_to_server.
 """
 
@@ -23,26 +25,22 @@ from kvstore import __version__
 from kvstore.core.errors import (
     FailedPrecondition,
     InvalidArgument,
-    ResourceExhausted,
     Unavailable,
 )
 from kvstore.core.records import ReadResult, StoreStats
-from kvstore.core.tenants import Tenant
-from kvstore.daemon.admission import Stream, StreamSlots, client_of
+from kvstore.daemon.admission import Stream, StreamSlots
 from kvstore.daemon.attach import ATTACH_TICKET_S, Tickets
+from kvstore.daemon.auth import Caller
 from kvstore.daemon.config import config_to_dict
-from kvstore.daemon.faults import FaultLog, Undecodable, decoder, parsed, status_for
+from kvstore.daemon.faults import FaultLog, parsed, status_for
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
-from kvstore.proto.frames import data_frame, data_of
+from kvstore.proto.frames import data_frame
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.shm import host_id
 from kvstore.tier import Tier
-from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.daemon.server")
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
 def _tier(value: int, field: str) -> Tier | None:
@@ -64,25 +62,6 @@ def _locations(extents: list[list[tuple[int, int]]]) -> list[pb.BlockLocation]:
 MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages that long
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Caller:
-    """Who makes a call: its tenant, and the client its holdings are charged to (the tenant
-    with auth on, else the peer host)."""
-
-    tenant: Tenant
-    client: str
-
-    def data(self, namespace: str) -> None:
-        """A data verb (put, get, lookup, prefetch, reserve, pin): the tenant must own the
-        namespace, whatever its role."""
-        self.tenant.check_namespace(namespace)
-
-    def operate(self, namespace: str) -> None:
-        """An operator's verb on a namespace (evict, stats, hot): its owner, or an admin."""
-        if not self.tenant.admin:
-            self.tenant.check_namespace(namespace)
-
-
 class KVStoreServicer:
     def __init__(self, store: Store, metrics: Metrics,
                  drain: Callable[[], None] = lambda: None) -> None:
@@ -100,8 +79,7 @@ class KVStoreServicer:
 
     def _caller(self, context: grpc.ServicerContext) -> Caller:
         """Who is calling (Unauthenticated when nobody): decided before anything else."""
-        tenant = self.auth.caller(context)
-        return Caller(tenant, tenant.name if self.auth.on else client_of(context.peer()))
+        return self.auth.caller(context)
 
     def _admit(self, request: Any, method: str) -> Any:
         """The request, parsed, if the daemon takes new calls of this method: while draining
@@ -212,8 +190,7 @@ class KVStoreServicer:
                 )
             leased = not (shared and request.no_lease)  # inline reads lease while streaming
             result = self.store.read(request.namespace, request.keys, timeout_s, leased,
-                                     stream.client)
-            self._bound_response(result, shared)
+                                     stream.client, inline=not shared)
         except Exception as exc:
             slot.close()
             self._fail(context, "Get", exc, started)
@@ -268,32 +245,8 @@ class KVStoreServicer:
 
     def _shared(self, extents: list[list[tuple[int, int]]]
                 ) -> tuple[str, str, list[list[tuple[int, int]]]]:
-        """(shm_name, arena, extents as the client sees them): offsets in the named segment
-        (auth off), or in the tenant's arena (every block of one call lies in one arena)."""
         dram = self.store.dram
-        if dram is None:
-            return "", "", extents
-        if dram.shm_name:
-            return dram.shm_name, "", extents
-        arena = ""
-        local: list[list[tuple[int, int]]] = []
-        for block in extents:
-            name, block_local = dram.arena_extents(block)
-            arena = arena or name
-            local.append(block_local)
-        return "", arena, local
-
-    def _bound_response(self, result: ReadResult, shared: bool) -> None:
-        """An inline Get streams every found byte: refuse one over server.max_response_bytes
-        (its lease released) rather than let one small request make the daemon send GiBs."""
-        cap = self.config.server.max_response_bytes
-        total = sum(e.size_bytes for e in result.entries if e is not None)
-        if shared or total <= cap:
-            return
-        self.store.release([result.lease_id])
-        raise ResourceExhausted(
-            f"keys: the Get would return {format_size(total)}, over server.max_response_bytes "
-            f"({format_size(cap)}); ask for fewer keys per Get")
+        return dram.client_extents(extents) if dram is not None else ("", "", extents)
 
     def _unary(self, method: str, context: grpc.ServicerContext,
                fn: Callable[[Caller], Any], request: Any) -> Any:
@@ -494,51 +447,3 @@ class KVStoreServicer:
             auth_mode=self.auth.mode, tenant=caller.tenant.name,
             unix_socket=self.config.server.unix_socket if self.auth.on else "",
         )
-
-
-def _decode_put(raw: bytes) -> pb.PutRequest | memoryview | Undecodable:
-    data = data_of(raw)
-    return decoder(pb.PutRequest)(raw) if data is None else data
-
-
-def _encode_get(message: pb.GetResponse | bytes) -> bytes:
-    if isinstance(message, bytes):
-        return message
-    encoded: bytes = message.SerializeToString()
-    return encoded
-
-
-def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
-    """The service's method table: the generated one, except that Put and Get move their
-    bulk bytes as raw frames (kvstore.proto.frames)."""
-    def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=decoder(req), response_serializer=resp.SerializeToString
-        )
-    table = {
-        "Put": grpc.stream_unary_rpc_method_handler(
-            s.Put, request_deserializer=_decode_put,
-            response_serializer=pb.PutResponse.SerializeToString),
-        "Get": grpc.unary_stream_rpc_method_handler(
-            s.Get, request_deserializer=decoder(pb.GetRequest), response_serializer=_encode_get),
-        "Prefetch": grpc.unary_stream_rpc_method_handler(
-            s.Prefetch, request_deserializer=decoder(pb.PrefetchRequest),
-            response_serializer=pb.PrefetchProgress.SerializeToString),
-        "Lookup": unary(s.Lookup, pb.LookupRequest, pb.LookupResponse),
-        "Reserve": unary(s.Reserve, pb.ReserveRequest, pb.ReserveResponse),
-        "Release": unary(s.Release, pb.ReleaseRequest, pb.ReleaseResponse),
-        "Evict": unary(s.Evict, pb.EvictRequest, pb.EvictResponse),
-        "Pin": unary(s.Pin, pb.PinRequest, pb.PinResponse),
-        "Unpin": unary(s.Unpin, pb.PinRequest, pb.PinResponse),
-        "Stats": unary(s.Stats, pb.StatsRequest, pb.StatsResponse),
-        "Hot": unary(s.Hot, pb.HotRequest, pb.HotResponse),
-        "Prewarm": grpc.unary_stream_rpc_method_handler(
-            s.Prewarm, request_deserializer=decoder(pb.PrewarmRequest),
-            response_serializer=pb.PrewarmProgress.SerializeToString),
-        "Drain": unary(s.Drain, pb.DrainRequest, pb.DrainResponse),
-        "Attach": unary(s.Attach, pb.AttachRequest, pb.AttachResponse),
-    }
-    declared = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
-    if set(table) != declared:  # the .proto grew a method this table does not serve
-        raise RuntimeError(f"method table {sorted(table)} != kvstore.proto {sorted(declared)}")
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, table)

@@ -193,11 +193,12 @@ class Store:
 
     def read(
         self, namespace: str, keys: Sequence[bytes], lease_timeout_s: float, leased: bool = True,
-        client: str = "",
+        client: str = "", inline: bool = False,
     ) -> ReadResult:
         """Lease the found entries (the caller copies their bytes, then release()s), or with
-        leased=False only touch them (for readers that verify checksums)."""
-        return self._reader.read(namespace, keys, lease_timeout_s, leased, client)
+        leased=False only touch them (for readers that verify checksums). An inline read is
+        refused past server.max_response_bytes."""
+        return self._reader.read(namespace, keys, lease_timeout_s, leased, client, inline)
 
     def chunks(
         self, result: ReadResult, chunk_bytes: int, copy: Callable[[list[memoryview], int], bytes]
