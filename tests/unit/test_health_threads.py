@@ -18,10 +18,11 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def serve(register: Callable[[grpc.Server, health.HealthServicer], None],
-          release: threading.Event) -> tuple[grpc.Server, int]:
+          release: threading.Event, busy: threading.Event) -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(1))  # one worker, soon busy
 
     def block(request: bytes, context: grpc.ServicerContext) -> bytes:
+        busy.set()
         release.wait(10)
         return b""
 
@@ -37,12 +38,15 @@ def serve(register: Callable[[grpc.Server, health.HealthServicer], None],
 
 def check_with_workers_busy(register: Callable[[grpc.Server, health.HealthServicer], None]
                             ) -> int:
-    release = threading.Event()
-    server, port = serve(register, release)
+    release, busy = threading.Event(), threading.Event()
+    server, port = serve(register, release, busy)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             calls = [ch.unary_unary("/t.Slow/Block").future(b"", timeout=10) for _ in range(3)]
             try:
+                # The worker is taken before Check is sent (on a loaded machine the Check
+                # could otherwise reach the one worker first, and the stock one would pass).
+                assert busy.wait(5), "the slow call never started"
                 reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                              timeout=1)
                 return int(reply.status)
