@@ -1,7 +1,7 @@
 """Who is calling: the tenants file, each call's credentials, and the server's TLS.
 
 `Auth` owns the tenants (read at start, re-read on SIGHUP: a bad file keeps the old tenants
-and logs why) and turns a call's credentials into its Tenant: the bearer token in its
+and logs why) and turns a call's credentials into its Caller's tenant: the bearer token in its
 `authorization` metadata (auth.mode=token) or the identities of its client certificate
 (auth.mode=mtls: the subject CN and every SAN). With auth.mode=off every caller is OPEN.
 `server_credentials` builds gRPC's TLS credentials, re-reading the certificate files when they
@@ -45,10 +45,11 @@ class Caller:
         namespace, whatever its role."""
         self.tenant.check_namespace(namespace)
 
-    def operate(self, namespace: str) -> None:
-        """An operator's verb on a namespace (evict, stats, hot): its owner, or an admin."""
+    def operate(self, namespace: str, field_name: str = "namespace") -> None:
+        """An operator's verb on a namespace (evict, stats, hot, prewarm): its owner, or an
+        admin."""
         if not self.tenant.admin:
-            self.tenant.check_namespace(namespace)
+            self.tenant.check_namespace(namespace, field_name)
 
 
 def read_tenants(path: str) -> Tenants:

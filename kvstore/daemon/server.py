@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore import __version__
 from kvstore.core.errors import StartupError
 from kvstore.daemon.attach import AttachSocket
-from kvstore.daemon.auth import Auth, server_credentials
+from kvstore.daemon.auth import server_credentials
 from kvstore.daemon.config import Config, ConfigError, add_arguments, config_from_args
 from kvstore.daemon.methods import SERVICE_NAME, handlers
 from kvstore.daemon.metrics import Metrics, store_metrics
@@ -82,7 +82,7 @@ def serve(config: Config, stop: threading.Event,
           reload: threading.Event | None = None) -> None:
     """Run the daemon until stop is set; re-read the tenants file each time reload is set
     (SIGHUP). Whatever startup made is undone if it fails."""
-    store = Store(config, auth=Auth(config))
+    store = Store(config)  # its Auth reads the tenants file
     metrics = store_metrics(store)
     drain_began: list[float] = []  # set by _serve once the drain begins
     try:

@@ -77,10 +77,6 @@ class KVStoreServicer:
         self.auth = store.auth
         self.tickets = Tickets()  # Attach's, redeemed on the Unix socket (kvstore.daemon.attach)
 
-    def _caller(self, context: grpc.ServicerContext) -> Caller:
-        """Who is calling (Unauthenticated when nobody): decided before anything else."""
-        return self.auth.caller(context)
-
     def _admit(self, request: Any, method: str) -> Any:
         """The request, parsed, if the daemon takes new calls of this method: while draining
         only Release (readers must be able to let go), Stats (operators watch) and Drain
@@ -116,7 +112,7 @@ class KVStoreServicer:
         ended = threading.Event()
         context.add_callback(ended.set)  # on the call's end, a client's cancel included
         try:
-            caller = self._caller(context)
+            caller = self.auth.caller(context)
             stream = slot.enter_context(self.slots.held(context.peer(), context, caller.client))
             messages = stream.receive(request_iterator)
             first = self._admit(next(messages, None), "Put")
@@ -173,7 +169,7 @@ class KVStoreServicer:
         started = time.perf_counter()
         slot = contextlib.ExitStack()
         try:
-            caller = self._caller(context)
+            caller = self.auth.caller(context)
             stream = slot.enter_context(self.slots.held(context.peer(), context, caller.client))
             request = self._admit(request, "Get")
             caller.data(request.namespace)
@@ -252,7 +248,7 @@ class KVStoreServicer:
                fn: Callable[[Caller], Any], request: Any) -> Any:
         started = time.perf_counter()
         try:
-            caller = self._caller(context)
+            caller = self.auth.caller(context)
             self._admit(request, method)
             response = fn(caller)
         except Exception as exc:
@@ -277,7 +273,7 @@ class KVStoreServicer:
         started = time.perf_counter()
         stream = None
         try:
-            caller = self._caller(context)
+            caller = self.auth.caller(context)
             with self.slots.held(context.peer(), context, caller.client) as stream:
                 self._admit(request, method)
                 for step in stream.send(progress(caller)):
@@ -316,8 +312,7 @@ class KVStoreServicer:
         def progress(caller: Caller) -> Iterator[Any]:
             namespaces = list(request.namespaces)
             for i, namespace in enumerate(namespaces):
-                if not caller.tenant.admin:
-                    caller.tenant.check_namespace(namespace, f"namespaces[{i}]")
+                caller.operate(namespace, f"namespaces[{i}]")
             if not namespaces and not caller.tenant.admin:  # every namespace it owns
                 namespaces = [n for n in self.store.remote_namespaces()
                               if caller.tenant.owns(n)]

@@ -84,8 +84,9 @@ class Store:
         arenas: dict[Tier, list[Arena]] = {}
         if holders:
             try:
-                for t, x in tiers.items():
-                    arenas[t] = _split(t.label, x.num_pages, x.page_size_bytes, holders)
+                for t, x in tiers.items():  # L2's split is the one its arenas were made by
+                    arenas[t] = dram_arenas if t is Tier.DRAM and dram_arenas else \
+                        _split(t.label, x.num_pages, x.page_size_bytes, holders)
             except StartupError:
                 self._opened.close()
                 raise
