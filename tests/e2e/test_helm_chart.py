@@ -627,6 +627,16 @@ def test_mtls(rendered: dict[str, Rendered]) -> None:
     wl = workload(r)
     assert volume(wl, "token") is None and "lifecycle" not in container(wl)
     assert "exec" in container(wl)["livenessProbe"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        # Every mtls handshake needs a client certificate: the probes present the daemon's.
+        flags = _admin_flags(container(wl)[probe]["exec"]["command"])
+        assert (flags["--tls-cert"], flags["--tls-key"]) == (
+            "/etc/kvstore-tls/tls.crt", "/etc/kvstore-tls/tls.key"), probe
+    test_pod = r.one("Pod")  # helm test: the same pair, so its handshake succeeds too
+    assert [i["key"] for i in test_pod["spec"]["volumes"][-1]["secret"]["items"]] == [
+        "ca.crt", "tls.crt", "tls.key"]
+    assert _admin_flags(test_pod["spec"]["containers"][0]["args"])["--tls-cert"] == \
+        "/etc/kvstore-tls/tls.crt"
     assert "KVSTORE_TLS_CERT_FILE" in r.notes and "no preStop drain" in r.notes
 
 
