@@ -13,6 +13,7 @@ about; which pages belong to what is the index's.
 from __future__ import annotations
 
 import bisect
+import fcntl
 import logging
 import mmap
 import os
@@ -212,24 +213,14 @@ def _memfd_part(arena: Arena, page_size_bytes: int) -> _Part:
         os.ftruncate(fd, size)
         # Whoever holds the descriptor may map and write it, but never resize it: a client
         # shrinking its arena would make the daemon's next touch of those pages a SIGBUS.
-        fcntl_seals(fd)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise
     return _Part(arena.name, arena.first_page * page_size_bytes,
                  np.frombuffer(buf, dtype=np.uint8), fd)
-
-
-_F_ADD_SEALS, _F_SEAL_SEAL, _F_SEAL_SHRINK, _F_SEAL_GROW = 1033, 0x1, 0x2, 0x4
-
-
-def fcntl_seals(fd: int) -> None:
-    """Seal the memfd's size (shrink and grow) and its seals."""
-    import fcntl
-
-    fcntl.fcntl(fd, getattr(fcntl, "F_ADD_SEALS", _F_ADD_SEALS),
-                _F_SEAL_SHRINK | _F_SEAL_GROW | _F_SEAL_SEAL)
 
 
 def _copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,11 +82,15 @@ class Tenants:
 
     def __init__(self, tenants: Sequence[Tenant]) -> None:
         self.tenants = tuple(tenants)
+        self._by_name = {t.name: t for t in tenants}
         self._by_hash = {h: t for t in tenants for h in t.tokens_sha256}
         self._by_identity = {i: t for t in tenants for i in t.identities}
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Tenant]:
         return iter(self.tenants)
+
+    def named(self, name: str) -> Tenant | None:
+        return self._by_name.get(name)
 
     def names(self) -> list[str]:
         return [t.name for t in self.tenants]

@@ -349,8 +349,7 @@ class Store:
 
     def _caps_of(self, client: str) -> Caps:
         """The caps of client: a tenant's quota.pinned replaces clients.max_pinned_share."""
-        tenant = next((t for t in self.auth.tenants if t.name == client), None) \
-            if self.auth.on else None
+        tenant = self.auth.tenants.named(client) if self.auth.on else None
         if tenant is None or "pinned" not in tenant.quota:
             return self.caps
         return replace(self.caps, pinned_bytes=tenant.quota["pinned"])
