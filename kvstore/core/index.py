@@ -1,9 +1,10 @@
-"""The index: (namespace, key) -> entry, page ownership, leases, pins, leaf-first eviction.
+"""The index: (namespace, key) -> entry, page ownership, leaf-first eviction.
 
 Pure: no I/O, no clock reads (deadlines are passed in). Two-phase stores, as in vLLM's offload
 LRU manager: `prepare_store` reserves pages (evicting if it must), `complete_store` commits or
-frees them. Reads lease entries (`lease`) until `release` or `expire`; `touch` marks entries
-used (moved up in the eviction order, counted as seen) without holding them.
+frees them. `touch` marks entries used (moved up in the eviction order, counted as seen)
+without holding them; leases and pins, which hold them, live in `index.leases`
+(`kvstore.core.leases`), and `expire` ends the leases and plans past their deadline.
 
 Eviction takes the lowest-ranked *leaf* of a tier: LRU, but a hot block (used again, or put
 again soon after its eviction: `kvstore.core.ghosts`) outlives a block used once
@@ -23,15 +24,15 @@ evicts its own blocks, never another's. Without arenas every tier is one arena "
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvstore.core.children import ChildCounts
 from kvstore.core.ghosts import GhostFilter
 from kvstore.core.holdings import Holdings
+from kvstore.core.leases import Leases
 from kvstore.core.order import EvictionOrder
 from kvstore.core.pages import AllocatorStats, PageAllocator, TierPages
-from kvstore.core.records import CommitResult, Entry, Lease, PlannedBlock, StorePlan
+from kvstore.core.records import CommitResult, Entry, PlannedBlock, StorePlan
 from kvstore.core.usage import UsageBook
 from kvstore.extents import Arena, PageRun
 from kvstore.keys import BlockKey
@@ -69,8 +70,8 @@ class Index:
             {t: {name: a.num_pages for name, a in pages.arenas.items()}
              for t, pages in self._pages.items()}, self.get)
         self._plans: dict[str, StorePlan] = {}
-        self._leases: dict[str, Lease] = {}
         self.holdings = Holdings()  # each client's leases, plans and pins
+        self.leases = Leases(self.holdings, self.touch, self.get, self._order.push)
         self._usage = UsageBook()
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
         self._children = ChildCounts(self.get)
@@ -97,17 +98,6 @@ class Index:
         """(objects, bytes) committed in tier, for one namespace or all."""
         return self._usage.get(tier, namespace)
 
-    def has_lease(self, lease_id: str) -> bool:
-        return lease_id in self._leases
-
-    def holder_of(self, lease_or_plan_id: str) -> str | None:
-        """The client holding the lease or plan of this id; None when there is neither."""
-        lease = self._leases.get(lease_or_plan_id)
-        if lease is not None:
-            return lease.client
-        plan = self._plans.get(lease_or_plan_id)
-        return plan.client if plan is not None else None
-
     def allocator_stats(self, tier: Tier) -> AllocatorStats:
         """The whole tier's pages (every arena's together)."""
         return self._pages[tier].stats()
@@ -125,15 +115,8 @@ class Index:
         return objects, used_bytes, allocator.free_pages, allocator.num_pages
 
     @property
-    def num_leases(self) -> int:
-        return len(self._leases)
-
-    @property
     def num_plans(self) -> int:
         return len(self._plans)
-
-    def pinned_count(self) -> int:
-        return len(self.holdings.pins)
 
     def pages_per_object(self, tier: Tier, size_bytes: int) -> int:
         return max(1, -(-size_bytes // self._page_size[tier]))
@@ -239,30 +222,15 @@ class Index:
 
     def expire(self, now: float) -> tuple[list[str], list[str]]:
         """End leases and abandon plans past their deadline; return (lease ids, plan ids)."""
-        lease_ids = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        lease_ids = self.leases.expired(now)
         for lid in lease_ids:
-            self.release(lid)
+            self.leases.release(lid)
         plan_ids = [pid for pid, plan in self._plans.items() if plan.deadline <= now]
         for pid in plan_ids:
             self.complete_store(pid, None, success=False)
         return lease_ids, plan_ids
 
-    # --- reads and leases ------------------------------------------------------------------
-
-    def lease(self, lease_id: str, namespace: str, keys: Sequence[BlockKey],
-              deadline: float, need: Tier | None = None, client: str = "") -> list[Entry | None]:
-        """touch() the entries of keys and hold them until release/expiry (no lease is
-        recorded when nothing was found)."""
-        if lease_id in self._leases:
-            raise ValueError(f"lease {lease_id!r} exists")
-        found = self.touch(namespace, keys, need)
-        held = [entry for entry in found if entry is not None]
-        for entry in held:
-            entry.leases += 1
-        if held:
-            self._leases[lease_id] = Lease(lease_id, held, deadline, client)
-            self.holdings.change(client, leases=1)
-        return found
+    # --- reads -----------------------------------------------------------------------------
 
     def touch(self, namespace: str, keys: Sequence[BlockKey],
               need: Tier | None = None) -> list[Entry | None]:
@@ -281,45 +249,6 @@ class Index:
     def _use(self, entry: Entry) -> None:
         entry.seen += 1
         self._order.touch(entry, self._num_entries)
-
-    def release(self, lease_id: str) -> bool:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return False
-        self.holdings.change(lease.client, leases=-1)
-        for entry in lease.entries:
-            entry.leases -= 1
-            self._order.push(entry)
-        return True
-
-    # --- pins ------------------------------------------------------------------------------
-
-    def set_pinned(self, namespace: str, keys: Iterable[BlockKey], pinned: bool,
-                   client: str = "", deadline: float = math.inf) -> tuple[int, int]:
-        """Pin (for client, until deadline) or unpin; (changed, missing). Pinning a pinned
-        key renews it, and charges it to this client."""
-        changed = missing = 0
-        for key in keys:
-            entry = self.get(namespace, key)
-            if entry is None:
-                missing += 1
-                continue
-            if pinned:
-                self.holdings.pin(namespace, key, client, entry.size_bytes, deadline)
-            else:
-                self.holdings.unpin(namespace, key)
-            if entry.pinned != pinned:
-                entry.pinned = pinned
-                changed += 1
-                self._order.push(entry)
-        return changed, missing
-
-    def expire_pins(self, now: float) -> list[tuple[str, BlockKey]]:
-        """Unpin the pins past their deadline; their (namespace, key)s."""
-        expired = self.holdings.expired_pins(now)
-        for namespace, key in expired:
-            self.set_pinned(namespace, [key], False)
-        return expired
 
     # --- eviction --------------------------------------------------------------------------
 

@@ -100,7 +100,7 @@ class Reader:
                 if loads:  # other reads of this client may have leased while we waited
                     self._index.holdings.check(client, self._caps, leases=1)
                 deadline = self._clock() + lease_timeout_s
-                entries = self._index.lease(lease_id, namespace, checked, deadline,
+                entries = self._index.leases.lease(lease_id, namespace, checked, deadline,
                                             need=Tier.DRAM, client=client)
             else:
                 entries = self._index.touch(namespace, checked, need=Tier.DRAM)
@@ -183,7 +183,7 @@ class Reader:
         copy: Callable[[list[memoryview], int], bytes],
     ) -> bytes:
         with self._lock:
-            if not self._index.has_lease(lease_id):
+            if not self._index.leases.has_lease(lease_id):
                 raise Aborted("the read outlived leases.lease_timeout_s and its lease expired")
             return copy(views, size)
 
@@ -194,9 +194,9 @@ class Reader:
         released = 0
         with self._lock:
             for rid in ids:
-                if owner is not None and self._index.holder_of(rid) not in (owner, None):
+                if owner is not None and self._holder_of(rid) not in (owner, None):
                     unknown.append(rid)
-                elif self._index.release(rid):
+                elif self._index.leases.release(rid):
                     released += 1
                 elif self._index.plan(rid) is not None:
                     self._index.complete_store(rid, None, success=False)
@@ -208,6 +208,12 @@ class Reader:
                 f"ids: {unknown[:3]!r} unknown or expired ({len(unknown)} in all)"
             )
         return released
+
+    def _holder_of(self, lease_or_plan_id: str) -> str | None:
+        """The client holding the lease or plan of this id; None when there is neither."""
+        holder = self._index.leases.holder_of(lease_or_plan_id)
+        plan = self._index.plan(lease_or_plan_id) if holder is None else None
+        return plan.client if plan is not None else holder
 
     def missing(self, namespace: str, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """The keys no local tier holds."""

@@ -339,13 +339,13 @@ class Store:
         checks.distinct(checked, "Pin" if pinned else "Unpin")
         with self._lock:
             if not pinned:
-                return self.index.set_pinned(namespace, checked, False)
+                return self.index.leases.set_pinned(namespace, checked, False)
             found = [e for e in (self.index.get(namespace, k) for k in checked) if e is not None]
             more = sum(e.size_bytes for e in found
                        if self.index.holdings.pinned_by(namespace, e.key) != client)
             self.index.holdings.check(client, self._caps_of(client), pinned_bytes=more)
             deadline = self._clock() + self.config.clients.max_pin_s
-            return self.index.set_pinned(namespace, checked, True, client, deadline)
+            return self.index.leases.set_pinned(namespace, checked, True, client, deadline)
 
     def _caps_of(self, client: str) -> Caps:
         """The caps of client: a tenant's quota.pinned replaces clients.max_pinned_share."""
@@ -359,7 +359,7 @@ class Store:
         with self._lock:
             now = self._clock()
             leases, plans = self.index.expire(now)
-            pins = self.index.expire_pins(now)
+            pins = self.index.leases.expire_pins(now)
         return len(leases), len(plans), len(pins)
 
     def holdings(self) -> dict[str, Holding]:
@@ -411,9 +411,9 @@ class Store:
                 out,
                 self.dram.shm_name if self.dram else "",
                 self.dram.capacity_bytes if self.dram else 0,
-                self.index.num_leases,
+                self.index.leases.num_leases,
                 self.index.num_plans,
-                self.index.pinned_count(),
+                self.index.leases.pinned_count(),
                 sum(c[0] for c in self._lookups.values()),
                 sum(c[1] for c in self._lookups.values()),
                 replace(self._prewarm) if self._prewarm else None,

@@ -376,9 +376,9 @@ class ArenaMachine(RuleBasedStateMachine):
           hold=st.booleans())
     def read(self, ns: str, picks: list[str], hold: bool) -> None:
         lease_id = f"l{next(_ids)}"
-        self.index.lease(lease_id, ns, [key(n) for n in picks], FAR)
+        self.index.leases.lease(lease_id, ns, [key(n) for n in picks], FAR)
         if not hold:
-            self.index.release(lease_id)
+            self.index.leases.release(lease_id)
 
     @rule(tier=st.sampled_from([D, N]), min_bytes=st.none() | st.integers(1, 600),
           ns=st.none() | st.sampled_from([A_NS, B_NS]))

@@ -104,12 +104,12 @@ def test_a_refused_put_neither_counts_nor_touches_its_cached_keys() -> None:
     put(index, "a")
     clock.tick()
     put(index, "x")
-    index.set_pinned(NS, [key("x")], True)
+    index.leases.set_pinned(NS, [key("x")], True)
     # a, c, d needs two more pages; only a (held) and x (pinned) are there: refused.
     assert prepare(index, ["a", "c", "d"]) is None
     entry = index.get(NS, key("a"))
     assert entry is not None and entry.seen == 1 and entry.movable
-    index.set_pinned(NS, [key("x")], False)
+    index.leases.set_pinned(NS, [key("x")], False)
     assert names(index.evict_in_order(Tier.DRAM, None)) == ["a", "x"]
 
 

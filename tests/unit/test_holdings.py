@@ -33,12 +33,12 @@ def index_with(*numbers: int) -> Index:
 
 def test_a_lease_is_charged_to_its_client_until_released_or_expired() -> None:
     index = index_with(1, 2)
-    index.lease("l1", NS, [key(1), key(2)], deadline=10.0, client=A)
-    index.lease("l2", NS, [key(1)], deadline=20.0, client=A)
-    index.lease("l3", NS, [key(9)], deadline=20.0, client=B)  # a miss: no lease, no charge
+    index.leases.lease("l1", NS, [key(1), key(2)], deadline=10.0, client=A)
+    index.leases.lease("l2", NS, [key(1)], deadline=20.0, client=A)
+    index.leases.lease("l3", NS, [key(9)], deadline=20.0, client=B)  # a miss: no lease, no charge
     assert index.holdings.of(A) == Holding(leases=2)
     assert index.holdings.of(B) == Holding()
-    index.release("l1")
+    index.leases.release("l1")
     assert index.holdings.of(A).leases == 1
     index.expire(now=25.0)
     assert index.holdings.all() == {}
@@ -64,25 +64,25 @@ def test_a_plan_is_charged_with_its_bytes_until_committed_aborted_or_expired() -
 
 def test_pins_pass_to_the_last_pinner_renew_and_expire() -> None:
     index = index_with(1, 2)
-    assert index.set_pinned(NS, [key(1), key(2), key(9)], True, A, deadline=10.0) == (2, 1)
+    assert index.leases.set_pinned(NS, [key(1), key(2), key(9)], True, A, deadline=10.0) == (2, 1)
     assert index.holdings.of(A) == Holding(pins=2, pinned_bytes=200)
-    assert index.set_pinned(NS, [key(2)], True, B, deadline=30.0) == (0, 0)  # renewed by B
+    assert index.leases.set_pinned(NS, [key(2)], True, B, deadline=30.0) == (0, 0)  # renewed by B
     assert index.holdings.of(A) == Holding(pins=1, pinned_bytes=100)
     assert index.holdings.of(B) == Holding(pins=1, pinned_bytes=100)
-    assert index.expire_pins(now=20.0) == [(NS, key(1))]
+    assert index.leases.expire_pins(now=20.0) == [(NS, key(1))]
     assert index.get(NS, key(1)).pinned is False  # type: ignore[union-attr]
-    assert index.holdings.of(A) == Holding() and index.pinned_count() == 1
-    assert index.set_pinned(NS, [key(2)], False) == (1, 0)  # anyone may unpin
-    assert index.holdings.all() == {} and index.pinned_count() == 0
+    assert index.holdings.of(A) == Holding() and index.leases.pinned_count() == 1
+    assert index.leases.set_pinned(NS, [key(2)], False) == (1, 0)  # anyone may unpin
+    assert index.holdings.all() == {} and index.leases.pinned_count() == 0
 
 
 def test_a_pinned_entry_removed_as_damaged_takes_its_pin_along() -> None:
     index = index_with(1)
-    index.set_pinned(NS, [key(1)], True, A, deadline=10.0)
+    index.leases.set_pinned(NS, [key(1)], True, A, deadline=10.0)
     entry = index.get(NS, key(1))
     assert entry is not None
     index.discard(entry)
-    assert index.pinned_count() == 0 and index.holdings.all() == {}
+    assert index.leases.pinned_count() == 0 and index.holdings.all() == {}
 
 
 @pytest.mark.parametrize(("take", "setting"), [
@@ -93,8 +93,8 @@ def test_a_pinned_entry_removed_as_damaged_takes_its_pin_along() -> None:
 ])
 def test_check_refuses_past_each_cap_naming_it(take: dict[str, int], setting: str) -> None:
     index = index_with(1)
-    index.lease("l", NS, [key(1)], deadline=10.0, client=A)
-    index.set_pinned(NS, [key(1)], True, A, deadline=10.0)
+    index.leases.lease("l", NS, [key(1)], deadline=10.0, client=A)
+    index.leases.set_pinned(NS, [key(1)], True, A, deadline=10.0)
     assert index.prepare_store("p", NS, [key(2)], [PAGE], [None], Tier.DRAM, 10.0,
                                client=A) is not None
     caps = Caps(leases=1, reservations=1, reserved_bytes=200, pinned_bytes=100)

@@ -161,8 +161,8 @@ def test_a_lease_and_release_refreshes_recency_and_makes_the_block_hot() -> None
         put(index, n)
     # Read a at t=4: it becomes the most recent.
     clock.tick()
-    assert names(e for e in index.lease("l1", NS, [key("a")], FAR) if e) == ["a"]
-    assert index.release("l1") is True
+    assert names(e for e in index.leases.lease("l1", NS, [key("a")], FAR) if e) == ["a"]
+    assert index.leases.release("l1") is True
     clock.tick()
     assert names(put(index, "d").evicted) == ["b"]
     clock.tick()
@@ -181,13 +181,13 @@ def test_many_touches_keep_the_order_exact_through_heap_compaction() -> None:
         clock.tick()
         put(index, n)
     clock.tick()
-    index.lease("held", NS, [key("a")], FAR)  # a: t=5, then untouched
+    index.leases.lease("held", NS, [key("a")], FAR)  # a: t=5, then untouched
     for round_ in range(300):
         clock.tick()
         n = "bcd"[round_ % 3]
-        index.lease(f"l{round_}", NS, [key(n)], FAR)
-        index.release(f"l{round_}")
-    index.release("held")
+        index.leases.lease(f"l{round_}", NS, [key(n)], FAR)
+        index.leases.release(f"l{round_}")
+    index.leases.release("held")
     # All four are hot (read again); a (t=5) is the least recent; rounds 297, 298, 299
     # touched b, c, d last. e, new, is used once: it goes before the hot ones.
     clock.tick()
@@ -240,8 +240,8 @@ def test_a_touched_root_still_waits_for_its_children() -> None:
     clock.tick()
     put(index, "x")
     clock.tick()
-    index.lease("l", NS, [key("a")], FAR)  # a: t=3, more recent than b and x
-    index.release("l")
+    index.leases.lease("l", NS, [key("a")], FAR)  # a: t=3, more recent than b and x
+    index.leases.release("l")
     # b (t=1) is the LRU leaf; once it is gone a is a leaf at t=3, after x (t=2).
     assert names(index.evict_in_order(Tier.DRAM, None)) == ["b", "x", "a"]
 
@@ -261,8 +261,8 @@ def test_a_parent_stored_after_its_child_still_waits_for_the_child() -> None:
     put(index, "p", "c")  # p stored again at t=3; c is existing
     assert index.get(NS, key("p")).children == 1  # type: ignore[union-attr]
     clock.tick()
-    index.lease("l", NS, [key("c")], FAR)  # c touched at t=4
-    index.release("l")
+    index.leases.lease("l", NS, [key("c")], FAR)  # c touched at t=4
+    index.leases.release("l")
     # p (t=3) is older than c (t=4) but has a cached child: c goes first.
     assert names(index.evict_in_order(Tier.DRAM, 100)) == ["c"]
     assert names(index.evict_in_order(Tier.DRAM, 100)) == ["p"]
@@ -292,7 +292,7 @@ def test_leased_entries_are_never_evicted() -> None:
     for n in "ab":
         clock.tick()
         put(index, n)
-    found = index.lease("l", NS, [key("a"), key("b")], FAR)
+    found = index.leases.lease("l", NS, [key("a"), key("b")], FAR)
     assert names(e for e in found if e) == ["a", "b"]
     assert index.get(NS, key("a")).leases == 1  # type: ignore[union-attr]
     # Only leased entries could make room: no plan, nothing evicted, nothing reserved.
@@ -303,8 +303,8 @@ def test_leased_entries_are_never_evicted() -> None:
     assert index.evict_in_order(Tier.DRAM, None) == []
     assert index.unevictable() == 2
     # Once released they are ordinary LRU entries again (a, leased at t=2, before b).
-    assert index.release("l") is True
-    assert index.release("l") is False
+    assert index.leases.release("l") is True
+    assert index.leases.release("l") is False
     assert names(put(index, "c").evicted) == ["a"]
 
 
@@ -315,7 +315,7 @@ def test_a_refused_prepare_evicts_nothing_and_keeps_the_lru_order() -> None:
     clock.tick()
     put(index, "x")  # t=2
     clock.tick()
-    index.lease("l", NS, [key("x")], FAR)  # x: t=3, and held
+    index.leases.lease("l", NS, [key("x")], FAR)  # x: t=3, and held
     # Three pages are needed; evicting q and p would give only two, so nothing happens.
     assert prepare(index, ["a", "b", "c"]) is None
     assert stored(index) == {"p", "q", "x"}
@@ -323,7 +323,7 @@ def test_a_refused_prepare_evicts_nothing_and_keeps_the_lru_order() -> None:
     assert index.num_plans == 0 and used(index) == 3
     assert index.get(NS, key("p")).children == 1  # type: ignore[union-attr]
     # The order is what it was: q (the leaf), then p, then x (t=3) once released.
-    index.release("l")
+    index.leases.release("l")
     assert names(index.evict_in_order(Tier.DRAM, None)) == ["q", "p", "x"]
 
 
@@ -331,9 +331,9 @@ def test_a_refused_prepare_keeps_the_order_of_entries_touched_at_the_same_instan
     index, _ = make_index(num_pages=2)  # the clock stays at 0: only touch order separates
     put(index, "y")
     put(index, "x")
-    index.lease("l", NS, [key("x")], FAR)  # x touched after y, and held
+    index.leases.lease("l", NS, [key("x")], FAR)  # x touched after y, and held
     assert prepare(index, ["a", "b"]) is None  # y alone is not enough
-    index.release("l")
+    index.leases.release("l")
     assert names(index.evict_in_order(Tier.DRAM, None)) == ["y", "x"]
 
 
@@ -354,7 +354,7 @@ def test_touch_marks_used_without_holding() -> None:
     clock.tick()
     found = index.touch(NS, [key("a"), key("zz")])
     assert [name(e.key) if e else None for e in found] == ["a", None]
-    assert index.num_leases == 0
+    assert index.leases.num_leases == 0
     assert index.get(NS, key("a")).leases == 0  # type: ignore[union-attr]
     assert index.get(NS, key("a")).seen == 2  # type: ignore[union-attr]  # a use, counted
     # a is the most recent now, and nothing holds it.
@@ -364,15 +364,15 @@ def test_touch_marks_used_without_holding() -> None:
 def test_lease_reports_misses_and_records_nothing_when_all_miss() -> None:
     index, _ = make_index()
     put(index, "a")
-    found = index.lease("l1", NS, [key("a"), key("zz"), key("a")], FAR)
+    found = index.leases.lease("l1", NS, [key("a"), key("zz"), key("a")], FAR)
     assert [name(e.key) if e else None for e in found] == ["a", None, "a"]
     assert index.get(NS, key("a")).leases == 2  # type: ignore[union-attr]
-    assert index.lease("l2", NS, [key("zz")], FAR) == [None]
-    assert index.has_lease("l1") and not index.has_lease("l2")
-    assert index.num_leases == 1
+    assert index.leases.lease("l2", NS, [key("zz")], FAR) == [None]
+    assert index.leases.has_lease("l1") and not index.leases.has_lease("l2")
+    assert index.leases.num_leases == 1
     with pytest.raises(ValueError, match="exists"):
-        index.lease("l1", NS, [key("a")], FAR)
-    index.release("l1")
+        index.leases.lease("l1", NS, [key("a")], FAR)
+    index.leases.release("l1")
     assert index.get(NS, key("a")).leases == 0  # type: ignore[union-attr]
 
 
@@ -385,12 +385,12 @@ def test_pinned_entries_are_never_evicted_until_unpinned() -> None:
         clock.tick()
         put(index, n)
     # Pin a twice in one call and a key that is not there: one change, one miss.
-    assert index.set_pinned(NS, [key("a"), key("a"), key("zz")], True) == (1, 1)
-    assert index.pinned_count() == 1
+    assert index.leases.set_pinned(NS, [key("a"), key("a"), key("zz")], True) == (1, 1)
+    assert index.leases.pinned_count() == 1
     clock.tick()
     assert names(put(index, "d").evicted) == ["b"]  # a is older but pinned
-    assert index.set_pinned(NS, [key("a")], False) == (1, 0)
-    assert index.set_pinned(NS, [key("a")], False) == (0, 0)
+    assert index.leases.set_pinned(NS, [key("a")], False) == (1, 0)
+    assert index.leases.set_pinned(NS, [key("a")], False) == (0, 0)
     # Unpinned, a is ordered by its own last access (t=1): first out.
     clock.tick()
     assert names(put(index, "e").evicted) == ["a"]
@@ -404,7 +404,7 @@ def test_a_pinned_child_keeps_its_parent() -> None:
     put(index, "p", "c")
     clock.tick()
     put(index, "x")
-    index.set_pinned(NS, [key("c")], True)
+    index.leases.set_pinned(NS, [key("c")], True)
     clock.tick()
     # p is the oldest and c is pinned; p has a cached child, so x is the only victim.
     assert names(put(index, "y").evicted) == ["x"]
@@ -414,7 +414,7 @@ def test_a_pinned_child_keeps_its_parent() -> None:
     assert prepare(index, ["w", "v"]) is None  # z alone cannot make two pages
     assert stored(index) == {"p", "c", "z"}  # and a refused plan evicts nothing
     # Unpinning c lets the chain go, leaf first, before z (t=4).
-    index.set_pinned(NS, [key("c")], False)
+    index.leases.set_pinned(NS, [key("c")], False)
     assert names(index.evict_in_order(Tier.DRAM, None)) == ["c", "p", "z"]
 
 
@@ -480,8 +480,8 @@ def test_a_plan_id_cannot_be_reused_while_open() -> None:
 def test_expire_ends_leases_and_abandons_plans_past_their_deadline() -> None:
     index, clock = make_index(num_pages=4)
     put(index, "a")
-    index.lease("short", NS, [key("a")], deadline=10.0)
-    index.lease("long", NS, [key("a")], deadline=20.0)
+    index.leases.lease("short", NS, [key("a")], deadline=10.0)
+    index.leases.lease("long", NS, [key("a")], deadline=20.0)
     prepare(index, ["b", "c"], deadline=5.0, plan_id="p5")
     prepare(index, ["d"], deadline=15.0, plan_id="p15")
     assert used(index) == 4
@@ -493,7 +493,7 @@ def test_expire_ends_leases_and_abandons_plans_past_their_deadline() -> None:
     assert index.get(NS, key("a")).leases == 1  # type: ignore[union-attr]
     assert index.expire(30.0) == (["long"], ["p15"])
     assert index.get(NS, key("a")).leases == 0  # type: ignore[union-attr]
-    assert index.num_leases == 0 and index.num_plans == 0 and used(index) == 1
+    assert index.leases.num_leases == 0 and index.num_plans == 0 and used(index) == 1
     # a is evictable again.
     clock.tick()
     assert names(index.evict_in_order(Tier.DRAM, None)) == ["a"]
@@ -559,8 +559,8 @@ def test_evict_keys_removes_exactly_those_and_skips_pinned_and_leased() -> None:
     put(index, "a")
     put(index, "b")
     put(index, "p", "c")
-    index.set_pinned(NS, [key("a")], True)
-    index.lease("l", NS, [key("b")], FAR)
+    index.leases.set_pinned(NS, [key("a")], True)
+    index.leases.lease("l", NS, [key("b")], FAR)
     evicted, skipped = index.evict_keys(NS, [key("a"), key("b"), key("p"), key("zz")])
     # p goes even though it has a child; the child stays, as a root.
     assert names(evicted) == ["p"] and skipped == 2
@@ -836,25 +836,26 @@ class IndexMachine(RuleBasedStateMachine):
         deadline = self.clock.now + ttl
         before = {n: e.seen for n in set(picks) if (e := self.index.get(ns, key(n)))}
         keys = [key(n) for n in picks]
-        found = self.index.lease(lid, ns, keys, deadline) if hold else self.index.touch(ns, keys)
+        found = (self.index.leases.lease(lid, ns, keys, deadline) if hold
+                 else self.index.touch(ns, keys))
         held = [(ns, e.key) for e in found if e is not None]
         for n, seen in before.items():  # every touch of a key counts as a use
             assert self.index.get(ns, key(n)).seen == seen + picks.count(n)  # type: ignore[union-attr]
         if held and hold:
             self.leases[lid] = (deadline, held)
-        assert self.index.has_lease(lid) == (hold and bool(held))
+        assert self.index.leases.has_lease(lid) == (hold and bool(held))
 
     @precondition(lambda self: bool(self.leases))
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         lid = data.draw(st.sampled_from(sorted(self.leases)))
-        assert self.index.release(lid) is True
+        assert self.index.leases.release(lid) is True
         del self.leases[lid]
 
     @rule(ns=st.sampled_from(NAMESPACES), data=st.data(), pinned=st.booleans())
     def pin(self, ns: str, data: st.DataObject, pinned: bool) -> None:
         picks = self.draw_names(data, ns, 3)
-        self.index.set_pinned(ns, [key(n) for n in picks], pinned)
+        self.index.leases.set_pinned(ns, [key(n) for n in picks], pinned)
         for n in picks:
             if pinned and self.index.get(ns, key(n)) is not None:
                 self.pinned.add((ns, key(n)))
@@ -928,13 +929,13 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def leases_and_pins_hold_their_entries(self) -> None:
         counts = Counter(k for _, held in self.leases.values() for k in held)
-        assert self.index.num_leases == len(self.leases)
+        assert self.index.leases.num_leases == len(self.leases)
         for ns_key in counts.keys() | self.pinned:
             assert self.index.get(*ns_key) is not None, f"{ns_key} was evicted while held"
         for e in self.entries():
             assert e.leases == counts[(e.namespace, e.key)]
             assert e.pinned == ((e.namespace, e.key) in self.pinned)
-        assert self.index.pinned_count() == len(self.pinned)
+        assert self.index.leases.pinned_count() == len(self.pinned)
 
     @invariant()
     def a_full_eviction_now_would_follow_the_oracle(self) -> None:

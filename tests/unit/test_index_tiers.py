@@ -84,7 +84,7 @@ def test_a_busy_or_pinned_parent_does_not_follow_its_picked_child() -> None:
     clock.tick()
     put(index, "c", "d")
     index.hold(entry(index, "a"))  # a load of a is in flight
-    index.set_pinned("ns", [key("c")], True)
+    index.leases.set_pinned("ns", [key("c")], True)
     assert names(index.pick(D, 400)) == ["b", "d"]
 
 

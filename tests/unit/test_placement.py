@@ -165,7 +165,7 @@ def test_a_block_l3_cannot_make_room_for_leaves_l2_unwritten() -> None:
     index, placement = make(l2_pages=4, l3_pages=2)
     put_each(index, "x", "y")
     demote_all(index, placement, 2)
-    index.set_pinned(NS, [key("x")], True)
+    index.leases.set_pinned(NS, [key("x")], True)
     put(index, "a", sizes=[200])
     [a] = index.pick(D, 200)
     demotion = placement.demote(a)
@@ -218,10 +218,10 @@ def test_a_block_leased_during_its_write_keeps_its_l2_copy_until_demoted_again()
     put(index, "a")
     [a] = index.pick(D, 100)
     demotion = placement.demote(a)
-    index.lease("reader", NS, [key("a")], FAR)  # a Get while the bytes are written
+    index.leases.lease("reader", NS, [key("a")], FAR)  # a Get while the bytes are written
     assert placement.finish_demotion(demotion, written=True) is False
     assert set(a.copies) == {D, N}
-    index.release("reader")
+    index.leases.release("reader")
     assert demote_all(index, placement, 1) == [Move.DROP]
     assert set(a.copies) == {N}
 
@@ -242,8 +242,8 @@ def test_exclusive_promotion_frees_the_l3_copy() -> None:
 def test_pinned_leased_and_busy_entries_are_never_chosen() -> None:
     index, placement = make(l2_pages=4, l3_pages=3)
     put_each(index, "p", "l", "h", "f")
-    index.set_pinned(NS, [key("p")], True)
-    index.lease("reader", NS, [key("l")], FAR)
+    index.leases.set_pinned(NS, [key("p")], True)
+    index.leases.lease("reader", NS, [key("l")], FAR)
     index.hold(entry(index, "h"))  # a load in flight
     assert names(index.pick(D, 4 * PAGE_BYTES)) == ["f"]  # the only block demotion may take
     index.done(entry(index, "f"))
@@ -258,8 +258,8 @@ def test_pinned_leased_and_busy_l3_entries_are_never_evicted_for_a_demotion() ->
     index, placement = make(l2_pages=4, l3_pages=3)
     put_each(index, "p", "l", "h")
     demote_all(index, placement, 3)  # L3 full
-    index.set_pinned(NS, [key("p")], True)
-    index.lease("reader", NS, [key("l")], FAR)
+    index.leases.set_pinned(NS, [key("p")], True)
+    index.leases.lease("reader", NS, [key("l")], FAR)
     index.hold(entry(index, "h"))
     put(index, "a")
     [a] = index.pick(D, 100)
