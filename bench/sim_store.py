@@ -13,7 +13,7 @@ Each block is one page of one byte, and the request index is the clock. Per requ
 
 Where the daemon's mover demotes in the background to keep L2 below its watermark, here a
 put or a load the planner finds short of L2 pages (`RoomStep.DEMOTE`) demotes first,
-synchronously, in the index's own order (`Index.pick`: leaf first, cold before hot), each
+synchronously, in the index's own order (`Moves.pick`: leaf first, cold before hot), each
 block moving as `Placement.demote` says and its write finishing at once; what is still short
 is evicted. A Get's blocks must fit in L2 together, so a hit prefix counts up to L2's capacity.
 """
@@ -86,7 +86,7 @@ class StorePolicy:
         """The Get's loads: every L3-only block of the prefix into L2, the prefix held."""
         held = [e for e in found if e is not None]
         for entry in held:
-            self.index.hold(entry)
+            self.index.moves.hold(entry)
         for entry in held:
             if Tier.DRAM in entry.copies:
                 continue
@@ -98,12 +98,12 @@ class StorePolicy:
                 raise RuntimeError("no L2 room for a load, though the prefix fits L2")
             self.placement.promote(entry, Tier.DRAM, got.pages)
         for entry in held:
-            self.index.done(entry)
+            self.index.moves.done(entry)
 
     def _demote(self, num_pages: int) -> None:
         """Move about num_pages blocks' worth out of L2, in eviction order, as the planner
         says; a write to L3 finishes at once (there is no I/O to fail)."""
-        for entry in self.index.pick(Tier.DRAM, num_pages):  # one byte per page
+        for entry in self.index.moves.pick(Tier.DRAM, num_pages):  # one byte per page
             demotion = self.placement.demote(entry, Tier.DRAM)
             if demotion.move is Move.WRITE:
                 self.placement.finish_demotion(demotion, written=True)

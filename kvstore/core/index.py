@@ -13,7 +13,10 @@ An entry with a cached child (the next block of its prefix) goes only after that
 in SGLang's radix cache; a copy in tier t is a leaf there when no child is cached in t or a
 faster tier, so a parent can be demoted to L3 after its child. Pinned, leased, moving and
 uncommitted entries never go, nor the cached keys of a put while it makes room. An entry
-may have copies in several tiers (`Entry.copies`); movers use `pick` .. `done`.
+may have copies in several tiers (`Entry.copies`); the store's tiering changes them with
+`index.moves` (`kvstore.core.moves`: `pick` or `hold` .. `done` between tiers, `discard`,
+`adopt`), which calls the bookkeeping at the end of this module for every entry inserted or
+removed and every copy added or dropped.
 
 Each tier may be split into arenas, one per tenant (`kvstore.core.pages.TierPages`):
 `arena_of(namespace)` names the arena a namespace's blocks are stored in (None: no tenant
@@ -30,15 +33,14 @@ from kvstore.core.children import ChildCounts
 from kvstore.core.ghosts import GhostFilter
 from kvstore.core.holdings import Holdings
 from kvstore.core.leases import Leases
+from kvstore.core.moves import Moves, Pages
 from kvstore.core.order import EvictionOrder
 from kvstore.core.pages import AllocatorStats, PageAllocator, TierPages
 from kvstore.core.records import CommitResult, Entry, PlannedBlock, StorePlan
 from kvstore.core.usage import UsageBook
-from kvstore.extents import Arena, PageRun
+from kvstore.extents import Arena
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier
-
-Pages = tuple[PageRun, ...]
 
 
 def one_arena(namespace: str) -> str | None:
@@ -72,6 +74,10 @@ class Index:
         self._plans: dict[str, StorePlan] = {}
         self.holdings = Holdings()  # each client's leases, plans and pins
         self.leases = Leases(self.holdings, self.touch, self.get, self._order.push)
+        self.moves = Moves(  # arena_of looked up at each call: it may be replaced
+            self._pages, self._order, get=self.get, arena_of=lambda ns: self.arena_of(ns),
+            pages_per_object=self.pages_per_object, insert=self._insert,
+            add_copy=self._add_copy, drop_copy=self._drop, remove=self._remove)
         self._usage = UsageBook()
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
         self._children = ChildCounts(self.get)
@@ -328,75 +334,6 @@ class Index:
             entry.touch_seq = touch_seq  # back to its old place in the eviction order
             entry.in_heaps = 0
             self._order.push(entry)
-
-    # --- moves between tiers (the store's movers and loads) --------------------------------
-
-    def alloc(self, tier: Tier, size_bytes: int, arena: str = "") -> Pages | None:
-        """Free pages for an object in tier's arena, evicting nothing; None when they are not
-        free (or the tier has no such arena)."""
-        allocator = self._pages[tier].arenas.get(arena)
-        if allocator is None:
-            return None
-        return allocator.alloc(self.pages_per_object(tier, size_bytes))
-
-    def free(self, tier: Tier, pages: Pages) -> None:
-        """Give back pages from alloc() that never became a copy (a failed move)."""
-        self._pages[tier].free(pages)
-
-    def pick(self, tier: Tier, max_bytes: int, max_entries: int | None = None,
-             arena: str | None = None) -> list[Entry]:
-        """Copies in tier's arena (None: any arena) to move elsewhere, leaf first in eviction
-        order, about max_bytes of them and at most max_entries (parents follow their picked
-        children); each is busy (stays put) until done()."""
-        picked = self._order.pick(tier, max_bytes, max_entries, arena)
-        for entry in picked:
-            entry.busy += 1
-        return picked
-
-    def hold(self, entry: Entry) -> None:
-        """Mark entry busy (a load in flight): not evicted or moved until done()."""
-        entry.busy += 1
-
-    def done(self, entry: Entry) -> None:
-        entry.busy -= 1
-        self._order.push(entry)
-
-    def add_copy(self, entry: Entry, tier: Tier, pages: Pages) -> None:
-        """A copy of entry now lies on pages of tier (allocated by alloc() in entry.arena)."""
-        if not self._pages[tier].holds(entry.arena, pages):
-            raise ValueError(f"pages {pages} of {tier.label} lie outside arena {entry.arena!r}")
-        self._add_copy(entry, tier, pages)
-        self._order.push(entry)
-
-    def drop_copy(self, entry: Entry, tier: Tier, evicted: bool = False) -> bool:
-        """Free entry's copy in tier (moved, or evicted); True when that was its last copy."""
-        return self._drop(entry, tier, counted=evicted)
-
-    def discard(self, entry: Entry) -> None:
-        """Remove every copy of entry (its bytes are damaged or unreadable)."""
-        if self.get(entry.namespace, entry.key) is entry:
-            self._remove(entry, counted=False)
-
-    def adopt(
-        self, namespace: str, key: BlockKey, size_bytes: int, checksum: int,
-        parent: BlockKey | None, tier: Tier, pages: Pages,
-    ) -> Entry | None:
-        """Re-adopt an object a previous run left in tier (from the L3 manifest); None when
-        the key is cached already, its pages are not free, or they do not lie inside its
-        namespace's arena (tenants or their split changed across the restart)."""
-        if self.get(namespace, key) is not None:
-            return None
-        arena = self.arena_of(namespace)
-        allocator = self._pages[tier].arenas.get(arena) if arena is not None else None
-        if arena is None or allocator is None:
-            return None
-        try:
-            allocator.take(pages)
-        except ValueError:
-            return None
-        entry = Entry(namespace, key, size_bytes, {tier: pages}, checksum, parent, arena)
-        self._insert(entry)
-        return entry
 
     # --- bookkeeping -----------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 
 One planner for the daemon (`kvstore.daemon.tiering` executes its plans with I/O) and the trace
 simulator (`bench/sim_store.py` executes them without), so both follow the same rules. Pure: it
-changes only the index (`kvstore.core.index`: alloc, make_room, done, add_copy, drop_copy) and
-returns small frozen plans saying what happened and what I/O the executor must still do.
+changes only the index (`kvstore.core.index`: make_room; its moves, `kvstore.core.moves`: alloc,
+done, add_copy, drop_copy, free) and returns small frozen plans saying what happened and what
+I/O the executor must still do.
 
 Decisions, each within one arena of the tier (a tenant's pages, `kvstore.core.index`; a
 tier without tenants is the one arena ""):
@@ -16,7 +17,7 @@ tier without tenants is the one arena ""):
 - `alloc(tier, size_bytes, demoted, arena)`: that room taken for one object: its pages (free,
   or freed by evicting the arena's own blocks; the evicted entries are reported), or None
   when the step is DEMOTE or nothing more can be evicted.
-- `demote(entry, tier)`: where a block picked to leave tier (`Index.pick`) goes. A block with
+- `demote(entry, tier)`: where a block picked to leave tier (`Moves.pick`) goes. A block with
   a copy below drops this copy (DROP: an L1 copy, which L2 always holds too; an L2 copy of a
   block L3 holds). A block seen fewer than `admit_min_seen` times is not admitted to L3 and
   leaves L2 unwritten (NOT_ADMITTED). Else it takes L3 pages of its own arena: free ones,
@@ -41,7 +42,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from kvstore.core.index import Index, Pages
+from kvstore.core.index import Index
+from kvstore.core.moves import Pages
 from kvstore.core.records import Entry
 from kvstore.tier import Tier
 
@@ -142,17 +144,17 @@ class Placement:
             if made is None:
                 return Allocation(room, None)
             evicted = made
-        pages = self._index.alloc(tier, size_bytes, arena)
+        pages = self._index.moves.alloc(tier, size_bytes, arena)
         assert pages is not None, "the pages were free or made free"
         return Allocation(room, pages, tuple(evicted))
 
     # --- demotion ------------------------------------------------------------------------------
 
     def demote(self, entry: Entry, tier: Tier = Tier.DRAM) -> Demotion:
-        """Where entry, picked to leave tier (by Index.pick, so busy), goes; see Move. A WRITE
+        """Where entry, picked to leave tier (by Moves.pick, so busy), goes; see Move. A WRITE
         keeps it busy until finish_demotion; any other move is done with it."""
         if entry.busy <= 0 or tier not in entry.copies:
-            raise ValueError("demote() takes an entry picked from the tier (Index.pick)")
+            raise ValueError("demote() takes an entry picked from the tier (Moves.pick)")
         if tier == Tier.HBM or (tier == Tier.DRAM and Tier.NVME in entry.copies):
             return Demotion(entry, tier, Move.DROP, left=self._leave(entry, tier, evicted=False))
         if not (tier == Tier.DRAM and self.can_demote(tier)):
@@ -173,17 +175,17 @@ class Placement:
             raise ValueError(f"only a WRITE demotion is finished, not {demotion.move.value}")
         entry = demotion.entry
         if not written:
-            self._index.free(Tier.NVME, demotion.pages)
+            self._index.moves.free(Tier.NVME, demotion.pages)
             return self._leave(entry, demotion.tier, evicted=True)
-        self._index.add_copy(entry, Tier.NVME, demotion.pages)
+        self._index.moves.add_copy(entry, Tier.NVME, demotion.pages)
         return self._leave(entry, demotion.tier, evicted=False)
 
     def _leave(self, entry: Entry, tier: Tier, evicted: bool) -> bool:
         """The picked entry is done; its copy in tier goes unless someone holds it now."""
-        self._index.done(entry)
+        self._index.moves.done(entry)
         if not entry.movable:
             return False
-        self._index.drop_copy(entry, tier, evicted=evicted)
+        self._index.moves.drop_copy(entry, tier, evicted=evicted)
         return True
 
     # --- promotion -----------------------------------------------------------------------------
@@ -192,8 +194,8 @@ class Placement:
         """A load's new copy of entry on pages of tier (from alloc() in entry.arena) joins
         it. True when that freed its L3 copy (exclusive placement: an L2 copy replaces it;
         journal the FREE)."""
-        self._index.add_copy(entry, tier, pages)
+        self._index.moves.add_copy(entry, tier, pages)
         if tier == Tier.DRAM and not self.inclusive and Tier.NVME in entry.copies:
-            self._index.drop_copy(entry, Tier.NVME)
+            self._index.moves.drop_copy(entry, Tier.NVME)
             return True
         return False

@@ -2,7 +2,9 @@
 sessions, reservations, read results and store stats (the tiers and a tier's figures are
 shared with the client: `kvstore.tier`).
 
-Pure data; `kvstore.core.index` and `kvstore.daemon.store` own every rule about them.
+Pure data; the rules about them live in the index (`kvstore.core.index`, its leases and pins
+in `kvstore.core.leases`, its moves between tiers in `kvstore.core.moves`) and the store
+(`kvstore.daemon.store`, its reader and writer).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class Remote:
         finally:
             with self._store_lock:
                 for e in held:
-                    self._index.done(e)
+                    self._index.moves.done(e)
         if not frames:
             return True
         if not self._guard(partial(self._set, frames), False):
@@ -193,7 +193,7 @@ class Remote:
                 if entry is None or Tier.DRAM not in entry.copies:
                     self._count(admissions_refused=1)  # left L2 before it could be written
                     continue
-                self._index.hold(entry)
+                self._index.moves.hold(entry)
                 held.append(entry)
         return held
 

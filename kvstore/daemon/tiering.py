@@ -10,11 +10,12 @@ the mover's demotions and waiting for room all apply per arena, and a block demo
 its L2 arena lands in the same tenant's L3 arena.
 
 The store's lock guards the index; every method here takes it only to plan and to finish a
-move, never around I/O. An entry being moved or loaded is `busy` in the index, so neither
-its copy nor its pages change under the transfer. Order for crash safety: a block's bytes
-are written to L3 before its manifest COMMIT record, and a FREE record is appended before
-its L3 pages can be handed to anything else; every L3 read is checked against the block's
-checksum, so whatever a crash leaves behind is a miss, never wrong bytes.
+move, never around I/O. An entry being moved or loaded is `busy` (`index.moves`,
+`kvstore.core.moves`), so neither its copy nor its pages change under the transfer. Order
+for crash safety: a block's bytes are written to L3 before its manifest COMMIT record, and a
+FREE record is appended before its L3 pages can be handed to anything else; every L3 read is
+checked against the block's checksum, so whatever a crash leaves behind is a miss, never
+wrong bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.core.index import Index, Pages
+from kvstore.core.index import Index
+from kvstore.core.moves import Pages
 from kvstore.core.placement import Demotion, Move, Placement, RoomStep
 from kvstore.core.records import Entry
 from kvstore.daemon.config import Config
@@ -120,7 +122,7 @@ class Tiering:
         adopted = 0
         with self.room:
             for r in report.records:
-                if self.index.adopt(r.namespace, BlockKey(r.key), r.size_bytes, r.checksum,
+                if self.index.moves.adopt(r.namespace, BlockKey(r.key), r.size_bytes, r.checksum,
                                     BlockKey(r.parent) if r.parent else None, Tier.NVME,
                                     r.pages) is not None:
                     adopted += 1
@@ -219,7 +221,7 @@ class Tiering:
         """One round of _demote: pick and plan under the lock, write L3 outside it, finish
         under it again; waiting puts are woken at its end. Returns the bytes picked."""
         with self.room:
-            picked = self.index.pick(tier, want_bytes, DEMOTE_ROUND_BLOCKS, arena)
+            picked = self.index.moves.pick(tier, want_bytes, DEMOTE_ROUND_BLOCKS, arena)
             writes = [d for d in (self._plan_demotion(e, tier) for e in picked)
                       if d.move is Move.WRITE]
             batch = [Transfer(d.pages, d.entry.size_bytes,
@@ -274,7 +276,7 @@ class Tiering:
             self.loads_coalesced += 1
             return load
         load = self._loads[key] = Load()
-        self.index.hold(entry)
+        self.index.moves.hold(entry)
         self._pool.submit(self._run_load, entry, target, key, load)
         return load
 
@@ -290,7 +292,7 @@ class Tiering:
         finally:
             with self.room:
                 del self._loads[key]
-                self.index.done(entry)
+                self.index.moves.done(entry)
                 self.room.notify_all()
             load.finish(ok)
 
@@ -319,7 +321,7 @@ class Tiering:
             self.dram.extents(pages, entry.size_bytes)) == entry.checksum
         with self.room:
             if not intact:
-                self.index.free(Tier.DRAM, pages)
+                self.index.moves.free(Tier.DRAM, pages)
                 self._drop_damaged(entry, error)
                 return False
             if self.placement.promote(entry, Tier.DRAM, pages):
@@ -338,7 +340,7 @@ class Tiering:
             stats.checksum_failures += 1
             log.warning("L3 block failed its checksum; dropped (a miss, never wrong bytes)")
         self.journal_free([entry])
-        self.index.discard(entry)
+        self.index.moves.discard(entry)
 
     def _load_l1(self, entry: Entry) -> bool:
         """L2 -> L1 through the pinned L2 pages (the entry is busy: they stay put)."""
@@ -349,7 +351,7 @@ class Tiering:
         [error] = self._io(Tier.HBM, "write", [Transfer(pages, entry.size_bytes, buffers)])
         with self.room:
             if error is not None:
-                self.index.free(Tier.HBM, pages)
+                self.index.moves.free(Tier.HBM, pages)
                 self.stats[Tier.HBM].io_errors += 1
                 return False
             self.placement.promote(entry, Tier.HBM, pages)

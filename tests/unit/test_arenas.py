@@ -68,7 +68,7 @@ def put_demoting(index: Index, placement: Placement, ns: str, n: str) -> list[De
     done: list[Demotion] = []
     room = placement.room(D, 1, arena=arena)
     if room.step is RoomStep.DEMOTE:
-        for e in index.pick(D, room.short_pages * PAGE_BYTES, arena=arena):
+        for e in index.moves.pick(D, room.short_pages * PAGE_BYTES, arena=arena):
             demotion = placement.demote(e)
             if demotion.move is Move.WRITE:
                 placement.finish_demotion(demotion, written=True)
@@ -148,12 +148,12 @@ def test_a_load_of_a_tenants_block_makes_room_in_its_own_l2_arena() -> None:
     before = snapshot(index, "B")
     a0 = index.get(A_NS, key("a0"))
     assert a0 is not None and set(a0.copies) == {N}
-    index.hold(a0)
+    index.moves.hold(a0)
     got = placement.alloc(D, a0.size_bytes, demoted=True, arena=a0.arena)  # A is full
     assert got.room == Room(D, RoomStep.EVICT, 1, 1) and names(got.evicted) == ["a1"]
     assert got.pages is not None and inside(got.pages, arena_named(D, "A"))
     assert placement.promote(a0, D, got.pages) is True
-    index.done(a0)
+    index.moves.done(a0)
     assert snapshot(index, "B") == before
 
 
@@ -161,11 +161,11 @@ def test_a_copy_on_another_arenas_pages_is_misuse() -> None:
     index, _ = make()
     put(index, A_NS, "a0")
     a0 = index.get(A_NS, key("a0"))
-    pages = index.alloc(N, PAGE_BYTES, "B")
+    pages = index.moves.alloc(N, PAGE_BYTES, "B")
     assert a0 is not None and pages is not None
     with pytest.raises(ValueError, match="outside arena 'A'"):
-        index.add_copy(a0, N, pages)
-    index.free(N, pages)
+        index.moves.add_copy(a0, N, pages)
+    index.moves.free(N, pages)
     assert index.free_pages(N, "B") == 8
 
 
@@ -180,7 +180,7 @@ def test_room_is_decided_per_arena() -> None:
     # An arena the tier does not have (a tenant added since the start) has no room at all.
     assert placement.room(D, 1, arena="Z") == Room(D, RoomStep.EVICT, 1, 1)
     assert placement.alloc(D, PAGE_BYTES, arena="Z").pages is None
-    assert index.make_room(D, 1, "Z") is None and index.alloc(D, 1, "Z") is None
+    assert index.make_room(D, 1, "Z") is None and index.moves.alloc(D, 1, "Z") is None
     assert stored(index, A_NS) == {"a0", "a1", "a2", "a3"}
 
 
@@ -190,7 +190,7 @@ def test_a_namespace_no_tenant_owns_cannot_be_stored_or_adopted() -> None:
     assert index.prepare_store("p", NOBODY, [key("c")], [PAGE_BYTES], [None], D, FAR) is None
     assert index.prepare_store("q", NOBODY, [key("c")], [PAGE_BYTES], [None], D, FAR,
                                evict=False) is None
-    assert index.adopt(NOBODY, key("c"), PAGE_BYTES, 7, None, N, (PageRun(0, 1),)) is None
+    assert index.moves.adopt(NOBODY, key("c"), PAGE_BYTES, 7, None, N, (PageRun(0, 1),)) is None
     assert stored(index, A_NS) == {"a0", "a1", "a2", "a3"} and index.num_plans == 0
     assert index.free_pages(N) == L3_PAGES
 
@@ -199,7 +199,7 @@ def test_adopt_takes_only_free_pages_inside_the_namespaces_arena() -> None:
     index, _ = make()
 
     def adopt(n: str, *runs: PageRun) -> Entry | None:
-        return index.adopt(A_NS, key(n), PAGE_BYTES, 7, None, N, runs)
+        return index.moves.adopt(A_NS, key(n), PAGE_BYTES, 7, None, N, runs)
 
     # A restart with another split: A's old pages now lie in B's arena, or straddle its end.
     assert adopt("x", PageRun(5, 1)) is None
@@ -235,8 +235,8 @@ def test_a_pick_in_one_arena_leaves_a_parent_stored_in_another() -> None:
     assert plan is not None
     index.complete_store("c", [7], success=True)
     # Picked from B, c would bring its parent along, were p not in A's queue.
-    assert names(index.pick(D, 10 * PAGE_BYTES, arena="B")) == ["c"]
-    assert names(index.pick(D, 10 * PAGE_BYTES, arena="A")) == []  # p waits for c to move
+    assert names(index.moves.pick(D, 10 * PAGE_BYTES, arena="B")) == ["c"]
+    assert names(index.moves.pick(D, 10 * PAGE_BYTES, arena="A")) == []  # p waits for c to move
 
 
 def test_evict_without_a_namespace_goes_across_arenas_in_eviction_order() -> None:
@@ -251,11 +251,11 @@ def test_a_pick_takes_one_arenas_blocks_or_any() -> None:
     index, _ = make()
     for n in ("a0", "b0", "a1", "b1"):
         put(index, A_NS if n[0] == "a" else B_NS, n)
-    picked = index.pick(D, 10 * PAGE_BYTES, arena="B")
+    picked = index.moves.pick(D, 10 * PAGE_BYTES, arena="B")
     assert names(picked) == ["b0", "b1"]
     for e in picked:
-        index.done(e)
-    assert names(index.pick(D, 3 * PAGE_BYTES)) == ["a0", "b0", "a1"]
+        index.moves.done(e)
+    assert names(index.moves.pick(D, 3 * PAGE_BYTES)) == ["a0", "b0", "a1"]
 
 
 def test_the_books_of_a_split_tier() -> None:
@@ -342,7 +342,7 @@ class ArenaMachine(RuleBasedStateMachine):
             need = sum(self.index.pages_per_object(D, s) for s in sizes)
             room = self.placement.room(D, need, arena=arena)
             if room.step is RoomStep.DEMOTE:
-                for e in self.index.pick(D, room.short_pages * PAGE_BYTES, arena=arena):
+                for e in self.index.moves.pick(D, room.short_pages * PAGE_BYTES, arena=arena):
                     assert e.arena == arena
                     demotion = self.placement.demote(e)
                     assert all(v.arena == arena for v in demotion.l3_evicted)
@@ -365,11 +365,11 @@ class ArenaMachine(RuleBasedStateMachine):
             return
         entry = data.draw(st.sampled_from(below))
         before = self.others_than(entry.arena)
-        self.index.hold(entry)
+        self.index.moves.hold(entry)
         got = self.placement.alloc(D, entry.size_bytes, demoted=True, arena=entry.arena)
         if got.pages is not None:
             self.placement.promote(entry, D, got.pages)
-        self.index.done(entry)
+        self.index.moves.done(entry)
         assert self.others_than(entry.arena) == before
 
     @rule(ns=st.sampled_from([A_NS, B_NS]), picks=st.lists(st.sampled_from(NAMES), max_size=4),

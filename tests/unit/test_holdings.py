@@ -81,7 +81,7 @@ def test_a_pinned_entry_removed_as_damaged_takes_its_pin_along() -> None:
     index.leases.set_pinned(NS, [key(1)], True, A, deadline=10.0)
     entry = index.get(NS, key(1))
     assert entry is not None
-    index.discard(entry)
+    index.moves.discard(entry)
     assert index.leases.pinned_count() == 0 and index.holdings.all() == {}
 
 

@@ -25,10 +25,10 @@ def entry(index: Index, n: str) -> Entry:
 def move_down(index: Index, n: str) -> None:
     """What a finished demotion does: a copy in L3, then the L2 copy goes."""
     e = entry(index, n)
-    pages = index.alloc(N, e.size_bytes)
+    pages = index.moves.alloc(N, e.size_bytes)
     assert pages is not None
-    index.add_copy(e, N, pages)
-    assert index.drop_copy(e, D) is False
+    index.moves.add_copy(e, N, pages)
+    assert index.moves.drop_copy(e, D) is False
 
 
 def test_a_parent_whose_only_child_went_to_l3_is_a_leaf_of_l2_but_not_of_l3() -> None:
@@ -48,12 +48,12 @@ def test_pick_takes_the_leaf_then_its_parents_as_if_they_had_moved() -> None:
     put(index, "x")
     clock.tick()
     put(index, "y")
-    picked = index.pick(D, 4 * 100)
+    picked = index.moves.pick(D, 4 * 100)
     assert names(picked) == ["c", "b", "a", "x"]
     assert all(e.busy == 1 and not e.movable for e in picked)
     assert names(index.evict_in_order(D, None)) == ["y"]  # busy entries never go
     for e in picked:
-        index.done(e)
+        index.moves.done(e)
     assert names(index.evict_in_order(D, None)) == ["c", "b", "a", "x"]
 
 
@@ -62,12 +62,12 @@ def test_pick_stops_at_max_entries_and_the_next_pick_goes_on_in_order() -> None:
     put(index, "a", "b", "c")
     clock.tick()
     put(index, "x")
-    first = index.pick(D, 8 * 100, max_entries=2)
+    first = index.moves.pick(D, 8 * 100, max_entries=2)
     assert names(first) == ["c", "b"]  # a follows b, but the round is full
     for e in first:
-        index.done(e)
-        index.drop_copy(e, D)  # as if demoted: b went, so a is a leaf now
-    assert names(index.pick(D, 8 * 100, max_entries=2)) == ["a", "x"]
+        index.moves.done(e)
+        index.moves.drop_copy(e, D)  # as if demoted: b went, so a is a leaf now
+    assert names(index.moves.pick(D, 8 * 100, max_entries=2)) == ["a", "x"]
 
 
 def test_pick_takes_a_parent_only_after_all_its_children_in_the_tier() -> None:
@@ -75,7 +75,7 @@ def test_pick_takes_a_parent_only_after_all_its_children_in_the_tier() -> None:
     put(index, "r", "a")
     clock.tick()
     put(index, "b", first_parent="r")  # r has two children, a and b
-    assert names(index.pick(D, 300)) == ["a", "b", "r"]
+    assert names(index.moves.pick(D, 300)) == ["a", "b", "r"]
 
 
 def test_a_busy_or_pinned_parent_does_not_follow_its_picked_child() -> None:
@@ -83,9 +83,9 @@ def test_a_busy_or_pinned_parent_does_not_follow_its_picked_child() -> None:
     put(index, "a", "b")
     clock.tick()
     put(index, "c", "d")
-    index.hold(entry(index, "a"))  # a load of a is in flight
+    index.moves.hold(entry(index, "a"))  # a load of a is in flight
     index.leases.set_pinned("ns", [key("c")], True)
-    assert names(index.pick(D, 400)) == ["b", "d"]
+    assert names(index.moves.pick(D, 400)) == ["b", "d"]
 
 
 def test_a_promoted_copy_counts_its_child_in_the_faster_tier_again() -> None:
@@ -94,13 +94,13 @@ def test_a_promoted_copy_counts_its_child_in_the_faster_tier_again() -> None:
     move_down(index, "c")
     move_down(index, "p")
     c = entry(index, "c")
-    pages = index.alloc(D, c.size_bytes)
+    pages = index.moves.alloc(D, c.size_bytes)
     assert pages is not None
-    index.add_copy(c, D, pages)
+    index.moves.add_copy(c, D, pages)
     assert (c.tier, sorted(c.copies)) == (D, [D, N])
     assert entry(index, "p").child_tiers[D] == 1
     assert index.usage(D) == (1, 100) and index.usage(N) == (2, 200)
-    index.drop_copy(c, N)  # exclusive placement: the L3 copy goes
+    index.moves.drop_copy(c, N)  # exclusive placement: the L3 copy goes
     assert index.usage(N) == (1, 100)
     assert index.allocator_stats(N).used_pages == 1
 
@@ -109,7 +109,7 @@ def test_dropping_the_last_copy_removes_the_entry_and_frees_every_page() -> None
     index, _ = make_index(num_pages=4, tiers=(D, N))
     put(index, "a")
     move_down(index, "a")
-    assert index.drop_copy(entry(index, "a"), N) is True
+    assert index.moves.drop_copy(entry(index, "a"), N) is True
     assert index.get("ns", key("a")) is None
     assert index.allocator_stats(D).used_pages == index.allocator_stats(N).used_pages == 0
 
@@ -119,11 +119,11 @@ def test_dropping_an_l2_copy_drops_the_l1_copy_with_it() -> None:
     put(index, "a")
     a = entry(index, "a")
     for tier in (H, N):
-        pages = index.alloc(tier, a.size_bytes)
+        pages = index.moves.alloc(tier, a.size_bytes)
         assert pages is not None
-        index.add_copy(a, tier, pages)
+        index.moves.add_copy(a, tier, pages)
     assert a.tier == H
-    index.drop_copy(a, D)
+    index.moves.drop_copy(a, D)
     assert sorted(a.copies) == [N]
     assert index.allocator_stats(H).used_pages == 0
 
@@ -133,9 +133,9 @@ def test_a_refused_put_restores_copies_it_had_dropped_from_l2() -> None:
     put(index, "a")
     move_down(index, "a")
     a = entry(index, "a")
-    pages = index.alloc(D, a.size_bytes)
+    pages = index.moves.alloc(D, a.size_bytes)
     assert pages is not None
-    index.add_copy(a, D, pages)  # a in L2 and L3 (inclusive)
+    index.moves.add_copy(a, D, pages)  # a in L2 and L3 (inclusive)
     put(index, "b")  # L2 is full
     assert index.prepare_store("p", "ns", [key("c"), key("d"), key("e")], [100] * 3,
                                [None] * 3, D, 1e9) is None
@@ -158,9 +158,9 @@ def test_a_re_put_counts_once_towards_admission_even_when_it_must_wait_for_room(
 
 def test_adopt_takes_the_named_pages_or_refuses() -> None:
     index, _ = make_index(num_pages=4, tiers=(D, N))
-    assert index.adopt("ns", key("a"), 100, 7, None, N, (PageRun(2, 1),)) is not None
-    assert index.adopt("ns", key("b"), 100, 7, None, N, (PageRun(2, 1),)) is None  # taken
-    assert index.adopt("ns", key("a"), 100, 7, None, N, (PageRun(0, 1),)) is None  # known key
+    assert index.moves.adopt("ns", key("a"), 100, 7, None, N, (PageRun(2, 1),)) is not None
+    assert index.moves.adopt("ns", key("b"), 100, 7, None, N, (PageRun(2, 1),)) is None  # taken
+    assert index.moves.adopt("ns", key("a"), 100, 7, None, N, (PageRun(0, 1),)) is None  # known key
     assert index.lookup("ns", [key("a"), key("b")]) == (1, [N, None])
 
 
@@ -191,41 +191,41 @@ class MovesMachine(RuleBasedStateMachine):
 
     @rule(count=st.integers(1, 3), succeed=st.booleans())
     def demote(self, count: int, succeed: bool) -> None:
-        for e in self.index.pick(D, count * 100):
-            pages = self.index.alloc(N, e.size_bytes) if N not in e.copies else None
+        for e in self.index.moves.pick(D, count * 100):
+            pages = self.index.moves.alloc(N, e.size_bytes) if N not in e.copies else None
             if succeed and pages is not None:
-                self.index.add_copy(e, N, pages)
-            self.index.done(e)
+                self.index.moves.add_copy(e, N, pages)
+            self.index.moves.done(e)
             if succeed and N in e.copies and e.movable:
-                self.index.drop_copy(e, D)
+                self.index.moves.drop_copy(e, D)
             elif pages is not None and not succeed:
-                self.index.free(N, pages)
+                self.index.moves.free(N, pages)
 
     @rule(n=st.sampled_from(NAMES), keep=st.booleans())
     def promote(self, n: str, keep: bool) -> None:
         e = self.index.get("ns", key(n))
         if e is None or D in e.copies or not e.movable:
             return
-        pages = self.index.alloc(D, e.size_bytes)
+        pages = self.index.moves.alloc(D, e.size_bytes)
         if pages is None:
             return
-        self.index.hold(e)
-        self.index.add_copy(e, D, pages)
+        self.index.moves.hold(e)
+        self.index.moves.add_copy(e, D, pages)
         if not keep:
-            self.index.drop_copy(e, N)
-        self.index.done(e)
+            self.index.moves.drop_copy(e, N)
+        self.index.moves.done(e)
 
     @rule(n=st.sampled_from(["k0", "k1", "k4"]))  # parents: what a pick may take to follow
     def hold(self, n: str) -> None:
         e = self.index.get("ns", key(n))
         if e is not None and len(self.held) < 2:
-            self.index.hold(e)
+            self.index.moves.hold(e)
             self.held.append((e, dict(e.copies)))
 
     @rule()
     def release(self) -> None:
         if self.held:
-            self.index.done(self.held.pop()[0])
+            self.index.moves.done(self.held.pop()[0])
 
     @rule(tier=st.sampled_from([D, N]), everything=st.booleans())
     def evict(self, tier: Tier, everything: bool) -> None:

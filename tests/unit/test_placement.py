@@ -43,7 +43,7 @@ def put_each(index: Index, *names_: str) -> None:
 def demote_all(index: Index, placement: Placement, num_blocks: int) -> list[Move]:
     """What the daemon's mover does, its writes succeeding: pick, demote, finish."""
     moves = []
-    for e in index.pick(D, num_blocks * PAGE_BYTES):
+    for e in index.moves.pick(D, num_blocks * PAGE_BYTES):
         demotion = placement.demote(e)
         if demotion.move is Move.WRITE:
             placement.finish_demotion(demotion, written=True)
@@ -135,7 +135,7 @@ def test_which_tiers_can_free_pages_by_moving_blocks_down() -> None:
 def test_a_demoted_block_takes_free_l3_pages_and_leaves_l2_once_written() -> None:
     index, placement = make(l2_pages=4, l3_pages=4)
     put(index, "a")
-    [a] = index.pick(D, 100)
+    [a] = index.moves.pick(D, 100)
     demotion = placement.demote(a)
     assert (demotion.move, demotion.l3_evicted, demotion.left) == (Move.WRITE, (), False)
     assert set(a.copies) == {D} and not a.movable  # busy while its bytes are written
@@ -151,7 +151,7 @@ def test_a_full_l3_evicts_its_victims_in_eviction_order_and_reports_them() -> No
     assert demote_all(index, placement, 2) == [Move.WRITE, Move.WRITE]  # L3 is full
     index.touch(NS, [key("x")])  # x is now more recently used than y
     put(index, "a", sizes=[200])  # two pages
-    [a] = index.pick(D, 200)
+    [a] = index.moves.pick(D, 200)
     demotion = placement.demote(a)
     assert demotion.move is Move.WRITE
     # The daemon journals these FREE records before it writes a to their pages.
@@ -167,7 +167,7 @@ def test_a_block_l3_cannot_make_room_for_leaves_l2_unwritten() -> None:
     demote_all(index, placement, 2)
     index.leases.set_pinned(NS, [key("x")], True)
     put(index, "a", sizes=[200])
-    [a] = index.pick(D, 200)
+    [a] = index.moves.pick(D, 200)
     demotion = placement.demote(a)
     assert (demotion.move, demotion.left, demotion.pages) == (Move.NO_ROOM, True, ())
     # All or nothing: y, evicted while trying, is back; a is gone, counted as an L2 eviction.
@@ -179,7 +179,7 @@ def test_a_block_seen_fewer_than_admit_min_seen_times_is_not_admitted() -> None:
     index, placement = make(l2_pages=4, l3_pages=4, admit_min_seen=2)
     put_each(index, "a", "b")
     index.touch(NS, [key("b")])  # b: put and read, seen twice; a only put
-    a, b = index.pick(D, 200)
+    a, b = index.moves.pick(D, 200)
     assert names([a, b]) == ["a", "b"]
     demotion = placement.demote(a)
     assert (demotion.move, demotion.left) == (Move.NOT_ADMITTED, True)
@@ -196,7 +196,7 @@ def test_a_block_already_in_l3_just_drops_its_l2_copy() -> None:
     assert pages is not None
     assert placement.promote(entry(index, "a"), D, pages) is False  # inclusive: L3 copy stays
     assert set(entry(index, "a").copies) == {D, N}
-    [a] = index.pick(D, 100)
+    [a] = index.moves.pick(D, 100)
     demotion = placement.demote(a)
     assert (demotion.move, demotion.left, demotion.pages) == (Move.DROP, True, ())
     assert set(a.copies) == {N} and index.free_pages(N) == 3  # nothing written
@@ -206,7 +206,7 @@ def test_a_block_already_in_l3_just_drops_its_l2_copy() -> None:
 def test_a_failed_write_frees_its_l3_pages_and_the_block_leaves_l2() -> None:
     index, placement = make(l2_pages=4, l3_pages=4)
     put(index, "a")
-    [a] = index.pick(D, 100)
+    [a] = index.moves.pick(D, 100)
     demotion = placement.demote(a)
     assert placement.finish_demotion(demotion, written=False) is True
     assert stored(index) == set() and index.free_pages(N) == 4
@@ -216,7 +216,7 @@ def test_a_failed_write_frees_its_l3_pages_and_the_block_leaves_l2() -> None:
 def test_a_block_leased_during_its_write_keeps_its_l2_copy_until_demoted_again() -> None:
     index, placement = make(l2_pages=4, l3_pages=4)
     put(index, "a")
-    [a] = index.pick(D, 100)
+    [a] = index.moves.pick(D, 100)
     demotion = placement.demote(a)
     index.leases.lease("reader", NS, [key("a")], FAR)  # a Get while the bytes are written
     assert placement.finish_demotion(demotion, written=True) is False
@@ -244,9 +244,9 @@ def test_pinned_leased_and_busy_entries_are_never_chosen() -> None:
     put_each(index, "p", "l", "h", "f")
     index.leases.set_pinned(NS, [key("p")], True)
     index.leases.lease("reader", NS, [key("l")], FAR)
-    index.hold(entry(index, "h"))  # a load in flight
-    assert names(index.pick(D, 4 * PAGE_BYTES)) == ["f"]  # the only block demotion may take
-    index.done(entry(index, "f"))
+    index.moves.hold(entry(index, "h"))  # a load in flight
+    assert names(index.moves.pick(D, 4 * PAGE_BYTES)) == ["f"]  # the only block demotion may take
+    index.moves.done(entry(index, "f"))
     got = placement.alloc(D, 100, demoted=True)
     assert names(got.evicted) == ["f"]
     got = placement.alloc(D, 100, demoted=True)
@@ -260,9 +260,9 @@ def test_pinned_leased_and_busy_l3_entries_are_never_evicted_for_a_demotion() ->
     demote_all(index, placement, 3)  # L3 full
     index.leases.set_pinned(NS, [key("p")], True)
     index.leases.lease("reader", NS, [key("l")], FAR)
-    index.hold(entry(index, "h"))
+    index.moves.hold(entry(index, "h"))
     put(index, "a")
-    [a] = index.pick(D, 100)
+    [a] = index.moves.pick(D, 100)
     assert placement.demote(a).move is Move.NO_ROOM
     assert stored(index) == {"p", "l", "h"} and index.evictions[N] == 0
 
@@ -275,7 +275,7 @@ def test_misuse_raises() -> None:
     put(index, "a")
     with pytest.raises(ValueError, match="picked"):
         placement.demote(entry(index, "a"))  # not picked: not busy
-    [a] = index.pick(D, 100)
+    [a] = index.moves.pick(D, 100)
     with pytest.raises(ValueError, match="picked"):
         placement.demote(a, N)  # it has no copy in L3
     refused = placement.demote(a)  # seen once: not admitted
@@ -283,7 +283,7 @@ def test_misuse_raises() -> None:
         placement.finish_demotion(refused, written=True)
     l2_index, l2_only = make(l2_pages=4)
     put(l2_index, "c")
-    [c] = l2_index.pick(D, 100)
+    [c] = l2_index.moves.pick(D, 100)
     with pytest.raises(ValueError, match="no tier below dram"):
         l2_only.demote(c)
     with pytest.raises(ValueError, match="admit_min_seen"):
