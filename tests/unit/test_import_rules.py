@@ -5,7 +5,9 @@ and TYPE_CHECKING blocks count too). Arrows point down; nothing points back up:
   kvstore.core    -> the shared kvstore modules only; no I/O, threads or clock reads
   kvstore.tools   -> kvstore.client (and the shared modules)
   kvstore.client  -> kvstore.proto and the shared modules
-  kvstore.engine  -> kvstore.client, kvstore.kernels, kvstore.tools (its demo), shared modules
+  kvstore.engine  -> kvstore.client, kvstore.integrations, kvstore.kernels, kvstore.tools (its
+                     demo), shared modules
+  kvstore.integrations -> kvstore.client and the shared modules (and vLLM, torch)
   kvstore.tiers   -> the shared modules
   shared modules  -> (kvstore/*.py: keys, units, shm, tier, extents, ...) nothing of kvstore
 
@@ -23,7 +25,8 @@ import pytest
 
 from tests.conftest import REPO
 
-SUBPACKAGES = ("core", "daemon", "tools", "tiers", "client", "engine", "kernels", "proto")
+SUBPACKAGES = ("core", "daemon", "tools", "tiers", "client", "engine", "kernels", "proto",
+               "integrations")
 IO_AND_THREADS = ("os", "io", "socket", "subprocess", "asyncio", "mmap", "fcntl", "signal",
                   "pathlib", "shutil", "tempfile", "logging", "threading", "concurrent", "time")
 HEAVY = ("grpc", "grpc_health", "grpc_reflection", "redis", "torch", "kvikio", "cupy")
@@ -42,19 +45,25 @@ def _sub(*names: str) -> tuple[str, ...]:
 
 # (the importing side, what it must not import, why)
 RULES: list[tuple[str, tuple[str, ...], str]] = [
-    ("kvstore.core", _sub("daemon", "tools", "tiers", "client", "engine", "kernels", "proto")
+    ("kvstore.core", _sub("daemon", "tools", "tiers", "client", "engine", "kernels", "proto",
+                          "integrations")
      + HEAVY + IO_AND_THREADS, "the core is pure: no I/O, threads, clock reads or wire"),
-    ("kvstore.daemon", _sub("tools", "client", "engine", "kernels"),
+    ("kvstore.daemon", _sub("tools", "client", "engine", "kernels", "integrations"),
      "the daemon speaks the wire contract; it never uses its own client or tools"),
-    ("kvstore.tools", _sub("core", "daemon", "tiers", "engine", "kernels"),
+    ("kvstore.tools", _sub("core", "daemon", "tiers", "engine", "kernels", "integrations"),
      "tools go through the client, as any operator would"),
-    ("kvstore.client", _sub("core", "daemon", "tools", "tiers", "engine", "kernels"),
+    ("kvstore.client", _sub("core", "daemon", "tools", "tiers", "engine", "kernels",
+                            "integrations"),
      "the client speaks only the wire contract"),
     ("kvstore.engine", _sub("core", "daemon", "tiers"),
      "the engine reaches the store through the client only"),
-    ("kvstore.kernels", _sub("core", "daemon", "tools", "tiers", "client", "engine"),
+    ("kvstore.integrations", _sub("core", "daemon", "tools", "tiers", "engine", "kernels"),
+     "a connector reaches the store through the client only, and knows no engine of ours"),
+    ("kvstore.kernels", _sub("core", "daemon", "tools", "tiers", "client", "engine",
+                             "integrations"),
      "kernels know tensors, not the store"),
-    ("kvstore.tiers", _sub("core", "daemon", "tools", "client", "engine", "kernels"),
+    ("kvstore.tiers", _sub("core", "daemon", "tools", "client", "engine", "kernels",
+                           "integrations"),
      "a tier moves bytes; the index, in the daemon, decides what goes where"),
     ("kvstore.proto", _sub(*(s for s in SUBPACKAGES if s != "proto")),
      "the wire contract depends on nothing"),

@@ -1,0 +1,325 @@
+"""`StoreLink`: the store-facing half every engine connector shares (this repository's engine,
+`engine/connector.py`, and vLLM's, `integrations/vllm.py`), so the rules below are written once.
+
+- Keys: kvstore's own chained keys from the token ids (`kvstore.keys.prefix_keys`), so a hit
+  never depends on an engine's hash settings or seeds.
+- Lookup: how many of a chain's blocks the store holds (or an offload in flight here still
+  holds), and a Prefetch up to L2 of the hit's blocks that lie lower (L3, L4), started in the
+  background so they come up while the request waits for its load.
+- Loads: `read` copies blocks into caller-owned rows (blocking); `read_async` does it on a
+  loader thread and calls back with how many leading blocks arrived whole.
+- Offload: `offload` takes rows the caller already copied out of its KV cache (so the cache may
+  reuse the blocks at once) and puts them from a writer thread; while queued they are readable
+  by loads and lookups of this link.
+- Fail-safe: the store is an accelerator, never a dependency of correctness. Any store error
+  turns the link off (logged once), lookups answer 0 and loads nothing, offloads are dropped,
+  and a background thread turns it back on once an authenticated call succeeds again.
+
+Rows are writable uint8 numpy arrays of one block each; tensors stay with the connector, which
+knows its cache's layout. One attempt per call: a slow or dead store costs one call at most
+timeout_s, once; the reconnect thread does the retrying.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from kvstore.client import TLS, KVStoreClient
+from kvstore.client.errors import KVStoreError
+from kvstore.client.retry import Retry
+from kvstore.keys import BlockKey, namespace_root, prefix_keys
+
+logger = logging.getLogger("kvstore.integrations")
+
+# Tiers a block must be brought up from before a load reads it at memory speed.
+_BELOW_L2 = ("nvme", "remote")
+
+
+@dataclass
+class ConnectorStats:
+    """Counters since the link opened (an engine reports deltas of these)."""
+
+    lookups: int = 0
+    lookup_hit_blocks: int = 0
+    prefetched_blocks: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_failures: int = 0
+    offloaded_blocks: int = 0
+    offloaded_bytes: int = 0
+    offload_dropped_blocks: int = 0
+    swapped_out_blocks: int = 0
+    prewarmed_blocks: int = 0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What a lookup found: `blocks` leading keys, and the tier of each ("pending" for an
+    offload still queued here)."""
+
+    blocks: int
+    tiers: list[str]
+
+
+_MISS = Hit(0, [])
+
+
+@dataclass
+class _Batch:
+    keys: list[BlockKey]
+    rows: list[np.ndarray]
+    parent: BlockKey | None
+
+
+class StoreLink:
+    def __init__(
+        self,
+        target: str,
+        namespace: str,
+        block_size: int,
+        *,
+        timeout_s: float = 2.0,
+        reconnect_s: float = 1.0,
+        max_pending_batches: int = 64,
+        shared_memory: bool | None = None,
+        token: str | None = None,
+        tls: TLS | bool | None = None,
+        unix_socket: str | None = None,
+    ) -> None:
+        """Raises KVStoreError when the client cannot be built (a malformed token, an
+        unreadable certificate file): configuration the caller names to its user."""
+        self.namespace = namespace
+        self.block_size = block_size
+        self.stats = ConnectorStats()
+        self.client = KVStoreClient(target, namespace, timeout_s=timeout_s,
+                                    retry=Retry(attempts=1), shared_memory=shared_memory,
+                                    token=token, tls=tls, unix_socket=unix_socket)
+        self._up = threading.Event()
+        self._up.set()
+        self._closing = threading.Event()
+        self._reconnect_s = reconnect_s
+        self._lock = threading.Lock()
+        self._pending: dict[BlockKey, np.ndarray] = {}  # offloads in flight, readable by loads
+        self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=max_pending_batches)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-offload", daemon=True)
+        self._writer.start()
+        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
+        self._watcher: threading.Thread | None = None
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+    # -- availability ---------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self._up.is_set()
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self._count(errors=1)
+        with self._lock:
+            if not self._up.is_set():
+                return
+            self._up.clear()
+            logger.warning("kvstore: %s failed (%s); recomputing until the store is back",
+                           what, exc)
+            if self._closing.is_set():
+                return
+            self._watcher = threading.Thread(target=self._reconnect, name="kv-reconnect",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _reconnect(self) -> None:
+        # A Lookup, not the health check: it is authenticated and namespace-checked, so
+        # credentials the daemon refuses keep the link off instead of flapping it.
+        probe = [namespace_root(self.namespace)]
+        while not self._closing.wait(self._reconnect_s):
+            try:
+                self.client.lookup(probe)
+            except KVStoreError as exc:
+                logger.debug("kvstore: still unreachable: %s", exc)
+                continue
+            logger.warning("kvstore: the store answers again; using it")
+            self._up.set()
+            return
+
+    # -- keys and lookup ------------------------------------------------------------------
+    def keys_for(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockKey]:
+        """The chained keys of token_ids' first num_blocks full blocks."""
+        return prefix_keys(token_ids[: num_blocks * self.block_size], self.block_size,
+                           self.namespace)
+
+    def lookup(self, keys: Sequence[BlockKey], *, prefetch: bool = False) -> Hit:
+        """How many leading keys the store (or an offload queued here) holds; none when the
+        link is off or the Lookup fails. prefetch: bring the hit's L3/L4 blocks up to L2 in
+        the background."""
+        if not keys or not self.available:
+            return _MISS
+        self._count(lookups=1)
+        with self._lock:
+            pending = 0
+            while pending < len(keys) and keys[pending] in self._pending:
+                pending += 1
+        try:
+            result = self.client.lookup(keys)
+        except KVStoreError as exc:
+            self._failed("Lookup", exc)
+            return _MISS
+        found = int(result.prefix_length)
+        if prefetch and found > pending:
+            below = [key for key, tier in zip(keys[:found], result.tiers, strict=False)
+                     if tier in _BELOW_L2]
+            if below:
+                self._loader.submit(self._prefetch, below)
+        hit = max(found, pending)
+        self._count(lookup_hit_blocks=hit)
+        tiers = ["pending"] * pending + [t or "" for t in result.tiers[pending:hit]]
+        return Hit(hit, tiers)
+
+    def _prefetch(self, keys: list[BlockKey]) -> None:
+        try:
+            result = self.client.prefetch(keys, tier="dram")
+        except KVStoreError as exc:
+            logger.debug("kvstore: prefetch of %d blocks failed: %s", len(keys), exc)
+            return
+        self._count(prefetched_blocks=int(result.done))
+
+    # -- loads ----------------------------------------------------------------------------
+    def read(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray]) -> int:
+        """Copy keys' blocks into rows (one block each, its exact size); returns how many
+        leading rows arrived whole. The rest must be recomputed by the caller."""
+        if not keys:
+            return 0
+        arrived = self._from_pending(keys, rows)
+        if arrived < len(keys) and self.available:
+            try:
+                sizes = self.client.get_into(keys[arrived:], rows[arrived:])
+            except KVStoreError as exc:
+                self._failed("Get", exc)
+                sizes = []
+            for row, size in zip(rows[arrived:], sizes, strict=False):
+                if size != row.nbytes:
+                    break
+                arrived += 1
+        self._count(loaded_blocks=arrived, loaded_bytes=sum(r.nbytes for r in rows[:arrived]),
+                    load_failures=int(arrived < len(keys)))
+        return arrived
+
+    def read_async(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray],
+                   done: Callable[[int], None]) -> Future[None]:
+        """read() on a loader thread, then done(arrived) there. done is called exactly once,
+        with 0 if the read itself raised."""
+
+        def run() -> None:
+            arrived = 0
+            try:
+                arrived = self.read(keys, rows)
+            except Exception:  # a bug here must not strand the request waiting for its load
+                logger.exception("kvstore: load of %d blocks failed", len(keys))
+            done(arrived)
+
+        return self._loader.submit(run)
+
+    def _from_pending(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray]) -> int:
+        with self._lock:
+            count = 0
+            for key, row in zip(keys, rows, strict=True):
+                data = self._pending.get(key)
+                if data is None or data.nbytes != row.nbytes:
+                    break
+                row[:] = data
+                count += 1
+        return count
+
+    # -- offload --------------------------------------------------------------------------
+    def offload(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray],
+                parent: BlockKey | None) -> bool:
+        """Put rows (copies the caller owns no more) under keys in the background; parent is
+        the key before keys[0] in its chain. False when they were dropped (link off, queue
+        full): a dropped offload is a future miss, never an error."""
+        if not keys:
+            return True
+        if not self.available:
+            self._count(offload_dropped_blocks=len(keys))
+            return False
+        batch = _Batch(list(keys), list(rows), parent)
+        with self._lock:
+            for key, row in zip(keys, rows, strict=True):
+                self._pending[key] = row
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self._settle(batch.keys)
+            self._count(offload_dropped_blocks=len(keys))
+            return False
+        return True
+
+    def _settle(self, keys: list[BlockKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._pending.pop(key, None)
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            keys = batch.keys
+            try:
+                if self.available:
+                    self.client.put(keys, batch.rows, parent=batch.parent)
+                    self._count(offloaded_blocks=len(keys),
+                                offloaded_bytes=sum(r.nbytes for r in batch.rows))
+                else:
+                    self._count(offload_dropped_blocks=len(keys))
+            except KVStoreError as exc:
+                self._count(offload_dropped_blocks=len(keys))
+                self._failed("Put", exc)
+            finally:
+                self._settle(keys)
+                self._queue.task_done()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued offload reached the store (or was dropped); False when
+        timeout_s passed first."""
+        done = threading.Event()
+
+        def wait() -> None:
+            self._queue.join()
+            done.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        return done.wait(timeout_s)
+
+    # -- pre-warm -------------------------------------------------------------------------
+    def prewarm(self, num_bytes: int = 0) -> int:
+        """Ask the daemon to pull this namespace's hottest L4 blocks into its local tiers, so
+        the first requests hit. Returns the blocks brought in (0 when L4 is off)."""
+        try:
+            result = self.client.prewarm(num_bytes, [self.namespace], timeout_s=60.0)
+        except KVStoreError as exc:
+            logger.info("kvstore: no pre-warm (%s)", exc)
+            return 0
+        self._count(prewarmed_blocks=int(result.blocks))
+        return int(result.blocks)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish queued offloads (up to timeout_s), stop the threads, disconnect."""
+        self._closing.set()
+        self.flush(timeout_s=timeout_s)
+        self._queue.put(None)
+        self._writer.join(timeout=timeout_s)
+        self._loader.shutdown(wait=True, cancel_futures=False)
+        self.client.close()

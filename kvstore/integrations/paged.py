@@ -1,0 +1,109 @@
+"""`PagedKV`: blocks of an engine's paged KV cache given as one tensor per layer, each with a
+block dimension, in whatever layout the attention backend chose.
+
+One stored block is every layer's slice of one engine block, layer after layer, each slice in
+its tensor's own element order with the block dimension taken out (for vLLM's CPU backend a
+layer's slice is [kv_heads, block_size, 2 * head_dim]). `gather` copies blocks out into a
+staging buffer of such rows; `scatter` writes rows back. When the layers are views of one
+buffer with the block outermost (a cross-layer layout), a block's rows already lie contiguous
+in the cache: `direct_rows` gives views of them, so loads read straight into the cache with no
+staging and no scatter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def _block_dim(tensor: torch.Tensor, num_blocks: int, name: str) -> int:
+    dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
+    if not dims:
+        raise ValueError(f"KV cache {name} has shape {tuple(tensor.shape)}: no dimension of "
+                         f"{num_blocks} blocks")
+    return max(dims, key=tensor.stride)  # the outermost, if a head count equals num_blocks
+
+
+class PagedKV:
+    def __init__(self, layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int) -> None:
+        """layers: (name, tensor) in model order; num_blocks: the cache's block count."""
+        if not layers:
+            raise ValueError("no KV cache layers to register")
+        self.names = [name for name, _ in layers]
+        self.tensors = [tensor for _, tensor in layers]
+        self.num_blocks = num_blocks
+        self.dims = [_block_dim(t, num_blocks, n) for n, t in layers]
+        self.shapes = [t.shape[:d] + t.shape[d + 1:] for t, d in zip(self.tensors, self.dims,
+                                                                     strict=True)]
+        self.layer_bytes = [int(np.prod(shape)) * t.element_size()
+                            for shape, t in zip(self.shapes, self.tensors, strict=True)]
+        self.offsets = [sum(self.layer_bytes[:i]) for i in range(len(self.layer_bytes))]
+        self.block_bytes = sum(self.layer_bytes)
+        self.device = self.tensors[0].device
+        self._base = self._cross_layer_base()
+
+    def _cross_layer_base(self) -> int | None:
+        """The address of block 0 when every block's layers lie contiguous, one after another,
+        in host memory; else None."""
+        if self.device.type != "cpu":
+            return None
+        base = self.tensors[0].select(self.dims[0], 0).data_ptr()
+        for t, d, off in zip(self.tensors, self.dims, self.offsets, strict=True):
+            block0 = t.select(d, 0)
+            if (not block0.is_contiguous() or block0.data_ptr() != base + off
+                    or t.stride(d) * t.element_size() != self.block_bytes):
+                return None
+        return base
+
+    @property
+    def direct(self) -> bool:
+        return self._base is not None
+
+    def signature(self) -> str:
+        """The layout a stored block depends on: dtypes and per-layer block shapes."""
+        shapes = {f"{t.dtype}:{'x'.join(map(str, s))}" for t, s in zip(self.tensors,
+                                                                       self.shapes, strict=True)}
+        return f"{len(self.tensors)}L/" + "+".join(sorted(shapes))
+
+    def staging(self, count: int) -> torch.Tensor:
+        """count rows of block_bytes, pinned when the cache is on a GPU."""
+        return torch.empty((count, self.block_bytes), dtype=torch.uint8,
+                           pin_memory=self.device.type == "cuda")
+
+    @staticmethod
+    def rows(staging: torch.Tensor) -> list[np.ndarray]:
+        return [row.numpy() for row in staging]
+
+    def direct_rows(self, block_ids: Sequence[int]) -> list[np.ndarray]:
+        """Writable views of the cache's own memory, one block each (only when `direct`)."""
+        assert self._base is not None
+        return [np.ctypeslib.as_array((ctypes.c_uint8 * self.block_bytes).from_address(
+            self._base + b * self.block_bytes)) for b in block_ids]
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A staging copy of the blocks, one row each (on the host)."""
+        out = self.staging(len(block_ids))
+        ids = self._ids(block_ids)
+        for t, d, off, size in zip(self.tensors, self.dims, self.offsets, self.layer_bytes,
+                                   strict=True):
+            part = t.index_select(d, ids).movedim(d, 0).reshape(len(block_ids), -1)
+            out[:, off:off + size].copy_(part.view(torch.uint8))
+        return out
+
+    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write staged rows into the blocks (the first len(block_ids) rows)."""
+        if not block_ids:
+            return
+        count = len(block_ids)
+        ids = self._ids(block_ids)
+        rows = staging[:count].to(self.device, non_blocking=True)
+        for t, d, off, size, shape in zip(self.tensors, self.dims, self.offsets,
+                                          self.layer_bytes, self.shapes, strict=True):
+            part = rows[:, off:off + size].contiguous().view(t.dtype)
+            t.index_copy_(d, ids, part.reshape(count, *shape).movedim(0, d))

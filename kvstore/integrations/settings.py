@@ -1,0 +1,170 @@
+"""The vLLM connector's options (`kv_connector_extra_config`) and its namespace, checked without
+vLLM so that a bad value fails at start naming its key, and so both are tested anywhere.
+
+    {"target": "10.0.0.5:50051", "namespace_prefix": "team-a/", "token_file": "/run/kv/token",
+     "shared_memory": "auto", "offload": true, "timeout_s": 1.0}
+
+Credentials: `token` or `token_file`, else the client's own variables (KVSTORE_TOKEN,
+KVSTORE_TOKEN_FILE); `tls_ca_file` / `tls_cert_file` / `tls_key_file` / `tls_server_name`, else
+KVSTORE_TLS_*. The namespace names everything a stored block's bytes depend on, so that two
+engines that could not use each other's blocks never share one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.client import TLS
+from kvstore.client.credentials import read_token_file
+from kvstore.client.errors import KVStoreError
+from kvstore.keys import MAX_NAMESPACE_BYTES
+
+ENV_TARGET = "KVSTORE_TARGET"
+DEFAULT_TARGET = "127.0.0.1:50051"
+_FIELD = "kv_connector_extra_config"
+
+
+class SettingsError(ValueError):
+    """A bad option; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str = DEFAULT_TARGET
+    """The daemon, HOST:PORT (default: env KVSTORE_TARGET, else 127.0.0.1:50051)."""
+    namespace_prefix: str = ""
+    """Put in front of every namespace: the prefix a tenant owns (`team-a/`)."""
+    namespace_salt: str = ""
+    """Anything else the blocks depend on that the config does not show (a fine-tune's id, a
+    weights checksum for a local folder reused under one path)."""
+    token: str | None = None
+    tls: TLS | None = None
+    unix_socket: str | None = None
+    shared_memory: bool | None = None
+    """None ("auto"): read through the daemon's shared memory when co-located; False never;
+    True requires it."""
+    load: bool = True
+    """Load hits from the store (off: only offload)."""
+    offload: bool = True
+    """Save newly full blocks to the store (off: only load)."""
+    timeout_s: float = 1.0
+    """One store call at most; past it the connector turns off and recomputes."""
+    reconnect_s: float = 1.0
+    """How often a turned-off connector probes the store."""
+    max_pending_batches: int = 64
+    """Offload batches queued at most; past it new ones are dropped (a future miss)."""
+
+
+_KEYS = ("target", "namespace_prefix", "namespace_salt", "token", "token_file", "tls_ca_file",
+         "tls_cert_file", "tls_key_file", "tls_server_name", "unix_socket", "shared_memory",
+         "load", "offload", "timeout_s", "reconnect_s", "max_pending_batches")
+
+
+def _str(extra: Mapping[str, Any], key: str, default: str | None) -> str | None:
+    value = extra.get(key, default)
+    if value is not None and (not isinstance(value, str) or (key != "namespace_prefix"
+                                                             and key != "namespace_salt"
+                                                             and not value)):
+        raise SettingsError(f"{_FIELD}.{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise SettingsError(f"{_FIELD}.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SettingsError(f"{_FIELD}.{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def parse_settings(extra: Mapping[str, Any] | None,
+                   env: Mapping[str, str] = os.environ) -> Settings:
+    """Settings from kv_connector_extra_config; SettingsError naming the first bad key."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_KEYS))
+    if unknown:
+        raise SettingsError(f"{_FIELD}.{unknown[0]}: unknown option; known: {', '.join(_KEYS)}")
+    target = _str(extra, "target", env.get(ENV_TARGET) or DEFAULT_TARGET)
+    token = _str(extra, "token", None)
+    token_file = _str(extra, "token_file", None)
+    if token is not None and token_file is not None:
+        raise SettingsError(f"{_FIELD}.token_file: give token or token_file, not both")
+    if token_file is not None:
+        try:
+            token = read_token_file(token_file, f"{_FIELD}.token_file")
+        except KVStoreError as exc:
+            raise SettingsError(str(exc)) from None
+    tls_fields = {name: _str(extra, f"tls_{name}", None)
+                  for name in ("ca_file", "cert_file", "key_file", "server_name")}
+    tls = TLS(**tls_fields) if any(v is not None for v in tls_fields.values()) else None
+    shared = extra.get("shared_memory", "auto")
+    if shared not in ("auto", True, False):
+        raise SettingsError(f"{_FIELD}.shared_memory must be \"auto\", true or false, "
+                            f"got {shared!r}")
+    pending = extra.get("max_pending_batches", 64)
+    if isinstance(pending, bool) or not isinstance(pending, int) or pending < 1:
+        raise SettingsError(f"{_FIELD}.max_pending_batches must be a positive integer, "
+                            f"got {pending!r}")
+    return Settings(
+        target=str(target),
+        namespace_prefix=_str(extra, "namespace_prefix", "") or "",
+        namespace_salt=_str(extra, "namespace_salt", "") or "",
+        token=token,
+        tls=tls,
+        unix_socket=_str(extra, "unix_socket", None),
+        shared_memory=None if shared == "auto" else bool(shared),
+        load=_bool(extra, "load", True),
+        offload=_bool(extra, "offload", True),
+        timeout_s=_positive(extra, "timeout_s", 1.0),
+        reconnect_s=_positive(extra, "reconnect_s", 1.0),
+        max_pending_batches=pending,
+    )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a block's bytes depend on, read from the engine's config."""
+
+    model: str
+    revision: str | None
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_layout: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+def namespace_for(settings: Settings, shape: ModelShape) -> str:
+    """prefix + vllm/<model>@<revision>/<dtype>/<layers>x<kv heads>x<head dim>/bs<n>/<layout>/
+    tp<rank>of<size>[/<salt>]. A model name too long for the namespace limit is replaced by
+    its SHA-256 (the rest stays readable)."""
+    model = f"{shape.model}@{shape.revision or 'main'}"
+
+    def build(name: str) -> str:
+        parts = [f"{settings.namespace_prefix}vllm", name, shape.kv_dtype,
+                 f"{shape.num_layers}x{shape.num_kv_heads}x{shape.head_dim}",
+                 f"bs{shape.block_size}", shape.kv_layout, f"tp{shape.tp_rank}of{shape.tp_size}"]
+        if settings.namespace_salt:
+            parts.append(settings.namespace_salt)
+        return "/".join(parts)
+
+    namespace = build(model)
+    if len(namespace.encode()) > MAX_NAMESPACE_BYTES:
+        namespace = build(hashlib.sha256(model.encode()).hexdigest()[:32])
+    if len(namespace.encode()) > MAX_NAMESPACE_BYTES:
+        raise SettingsError(f"{_FIELD}.namespace_prefix / namespace_salt: the namespace "
+                            f"{namespace[:64]!r}... is over {MAX_NAMESPACE_BYTES} bytes")
+    return namespace

@@ -1,0 +1,90 @@
+"""The worker side over paged KV tensors in vLLM's CPU layout, against a real daemon: blocks
+saved by one connector and loaded by a fresh one arrive bit for bit, wherever the block tables
+put them, and what cannot arrive is reported for recompute."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from kvstore.integrations.vllm import KVStoreConnector, KVStoreMetadata, LoadSpec, SaveSpec
+from kvstore.keys import prefix_keys
+from kvstore.tools.testing import Daemon
+from tests.vllm.harness import BLOCK, LAYERS, vllm_config, worker
+
+
+def _finish(connector: KVStoreConnector, req_id: str, timeout_s: float = 10.0) -> set[int]:
+    """Wait for req_id's load; the block ids reported as failed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, done = connector.get_finished(set())
+        if done and req_id in done:
+            return connector.get_block_ids_with_load_errors()
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id}: its load never finished")
+
+
+def _bits(caches: dict[str, torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
+    return [caches[name][block_ids].view(torch.int32) for name in LAYERS]
+
+
+def _save(connector: KVStoreConnector, keys: list[bytes], block_ids: list[int]) -> None:
+    connector.bind_connector_metadata(KVStoreMetadata(saves=[SaveSpec(keys, block_ids, None)]))
+    connector.wait_for_save()
+    connector.clear_connector_metadata()
+    assert connector.link.flush(10.0)
+
+
+def _load(connector: KVStoreConnector, req_id: str, keys: list[bytes],
+          block_ids: list[int]) -> set[int]:
+    connector.bind_connector_metadata(KVStoreMetadata(loads=[LoadSpec(req_id, keys,
+                                                                      block_ids)]))
+    connector.start_load_kv(None)  # type: ignore[arg-type]
+    connector.clear_connector_metadata()
+    return _finish(connector, req_id)
+
+
+def test_blocks_saved_by_one_worker_load_bit_exact_into_a_fresh_one_in_any_order(
+        store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": store.target})
+    saver, saved = worker(config, seed=21)  # random bits: NaNs and all
+    keys = prefix_keys(list(range(3, 3 + 5 * BLOCK)), BLOCK, saver.namespace)
+    _save(saver, keys, [9, 3, 17, 4, 40])
+    assert saver.link.stats.offloaded_blocks == 5
+    saver.shutdown()  # a fresh connector: its own link, nothing pending from the saver
+    loader, loaded = worker(config)  # zeros
+    assert loader.link.stats.offloaded_blocks == 0
+    assert _load(loader, "r1", keys, [2, 30, 5, 11, 1]) == set()
+    for got, want in zip(_bits(loaded, [2, 30, 5, 11, 1]), _bits(saved, [9, 3, 17, 4, 40]),
+                         strict=True):
+        assert torch.equal(got, want)
+    untouched = [b for b in range(loaded[LAYERS[0]].shape[0]) if b not in (2, 30, 5, 11, 1)]
+    assert all(not t.any() for t in _bits(loaded, untouched))
+    assert loader.link.stats.loaded_blocks == 5
+    assert loader.link.stats.loaded_bytes == 5 * loader.paged.block_bytes
+
+
+def test_a_gap_in_the_chain_reports_it_and_every_block_after_it(
+        store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": store.target})
+    saver, saved = worker(config, seed=22)
+    keys = prefix_keys(list(range(7, 7 + 4 * BLOCK)), BLOCK, saver.namespace)
+    _save(saver, keys[:2], [1, 2])  # blocks 2 and 3 never stored
+    saver.shutdown()
+    loader, loaded = worker(config)
+    assert _load(loader, "r2", keys, [10, 11, 12, 13]) == {12, 13}
+    for got, want in zip(_bits(loaded, [10, 11]), _bits(saved, [1, 2]), strict=True):
+        assert torch.equal(got, want)
+    assert loader.link.stats.load_failures == 1
+
+
+def test_a_dead_store_fails_the_whole_load_and_still_finishes_the_request(
+        store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": store.target, "timeout_s": 0.5})
+    loader, _ = worker(config)
+    keys = prefix_keys(list(range(11, 11 + 3 * BLOCK)), BLOCK, loader.namespace)
+    store.stop()
+    assert _load(loader, "r3", keys, [4, 5, 6]) == {4, 5, 6}
+    assert not loader.link.available
