@@ -89,10 +89,10 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-## bench: the whole suite (store, tiers, L4, engine, engine TTFT, trace simulation; the GPU ones
-## where CUDA is present), each printing `ours vs baseline = ratio` lines; the report goes to
+## bench: the whole suite (store, tiers, L4, engine, engine TTFT, vLLM TTFT, trace simulation;
+## the GPU ones where CUDA is present), each printing `ours vs baseline = ratio` lines; the report goes to
 ## bench/results/<date>.json and .md
-bench: $(TEST_STAMP) redis
+bench: $(TEST_STAMP) $(VLLM_STAMP) redis
 	$(BIN)/python bench/run_all.py
 
 ## bench-engine: the engine against transformers on SmolLM2-135M (throughput, TTFT with prefix

@@ -36,6 +36,8 @@ class Script:
     quick_args: tuple[str, ...] = ("--quick",)
     timeout_s: int = 300
     gpu: bool = False
+    python: str = ""
+    """Another interpreter, relative to the repository (vLLM's virtualenv); "" is this one."""
 
 
 SUITE = (
@@ -51,6 +53,7 @@ SUITE = (
     Script("trace_replay", ("live",), quick_args=("live", "--quick"), timeout_s=300),
     Script("index_scaling", timeout_s=180),
     Script("soak", timeout_s=600),  # without --report: docs/RELIABILITY.md is left as it is
+    Script("vllm_ttft", ("--reps", "5"), timeout_s=900, python=".venv-vllm/bin/python"),
     Script("gpu_bench", quick_args=(), timeout_s=180, gpu=True),
     Script("kernel_bench", timeout_s=90, gpu=True),
 )
@@ -84,7 +87,11 @@ def parse(stdout: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
 
 def run_script(script: Script, quick: bool) -> Outcome:
     args = script.quick_args if quick else script.args
-    command = [sys.executable, str(BENCH / f"{script.name}.py"), *args]
+    python = str(BENCH.parent / script.python) if script.python else sys.executable
+    if not Path(python).exists():
+        return Outcome(script.name, f"skipped (no {script.python}; `make test-vllm` builds it)",
+                       0.0)
+    command = [python, str(BENCH / f"{script.name}.py"), *args]
     print(f"# == {script.name} {' '.join(args)}", flush=True)
     start = time.monotonic()
     try:

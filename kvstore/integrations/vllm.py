@@ -177,7 +177,9 @@ def _root(namespace: str, request: Request) -> BlockKey:
     per salt). Requests share store blocks only when all of these match."""
     root = namespace_root(namespace)
     lora = request.lora_request
-    extra = [f"lora:{lora.lora_name}:{lora.lora_int_id}" if lora is not None else "",
+    # An adapter by name and path (its id is a per-server number): a miss across servers that
+    # keep one adapter at different paths, never a hit across two adapters of one name.
+    extra = [f"lora:{lora.lora_name}:{lora.lora_path}" if lora is not None else "",
              f"cache_salt:{request.cache_salt}" if request.cache_salt else ""]
     if not any(extra):
         return root

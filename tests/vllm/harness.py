@@ -19,6 +19,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -87,11 +88,13 @@ def worker(config: VllmConfig, num_blocks: int = 256, seed: int | None = None
     return connector, caches
 
 
-def request(tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None) -> Request:
+def request(tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None,
+            lora: LoRARequest | None = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     params.update_from_generation_config({}, 2)
     return Request(request_id=f"req-{next(_ids)}", prompt_token_ids=tokens,
                    sampling_params=params, pooling_params=None, cache_salt=cache_salt,
+                   lora_request=lora,
                    block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 

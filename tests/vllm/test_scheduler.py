@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from vllm.lora.request import LoRARequest
 from vllm.v1.request import RequestStatus
 
 from kvstore.client import KVStoreClient
@@ -249,6 +250,21 @@ def test_requests_with_different_cache_salts_share_no_blocks(
     assert conn.get_num_new_matched_tokens(request(tokens, cache_salt="tenant-b"), 0) == (
         0, False)
     assert conn.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
+
+
+def test_each_lora_adapter_roots_its_own_chains(store: Daemon, model_dir: Path) -> None:
+    conn = scheduler(vllm_config(model_dir, {"target": store.target})).connector
+    tokens = _tokens(40, seed=13)
+
+    def first_key(lora: LoRARequest | None) -> bytes:
+        return conn._keys_of(request(tokens, lora=lora), 1)[0]
+
+    roots = {first_key(None), first_key(LoRARequest("sql", 1, "/adapters/sql")),
+             first_key(LoRARequest("sql", 1, "/adapters/sql-v2")),
+             first_key(LoRARequest("chat", 1, "/adapters/sql"))}
+    assert len(roots) == 4
+    assert first_key(LoRARequest("sql", 7, "/adapters/sql")) == first_key(
+        LoRARequest("sql", 1, "/adapters/sql"))  # the id is a per-server number
 
 
 def test_a_bad_option_fails_at_start_naming_the_key(model_dir: Path) -> None:
