@@ -46,7 +46,10 @@ SUITE = (
     Script("l4_bench", timeout_s=180),
     Script("engine_bench", ("--baseline-requests", "2", "--ttft-reps", "2"), timeout_s=420),
     Script("engine_ttft", ("--reps", "3"), timeout_s=300),
-    Script("trace_sim", quick_args=("--requests", "500"), timeout_s=120),
+    # Every trace family (bench/trace_families.py), the public synthetic trace among them,
+    # at 1-40% of each one's distinct blocks: about a minute, the synthetic half of it.
+    Script("trace_sim", ("--family", "all"), quick_args=("--family", "all", "--requests", "600"),
+           timeout_s=300),
     Script("trace_sim", ("--capacities", "0.1", "--l3", "4"),  # L2 10% over an L3 4x as large
            quick_args=("--requests", "500", "--capacities", "0.1", "--l3", "4"), timeout_s=120),
     # args replace quick_args under --quick, so both name the mode.

@@ -6,6 +6,14 @@ partial) over a cache of N blocks, for several N, and reports block and token hi
 (per tier, with --l3: the store then has an L3 of that many times N below its L2 of N,
 and the one-cache policies get N times (1 + that) blocks, the same in all).
 
+With --family NAME (repeatable, or `all`) it simulates the trace families of
+bench/trace_families.py instead (generated in memory, --seed, --requests each), at
+--capacity-pcts of each family's distinct blocks (default 1,2,5,10,20,40): one figure per
+family and capacity, `sim_vs_lru_<family>_<pct>pct`, the store's token hit rate against LRU's
+(target >= 1.00x everywhere: a workload must never make the store lose to LRU; >= 1.08x on
+`synthetic`, the trace the policy was tuned on, at 5-20%), the frequency oracle and Belady as
+`#` lines and in the figure's JSON, and at the end a table of every family and capacity.
+
 Hit semantics are the store's `Lookup`: a request hits the longest prefix of its hash ids
 that is cached, and only that prefix counts. Then the engine computes the rest and puts it,
 so every block of the request ends up cached (only its first N blocks when it has more than
@@ -41,6 +49,7 @@ import argparse
 import heapq
 import json
 import sys
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,12 +58,14 @@ from typing import Protocol
 
 from figures import Figure, run_main
 from sim_store import StorePolicy
+from trace_families import BLOCK_TOKENS, FAMILIES, SYNTHETIC_TRACE, generate
 
 from kvstore.tier import Tier
 
-BLOCK_TOKENS = 512
 ONE_CACHE = Tier.DRAM.label  # the tier the one-cache policies stand for
-DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = SYNTHETIC_TRACE
+DEFAULT_CAPACITIES = "0.05,0.1,0.2"  # of a --trace's distinct blocks
+FAMILY_CAPACITY_PCTS = "1,2,5,10,20,40"  # of a family's distinct blocks
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,11 @@ def parse_row(line: str, where: str) -> Request:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+    return request_from_row(row, where)
+
+
+def request_from_row(row: object, where: str) -> Request:
+    """One decoded trace row (a JSON object), checked as parse_row checks it."""
     if not isinstance(row, dict):
         raise TraceError(f"{where}: a row must be a JSON object")
     hash_ids = row.get("hash_ids")
@@ -332,7 +348,33 @@ def resolve_capacities(spec: str, num_distinct: int) -> list[tuple[str, int]]:
     return resolved
 
 
+def resolve_pcts(spec: str, num_distinct: int) -> list[tuple[str, int]]:
+    """(label, blocks) per comma-separated percentage of the trace's distinct blocks."""
+    resolved: list[tuple[str, int]] = []
+    for item in spec.split(","):
+        try:
+            pct = float(item)
+        except ValueError:
+            raise ValueError(f"capacity {item!r} is not a number") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"capacity {item!r} must be a percentage above 0, at most 100")
+        label = f"{pct:g}pct".replace(".", "_")
+        resolved.append((label, max(1, round(pct / 100 * num_distinct))))
+    return resolved
+
+
 # --- CLI -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One trace to simulate: a --trace file (family "", today's figure names) or a family."""
+
+    family: str
+    name: str  # in the table
+    source: str  # in the `#` line that opens its figures
+    requests: list[Request]
+    capacities: list[tuple[str, int]]
 
 
 def _figures(label: str, by_policy: Mapping[str, Result], l3_factor: float) -> list[Figure]:
@@ -349,6 +391,37 @@ def _figures(label: str, by_policy: Mapping[str, Result], l3_factor: float) -> l
         Figure(f"sim_vs_lru_{name}", store.token_hit_rate, "lru",
                by_policy["lru"].token_hit_rate, "ratio", target=targets[1], extra=extra),
     ]
+
+
+def family_target(family: str, label: str) -> str:
+    """Never below LRU; on the trace the policy was tuned on, 8% above it at 5-20%."""
+    pct = float(label.removesuffix("pct").replace("_", ".")) if label.endswith("pct") else 0.0
+    return ">= 1.08x" if family == "synthetic" and 5 <= pct <= 20 else ">= 1.00x"
+
+
+def _family_figure(family: str, label: str, by_policy: Mapping[str, Result],
+                   l3_factor: float) -> list[Figure]:
+    """sim_vs_lru_<family>_<label>, the oracles in its JSON; none (a # line) if LRU hit
+    nothing, as a ratio to nothing means nothing."""
+    rates = {name: r.token_hit_rate for name, r in by_policy.items()}
+    store = by_policy["store"]
+    name, target = f"sim_vs_lru_{family}_{label}", family_target(family, label)
+    if l3_factor:
+        name, target = f"{name}_l3x{l3_factor:g}".replace(".", "_"), ""
+    if not rates["lru"]:
+        print(f"# {name}: lru hit no token, so no ratio (store {rates['store']:.4f})")
+        return []
+    extra: dict[str, object] = {
+        "capacity": label, "capacity_blocks": store.capacity_blocks, "token_hit_rates": rates,
+        "store_vs_freq_oracle": _ratio(rates["store"], rates["freq_oracle"]),
+        "store_vs_belady": _ratio(rates["store"], rates["belady"]),
+        "tier_token_hit_rates": {t: n / store.tokens for t, n in store.tier_token_hits.items()}}
+    return [Figure(name, rates["store"], "lru", rates["lru"], "ratio", target=target,
+                   extra=extra)]
+
+
+def _ratio(ours: float, baseline: float) -> float | None:
+    return ours / baseline if baseline else None
 
 
 def _print_capacity(label: str, blocks: int, l3: int, by_policy: Mapping[str, Result]) -> None:
@@ -368,35 +441,101 @@ def _print_capacity(label: str, blocks: int, l3: int, by_policy: Mapping[str, Re
     if belady.token_hits:
         print(f"#   ceiling: freq_oracle = {oracle.token_hits / belady.token_hits:.2f}x belady "
               "(knowing every block's remaining uses, not when)")
+    if oracle.token_hits:
+        print(f"#   store = {store.token_hits / oracle.token_hits:.2f}x freq_oracle, "
+              f"{store.token_hits / max(1, belady.token_hits):.2f}x belady")
 
 
-def run(args: argparse.Namespace, requests: Sequence[Request],
-        capacities: Sequence[tuple[str, int]]) -> tuple[list[Figure], dict[str, object]]:
-    """Every policy at every capacity: `#` lines as it goes, the figures and setup at the end."""
-    num_distinct = distinct_blocks(requests)
-    print(f"# trace {args.trace}: {len(requests)} requests, {num_distinct} distinct blocks, "
-          f"{sum(len(r.hash_ids) for r in requests)} block accesses")
+def _table(rows: list[tuple[str, str, int, Mapping[str, Result]]]) -> None:
+    """Token hit rates of every run, one row per trace and capacity, as `#` lines."""
+    print("# | trace | capacity | blocks | lru | store | freq_oracle | belady | store/lru "
+          "| store/oracle |")
+    print("# |---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for trace, label, blocks, by in rows:
+        r = {name: result.token_hit_rate for name, result in by.items()}
+        vs_lru, vs_oracle = _ratio(r["store"], r["lru"]), _ratio(r["store"], r["freq_oracle"])
+        print(f"# | {trace} | {label} | {blocks} | {r['lru']:.4f} | {r['store']:.4f} "
+              f"| {r['freq_oracle']:.4f} | {r['belady']:.4f} | "
+              + " | ".join("-" if x is None else f"{x:.2f}x" for x in (vs_lru, vs_oracle))
+              + " |")
+
+
+def run(args: argparse.Namespace,
+        workloads: Sequence[Workload]) -> tuple[list[Figure], dict[str, object]]:
+    """Every policy at every capacity of every workload: `#` lines as it goes, a table, and
+    the figures and setup at the end."""
     tiers = f"dram over an nvme {args.l3:g}x as large" if args.l3 else "one dram tier"
     print("# store = kvstore.core.index.Index (leaf-first LRU, hot blocks first to stay), "
           f"{tiers}, 1 page per block")
-    results = simulate(requests, [blocks for _, blocks in capacities], l3_factor=args.l3)
     figures: list[Figure] = []
-    for n, (label, blocks) in enumerate(capacities):
-        chunk = results[n * len(POLICIES) : (n + 1) * len(POLICIES)]
-        by_policy = {r.policy: r for r in chunk}
-        l3 = round(args.l3 * blocks)
-        _print_capacity(label, blocks, l3, by_policy)
-        figures += _figures(label, by_policy, args.l3 if l3 else 0.0)
-    return figures, {"trace": str(args.trace), "requests": len(requests),
-                     "distinct_blocks": num_distinct, "l3_factor": args.l3}
+    table: list[tuple[str, str, int, Mapping[str, Result]]] = []
+    setup: dict[str, object] = {}
+    for w in workloads:
+        num_distinct, start = distinct_blocks(w.requests), time.perf_counter()
+        accesses = sum(len(r.hash_ids) for r in w.requests)
+        print(f"# {w.source}: {len(w.requests)} requests, {num_distinct} distinct blocks, "
+              f"{accesses} block accesses")
+        results = simulate(w.requests, [blocks for _, blocks in w.capacities], l3_factor=args.l3)
+        for n, (label, blocks) in enumerate(w.capacities):
+            by_policy = {r.policy: r for r in results[n * len(POLICIES):(n + 1) * len(POLICIES)]}
+            l3 = round(args.l3 * blocks)
+            _print_capacity(label, blocks, l3, by_policy)
+            factor = args.l3 if l3 else 0.0
+            figures += (_family_figure(w.family, label, by_policy, factor) if w.family
+                        else _figures(label, by_policy, factor))
+            table.append((w.name, label, blocks, by_policy))
+        elapsed_s = time.perf_counter() - start
+        print(f"# {w.family or 'trace'}: simulated in {elapsed_s:.1f} s")
+        described = {"requests": len(w.requests), "distinct_blocks": num_distinct,
+                     "block_accesses": accesses, "simulate_s": round(elapsed_s, 2)}
+        if w.family:
+            setup.setdefault("families", {})[w.family] = described  # type: ignore[index]
+        else:
+            setup.update(trace=str(args.trace), requests=len(w.requests),
+                         distinct_blocks=num_distinct)
+    _table(table)
+    setup.update(l3_factor=args.l3, **({"seed": args.seed} if args.family else {}))
+    return figures, setup
+
+
+def _workloads(args: argparse.Namespace) -> list[Workload]:
+    """What to simulate, read or generated and checked (TraceError, ValueError if not)."""
+    if not args.family:
+        requests = load_trace(args.trace)[: args.requests]
+        spec, resolve = ((args.capacity_pcts, resolve_pcts) if args.capacity_pcts else
+                         (args.capacities or DEFAULT_CAPACITIES, resolve_capacities))
+        return [Workload("", Path(args.trace).stem, f"trace {args.trace}", requests,
+                         resolve(spec, distinct_blocks(requests)))]
+    workloads = []
+    families = FAMILIES if "all" in args.family else dict.fromkeys(args.family)
+    for family in families:
+        trace = generate(family, args.seed, args.requests)
+        requests = [request_from_row(row, f"{family}:{n}") for n, row in enumerate(trace.rows)]
+        num_distinct = distinct_blocks(requests)
+        capacities = (resolve_capacities(args.capacities, num_distinct) if args.capacities
+                      else resolve_pcts(args.capacity_pcts or FAMILY_CAPACITY_PCTS, num_distinct))
+        seed = "" if family == "synthetic" else f", seed {args.seed}"
+        workloads.append(Workload(family, family, f"family {family}{seed}", requests,
+                                  capacities))
+    return workloads
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--capacities", default="0.05,0.1,0.2",
-                        help="fractions (< 1) of the distinct blocks, or numbers of blocks")
-    parser.add_argument("--requests", type=int, default=None, help="replay only the first N")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help=f"a Mooncake-format trace (default {DEFAULT_TRACE.name})")
+    parser.add_argument("--family", action="append", choices=[*FAMILIES, "all"],
+                        help="generate this trace family (bench/trace_families.py) instead; "
+                             "repeatable, or all")
+    parser.add_argument("--seed", type=int, default=0, help="of the generated families")
+    parser.add_argument("--capacities", default=None,
+                        help="fractions (< 1) of the distinct blocks, or numbers of blocks "
+                             f"(default for --trace: {DEFAULT_CAPACITIES})")
+    parser.add_argument("--capacity-pcts", default=None,
+                        help="percentages of the distinct blocks "
+                             f"(default for --family: {FAMILY_CAPACITY_PCTS})")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="replay only the first N (a family: generate N)")
     parser.add_argument("--l3", type=float, default=0.0, metavar="FACTOR",
                         help="give the store an L3 of FACTOR x each capacity below its L2 "
                              "(the other policies get L2 + L3 blocks in one cache)")
@@ -406,15 +545,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--requests must be >= 1, got {args.requests}")
     if not 0 <= args.l3 < float("inf"):
         parser.error(f"--l3 must be a number >= 0, got {args.l3}")
+    if args.family and args.trace is not None:
+        parser.error("--trace and --family: give one (the synthetic family is the default trace)")
+    if args.capacities is not None and args.capacity_pcts is not None:
+        parser.error("--capacities and --capacity-pcts: give one")
+    args.trace = DEFAULT_TRACE if args.trace is None else args.trace
     # Read and checked here, so a bad trace or capacity ends as a usage error (exit 2).
     try:
-        requests = load_trace(args.trace)[: args.requests]
-        capacities = resolve_capacities(args.capacities, distinct_blocks(requests))
+        workloads = _workloads(args)
     except TraceError as exc:
         parser.error(str(exc))
     except ValueError as exc:
-        parser.error(f"--capacities: {exc}")
-    return run_main(args, lambda args: run(args, requests, capacities))
+        flag = "--capacities" if args.capacities is not None else "--capacity-pcts"
+        parser.error(f"{flag}: {exc}")
+    return run_main(args, lambda args: run(args, workloads))
 
 
 if __name__ == "__main__":

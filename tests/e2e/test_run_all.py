@@ -21,16 +21,21 @@ def test_run_all_writes_the_figures_as_json_and_markdown(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [report_path] = tmp_path.glob("*.json")
     report = json.loads(report_path.read_text())
-    one_tier, with_l3 = report["scripts"]  # trace_sim runs twice: L2 alone, and over an L3
-    for script in (one_tier, with_l3):
+    # trace_sim runs twice: every trace family with L2 alone, and the public trace over an L3
+    families, with_l3 = report["scripts"]
+    for script in (families, with_l3):
         assert script["script"] == "trace_sim" and script["status"] == "ok"
         for name, figure in script["figures"].items():
             assert figure["line"] in proc.stdout
             assert figure["ratio"] > 0 and figure["unit"] == "ratio", name
-    assert {"sim_tokens_10pct", "sim_vs_lru_10pct"} <= set(one_tier["figures"])
+    for family in ("multiturn", "sysprompt", "rag", "agent", "synthetic"):
+        assert {f"sim_vs_lru_{family}_{pct}pct" for pct in (2, 10, 40)} <= set(
+            families["figures"]), family
+    assert families["figures"]["sim_vs_lru_synthetic_10pct"]["target"] == ">= 1.08x"
+    assert families["figures"]["sim_vs_lru_rag_10pct"]["target"] == ">= 1.00x"
     assert set(with_l3["figures"]) == {"sim_tokens_10pct_l3x4", "sim_vs_lru_10pct_l3x4"}
     markdown = report_path.with_suffix(".md").read_text()
-    assert "| trace_sim | ok |" in markdown and "sim_tokens_10pct" in markdown
+    assert "| trace_sim | ok |" in markdown and "sim_vs_lru_agent_5pct" in markdown
 
 
 def test_a_failing_script_is_reported_not_fatal() -> None:
