@@ -72,7 +72,11 @@ class EvictResult:
     evicted: int
     evicted_bytes: int
     skipped: int
-    """Pinned, leased or in use."""
+    """Blocks that could not go: the sum of `reasons`."""
+    reasons: dict[str, int] = field(default_factory=dict)
+    """Why, by kind, only the non-zero ones: "pinned", "leased", "loading" (a load or a
+    move in flight), "child_in_faster_tier" (the prefix of a block cached in a faster tier),
+    "has_children" (the last copy of a block whose cached children would be stranded)."""
 
 
 @dataclass(frozen=True)
@@ -196,8 +200,13 @@ def prefetch_result(resp: pb.PrefetchProgress) -> PrefetchResult:
     )
 
 
+_SKIP_REASONS = ("pinned", "leased", "loading", "child_in_faster_tier", "has_children")
+
+
 def evict_result(resp: pb.EvictResponse) -> EvictResult:
-    return EvictResult(evicted=resp.evicted, evicted_bytes=resp.evicted_bytes, skipped=resp.skipped)
+    reasons = {name: getattr(resp, f"skipped_{name}") for name in _SKIP_REASONS}
+    return EvictResult(evicted=resp.evicted, evicted_bytes=resp.evicted_bytes,
+                       skipped=resp.skipped, reasons={k: v for k, v in reasons.items() if v})
 
 
 def pin_result(resp: pb.PinResponse) -> PinResult:

@@ -36,7 +36,7 @@ from kvstore.core.leases import Leases
 from kvstore.core.moves import Moves, Pages
 from kvstore.core.order import EvictionOrder
 from kvstore.core.pages import AllocatorStats, PageAllocator, TierPages
-from kvstore.core.records import CommitResult, Entry, PlannedBlock, StorePlan
+from kvstore.core.records import CommitResult, Entry, PlannedBlock, Skipped, StorePlan
 from kvstore.core.usage import UsageBook
 from kvstore.extents import Arena
 from kvstore.keys import BlockKey
@@ -77,7 +77,8 @@ class Index:
         self.moves = Moves(  # arena_of looked up at each call: it may be replaced
             self._pages, self._order, get=self.get, arena_of=lambda ns: self.arena_of(ns),
             pages_per_object=self.pages_per_object, insert=self._insert,
-            add_copy=self._add_copy, drop_copy=self._drop, remove=self._remove)
+            add_copy=self._add_copy, drop_copy=self._drop,
+            remove=lambda entry, counted: self.remove_tree(entry, counted))
         self._usage = UsageBook()
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
         self._children = ChildCounts(self.get)
@@ -170,7 +171,9 @@ class Index:
         needed = sum(self.pages_per_object(tier, b.size_bytes) for b in blocks)
         if needed > allocator.num_pages:
             return None
-        for entry in cached:  # held, so that making room cannot evict them
+        outside = {b.parent for b in blocks if b.parent is not None} - set(keys)
+        anchors = [e for k in outside if (e := self.get(namespace, k)) is not None]
+        for entry in [*cached, *anchors]:  # held, so that making room cannot evict them
             entry.busy += 1
         evicted = self.make_room(tier, needed, arena) if evict else (
             [] if allocator.free_pages >= needed else None)
@@ -181,13 +184,14 @@ class Index:
             else:
                 self._use(entry)
         if evicted is None:
+            self._release(anchors)
             return None
         for block in blocks:
             pages = allocator.alloc(self.pages_per_object(tier, block.size_bytes))
             assert pages is not None, "room was made for the whole plan"
             block.pages = pages
         plan = StorePlan(plan_id, namespace, tier, blocks, existing, evicted, deadline, client,
-                         arena)
+                         arena, anchors)
         self._plans[plan_id] = plan
         self.holdings.change(client, reservations=1, reserved_bytes=plan.size_bytes)
         return plan
@@ -203,6 +207,7 @@ class Index:
         plan = self._plans.pop(plan_id, None)
         if plan is None:
             raise KeyError(f"unknown or expired plan {plan_id!r}")
+        self._release(plan.anchors)
         self.holdings.change(plan.client, reservations=-1, reserved_bytes=-plan.size_bytes)
         allocator = self._pages[plan.tier].arenas[plan.arena]
         if not success:
@@ -225,6 +230,11 @@ class Index:
         return CommitResult(
             stored, len(plan.existing) + len(plan.blocks) - stored, len(plan.evicted)
         )
+
+    def _release(self, held: list[Entry]) -> None:
+        for entry in held:
+            entry.busy -= 1
+            self._order.push(entry)
 
     def expire(self, now: float) -> tuple[list[str], list[str]]:
         """End leases and abandon plans past their deadline; return (lease ids, plan ids)."""
@@ -258,21 +268,39 @@ class Index:
 
     # --- eviction --------------------------------------------------------------------------
 
-    def evict_keys(self, namespace: str, keys: Iterable[BlockKey]) -> tuple[list[Entry], int]:
-        """Remove exactly these, every copy (children of a removed entry stay, and count
-        again if it is stored again); skip pinned, leased or moving ones. (evicted, skipped)"""
+    def evict_keys(self, namespace: str,
+                   keys: Iterable[BlockKey]) -> tuple[list[Entry], Skipped]:
+        """Remove these, every copy, with their cached descendants (leaves first), so no
+        cached block is left without its prefix; skip a key whose tree holds a pinned,
+        leased or moving block, by that block's reason. (evicted, skipped)"""
         evicted: list[Entry] = []
-        skipped = 0
+        skipped = Skipped()
         for key in keys:
             entry = self.get(namespace, key)
             if entry is None:
                 continue
-            if not entry.movable:
-                skipped += 1
+            tree = [*self._children.descendants(entry), entry]
+            held = next((e for e in tree if not e.movable), None)
+            if held is not None:
+                skipped.add(held.blocker())
                 continue
-            self._remove(entry, counted=True)
-            evicted.append(entry)
+            evicted += self.remove_tree(entry, counted=True)
         return evicted, skipped
+
+    def remove_tree(self, entry: Entry, counted: bool) -> list[Entry]:
+        """Remove entry and its cached descendants, leaves first; what was removed."""
+        tree = [*self._children.descendants(entry), entry]
+        for node in tree:
+            self._remove(node, counted)
+        return tree
+
+    def drop_orphans(self) -> list[Entry]:
+        """Remove every cached block whose parent is not cached, with its descendants (at
+        start, L3 blocks whose prefix lived only in L2 before a crash); what was removed."""
+        orphans = [e for e in self._all_entries()
+                   if e.parent is not None and self.get(e.namespace, e.parent) is None]
+        return [gone for e in orphans if self.get(e.namespace, e.key) is e
+                for gone in self.remove_tree(e, counted=False)]
 
     def evict_in_order(self, tier: Tier, min_bytes: int | None,
                   namespace: str | None = None) -> list[Entry]:
@@ -283,7 +311,7 @@ class Index:
         freed = 0
         others: list[Entry] = []
         while min_bytes is None or freed < min_bytes:
-            entry = self._order.pop_victim(tier)
+            entry = self._order.pop_victim(tier, drop=True)
             if entry is None:
                 break
             if namespace is not None and entry.namespace != namespace:
@@ -296,13 +324,19 @@ class Index:
             self._order.push(entry)
         return evicted
 
-    def unevictable(self, namespace: str | None = None) -> int:
-        """Entries not evictable now (pinned, leased, moving, or with a cached child); right
-        after a full eviction, exactly the pinned and leased ones and their ancestors."""
-        return sum(
-            1 for e in self._all_entries()
-            if (namespace is None or e.namespace == namespace) and not e.evictable
-        )
+    def unevictable(self, namespace: str | None = None, tier: Tier | None = None) -> Skipped:
+        """Entries (with a copy in tier; None: any) that cannot be dropped now, by reason;
+        right after a full eviction of every tier, exactly the pinned and leased ones and
+        their ancestors."""
+        skipped = Skipped()
+        for e in self._all_entries():
+            if namespace is not None and e.namespace != namespace:
+                continue
+            stuck = not e.evictable if tier is None else (
+                tier in e.copies and not e.droppable_from(tier))
+            if stuck:
+                skipped.add(e.blocker(tier))
+        return skipped
 
     def make_room(self, tier: Tier, needed_pages: int, arena: str = "") -> list[Entry] | None:
         """Evict copies in tier's arena, leaf first in eviction order, until needed_pages are
@@ -313,7 +347,7 @@ class Index:
             return None
         evicted: list[tuple[Entry, Pages, int, bool]] = []
         while allocator.free_pages < needed_pages:
-            entry = self._order.pop_victim(tier, arena)
+            entry = self._order.pop_victim(tier, arena, drop=True)
             if entry is None:
                 self._restore(tier, evicted)
                 return None

@@ -3,7 +3,8 @@ evictions — copy them from tier to tier, drop a damaged one, re-adopt what L3 
 
     pick (a demotion) or hold (a load) -> alloc -> (copy the bytes) -> add_copy -> drop_copy
         -> done;  free instead of add_copy when the copy failed
-    discard: a block whose bytes are damaged or unreadable goes, every copy
+    discard: a block whose bytes are damaged or unreadable goes, every copy, and its cached
+        descendants with it
     adopt: at start, a block a previous run left in L3 (the manifest) is cached again
 
 A picked or held entry is busy (`Entry.busy`): it is not evicted, picked or moved again until
@@ -41,12 +42,13 @@ class Moves:
         pages_per_object: Callable[[Tier, int], int], insert: Callable[[Entry], None],
         add_copy: Callable[[Entry, Tier, Pages], None],
         drop_copy: Callable[[Entry, Tier, bool], bool],
-        remove: Callable[[Entry, bool], None],
+        remove: Callable[[Entry, bool], list[Entry]],
     ) -> None:
         """insert(entry): cache a new entry (its one copy's pages taken already);
         add_copy(entry, tier, pages): record a new copy; drop_copy(entry, tier, counted):
         free one (counted: as an eviction), removing an entry left with no copy (then True);
-        remove(entry, counted): free every copy and forget the entry."""
+        remove(entry, counted): free every copy and forget the entry, with its cached
+        descendants; what was removed."""
         self._pages = pages
         self._order = order
         self._get = get
@@ -102,10 +104,12 @@ class Moves:
 
     # --- entries that go or come back outside puts and evictions ---------------------------
 
-    def discard(self, entry: Entry) -> None:
-        """Remove every copy of entry (its bytes are damaged or unreadable)."""
+    def discard(self, entry: Entry) -> list[Entry]:
+        """Remove every copy of entry (its bytes are damaged or unreadable), and its cached
+        descendants with it (they would be stranded); what was removed."""
         if self._get(entry.namespace, entry.key) is entry:
-            self._remove(entry, False)
+            return self._remove(entry, False)
+        return []
 
     def adopt(
         self, namespace: str, key: BlockKey, size_bytes: int, checksum: int,

@@ -91,26 +91,36 @@ class EvictionOrder:
         """The copy in tier is gone: its queued item is stale."""
         entry.in_heaps &= ~(1 << tier)
 
-    def pop_victim(self, tier: Tier, arena: str | None = None) -> Entry | None:
+    def pop_victim(self, tier: Tier, arena: str | None = None, *,
+                   drop: bool = False) -> Entry | None:
         """The least recently used copy in tier's arena (None: in any arena of tier) that
-        may go now; it leaves the queue."""
+        may go now; it leaves the queue. drop: the copy will be freed with nothing taking
+        its place, so it must also be droppable (`Entry.droppable_from`); copies that may
+        only move (the last copy of a parent) stay queued for the movers."""
         queues = self._every[tier] if arena is None else self._one[tier].get(arena)
         if queues is None:
             return None
         bit = 1 << tier
-        while True:
-            # One arena: its heap; several: the one whose lowest item is the lowest of all.
-            heap = queues[0] if len(queues) == 1 else min(queues, key=_lowest)
-            if not heap:
-                return None
-            _, seq, namespace, key = heapq.heappop(heap)
-            entry = self._lookup(namespace, key)
-            if entry is None or entry.touch_seq != seq or not entry.in_heaps & bit:
-                continue  # stale: touched again, moved out of the tier, or removed
-            entry.in_heaps &= ~bit
-            if tier in entry.copies and entry.evictable_from(tier):
-                return entry
-            # Not evictable now; push() queues it again when it becomes evictable.
+        movable_only: list[Entry] = []
+        try:
+            while True:
+                # One arena: its heap; several: the one whose lowest item is the lowest.
+                heap = queues[0] if len(queues) == 1 else min(queues, key=_lowest)
+                if not heap:
+                    return None
+                _, seq, namespace, key = heapq.heappop(heap)
+                entry = self._lookup(namespace, key)
+                if entry is None or entry.touch_seq != seq or not entry.in_heaps & bit:
+                    continue  # stale: touched again, moved out of the tier, or removed
+                entry.in_heaps &= ~bit
+                if tier in entry.copies and entry.evictable_from(tier):
+                    if not drop or entry.droppable_from(tier):
+                        return entry
+                    movable_only.append(entry)
+                # Not evictable now; push() queues it again when it becomes evictable.
+        finally:
+            for entry in movable_only:
+                self._push(entry, tier)
 
     def pick(self, tier: Tier, max_bytes: int, max_entries: int | None = None,
              arena: str | None = None) -> list[Entry]:

@@ -68,8 +68,30 @@ class Entry:
         return self.movable and self.children == 0
 
     def evictable_from(self, tier: Tier) -> bool:
-        """Whether its copy in tier may go: movable, and no child cached in tier or above."""
+        """Whether its copy in tier may leave the tier (be moved, or dropped when it is not
+        the last copy): movable, and no child cached in tier or above."""
         return self.movable and not any(self.child_tiers[1 : tier + 1])
+
+    def droppable_from(self, tier: Tier) -> bool:
+        """Whether its copy in tier may be freed with nothing taking its place: as
+        evictable_from, and then the entry stays cached elsewhere, or has no cached child
+        (the last copy of a parent never goes: that would strand its children). An L1 copy
+        goes with its L2 copy, so that pair counts as one."""
+        if not self.evictable_from(tier):
+            return False
+        paired = (Tier.HBM,) if tier == Tier.DRAM else ()
+        return self.children == 0 or any(t != tier and t not in paired for t in self.copies)
+
+    def blocker(self, tier: Tier | None = None) -> str:
+        """Why it (its copy in tier; None: every copy) cannot go now, one `Skipped` field."""
+        if self.pinned:
+            return "pinned"
+        if self.leases:
+            return "leased"
+        if self.busy:
+            return "loading"
+        faster = self.child_tiers[1 : self.tier if tier is None else tier]
+        return "child_in_faster_tier" if any(faster) else "has_children"
 
 
 @dataclass(slots=True)
@@ -92,6 +114,9 @@ class StorePlan:
     deadline: float
     client: str = ""  # who made it (kvstore.core.holdings)
     arena: str = ""  # whose pages the blocks take (the namespace's arena at prepare time)
+    # Cached parents the blocks extend, held until the plan ends: evicted meanwhile, they
+    # would leave the new blocks without their prefix.
+    anchors: list[Entry] = field(default_factory=list)
 
     @property
     def size_bytes(self) -> int:
@@ -166,8 +191,27 @@ class ReadResult:
     extents: list[list[Extent]] = field(default_factory=list)  # per found entry
 
 
+@dataclass(slots=True)
+class Skipped:
+    """What an Evict could not remove, by reason (each block counted once, by its first)."""
+
+    pinned: int = 0
+    leased: int = 0
+    loading: int = 0  # in use: a load, a move between tiers, or a put extending it
+    child_in_faster_tier: int = 0  # its copy here is the prefix of a child cached higher up
+    has_children: int = 0  # the last copy of a block whose cached children would be stranded
+
+    def add(self, reason: str, count: int = 1) -> None:
+        setattr(self, reason, getattr(self, reason) + count)
+
+    @property
+    def total(self) -> int:
+        return (self.pinned + self.leased + self.loading + self.child_in_faster_tier
+                + self.has_children)
+
+
 @dataclass(frozen=True, slots=True)
 class EvictResult:
     evicted: int
     evicted_bytes: int
-    skipped: int
+    skipped: Skipped

@@ -357,8 +357,12 @@ class KVStoreServicer:
                 caller.tenant.check_admin("Evict across every namespace (namespace empty)")
             r = self.store.evict(request.namespace, request.keys, request.bytes, request.all,
                                  _tier(request.tier, "tier"))
-            return pb.EvictResponse(evicted=r.evicted, evicted_bytes=r.evicted_bytes,
-                                    skipped=r.skipped)
+            k = r.skipped
+            return pb.EvictResponse(
+                evicted=r.evicted, evicted_bytes=r.evicted_bytes, skipped=k.total,
+                skipped_pinned=k.pinned, skipped_leased=k.leased, skipped_loading=k.loading,
+                skipped_child_in_faster_tier=k.child_in_faster_tier,
+                skipped_has_children=k.has_children)
         return self._unary("Evict", context, run, request)
 
     def Pin(self, request: pb.PinRequest,

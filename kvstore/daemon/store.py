@@ -30,6 +30,7 @@ from kvstore.core.records import (
     PutSession,
     ReadResult,
     Reservation,
+    Skipped,
     StoreStats,
 )
 from kvstore.core.tenants import Tenant, TenantsError, split_tier
@@ -318,16 +319,24 @@ class Store:
                 self.tiering.journal_free(e for e in evicted if Tier.NVME in e.copies)
                 gone.update((id(e), e) for e in evicted)
             else:
-                for t in [tier] if tier is not None else sorted(self._opened.tiers):
-                    freed = sum(e.size_bytes for e in gone.values())
-                    want = None if everything else min_bytes - freed
-                    if want is not None and want <= 0:
-                        break
-                    evicted = self.index.evict_in_order(t, want, namespace or None)
-                    if t == Tier.NVME:
-                        self.tiering.journal_free(evicted)
-                    gone.update((id(e), e) for e in evicted)
-                skipped = self.index.unevictable(namespace or None) if everything else 0
+                # Tier by tier, again while a pass frees something: a parent whose last
+                # child went from another tier may go now.
+                tiers = [tier] if tier is not None else sorted(self._opened.tiers)
+                progress = True
+                while progress:
+                    progress = False
+                    for t in tiers:
+                        want = None if everything else min_bytes - sum(
+                            e.size_bytes for e in gone.values())
+                        if want is not None and want <= 0:
+                            break
+                        evicted = self.index.evict_in_order(t, want, namespace or None)
+                        if t == Tier.NVME:
+                            self.tiering.journal_free(evicted)
+                        progress |= bool(evicted)
+                        gone.update((id(e), e) for e in evicted)
+                short = everything or sum(e.size_bytes for e in gone.values()) < min_bytes
+                skipped = self.index.unevictable(namespace or None, tier) if short else Skipped()
             self.tiering.room.notify_all()
             return EvictResult(len(gone), sum(e.size_bytes for e in gone.values()), skipped)
 

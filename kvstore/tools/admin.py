@@ -261,9 +261,10 @@ def cmd_evict(client: KVStoreClient, args: argparse.Namespace, console: Console)
     else:
         where = f"namespace {namespace!r}" if namespace else "every namespace"
         tier = f"tier {args.tier}" if args.tier else "every tier"
+        why = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in result.reasons.items())
         print(
             f"evicted {result.evicted} entries ({format_size(result.evicted_bytes)}) from {where}, "
-            f"{tier}; skipped {result.skipped} (pinned, leased or in use)"
+            f"{tier}; skipped {result.skipped}" + (f" ({why})" if why else "")
         )
     return EXIT_OK
 

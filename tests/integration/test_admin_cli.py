@@ -133,7 +133,7 @@ def test_pin_evict_all_and_unpin(daemon: Daemon, kv: KVStoreClient) -> None:
 
     out = ok(admin(daemon.target, "evict", "--all"))
     assert out.strip() == ("evicted 2 entries (128.0 KiB) from every namespace, every tier; "
-                           "skipped 1 (pinned, leased or in use)")
+                           "skipped 1 (1 pinned)")
     assert kv.lookup(keys).tiers == ["dram", None, None]
 
     out = ok(admin(daemon.target, "--namespace", NS, "unpin", keys[0].hex()))
@@ -154,7 +154,7 @@ def test_evict_bytes_takes_the_least_recently_used(daemon: Daemon, kv: KVStoreCl
 
     printed = json.loads(ok(admin(daemon.target, "evict", "--bytes", "1MiB",
                                   "--namespace", NS, "--json")))
-    assert printed == {"evicted": 16, "evicted_bytes": 1 << 20, "skipped": 0}
+    assert printed == {"evicted": 16, "evicted_bytes": 1 << 20, "skipped": 0, "reasons": {}}
     assert kv.lookup(keys).tiers == [None] * 16 + ["dram"] * 4
 
     with KVStoreClient(daemon.target, "admin-other", shared_memory=False) as other:

@@ -119,12 +119,10 @@ def test_a_parent_outlives_its_child_even_when_it_is_older(kv: KVStoreClient) ->
 
 
 def test_a_parent_stored_after_its_cached_child_still_outlives_it(kv: KVStoreClient) -> None:
-    B.put(kv, "AB")  # A -> B
-    assert kv.evict([B.key("A")]).evicted == 1  # B stays
-    B.put(kv, "A")  # A is back; B (cached) is its child by construction of the keys
     B.put(kv, "D", parent="C")  # a child stored before its parent ...
     B.put(kv, "C")  # ... which arrives later
-    B.touch(kv, "BD")  # recency now: A, C, B, D; A and C are parents of cached blocks
+    B.put(kv, "AB")  # A -> B
+    B.touch(kv, "BD")  # recency now: C, A, B, D; A and C are parents of cached blocks
     # One at a time: B (the oldest leaf), then A (a leaf now, older than D), D, C.
     for survivors in (["A", "C", "D"], ["C", "D"], ["C"], []):
         assert kv.evict(bytes=1).evicted == 1
@@ -175,23 +173,27 @@ def test_evict_by_keys_by_bytes_and_all(kv: KVStoreClient) -> None:
     B.put(kv, "ABC")  # A -> B -> C
     B.put(kv, "D")
     # keys: exactly these; a missing key is not an error; B's child C stays.
+    # keys: these and their cached descendants (C without B could never be found by a lookup
+    # of its prefix); a missing key is not an error.
     result = kv.evict([B.key("B"), B.key("missing")])
-    assert (result.evicted, result.evicted_bytes, result.skipped) == (1, PAGE, 0)
-    assert B.cached(kv, list("ABCD")) == ["A", "C", "D"]
-    B.touch(kv, "C")
+    assert (result.evicted, result.evicted_bytes, result.skipped) == (2, 2 * PAGE, 0)
+    assert B.cached(kv, list("ABCD")) == ["A", "D"]
+    B.touch(kv, "A")
 
-    # bytes: at least that many, LRU leaf-first. A (no cached child now) then D.
+    # bytes: at least that many, LRU leaf-first. D, then A (no cached child now).
     result = kv.evict(bytes=PAGE + 1)
     assert (result.evicted, result.evicted_bytes, result.skipped) == (2, 2 * PAGE, 0)
-    assert B.cached(kv, list("ABCD")) == ["C"]
+    assert B.cached(kv, list("ABCD")) == []
 
-    # all: everything evictable; a pinned block and the parent it keeps are skipped.
+    # all: everything evictable; a pinned block and the parent it keeps are skipped, each
+    # by its reason.
     B.put(kv, "EFG")  # E -> F -> G
     B.put(kv, "H")
     assert kv.pin([B.key("F")]).changed == 1
     result = kv.evict(all=True, tier="dram")
-    assert (result.evicted, result.evicted_bytes, result.skipped) == (3, 3 * PAGE, 2)
-    assert B.cached(kv, list("CEFGH")) == ["E", "F"]
+    assert (result.evicted, result.evicted_bytes, result.skipped) == (2, 2 * PAGE, 2)
+    assert result.reasons == {"pinned": 1, "has_children": 1}
+    assert B.cached(kv, list("EFGH")) == ["E", "F"]
     assert kv.unpin([B.key("F")]).changed == 1
     result = kv.evict(all=True)
     assert (result.evicted, result.skipped) == (2, 0)

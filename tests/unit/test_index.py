@@ -268,20 +268,27 @@ def test_a_parent_stored_after_its_child_still_waits_for_the_child() -> None:
     assert names(index.evict_in_order(Tier.DRAM, 100)) == ["p"]
 
 
-def test_a_parent_evicted_by_key_counts_its_children_when_stored_again() -> None:
+def test_evicting_a_parent_by_key_takes_its_descendants_leaves_first() -> None:
     index, clock = make_index(num_pages=4)
     clock.tick()
-    put(index, "p", "c")
-    # evict_keys removes exactly p; c stays cached without its parent.
+    put(index, "p", "c", "d")
+    put(index, "x")
+    # c and d without p could never be found by a lookup of their prefix: they go too.
     evicted, skipped = index.evict_keys(NS, [key("p")])
-    assert names(evicted) == ["p"] and skipped == 0
+    assert names(evicted) == ["d", "c", "p"] and skipped.total == 0
+    assert stored(index) == {"x"} and index.evictions == {Tier.DRAM: 3}
+
+
+def test_a_child_stored_before_its_parent_counts_under_it() -> None:
+    index, clock = make_index(num_pages=4)
     clock.tick()
-    put(index, "p")  # p back, at t=2; c (t=1) is still its child
+    put(index, "c", first_parent="p")  # out of order: c names p, which is not cached
+    clock.tick()
+    put(index, "p")
     assert index.get(NS, key("p")).children == 1  # type: ignore[union-attr]
     clock.tick()
     put(index, "x")
-    # p was put again right after its eviction, so it is hot and outlives x.
-    assert names(index.evict_in_order(Tier.DRAM, None)) == ["c", "x", "p"]
+    assert names(index.evict_in_order(Tier.DRAM, None)) == ["c", "p", "x"]
 
 
 # --- leases ----------------------------------------------------------------------------------
@@ -301,7 +308,7 @@ def test_leased_entries_are_never_evicted() -> None:
     assert index.evictions == {Tier.DRAM: 0}
     assert index.num_plans == 0 and used(index) == 2
     assert index.evict_in_order(Tier.DRAM, None) == []
-    assert index.unevictable() == 2
+    assert index.unevictable().total == 2
     # Once released they are ordinary LRU entries again (a, leased at t=2, before b).
     assert index.leases.release("l") is True
     assert index.leases.release("l") is False
@@ -410,7 +417,7 @@ def test_a_pinned_child_keeps_its_parent() -> None:
     assert names(put(index, "y").evicted) == ["x"]
     clock.tick()
     assert names(put(index, "z").evicted) == ["y"]
-    assert index.unevictable() == 2  # c (pinned) and p (its parent)
+    assert index.unevictable().total == 2  # c (pinned) and p (its parent)
     assert prepare(index, ["w", "v"]) is None  # z alone cannot make two pages
     assert stored(index) == {"p", "c", "z"}  # and a refused plan evicts nothing
     # Unpinning c lets the chain go, leaf first, before z (t=4).
@@ -562,12 +569,20 @@ def test_evict_keys_removes_exactly_those_and_skips_pinned_and_leased() -> None:
     index.leases.set_pinned(NS, [key("a")], True)
     index.leases.lease("l", NS, [key("b")], FAR)
     evicted, skipped = index.evict_keys(NS, [key("a"), key("b"), key("p"), key("zz")])
-    # p goes even though it has a child; the child stays, as a root.
-    assert names(evicted) == ["p"] and skipped == 2
-    assert stored(index) == {"a", "b", "c"}
-    assert index.evictions == {Tier.DRAM: 1}
-    assert used(index) == 3
-    assert names(index.evict_in_order(Tier.DRAM, None)) == ["c"]
+    # p goes with its child c (leaves first); a and b are held, each by its own reason.
+    assert names(evicted) == ["c", "p"] and (skipped.pinned, skipped.leased) == (1, 1)
+    assert stored(index) == {"a", "b"}
+    assert index.evictions == {Tier.DRAM: 2}
+    assert used(index) == 2
+
+
+def test_a_key_whose_descendant_is_pinned_is_skipped_whole() -> None:
+    index, _ = make_index(num_pages=8)
+    put(index, "p", "c", "d")
+    index.leases.set_pinned(NS, [key("d")], True)
+    evicted, skipped = index.evict_keys(NS, [key("p")])
+    assert evicted == [] and skipped.pinned == 1  # a pin protects its whole prefix
+    assert stored(index) == {"p", "c", "d"}
 
 
 def test_evict_lru_stops_once_min_bytes_are_freed() -> None:
@@ -623,7 +638,7 @@ def test_an_entry_named_as_its_own_parent_is_still_evictable() -> None:
     put(index, "a", first_parent="a")  # parents = [a]: what Put sends for parent_key=a
     clock.tick()
     put(index, "b")
-    assert index.unevictable() == 0
+    assert index.unevictable().total == 0
     assert names(index.evict_in_order(Tier.DRAM, None)) in (["a", "b"], ["b"])
     assert len(index) == 0
 
@@ -635,7 +650,7 @@ def test_a_cycle_across_two_stores_is_broken_so_both_stay_evictable() -> None:
     clock.tick()
     put(index, "b", first_parent="a")  # stored as a root: a stays b's child
     assert names(index.evict_in_order(Tier.DRAM, None)) == ["a", "b"]
-    assert len(index) == 0 and index.unevictable() == 0
+    assert len(index) == 0 and index.unevictable().total == 0
 
 
 # --- state machine ---------------------------------------------------------------------------
@@ -672,12 +687,12 @@ def oracle_victims(
     held: set[tuple[str, BlockKey]] | None = None,
 ) -> tuple[list[tuple[str, BlockKey]], int]:
     """Leaf-first eviction from scratch: repeatedly take the evictable entry with the smallest
-    (eviction rank, touch_seq) until `stop` bytes (or pages) are freed or none is left. A copy
-    in tier is a leaf when no child is cached in tier or a faster one.
+    (eviction rank, touch_seq) until `stop` bytes (or pages) are freed or none is left. These
+    entries have one copy each, so dropping it removes the entry: it goes only when no child
+    is cached in any tier (else they would be stranded).
     Returns the victims in order and what they free."""
     live = {
-        (e.namespace, e.key):
-            [eviction_rank(e, tier, tier_pages), e.touch_seq, sum(e.child_tiers[1 : tier + 1]), e]
+        (e.namespace, e.key): [eviction_rank(e, tier, tier_pages), e.touch_seq, e.children, e]
         for e in entries
         if e.tier == tier
     }
@@ -719,6 +734,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.leases: dict[str, tuple[float, list[tuple[str, BlockKey]]]] = {}
         self.pinned: set[tuple[str, BlockKey]] = set()
         self.evictions = {t: 0 for t in TIERS}
+        # Stored while their parent was cached (or as a root): they must never lose it.
+        self.rooted: set[tuple[str, BlockKey]] = set()
 
     # --- model helpers ---
 
@@ -782,6 +799,11 @@ class IndexMachine(RuleBasedStateMachine):
             assert result.evicted == len(plan.evicted)
             for b in plan.blocks:
                 assert self.index.get(plan.namespace, b.key) is not None
+                parent = tree_parent(name(b.key))
+                if parent is None or self.index.get(plan.namespace, key(parent)) is not None:
+                    self.rooted.add((plan.namespace, b.key))
+                else:
+                    self.rooted.discard((plan.namespace, b.key))
         else:
             assert result == CommitResult(0, 0)
 
@@ -896,13 +918,28 @@ class IndexMachine(RuleBasedStateMachine):
     def evict_keys(self, ns: str, data: st.DataObject) -> None:
         picks = self.draw_names(data, ns, 3)
         held = {k for _, ks in self.leases.values() for k in ks} | self.pinned
-        present = [n for n in dict.fromkeys(picks) if self.index.get(ns, key(n)) is not None]
+        cached = {name(e.key) for e in self.entries() if e.namespace == ns}
+
+        def tree(n: str) -> set[str]:  # n and its cached descendants (by parent links)
+            kids = {c for c in cached if (e := self.index.get(ns, key(c))) is not None
+                    and e.parent == key(n)}
+            return {n}.union(*(tree(c) for c in kids))
+
+        want: set[str] = set()
+        want_skipped = 0
+        for n in picks:  # a pick already gone (a repeat, or under an earlier pick) is a miss
+            if n not in cached or n in want:
+                continue
+            names_ = tree(n) - want
+            if any((ns, key(m)) in held for m in names_):
+                want_skipped += 1
+            else:
+                want |= names_
         evicted, skipped = self.index.evict_keys(ns, [key(n) for n in picks])
-        # A repeated pick is found once: it is gone (or skipped again) the second time.
-        assert names(evicted) == [n for n in present if (ns, key(n)) not in held]
-        assert skipped == sum(1 for n in picks if (ns, key(n)) in held)
-        assert all(self.index.get(ns, key(n)) is None for n in names(evicted))
-        for e in evicted:
+        assert set(names(evicted)) == want and len(evicted) == len(want)
+        assert skipped.total == want_skipped
+        for e in evicted:  # each after its descendants: nothing is stranded on the way
+            assert self.index.get(ns, key(name(e.key))) is None
             self.evictions[e.tier] += 1
 
     # --- invariants ---
@@ -946,6 +983,15 @@ class IndexMachine(RuleBasedStateMachine):
             expected, _ = oracle_victims(self.entries(scratch), tier, TIER_PAGES[tier], 10**9,
                                          None, True)
             assert [(e.namespace, e.key) for e in scratch.evict_in_order(tier, None)] == expected
+
+    @invariant()
+    def no_cached_block_loses_its_prefix(self) -> None:
+        """A block stored with its prefix cached keeps it: whatever removes a block takes its
+        cached descendants with it, or waits until they are gone."""
+        for e in self.entries():
+            if (e.namespace, e.key) in self.rooted and e.parent is not None:
+                assert self.index.get(e.namespace, e.parent) is not None, (
+                    f"{name(e.key)} was stranded: its parent {name(e.parent)} is gone")
 
     @invariant()
     def children_count_the_cached_entries_naming_them_as_parent(self) -> None:

@@ -31,14 +31,18 @@ def move_down(index: Index, n: str) -> None:
     assert index.moves.drop_copy(e, D) is False
 
 
-def test_a_parent_whose_only_child_went_to_l3_is_a_leaf_of_l2_but_not_of_l3() -> None:
+def test_a_parent_whose_only_child_went_to_l3_may_follow_it_down_but_not_be_dropped() -> None:
     index, clock = make_index(num_pages=4, tiers=(D, N))
     put(index, "p", "c")  # p is the parent of c
     move_down(index, "c")
-    assert entry(index, "p").evictable_from(D)
+    assert entry(index, "p").evictable_from(D)  # a leaf of L2: it may move down after c
+    assert not entry(index, "p").droppable_from(D)  # dropped, it would strand c
     assert not entry(index, "p").evictable_from(N)  # its child is cached in L3
-    assert names(index.evict_in_order(D, None)) == ["p"]
+    assert index.evict_in_order(D, None) == []
+    assert names(index.moves.pick(D, 100)) == ["p"]  # the movers still take it down
+    index.moves.done(entry(index, "p"))
     assert names(index.evict_in_order(N, None)) == ["c"]
+    assert names(index.evict_in_order(D, None)) == ["p"]  # no child left: it may go
 
 
 def test_pick_takes_the_leaf_then_its_parents_as_if_they_had_moved() -> None:

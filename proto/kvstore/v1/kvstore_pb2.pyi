@@ -208,14 +208,24 @@ class EvictRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., bytes: _Optional[int] = ..., all: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("evicted", "evicted_bytes", "skipped")
+    __slots__ = ("evicted", "evicted_bytes", "skipped", "skipped_pinned", "skipped_leased", "skipped_loading", "skipped_child_in_faster_tier", "skipped_has_children")
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_PINNED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_LEASED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_LOADING_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_CHILD_IN_FASTER_TIER_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_HAS_CHILDREN_FIELD_NUMBER: _ClassVar[int]
     evicted: int
     evicted_bytes: int
     skipped: int
-    def __init__(self, evicted: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+    skipped_pinned: int
+    skipped_leased: int
+    skipped_loading: int
+    skipped_child_in_faster_tier: int
+    skipped_has_children: int
+    def __init__(self, evicted: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., skipped: _Optional[int] = ..., skipped_pinned: _Optional[int] = ..., skipped_leased: _Optional[int] = ..., skipped_loading: _Optional[int] = ..., skipped_child_in_faster_tier: _Optional[int] = ..., skipped_has_children: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("namespace", "keys")
