@@ -1,6 +1,7 @@
 """L3 NVMe tier: one preallocated file of fixed-size pages; a SlotTier.
 
-Owns the file (created mode 0600, preallocated where the filesystem can), the byte moves
+Owns the file (created mode 0600, preallocated where the filesystem can; a preallocation
+that fails midway leaves no partial file behind), the byte moves
 between its pages and host buffers, and the tier's I/O counters. Two backends sit behind one
 small interface: kvikio (GPUDirect Storage, or its POSIX compatibility mode) when an NVIDIA
 driver is present, else plain preadv/pwritev on a bounded thread pool, through an O_DIRECT
@@ -28,7 +29,9 @@ log = logging.getLogger(__name__)
 
 Segment = tuple[int, list[memoryview]]  # (file offset in bytes, buffers to move there, in order)
 BACKENDS = ("auto", "posix", "kvikio")
-_NO_FALLOCATE = frozenset({errno.ENOSPC, errno.EFBIG, errno.EOPNOTSUPP, errno.EINVAL})
+# The filesystem cannot preallocate at all (nothing was allocated): the file stays sparse.
+# Any other failure (ENOSPC, EDQUOT, EFBIG, EIO) may have allocated part of it: undone.
+_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.EINVAL})
 _IOV_MAX = 1024  # Linux's limit on iovecs per preadv/pwritev call
 
 
@@ -224,33 +227,61 @@ def _load_kvikio() -> Any | None:
 
 
 def _prepare_file(path: Path, capacity_bytes: int) -> bool:
-    """Create or resize the L3 file and preallocate it; True when it stays sparse."""
+    """Create or resize the L3 file and preallocate it; True when it stays sparse (the
+    filesystem cannot preallocate). If that fails midway (no room, say) nothing partial is
+    left: a file this call created is removed, one it grew is cut back to its old size."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        size_bytes = os.fstat(fd).st_size
-        if size_bytes != capacity_bytes:
-            if size_bytes:
-                log.warning(
-                    "L3 file %s is %d bytes; resizing to %d", path, size_bytes, capacity_bytes
-                )
-            os.ftruncate(fd, capacity_bytes)
-        try:
-            os.posix_fallocate(fd, 0, capacity_bytes)
-        except OSError as exc:
-            if exc.errno not in _NO_FALLOCATE:
-                raise
-            log.warning(
-                "L3 file %s is sparse: preallocating %d bytes failed (%s); writes may "
-                "fail with no room left",
-                path,
-                capacity_bytes,
-                exc.strerror,
-            )
-            return True
-        return False
+        fd, old_size_bytes = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                     0o600), -1
+    except FileExistsError:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        old_size_bytes = os.fstat(fd).st_size
+    try:
+        return _preallocate(fd, path, old_size_bytes, capacity_bytes)
+    except BaseException:
+        _undo_prepare(fd, path, old_size_bytes, capacity_bytes)
+        raise
     finally:
         os.close(fd)
+
+
+def _preallocate(fd: int, path: Path, size_bytes: int, capacity_bytes: int) -> bool:
+    """Size the open L3 file (size_bytes now; -1 when just created) to capacity_bytes and
+    preallocate it; True when it stays sparse."""
+    if size_bytes != capacity_bytes:
+        if size_bytes > 0:
+            log.warning("L3 file %s is %d bytes; resizing to %d", path, size_bytes, capacity_bytes)
+        os.ftruncate(fd, capacity_bytes)
+    try:
+        os.posix_fallocate(fd, 0, capacity_bytes)
+    except OSError as exc:
+        if exc.errno not in _NO_FALLOCATE:
+            raise OSError(exc.errno, f"preallocating {capacity_bytes} bytes for {path} failed: "
+                          f"{exc.strerror}") from exc
+        log.warning(
+            "L3 file %s is sparse: preallocating %d bytes failed (%s); writes may "
+            "fail with no room left",
+            path,
+            capacity_bytes,
+            exc.strerror,
+        )
+        return True
+    return False
+
+
+def _undo_prepare(fd: int, path: Path, old_size_bytes: int, capacity_bytes: int) -> None:
+    """After a failed _preallocate: remove the file it created (old_size_bytes -1), or give
+    back what it added to an existing one (whose old bytes stay as they were)."""
+    try:
+        if old_size_bytes < 0:
+            path.unlink(missing_ok=True)
+            log.info("L3 file %s removed: it could not be preallocated", path)
+        elif old_size_bytes < capacity_bytes:
+            os.ftruncate(fd, old_size_bytes)
+    except OSError as exc:
+        log.error("L3 file %s: cannot undo the failed preallocation (%s); remove it by hand",
+                  path, exc.strerror)
 
 
 def _check_args(capacity_bytes: int, page_size_bytes: int, backend: str, io_threads: int) -> None:

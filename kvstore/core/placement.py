@@ -80,7 +80,8 @@ class Move(Enum):
 
     DROP = "drop"  # a copy below holds it: this copy goes, nothing is written
     WRITE = "write"  # admitted: write it to `pages` of L3, then finish_demotion
-    NOT_ADMITTED = "not_admitted"  # seen fewer than admit_min_seen times: leaves L2 unwritten
+    NOT_ADMITTED = "not_admitted"  # seen fewer than admit_min_seen times, or admission off:
+    # leaves L2 unwritten
     NO_ROOM = "no_room"  # L3 cannot make room: leaves L2 unwritten
 
 
@@ -106,6 +107,9 @@ class Placement:
         self._index = index
         self._tiers = frozenset(tiers)  # the index's slot tiers
         self.admit_min_seen = admit_min_seen
+        # Off while L3's filesystem is short of room (kvstore.daemon.l3room): nothing is
+        # admitted, every demotion leaves L2 unwritten.
+        self.admitting = True
         self.inclusive = inclusive  # a promoted block keeps its L3 copy
 
     def can_demote(self, tier: Tier) -> bool:
@@ -159,7 +163,7 @@ class Placement:
             return Demotion(entry, tier, Move.DROP, left=self._leave(entry, tier, evicted=False))
         if not (tier == Tier.DRAM and self.can_demote(tier)):
             raise ValueError(f"no tier below {tier.label} to demote to")
-        if entry.seen < self.admit_min_seen:
+        if not self.admitting or entry.seen < self.admit_min_seen:
             left = self._leave(entry, tier, evicted=True)
             return Demotion(entry, tier, Move.NOT_ADMITTED, left=left)
         got = self.alloc(Tier.NVME, entry.size_bytes, arena=entry.arena)

@@ -233,6 +233,11 @@ class Manifest:
         self._pending_truncate = False  # a failed append left bytes rollback could not cut
 
     @property
+    def directory(self) -> Path:
+        """The folder holding the manifest (and the L3 file beside it)."""
+        return self._dir
+
+    @property
     def journal_records(self) -> int:
         """Records in the journal since the last snapshot, those load() replayed included."""
         return self._journal_records

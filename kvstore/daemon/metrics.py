@@ -20,6 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+from kvstore.daemon.l3room import REASONS, AdmissionState
+
 if TYPE_CHECKING:
     from kvstore.core.holdings import Holding
     from kvstore.daemon.store import Store
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOADS_COALESCED = "kvstore_loads_coalesced_total"
+L3_ADMISSION_ENABLED = "kvstore_l3_admission_enabled"
+L3_ADMISSION_OFF = "kvstore_l3_admission_off"
+L3_FREE = "kvstore_l3_filesystem_free_bytes"
+L3_RESERVE = "kvstore_l3_filesystem_reserve_bytes"
 
 #: RPC latency buckets in seconds: 50 µs (a shared-memory Lookup) up to 10 s (a large Prefetch).
 RPC_LATENCY_BUCKETS_S = (
@@ -213,14 +219,53 @@ class _HoldingsCollector(Collector):
             yield family
 
 
+class _L3AdmissionCollector(Collector):
+    """Whether L3 takes new blocks and why not, and the room on its filesystem, read from
+    state_fn on each scrape; nothing while state_fn says None (no L3)."""
+
+    _DOCS = {
+        L3_ADMISSION_ENABLED: "1 while new blocks may go into L3; 0 while its filesystem is "
+        "short of room (kvstore_l3_admission_off says why).",
+        L3_ADMISSION_OFF: "1 for the reason L3 admission is off: low_space (free space under "
+        "the reserve) or no_room (an L3 write found no space); else 0.",
+        L3_FREE: "Bytes free on the L3 filesystem at the mover's last check (about every "
+        "second).",
+        L3_RESERVE: "Bytes the daemon leaves free on the L3 filesystem; L3 admission goes "
+        "off below it.",
+    }
+
+    def __init__(self, state_fn: Callable[[], AdmissionState | None]) -> None:
+        self._state_fn = state_fn
+
+    def describe(self) -> Iterator[Metric]:
+        for name, doc in self._DOCS.items():
+            yield GaugeMetricFamily(name, doc, labels=["reason"] if name == L3_ADMISSION_OFF
+                                    else None)
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state_fn()
+        if state is None:
+            return
+        docs = self._DOCS
+        yield GaugeMetricFamily(L3_ADMISSION_ENABLED, docs[L3_ADMISSION_ENABLED],
+                                value=float(state.enabled))
+        off = GaugeMetricFamily(L3_ADMISSION_OFF, docs[L3_ADMISSION_OFF], labels=["reason"])
+        for reason in REASONS:
+            off.add_metric([reason], float(state.reason == reason))
+        yield off
+        yield GaugeMetricFamily(L3_FREE, docs[L3_FREE], value=float(max(state.free_bytes, 0)))
+        yield GaugeMetricFamily(L3_RESERVE, docs[L3_RESERVE], value=float(state.reserve_bytes))
+
+
 class Metrics:
     """The daemon's metrics registry and its optional HTTP exporter; with loads_coalesced_fn,
-    also the count of loads joined instead of started, and with holdings_fn what each
-    client holds."""
+    also the count of loads joined instead of started, with holdings_fn what each client
+    holds, and with l3_admission_fn whether L3 takes new blocks."""
 
     def __init__(self, stats_fn: Callable[[], Sequence[TierStatsLike]],
                  loads_coalesced_fn: Callable[[], int] | None = None,
-                 holdings_fn: Callable[[], Mapping[str, Holding]] | None = None) -> None:
+                 holdings_fn: Callable[[], Mapping[str, Holding]] | None = None,
+                 l3_admission_fn: Callable[[], AdmissionState | None] | None = None) -> None:
         self.registry = CollectorRegistry()
         self._rpc_latency = Histogram(
             "kvstore_rpc_latency_seconds",
@@ -252,6 +297,8 @@ class Metrics:
                 loads_coalesced_fn))
         if holdings_fn is not None:
             self.registry.register(_HoldingsCollector(holdings_fn))
+        if l3_admission_fn is not None:
+            self.registry.register(_L3AdmissionCollector(l3_admission_fn))
         self._lock = threading.Lock()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -301,7 +348,8 @@ class Metrics:
 
 
 def store_metrics(store: Store) -> Metrics:
-    """The metrics of a store: its tier stats, its coalesced loads and what each client
-    holds, read on each scrape."""
+    """The metrics of a store: its tier stats, its coalesced loads, what each client holds
+    and its L3 admission, read on each scrape."""
+    gate = store.tiering.l3_admission
     return Metrics(lambda: store.stats().tiers, lambda: store.tiering.loads_coalesced,
-                   store.holdings)
+                   store.holdings, lambda: gate.state if gate.folder is not None else None)

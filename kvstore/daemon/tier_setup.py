@@ -1,7 +1,9 @@
 """Opening the tiers a config asks for: L1 HBM, L2 DRAM, L3 NVMe and its manifest, L4 Redis.
 
 Each failure that an operator can fix is a StartupError naming the setting: L1 demanded on
-a host without CUDA, an L3 folder another daemon holds, an L3 file that cannot be created.
+a host without CUDA, an L3 folder another daemon holds, an L3 file larger than its
+filesystem can hold beside the reserve (`kvstore.daemon.l3room`, checked before it is
+preallocated), an L3 file that cannot be created.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from pathlib import Path
 
 from kvstore.core.errors import StartupError
 from kvstore.daemon.config import Config
+from kvstore.daemon.l3room import allocated_bytes, capacity_problem, space_of
 from kvstore.daemon.manifest import Manifest
 from kvstore.extents import Arena
 from kvstore.tier import Tier
 from kvstore.tiers.base import SlotTier
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.redis_pool import RedisPool
+from kvstore.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,9 @@ class OpenTiers:
 
 def l3_dir(config: Config) -> Path:
     """nvme.dir, or a per-port folder under $XDG_CACHE_HOME (~/.cache) so a restarted daemon
-    on the same port finds what it left."""
+    on the same port finds what it left, and daemons on other ports (each holding its
+    folder's lock) start beside it with no settings. Each such folder keeps its L3 file when
+    its daemon is gone: docs/operations.md ("Sizing L3") says how to find and remove them."""
     if config.nvme.dir:
         return Path(config.nvme.dir).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -122,6 +128,7 @@ def _open_nvme(config: Config, opened: OpenTiers) -> None:
     except BlockingIOError:
         raise StartupError(f"the L3 folder {folder} is in use by another kvstore-server; give "
                            "each daemon its own nvme.dir") from None
+    _check_room(config, folder)
     try:
         nvme = NvmeTier(folder / L3_FILE, n.capacity_bytes, n.page_size_bytes, n.backend,
                         n.io_threads)
@@ -134,6 +141,45 @@ def _open_nvme(config: Config, opened: OpenTiers) -> None:
     opened._stack.callback(manifest.close)
     opened.manifest = manifest
     opened.l3_dir = folder
+
+
+def _check_room(config: Config, folder: Path) -> None:
+    """Refuse an L3 file that would take its filesystem into the reserve, before any of it
+    is allocated; an L3 file already there (ours: we hold the folder's lock) is reused in
+    place, so what it holds counts as room."""
+    n = config.nvme
+    try:
+        space = space_of(folder)
+        reusable_bytes = allocated_bytes(folder / L3_FILE)
+    except OSError as exc:
+        raise StartupError(f"cannot check the free space of the L3 folder {folder}: "
+                           f"{exc.strerror} (nvme.dir)") from exc
+    if not space.size_bytes:  # some FUSE and network filesystems report no sizes at all
+        log.warning("L3 folder %s: its filesystem reports no size; the free space for "
+                    "nvme.capacity_bytes is not checked", folder)
+        return
+    problem = capacity_problem(n.capacity_bytes, n.page_size_bytes, n.compact_after_records,
+                               space, reusable_bytes, folder)
+    if problem:
+        raise StartupError(problem + ("" if n.dir else _other_default_folders(folder)))
+
+
+def _other_default_folders(folder: Path) -> str:
+    """A hint naming what the other per-port default L3 folders beside folder hold, on the
+    same filesystem (daemons that ran on other ports left them), or ""."""
+    try:
+        device = folder.stat().st_dev
+        others = [(d, allocated_bytes(d / L3_FILE)) for d in folder.parent.iterdir()
+                  if d != folder and d.name.isdigit() and d.is_dir()
+                  and d.stat().st_dev == device]
+    except OSError:
+        return ""
+    others = [(d, size_bytes) for d, size_bytes in others if size_bytes]
+    if not others:
+        return ""
+    return (f"; {len(others)} other L3 folders in {folder.parent} hold "
+            f"{format_size(sum(s for _, s in others))} (left by daemons on other ports: "
+            "remove those no daemon uses)")
 
 
 def _open_remote(config: Config, opened: OpenTiers) -> None:

@@ -16,22 +16,27 @@ for crash safety: a block's bytes are written to L3 before its manifest COMMIT r
 FREE record is appended before its L3 pages can be handed to anything else; every L3 read is
 checked against the block's checksum, so whatever a crash leaves behind is a miss, never
 wrong bytes.
+
+L3 admission also follows the room on L3's filesystem (`kvstore.daemon.l3room`): the mover
+checks the free space against the reserve, and an L3 write that finds no room turns
+admission off; while it is off the planner admits nothing new to L3.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvstore.core.errors import StartupError
 from kvstore.core.index import Index
 from kvstore.core.moves import Pages
 from kvstore.core.placement import Demotion, Move, Placement, RoomStep
 from kvstore.core.records import Entry
 from kvstore.daemon.config import Config
 from kvstore.daemon.iometer import IoMeter
+from kvstore.daemon.l3room import NO_ROOM_ERRNOS, L3Admission
 from kvstore.daemon.manifest import Manifest, ManifestRecord
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier, TierStats
@@ -46,7 +51,7 @@ log = logging.getLogger(__name__)
 #: fill movers.batch_bytes (64 MiB) in one round.
 DEMOTE_ROUND_BLOCKS = 256
 
-_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_NO_ROOM = NO_ROOM_ERRNOS
 
 
 class Load:
@@ -90,6 +95,9 @@ class Tiering:
         self.loads_coalesced = 0  # loads joined instead of started (a Prometheus counter)
         self.mover_running = False  # set by the mover: whether waiting for room can help
         self._compact_at = config.nvme.compact_after_records  # journal records
+        # whether L3 takes new blocks, by the room on its filesystem; inert without L3
+        self.l3_admission = L3Admission(manifest.directory if manifest is not None else None,
+                                        self.placement)
         self.meter = IoMeter()
         # free pages each waiting put or load needs, by tier and arena
         self._waiting: dict[tuple[Tier, str], list[int]] = {}
@@ -114,20 +122,33 @@ class Tiering:
         arena now is dropped); then compact it. Returns blocks adopted."""
         if self.manifest is None:
             return 0
-        report = self.manifest.load()
+        try:
+            report = self.manifest.load()
+        except OSError as exc:
+            if exc.errno not in _NO_ROOM:
+                raise
+            raise StartupError(f"cannot write the L3 manifest in {self.manifest.directory}: "
+                               f"{exc.strerror}; free space there (nvme.dir)") from exc
         if report.discarded:
             log.warning("L3 manifest discarded: %s; L3 starts empty", report.discarded)
         if report.torn_bytes:
             log.warning("L3 manifest: ignored a torn tail of %d bytes", report.torn_bytes)
-        adopted = 0
+        adopted = orphans = 0
         with self.room:
             for r in report.records:
                 if self.index.moves.adopt(r.namespace, BlockKey(r.key), r.size_bytes, r.checksum,
                                     BlockKey(r.parent) if r.parent else None, Tier.NVME,
                                     r.pages) is not None:
                     adopted += 1
+            # A block whose prefix is gone (it lived only in L2 before a crash) could never
+            # be found again by a lookup: dropped, with its descendants.
+            orphans = len(self.index.drop_orphans())
+            adopted -= orphans
+        if orphans:
+            log.warning("L3: dropped %d re-adopted blocks whose prefix is gone", orphans)
         if self.manifest.journal_records or adopted < len(report.records):
             self._compact()  # on a full disk the journal stays as it is: it is still valid
+        self.l3_admission.poll()
         log.info("L3: re-adopted %d blocks from the manifest", adopted)
         return adopted
 
@@ -165,6 +186,7 @@ class Tiering:
         """One mover step: demote from every arena of every tier above its high watermark
         down towards its low watermark (or until a waiting put or load fits). Returns the
         bytes moved."""
+        self.l3_admission.poll()  # a folder that cannot be checked raises: the mover fails
         moved = 0
         # Without L3 there is nowhere to demote L2 blocks to: puts evict on demand instead.
         for tier in (t for t in (Tier.HBM, Tier.DRAM) if self.placement.can_demote(t)):
@@ -187,7 +209,7 @@ class Tiering:
                 if exc.errno not in _NO_ROOM:
                     raise  # the folder is gone or broken: the mover fails loudly
                 self._compact_at = self.manifest.journal_records + every
-                log.warning("L3 manifest: no room to compact (%s); retrying later", exc)
+                self.l3_admission.no_room(exc)  # retried after `every` more records
 
     def _want_bytes(self, tier: Tier, arena: str) -> int:
         """Bytes to demote from tier's arena now: down to the low watermark once past the
@@ -257,11 +279,12 @@ class Tiering:
         if error is None:
             self.stats[Tier.NVME].bytes_in += entry.size_bytes
             self.stats[Tier.DRAM].demotions += 1
+            self.l3_admission.wrote()
         else:
             self.stats[Tier.NVME].admissions_refused += 1
-            if error.errno not in _NO_ROOM:
+            if not self.l3_admission.no_room(error):  # no room: admission off, one warning
                 self.stats[Tier.NVME].io_errors += 1
-            log.warning("L3 write failed, block not admitted: %s", error)
+                log.warning("L3 write failed, block not admitted: %s", error)
         # A reader may have leased it meanwhile: then the next step drops its L2 copy.
         self.placement.finish_demotion(demotion, written=error is None)
 
@@ -339,8 +362,8 @@ class Tiering:
         else:
             stats.checksum_failures += 1
             log.warning("L3 block failed its checksum; dropped (a miss, never wrong bytes)")
-        self.journal_free([entry])
-        self.index.moves.discard(entry)
+        removed = self.index.moves.discard(entry)  # with its descendants: none is stranded
+        self.journal_free(e for e in removed if Tier.NVME in e.copies)
 
     def _load_l1(self, entry: Entry) -> bool:
         """L2 -> L1 through the pinned L2 pages (the entry is busy: they stay put)."""
@@ -380,8 +403,9 @@ class Tiering:
             try:
                 self.manifest.free(entry.namespace, entry.key)
             except OSError as exc:
-                log.warning("L3 manifest: cannot record a free (%s); checksums guard the "
-                            "reuse", exc)
+                if not self.l3_admission.no_room(exc):
+                    log.warning("L3 manifest: cannot record a free (%s); checksums guard the "
+                                "reuse", exc)
 
 
 def _record(entry: Entry, pages: Pages | None = None) -> ManifestRecord:

@@ -205,9 +205,11 @@ def test_a_block_lost_before_its_load_is_recomputed(
     evict_third_then_load = reader.connector.load
 
     def load(token_ids: Any, first: int, block_ids: Any) -> int:
-        # Lookup said 6 blocks; block 2 leaves the store before the load reads it.
+        # Lookup said 6 blocks; block 2 (and with it 3.., its descendants) leaves the store
+        # before the load reads it.
         with KVStoreClient(d.target, reader.namespace) as kv:
-            assert kv.evict(keys=[keys[2]]).evicted == 1
+            assert kv.evict(keys=[keys[2]]).evicted >= 4
+            assert kv.lookup(keys).tiers == ["dram", "dram", None, None, None, None]
         return evict_third_then_load(token_ids, first, block_ids)
 
     reader.connector.load = load  # type: ignore[method-assign]

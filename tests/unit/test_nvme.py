@@ -1,5 +1,6 @@
 """The L3 NVMe tier's own behaviour (tiers/nvme.py): how an object's bytes are laid onto page
-runs, the file it keeps (layout, mode, reuse, resize, preallocation and its sparse fallback),
+runs, the file it keeps (layout, mode, reuse, resize, preallocation, its sparse fallback, and
+no partial file after a failed preallocation),
 short reads as per-transfer errors, and the backend choice. The byte-moving contract shared
 with the other tiers is tests/integration/test_tier_contract.py."""
 
@@ -145,15 +146,43 @@ def test_failed_preallocation_leaves_a_sparse_file_and_a_warning(
 
 # Run inside a private mount namespace: a 1 MiB tmpfs under an 8 MiB L3 file.
 _TINY_TMPFS_SCRIPT = textwrap.dedent("""
-    import json, logging, subprocess, sys
+    import errno, json, logging, os, subprocess, sys
     from pathlib import Path
     from kvstore.extents import PageRun
+    from kvstore.tiers import nvme
     from kvstore.tiers.base import Transfer
     from kvstore.tiers.nvme import NvmeTier
 
     mnt = Path(sys.argv[1])
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+
+    def free():
+        st = os.statvfs(mnt)
+        return st.f_bavail * st.f_frsize
+
+    def open_tier(name):
+        try:
+            NvmeTier(mnt / name, 8 << 20, 64 << 10, backend="posix").close()
+        except OSError as exc:
+            return exc.errno
+        return None
+
+    report, empty = {}, free()
+    # A new file that cannot be preallocated is removed again.
+    report["new"] = [open_tier("new.bin"), (mnt / "new.bin").exists(), free() == empty]
+    # An existing one is cut back to its old size, its bytes as they were.
+    old = bytes(range(256)) * 256
+    (mnt / "old.bin").write_bytes(old)
+    held = free()
+    report["grown"] = [open_tier("old.bin"), (mnt / "old.bin").read_bytes() == old,
+                       free() == held]
+    (mnt / "old.bin").unlink()
+    # tmpfs preallocates; a filesystem that cannot at all (EOPNOTSUPP) keeps the file sparse,
+    # and then a write that finds no room fails alone.
+    def cannot(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+    nvme.os.posix_fallocate = cannot
     tier = NvmeTier(mnt / "l3.bin", 8 << 20, 64 << 10, backend="posix")
     small, big = bytes(range(256)) * 256, b"\\1" * (2 << 20)
     results = tier.write([
@@ -162,13 +191,15 @@ _TINY_TMPFS_SCRIPT = textwrap.dedent("""
     ])
     out = bytearray(len(small))
     back = tier.read([Transfer((PageRun(0, 1),), len(out), [memoryview(out)])])
-    print(json.dumps({"sparse": tier.sparse, "results": [r and r.errno for r in results],
-                      "back": back == [None] and out == small, "io_errors": tier.io_errors}))
+    report.update({"sparse": tier.sparse, "results": [r and r.errno for r in results],
+                   "back": back == [None] and out == small, "io_errors": tier.io_errors})
+    print(json.dumps(report))
     tier.close()
 """)
 
 
-def test_preallocation_fails_for_real_on_a_tiny_tmpfs(tmp_path: Path) -> None:
+def test_preallocation_fails_for_real_on_a_tiny_tmpfs_and_leaves_nothing_behind(
+        tmp_path: Path) -> None:
     unshare = shutil.which("unshare")
     if unshare is None:
         pytest.skip("needs unshare(1) to mount a private tmpfs")
@@ -187,6 +218,9 @@ def test_preallocation_fails_for_real_on_a_tiny_tmpfs(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
+    # [errno, file left, free space as before]
+    assert report["new"] == [errno.ENOSPC, False, True]
+    assert report["grown"] == [errno.ENOSPC, True, True]  # [errno, bytes kept, free as before]
     assert report["sparse"] and "WARNING" in proc.stderr and "sparse" in proc.stderr
     assert report["results"] == [None, errno.ENOSPC]  # the object that found no room fails alone
     assert report["back"] and report["io_errors"] == 1

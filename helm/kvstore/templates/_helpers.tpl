@@ -106,9 +106,15 @@ app.kubernetes.io/part-of: kvstore
 {{- include "kvstore.mebibytes" (add $l2 $extra) -}}
 {{- end -}}
 
-{{/* Size of an L3 volume the chart sizes itself: the L3 file plus 1Gi for its manifest. */}}
+{{/* Size of an L3 volume the chart sizes itself, so that the daemon's start-up check passes
+(kvstore/daemon/l3room.py): the L3 file; its manifest (two 256-byte records per page, plus a
+journal of 100,000 records: 32Mi allowed); and the free space the daemon keeps on L3's
+filesystem (10% of it, at least 1Gi): (file + manifest) x 10/9, plus 1Gi. */}}
 {{- define "kvstore.l3VolumeSize" -}}
-{{- include "kvstore.mebibytes" (add (include "kvstore.bytes" .Values.nvme.size | int64) 1073741824) -}}
+{{- $l3 := include "kvstore.bytes" .Values.nvme.size | int64 -}}
+{{- $page := include "kvstore.bytes" .Values.nvme.pageSize | int64 -}}
+{{- $manifest := add (div (mul $l3 512) $page) 33554432 -}}
+{{- include "kvstore.mebibytes" (add (div (mul (add $l3 $manifest) 10) 9) 1073741824) -}}
 {{- end -}}
 
 {{/* "true" when L4 is on (an external address or the bundled Redis), else "". */}}
