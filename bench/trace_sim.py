@@ -27,7 +27,8 @@ Policies, each `access(request_index, hash_ids) -> the tier label of each hit bl
   does: lookup, load L3 blocks of the hit prefix, `touch` it, `prepare_store` /
   `complete_store` the rest, demoting to L3 when there is one; eviction is the index's
   own: leaf-first, LRU, but a block used again (read, put again, or put again soon after
-  its eviction) outlives blocks used once for HOT_TURNOVERS turnovers (`kvstore.core.order`).
+  its eviction) outlives blocks used once by a head start the workload picks
+  (`kvstore.core.order`, `kvstore.core.headstart`).
 - `FrequencyOraclePolicy`: offline, a ceiling for frequency-aware policies. Knows how many
   more requests will hold each block (not when): evicts the block with the fewest, the
   deeper on a tie, the least recent after that. No online policy knows this much about

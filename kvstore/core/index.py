@@ -7,8 +7,8 @@ without holding them; leases and pins, which hold them, live in `index.leases`
 (`kvstore.core.leases`), and `expire` ends the leases and plans past their deadline.
 
 Eviction takes the lowest-ranked *leaf* of a tier: LRU, but a hot block (used again, or put
-again soon after its eviction: `kvstore.core.ghosts`) outlives a block used once
-(`kvstore.core.order`).
+again soon after its eviction: `kvstore.core.ghosts`) outlives a block used once by a head
+start the workload chooses (`kvstore.core.order`, `kvstore.core.headstart`).
 An entry with a cached child (the next block of its prefix) goes only after that child, as
 in SGLang's radix cache; a copy in tier t is a leaf there when no child is cached in t or a
 faster tier, so a parent can be demoted to L3 after its child. Pinned, leased, moving and
@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvstore.core.children import ChildCounts
 from kvstore.core.ghosts import GhostFilter
+from kvstore.core.headstart import HeadStart
 from kvstore.core.holdings import Holdings
 from kvstore.core.leases import Leases
 from kvstore.core.moves import Moves, Pages
@@ -54,11 +55,12 @@ class Index:
     def __init__(self, allocators: Mapping[Tier, PageAllocator],
                  page_size_bytes: Mapping[Tier, int],
                  arenas: Mapping[Tier, Sequence[Arena]] | None = None,
-                 arena_of: Callable[[str], str | None] | None = None) -> None:
+                 arena_of: Callable[[str], str | None] | None = None,
+                 head_start: HeadStart | None = None) -> None:
         """arenas: every tier's split (its allocator's pages into those arenas), or None
         for one arena "" per tier that is its allocator. arena_of: a namespace's arena
         (default: ""); it may be replaced at any time (`index.arena_of = ...`): an entry
-        keeps the arena it was stored in."""
+        keeps the arena it was stored in. head_start: see EvictionOrder."""
         if arenas and set(arenas) != set(allocators):
             raise ValueError(f"arenas split tiers {sorted(t.label for t in arenas)}; split "
                              f"every tier ({sorted(t.label for t in allocators)}) or none")
@@ -70,7 +72,7 @@ class Index:
         self._num_entries = 0
         self._order = EvictionOrder(
             {t: {name: a.num_pages for name, a in pages.arenas.items()}
-             for t, pages in self._pages.items()}, self.get)
+             for t, pages in self._pages.items()}, self.get, head_start)
         self._plans: dict[str, StorePlan] = {}
         self.holdings = Holdings()  # each client's leases, plans and pins
         self.leases = Leases(self.holdings, self.touch, self.get, self._order.push)
@@ -88,6 +90,11 @@ class Index:
 
     def __len__(self) -> int:
         return self._num_entries
+
+    @property
+    def head_start(self) -> float:
+        """The hot blocks' head start now, in turnovers of a tier (kvstore.core.headstart)."""
+        return self._order.head_start.turnovers
 
     def get(self, namespace: str, key: BlockKey) -> Entry | None:
         return self._entries.get(namespace, {}).get(key)

@@ -1,6 +1,7 @@
 """The index's eviction policy (kvstore.core.order, kvstore.core.ghosts): LRU where a block used
 again outlives blocks used once, for a bounded time; keys evicted lately come back hot; a put
-never evicts its own cached keys. Plain LRU order and leaf-first are in test_index.py."""
+never evicts its own cached keys. Plain LRU order and leaf-first are in test_index.py; how the
+head start is chosen, in test_headstart.py. These fix it at HOT_TURNOVERS."""
 
 from __future__ import annotations
 
@@ -9,11 +10,21 @@ import random
 import pytest
 
 from kvstore.core.ghosts import GhostFilter
+from kvstore.core.headstart import HeadStart
 from kvstore.core.index import Index
-from kvstore.core.order import HOT_TURNOVERS
+from kvstore.core.pages import PageAllocator
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier
-from tests.unit.test_index import NS, key, make_index, names, prepare, put, stored
+from tests.unit.test_index import NS, PAGE_BYTES, FakeClock, key, names, prepare, put, stored
+
+HOT_TURNOVERS = 8
+
+
+def make_index(num_pages: int = 4) -> tuple[Index, FakeClock]:
+    """One L2 tier with the head start fixed at HOT_TURNOVERS."""
+    index = Index({Tier.DRAM: PageAllocator(num_pages)}, {Tier.DRAM: PAGE_BYTES},
+                  head_start=HeadStart((HOT_TURNOVERS,), HOT_TURNOVERS))
+    return index, FakeClock()
 
 
 def read(index: Index, *names_: str) -> None:

@@ -681,6 +681,7 @@ def oracle_victims(
     entries: list[Entry],
     tier: Tier,
     tier_pages: int,
+    turnovers: float,
     stop: int,
     namespace: str | None,
     by_bytes: bool,
@@ -692,7 +693,8 @@ def oracle_victims(
     is cached in any tier (else they would be stranded).
     Returns the victims in order and what they free."""
     live = {
-        (e.namespace, e.key): [eviction_rank(e, tier, tier_pages), e.touch_seq, e.children, e]
+        (e.namespace, e.key): [eviction_rank(e, tier, tier_pages, turnovers), e.touch_seq,
+                               e.children, e]
         for e in entries
         if e.tier == tier
     }
@@ -705,6 +707,7 @@ def oracle_victims(
             if v[2] == 0
             and not v[3].pinned
             and v[3].leases == 0
+            and v[3].busy == 0  # e.g. the parent an open plan extends
             and (namespace is None or k[0] == namespace)
             and k not in (held or ())
         ]
@@ -767,7 +770,11 @@ class IndexMachine(RuleBasedStateMachine):
         needed = sum(self.index.pages_per_object(tier, sizes[names_.index(n)]) for n in new)
         free = self.allocators[tier].free_pages
         held = {(ns, key(n)) for n in names_ if n not in new}  # a put holds its cached keys
-        expected, freed = oracle_victims(self.entries(), tier, TIER_PAGES[tier], needed - free,
+        first_parent = tree_parent(names_[0])  # ... and the cached parent it extends
+        if first_parent is not None and self.index.get(ns, key(first_parent)) is not None:
+            held.add((ns, key(first_parent)))
+        expected, freed = oracle_victims(self.entries(), tier, TIER_PAGES[tier],
+                                         self.index.head_start, needed - free,
                                          None, False, held)
         pid = f"plan-{next(self.ids)}"
         plan = self.index.prepare_store(pid, ns, keys, sizes, parents, tier, self.clock.now + ttl)
@@ -902,7 +909,8 @@ class IndexMachine(RuleBasedStateMachine):
     )
     def evict_in_order(self, tier: Tier, min_bytes: int | None, namespace: str | None) -> None:
         stop = 10**9 if min_bytes is None else min_bytes
-        expected, _ = oracle_victims(self.entries(), tier, TIER_PAGES[tier], stop, namespace,
+        expected, _ = oracle_victims(self.entries(), tier, TIER_PAGES[tier],
+                                     self.index.head_start, stop, namespace,
                                      by_bytes=True)
         evicted = self.index.evict_in_order(tier, min_bytes, namespace)
         assert [(e.namespace, e.key) for e in evicted] == expected
@@ -917,7 +925,8 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(ns=st.sampled_from(NAMESPACES), data=st.data())
     def evict_keys(self, ns: str, data: st.DataObject) -> None:
         picks = self.draw_names(data, ns, 3)
-        held = {k for _, ks in self.leases.values() for k in ks} | self.pinned
+        held = {k for _, ks in self.leases.values() for k in ks} | self.pinned | {
+            (e.namespace, e.key) for e in self.entries() if e.busy}  # an open plan's parent
         cached = {name(e.key) for e in self.entries() if e.namespace == ns}
 
         def tree(n: str) -> set[str]:  # n and its cached descendants (by parent links)
@@ -980,7 +989,8 @@ class IndexMachine(RuleBasedStateMachine):
         evictable entry has dropped out of the eviction queue."""
         scratch = copy.deepcopy(self.index)
         for tier in TIERS:
-            expected, _ = oracle_victims(self.entries(scratch), tier, TIER_PAGES[tier], 10**9,
+            expected, _ = oracle_victims(self.entries(scratch), tier, TIER_PAGES[tier],
+                                         scratch.head_start, 10**9,
                                          None, True)
             assert [(e.namespace, e.key) for e in scratch.evict_in_order(tier, None)] == expected
 
