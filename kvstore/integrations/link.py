@@ -11,6 +11,8 @@
 - Offload: `offload` takes rows the caller already copied out of its KV cache (so the cache may
   reuse the blocks at once) and puts them from a writer thread; while queued they are readable
   by loads and lookups of this link.
+- Sharing: `shared_link` gives one process one link per daemon, namespace and options, so a
+  scheduler and a worker in one process share its channel and its fail-safe state.
 - Fail-safe: the store is an accelerator, never a dependency of correctness. Any store error
   turns the link off (logged once), lookups answer 0 and loads nothing, offloads are dropped,
   and a background thread turns it back on once an authenticated call succeeds again.
@@ -28,6 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -323,3 +326,32 @@ class StoreLink:
         self._writer.join(timeout=timeout_s)
         self._loader.shutdown(wait=True, cancel_futures=False)
         self.client.close()
+
+
+# Links shared within a process, by everything they were opened with, and how many hold each.
+_shared: dict[tuple[Any, ...], tuple[StoreLink, int]] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_link(target: str, namespace: str, block_size: int, **options: Any) -> StoreLink:
+    """The process's one StoreLink for these arguments (options: StoreLink's keywords, all
+    hashable), opened on first use; each holder gives it back with release_link."""
+    key = (target, namespace, block_size, tuple(sorted(options.items())))
+    with _shared_lock:
+        link, holders = _shared.get(key, (None, 0))
+        if link is None:
+            link = StoreLink(target, namespace, block_size, **options)
+        _shared[key] = (link, holders + 1)
+        return link
+
+
+def release_link(link: StoreLink) -> None:
+    """One holder of a shared_link is done with it; the last one closes it."""
+    with _shared_lock:
+        for key, (held, holders) in list(_shared.items()):
+            if held is link:
+                if holders > 1:
+                    _shared[key] = (held, holders - 1)
+                    return
+                del _shared[key]
+    link.close()

@@ -44,9 +44,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.client.errors import KVStoreError
-from kvstore.integrations.link import StoreLink
+from kvstore.integrations.link import release_link, shared_link
 from kvstore.integrations.paged import PagedKV
-from kvstore.integrations.settings import ModelShape, Settings, namespace_for, parse_settings
+from kvstore.integrations.settings import ModelShape, namespace_for, parse_settings
 from kvstore.keys import BlockKey, chain_key, namespace_root
 
 if TYPE_CHECKING:
@@ -123,41 +123,6 @@ class _Tracked:
 
 _IDLE_WAIT_S = 0.01
 
-# One link per (daemon, namespace, credentials) per process: the scheduler and the worker
-# sides share it when vLLM runs them in one process.
-_links: dict[tuple[Any, ...], tuple[StoreLink, int]] = {}
-_links_lock = threading.Lock()
-
-
-def _open_link(settings: Settings, namespace: str, block_size: int) -> StoreLink:
-    key = (settings.target, namespace, block_size, settings.token, settings.tls,
-           settings.unix_socket, settings.shared_memory)
-    with _links_lock:
-        link, refs = _links.get(key, (None, 0))
-        if link is None:
-            try:
-                link = StoreLink(settings.target, namespace, block_size,
-                                 timeout_s=settings.timeout_s, reconnect_s=settings.reconnect_s,
-                                 max_pending_batches=settings.max_pending_batches,
-                                 shared_memory=settings.shared_memory, token=settings.token,
-                                 tls=settings.tls, unix_socket=settings.unix_socket)
-            except KVStoreError as exc:
-                raise ValueError(f"kv_connector_extra_config: {exc}") from None
-        _links[key] = (link, refs + 1)
-        return link
-
-
-def _close_link(link: StoreLink) -> None:
-    with _links_lock:
-        for key, (held, refs) in list(_links.items()):
-            if held is link:
-                if refs > 1:
-                    _links[key] = (held, refs - 1)
-                    return
-                del _links[key]
-    link.close()
-
-
 def _model_shape(vllm_config: VllmConfig, tp_rank: int) -> ModelShape:
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     kv_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix(
@@ -225,7 +190,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         # The scheduler looks up under rank 0's namespace; every rank saves and loads its own.
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         self.namespace = namespace_for(self.settings, _model_shape(vllm_config, rank))
-        self.link = _open_link(self.settings, self.namespace, self.block_size)
+        opts = self.settings
+        try:  # one link per process serves both sides when vLLM runs them in one
+            self.link = shared_link(
+                opts.target, self.namespace, self.block_size, timeout_s=opts.timeout_s,
+                reconnect_s=opts.reconnect_s, max_pending_batches=opts.max_pending_batches,
+                shared_memory=opts.shared_memory, token=opts.token, tls=opts.tls,
+                unix_socket=opts.unix_socket)
+        except KVStoreError as exc:
+            raise ValueError(f"kv_connector_extra_config: {exc}") from None
         self._reported: dict[str, int] = {}
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
@@ -455,4 +428,4 @@ class KVStoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         link, self.link = self.link, None  # type: ignore[assignment]
         if link is not None:
-            _close_link(link)
+            release_link(link)
