@@ -87,7 +87,8 @@ def test_the_store_never_loses_to_lru_on_a_family(family: str) -> None:
     distinct = sim.distinct_blocks(requests)
     for pct in (2, 10, 30):
         capacity = max(1, distinct * pct // 100)
-        lru = sim.run_policy("lru", sim.LruPolicy(capacity, requests), capacity, requests)
+        lru = sim.run_policy("lru", _bench("sim_policies").LruPolicy(capacity, requests),
+                             capacity, requests)
         store = sim.run_policy("store", sim.StorePolicy(capacity, requests), capacity,
                                requests)
         # >= 1.00x at two decimals: leaf-first and LRU may differ by a block at the end

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.tier import Tier
 from tests.conftest import REPO
 
 
@@ -27,6 +28,7 @@ def _load() -> ModuleType:
 
 
 sim = _load()
+pol = importlib.import_module("sim_policies")  # on the path _load set
 A, B, C, D, X, Y = 1, 2, 3, 4, 5, 6
 
 
@@ -48,7 +50,7 @@ def test_partial_last_block_counts_its_real_tokens() -> None:
     request = req(A, B, input_length=1000)
     assert [request.block_tokens(i) for i in range(2)] == [512, 488]  # type: ignore[attr-defined]
     trace = [request, request]
-    [result] = sim.simulate(trace, [4], {"lru": sim.LruPolicy})
+    [result] = sim.simulate(trace, [4], {"lru": pol.LruPolicy})
     assert (result.blocks, result.block_hits) == (4, 2)
     assert (result.tokens, result.token_hits) == (2000, 1000)
     assert result.token_hit_rate == pytest.approx(0.5)
@@ -58,15 +60,15 @@ def test_lru_evicts_the_parent_belady_keeps_and_the_store_keeps_the_parent() -> 
     # Capacity 2. After [A, B] and [C]: LRU drops A (oldest), so B is useless at request 2;
     # the store drops leaf B and keeps parent A; Belady never caches C (never used again).
     trace = [req(A, B), req(C), req(A, B)]
-    assert hits_per_request(sim.LruPolicy, 2, trace) == [0, 0, 0]
+    assert hits_per_request(pol.LruPolicy, 2, trace) == [0, 0, 0]
     assert hits_per_request(sim.StorePolicy, 2, trace) == [0, 0, 1]
-    assert hits_per_request(sim.BeladyPolicy, 2, trace) == [0, 0, 2]
+    assert hits_per_request(pol.BeladyPolicy, 2, trace) == [0, 0, 2]
 
 
 def test_hits_are_the_cached_prefix_only() -> None:
     # B is cached at request 3 but A is not, so B is no hit (as in the store's Lookup).
     trace = [req(A, B), req(X), req(Y), req(A, B)]
-    policy = sim.LruPolicy(3)
+    policy = pol.LruPolicy(3)
     for r in range(3):
         policy.access(r, trace[r].hash_ids)  # type: ignore[attr-defined]
     assert policy.cached_blocks() == {B, X, Y}
@@ -75,7 +77,7 @@ def test_hits_are_the_cached_prefix_only() -> None:
 
 def test_a_request_longer_than_the_cache_keeps_its_prefix() -> None:
     trace = [req(A, B, C, D), req(A, B, C, D)]
-    for cls in (sim.LruPolicy, sim.StorePolicy, sim.BeladyPolicy):
+    for cls in (pol.LruPolicy, sim.StorePolicy, pol.BeladyPolicy):
         assert hits_per_request(cls, 2, trace) == [0, 2], cls.__name__
 
 
@@ -88,7 +90,7 @@ def test_the_store_with_l3_demotes_instead_of_evicting_and_loads_hits_back() -> 
     assert hits == [[], [], ["nvme", "nvme"], ["dram", "dram"], ["nvme", "nvme"]]
     assert store.cached_blocks() == {C, D}  # L2; A and B are in L3 again
     index = store.index
-    assert {int.from_bytes(e.key, "big") for e in index.entries(sim.Tier.NVME)} == {A, B}
+    assert {int.from_bytes(e.key, "big") for e in index.entries(Tier.NVME)} == {A, B}
     assert hits_per_request(sim.StorePolicy, 2, trace) == [0, 0, 0, 2, 0]  # L2 alone
 
 
@@ -104,7 +106,7 @@ def test_simulate_with_l3_reports_hits_per_tier() -> None:
 def test_belady_prefers_the_child_on_a_tie() -> None:
     # A, B and C are never used again (a tie); the deeper B goes, never its parent A.
     trace = [req(A, B), req(C)]
-    policy = sim.BeladyPolicy(2, trace)
+    policy = pol.BeladyPolicy(2, trace)
     policy.access(0, trace[0].hash_ids)  # type: ignore[attr-defined]
     policy.access(1, trace[1].hash_ids)  # type: ignore[attr-defined]
     assert policy.cached_blocks() == {A, C}
@@ -112,29 +114,29 @@ def test_belady_prefers_the_child_on_a_tie() -> None:
 
 def test_next_uses() -> None:
     trace = [req(A, B), req(C), req(A)]
-    assert sim.next_uses(trace) == [[2, 3], [3], [3]]
+    assert pol.next_uses(trace) == [[2, 3], [3], [3]]
 
 
 def test_remaining_uses_counts_later_requests() -> None:
     trace = [req(A, B), req(A), req(C), req(A, B)]
-    assert sim.remaining_uses(trace) == [[2, 1], [1], [0], [0, 0]]
+    assert pol.remaining_uses(trace) == [[2, 1], [1], [0], [0, 0]]
 
 
 def test_the_frequency_oracle_keeps_the_block_used_more_often_later() -> None:
     # Capacity 1. After [A] and [B], A has two more uses and B one: B goes, so A hits
     # twice; LRU drops A for B and hits once; Belady also hits A twice.
     trace = [req(A), req(B), req(A), req(A), req(B)]
-    assert hits_per_request(sim.FrequencyOraclePolicy, 1, trace) == [0, 0, 1, 1, 0]
-    assert hits_per_request(sim.LruPolicy, 1, trace) == [0, 0, 0, 1, 0]
-    assert hits_per_request(sim.BeladyPolicy, 1, trace) == [0, 0, 1, 1, 0]
+    assert hits_per_request(pol.FrequencyOraclePolicy, 1, trace) == [0, 0, 1, 1, 0]
+    assert hits_per_request(pol.LruPolicy, 1, trace) == [0, 0, 0, 1, 0]
+    assert hits_per_request(pol.BeladyPolicy, 1, trace) == [0, 0, 1, 1, 0]
 
 
 def test_the_frequency_oracle_is_blind_to_when() -> None:
     # Capacity 1. After [A] and [B], A has three more uses and B two, but B's come first:
     # the oracle keeps A and misses B twice (3 hits); Belady keeps B, then A (4 hits).
     trace = [req(A), req(B), req(B), req(B), req(A), req(A), req(A)]
-    assert hits_per_request(sim.FrequencyOraclePolicy, 1, trace) == [0, 0, 0, 0, 1, 1, 1]
-    assert hits_per_request(sim.BeladyPolicy, 1, trace) == [0, 0, 1, 1, 0, 1, 1]
+    assert hits_per_request(pol.FrequencyOraclePolicy, 1, trace) == [0, 0, 0, 0, 1, 1, 1]
+    assert hits_per_request(pol.BeladyPolicy, 1, trace) == [0, 0, 1, 1, 0, 1, 1]
 
 
 def test_capacities_resolve_fractions_and_absolute_numbers() -> None:
@@ -255,7 +257,7 @@ def test_store_and_belady_never_keep_a_child_without_its_parent(
     choices: list[list[int]], capacity: int
 ) -> None:
     trace, parent = tree_trace(choices)
-    policies = [sim.StorePolicy(capacity, trace), sim.BeladyPolicy(capacity, trace),
+    policies = [sim.StorePolicy(capacity, trace), pol.BeladyPolicy(capacity, trace),
                 sim.StorePolicy(capacity, trace, l3_blocks=2 * capacity)]
     for n, policy in enumerate(policies):
         for r, request in enumerate(trace):
