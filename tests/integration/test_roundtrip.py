@@ -261,11 +261,15 @@ def test_lookup_reports_the_longest_cached_prefix_and_each_tier(daemon: Daemon, 
         assert result.prefix_length == 4
         assert result.tiers == ["dram"] * 4 + [None] * 2
 
-        assert kv.evict([keys[1]]).evicted == 1
+        # Evicting block 1 takes its descendants 2 and 3: they could never be reached.
+        assert kv.evict([keys[1]]).evicted == 3
         result = kv.lookup(keys)
         assert result.prefix_length == 1
-        assert result.tiers == ["dram", None, "dram", "dram", None, None]
+        assert result.tiers == ["dram", None, None, None, None, None]
 
+        # A chain may start anywhere: an engine that holds blocks 0 and 1 itself puts 2..3.
+        assert kv.put(keys[2:4], payloads(11, [1000] * 2), parent=keys[1]).stored == 2
+        assert kv.lookup(keys).tiers == ["dram", None, "dram", "dram", None, None]
         assert kv.lookup(keys[2:4]).prefix_length == 2
         assert kv.lookup([keys[1], keys[0]]).prefix_length == 0
         assert kv.lookup([]).prefix_length == 0
