@@ -80,7 +80,7 @@ class Index:
             self._pages, self._order, get=self.get, arena_of=lambda ns: self.arena_of(ns),
             pages_per_object=self.pages_per_object, insert=self._insert,
             add_copy=self._add_copy, drop_copy=self._drop,
-            remove=lambda entry, counted: self.remove_tree(entry, counted))
+            remove=self.remove_tree)
         self._usage = UsageBook()
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
         self._children = ChildCounts(self.get)
@@ -291,7 +291,9 @@ class Index:
             if held is not None:
                 skipped.add(held.blocker())
                 continue
-            evicted += self.remove_tree(entry, counted=True)
+            for node in tree:
+                self._remove(node, counted=True)
+            evicted += tree
         return evicted, skipped
 
     def remove_tree(self, entry: Entry, counted: bool) -> list[Entry]:
