@@ -9,6 +9,7 @@ client.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -22,9 +23,28 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on, chosen below the kernel's ephemeral range: a port
+    the kernel hands out itself (bind to 0) is just as likely to be handed out again, as the
+    source port of some outgoing connection, before the child process binds it."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
@@ -87,11 +107,34 @@ def wait_serving(target: str, proc: subprocess.Popen[bytes], log_path: Path | No
     raise RuntimeError(f"kvstore-server not SERVING after {timeout_s}s:\n{log()}")
 
 
+_BIND_RETRIES = 3  # a free port can be taken between free_port() and the child's bind
+
+
+def _lost_port_race(log_text: str) -> bool:
+    return "Address already in use" in log_text
+
+
 def start_daemon(workdir: Path, *settings: str, env: dict[str, str] | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> Daemon:
     """Start `kvstore-server` with `--set` settings (e.g. "dram.capacity_bytes=8MiB") and wait
     until it is SERVING (over TLS with credentials). Its output goes to a log file in
-    workdir."""
+    workdir. A port taken by another process between choosing it and binding it (an outgoing
+    connection's ephemeral port, say) is retried on fresh ports."""
+    for attempt in range(_BIND_RETRIES):
+        daemon = _launch_daemon(workdir, settings, env)
+        try:
+            wait_serving(daemon.target, daemon.proc, daemon.log_path, credentials=credentials)
+        except Exception:
+            daemon.stop()
+            if attempt + 1 < _BIND_RETRIES and _lost_port_race(daemon.log()):
+                continue
+            raise
+        return daemon
+    raise AssertionError("unreachable")
+
+
+def _launch_daemon(workdir: Path, settings: tuple[str, ...],
+                   env: dict[str, str] | None) -> Daemon:
     port, metrics_port = free_port(), free_port()
     log_path = workdir / f"kvstore-server-{port}.log"
     args = [sys.executable, "-m", "kvstore.daemon.server", "--port", str(port),
@@ -106,13 +149,7 @@ def start_daemon(workdir: Path, *settings: str, env: dict[str, str] | None = Non
     with log_path.open("w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})})
-    daemon = Daemon(proc, port, metrics_port, log_path)
-    try:
-        wait_serving(daemon.target, proc, log_path, credentials=credentials)
-    except Exception:
-        daemon.stop()
-        raise
-    return daemon
+    return Daemon(proc, port, metrics_port, log_path)
 
 
 @dataclass
@@ -164,7 +201,15 @@ def start_redis_on(workdir: Path, port: int = 0, *extra_args: str, password: str
     """Like start_redis, on a given port (0 = a free one; a fixed port lets a test restart
     Redis where its clients expect it), with `requirepass` when password is given and any
     extra redis-server arguments (e.g. "--maxmemory", "1mb"). Its log is in workdir."""
-    port = port or free_port()
+    if port == 0:
+        for attempt in range(_BIND_RETRIES):
+            try:
+                return start_redis_on(workdir, free_port(), *extra_args, password=password,
+                                      timeout_s=timeout_s)
+            except RuntimeError as e:
+                if attempt + 1 == _BIND_RETRIES or not _lost_port_race(str(e)):
+                    raise
+        raise AssertionError("unreachable")
     log_path = workdir / f"redis-{port}.log"
     args = [_redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", str(workdir), "--logfile", str(log_path)]
