@@ -8,7 +8,8 @@ store's real pure index, filled with 10k, 100k and 1M blocks (chains of 1,024), 
 
 The baseline of each figure is the same operation at the smallest size, measured in the same
 run: a ratio near 1.0x means the cost stays flat as the index grows (ratio = small / large).
-Prints house-format lines, `#` info lines, and JSON with --json PATH.
+Prints house-format lines, `#` info lines, and JSON with --json PATH; --ops times only some
+of the three (e.g. `--ops lookup_1024`, to iterate on one quickly).
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ def timed_ms(op: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(size: int, reps: int, rng: random.Random) -> dict[str, float]:
+OPS = ("lookup_1024", "put_32_evicting", "evict_lru_1024")
+
+
+def measure(size: int, reps: int, rng: random.Random,
+            ops: tuple[str, ...] = OPS) -> dict[str, float]:
     start = time.perf_counter()
     filled = Filled(size)
     build_s = time.perf_counter() - start
@@ -79,17 +84,20 @@ def measure(size: int, reps: int, rng: random.Random) -> dict[str, float]:
     def lookup() -> object:
         return index.lookup(NS, rng.choice(filled.chains))
 
-    result = {"lookup_1024": timed_ms(lookup, reps),
-              "put_32_evicting": timed_ms(lambda: filled.put_chain(32), reps),
-              "build_s": build_s}
-    # evict_in_order alone; the refill that keeps the index full between reps is not timed.
-    evict_times = []
-    for _ in range(max(3, reps // 10)):
-        t0 = time.perf_counter()
-        index.evict_in_order(Tier.DRAM, CHAIN)
-        evict_times.append((time.perf_counter() - t0) * 1e3)
-        filled.put_chain(CHAIN)
-    result["evict_lru_1024"] = statistics.median(evict_times)
+    result = {"build_s": build_s}
+    if "lookup_1024" in ops:
+        result["lookup_1024"] = timed_ms(lookup, reps)
+    if "put_32_evicting" in ops:
+        result["put_32_evicting"] = timed_ms(lambda: filled.put_chain(32), reps)
+    if "evict_lru_1024" in ops:
+        # evict_in_order alone; the refill that keeps the index full between reps is not timed.
+        evict_times = []
+        for _ in range(max(3, reps // 10)):
+            t0 = time.perf_counter()
+            index.evict_in_order(Tier.DRAM, CHAIN)
+            evict_times.append((time.perf_counter() - t0) * 1e3)
+            filled.put_chain(CHAIN)
+        result["evict_lru_1024"] = statistics.median(evict_times)
     return result
 
 
@@ -100,23 +108,25 @@ def label(size: int) -> str:
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
     rng = random.Random(1)
     sizes = [int(s) for s in args.sizes.split(",")]
+    ops = tuple(op for op in OPS if op in args.ops.split(","))
+    if not ops or set(args.ops.split(",")) - set(OPS):
+        raise SystemExit(f"--ops: a comma-separated subset of {','.join(OPS)}")
     results = {}
     for size in sizes:
-        results[size] = measure(size, args.reps, rng)
+        results[size] = measure(size, args.reps, rng, ops)
         r = results[size]
-        print(f"# {label(size)} blocks: built in {r['build_s']:.1f} s; lookup_1024 "
-              f"{r['lookup_1024']:.3f} ms, put_32_evicting {r['put_32_evicting']:.3f} ms, "
-              f"evict_lru_1024 {r['evict_lru_1024']:.3f} ms", flush=True)
+        timed = ", ".join(f"{op} {r[op]:.3f} ms" for op in ops)
+        print(f"# {label(size)} blocks: built in {r['build_s']:.1f} s; {timed}", flush=True)
     base = sizes[0]
     figures = []
     for size in sizes[1:]:
-        for op in ("lookup_1024", "put_32_evicting", "evict_lru_1024"):
+        for op in ops:
             figure = Figure(f"index_{op}_at_{label(size)}", results[size][op],
                             f"at {label(base)}", results[base][op], "ms", lower_is_better=True,
                             target=">= 0.5x" if size == sizes[-1] else "")
             print(figure.line(), flush=True)
             figures.append(figure)
-    return figures, {"sizes": sizes, "reps": args.reps, "chain": CHAIN}
+    return figures, {"sizes": sizes, "reps": args.reps, "chain": CHAIN, "ops": list(ops)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="10240,102400,1048576",
                         help="blocks in the index, comma-separated, smallest first")
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--ops", default=",".join(OPS),
+                        help=f"which to time, comma-separated (default: all, {','.join(OPS)})")
     parser.add_argument("--quick", action="store_true", help="small sizes, for the smoke test")
     parser.add_argument("--json", type=Path, metavar="PATH")
     args = parser.parse_args(argv)

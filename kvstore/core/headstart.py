@@ -16,12 +16,17 @@ Each shadow counts its hits, decayed over about DECAY_TURNOVERS turnovers of its
 capacity; the real order uses the candidate with the most recent hits. LRU is a candidate, so
 the store follows LRU wherever LRU would do better, and keeps the head start where it pays.
 
-Pure and deterministic: sampling is by a hash of the key, nothing reads a clock.
+Pure and deterministic: sampling is by a hash of the key, nothing reads a clock. A sampled
+use costs about 30 us (four shadows), too much for the request that makes it: the daemon's
+HeadStart is `deferred`, so a use only queues the sampled key (a hash and an append) and the
+mover thread runs the shadows later (`settle`), a few at a time under the index lock. The
+head start then follows the workload a fraction of a second late, which changes nothing:
+it moves over thousands of uses.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import xxhash
 
@@ -34,6 +39,9 @@ START = 8.0  # before any shadow has seen an eviction: the Mooncake-tuned value
 # sample of 1/8 of a small cache's keys cost the synthetic trace a third of its gain.
 SAMPLE_ENTRIES = 4096
 DECAY_TURNOVERS = 16.0  # hits count over about this many turnovers of a shadow
+# Deferred uses waiting for the shadows, at most; past it new ones are dropped (a sparser
+# sample for a while, nothing worse).
+MAX_PENDING = 4 * SAMPLE_ENTRIES
 _HASH_RANGE = 1 << 64
 
 
@@ -86,9 +94,10 @@ class HeadStart:
     it. `access` is called for every use of a block (a put or a read)."""
 
     def __init__(self, candidates: tuple[float, ...] = CANDIDATES,
-                 start: float = START) -> None:
+                 start: float = START, deferred: bool = False) -> None:
         """candidates: the head starts to choose from (one: a fixed head start, no
-        shadows); start: the one used first, one of them."""
+        shadows); start: the one used first, one of them; deferred: uses wait for settle()
+        instead of running the shadows at once."""
         if start not in candidates:
             raise ValueError(f"start {start} is not one of the candidates {candidates}")
         self._shadows = [_Shadow(t) for t in candidates] if len(candidates) > 1 else []
@@ -96,6 +105,8 @@ class HeadStart:
         self.turnovers = start
         self._capacity = 0  # the most entries the cache has held: its size, once full
         self._threshold = _HASH_RANGE  # sampled: hash < threshold
+        self._deferred = deferred
+        self._pending: deque[int] = deque()  # sampled key hashes not yet run (deferred)
 
     def access(self, key: BlockKey, entries: int) -> None:
         """A use of key while the cache holds `entries` entries."""
@@ -107,6 +118,25 @@ class HeadStart:
         h = xxhash.xxh3_64_intdigest(key)  # keys are digests of their namespace too
         if h >= self._threshold:
             return
+        if not self._deferred:
+            self._run(h)
+        elif len(self._pending) < MAX_PENDING:
+            self._pending.append(h)
+
+    @property
+    def pending(self) -> int:
+        """Deferred uses not yet run."""
+        return len(self._pending)
+
+    def settle(self, limit: int) -> int:
+        """Run up to `limit` deferred uses through the shadows; how many still wait."""
+        pending = self._pending
+        for _ in range(min(limit, len(pending))):
+            self._run(pending.popleft())
+        return len(pending)
+
+    def _run(self, h: int) -> None:
+        assert self._current is not None  # only sampled when there are shadows
         capacity = max(1, self._capacity * self._threshold // _HASH_RANGE)
         keep = 1.0 - 1.0 / (DECAY_TURNOVERS * capacity)
         for shadow in self._shadows:

@@ -33,6 +33,7 @@ from kvstore.core.children import ChildCounts
 from kvstore.core.ghosts import GhostFilter
 from kvstore.core.headstart import HeadStart
 from kvstore.core.holdings import Holdings
+from kvstore.core.keytable import KeyTiers
 from kvstore.core.leases import Leases
 from kvstore.core.moves import Moves, Pages
 from kvstore.core.order import EvictionOrder
@@ -69,6 +70,7 @@ class Index:
         self.arena_of: Callable[[str], str | None] = arena_of or one_arena
         self._page_size = dict(page_size_bytes)
         self._entries: dict[str, dict[BlockKey, Entry]] = {}  # namespace -> key -> entry
+        self._tiers = KeyTiers(self._entries)  # big namespaces' tiers again, for lookups
         self._num_entries = 0
         self._order = EvictionOrder(
             {t: {name: a.num_pages for name, a in pages.arenas.items()}
@@ -91,6 +93,11 @@ class Index:
     def __len__(self) -> int:
         return self._num_entries
 
+    def settle_head_start(self, limit: int) -> int:
+        """Run up to limit of the deferred uses the head start's shadows wait for
+        (kvstore.core.headstart); how many still wait."""
+        return self._order.head_start.settle(limit)
+
     @property
     def head_start(self) -> float:
         """The hot blocks' head start now, in turnovers of a tier (kvstore.core.headstart)."""
@@ -101,12 +108,7 @@ class Index:
 
     def lookup(self, namespace: str, keys: Sequence[BlockKey]) -> tuple[int, list[Tier | None]]:
         """Longest cached prefix of keys, and each key's tier (None for a miss)."""
-        get = self._entries.get(namespace, {}).get
-        tiers = [e.tier if e is not None else None for e in map(get, keys)]
-        try:
-            return tiers.index(None), tiers
-        except ValueError:
-            return len(tiers), tiers
+        return self._tiers.lookup(namespace, keys)
 
     def usage(self, tier: Tier, namespace: str | None = None) -> tuple[int, int]:
         """(objects, bytes) committed in tier, for one namespace or all."""
@@ -389,6 +391,7 @@ class Index:
     def _link(self, entry: Entry) -> None:
         """Make entry visible: the map, usage, and parent/child counts."""
         self._entries.setdefault(entry.namespace, {})[entry.key] = entry
+        self._tiers.added(entry)
         self._num_entries += 1
         for tier in entry.copies:
             self._usage.count(entry, tier, +1)
@@ -423,6 +426,7 @@ class Index:
         return False
 
     def _moved(self, entry: Entry, before: Tier) -> None:
+        self._tiers.changed(entry, before)
         parent = self._children.moved(entry, before)
         if parent is not None:
             self._order.push(parent)  # a copy of the parent may have become a leaf
@@ -430,6 +434,7 @@ class Index:
     def _remove(self, entry: Entry, counted: bool) -> None:
         bucket = self._entries[entry.namespace]
         del bucket[entry.key]
+        self._tiers.removed(entry)
         if not bucket:
             del self._entries[entry.namespace]
         self._num_entries -= 1

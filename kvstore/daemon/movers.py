@@ -19,8 +19,11 @@ log = logging.getLogger(__name__)
 
 class Mover:
     def __init__(self, tiering: Tiering, interval_s: float,
-                 on_failure: Callable[[str], None]) -> None:
+                 on_failure: Callable[[str], None],
+                 settle: Callable[[], None] = lambda: None) -> None:
+        """settle(): the index's deferred bookkeeping, run after each round of steps."""
         self._tiering = tiering
+        self._settle = settle
         self._interval_s = interval_s
         self._on_failure = on_failure
         self._stop = threading.Event()
@@ -46,6 +49,7 @@ class Mover:
             try:
                 while not self._stop.is_set() and self._tiering.step():
                     pass
+                self._settle()
             except Exception as exc:
                 self._tiering.mover_running = False
                 self.failure = f"{type(exc).__name__}: {exc}"
