@@ -184,7 +184,8 @@ class Fetched:
     payloads: list[bytes]
     """get(): each found block's bytes. get_into(): empty (the blocks are in the buffers)."""
     digests: list[int] | None = None
-    """get_into() through shared memory: checksums computed while copying."""
+    """Checksums computed while copying (get_into() through shared memory; an INLINE Get
+    that verifies); None: finish_get/finish_get_into hash the payloads or buffers."""
 
 
 def identity(frame: bytes) -> bytes:
@@ -207,15 +208,32 @@ class InlineAssembler:
     """Routes the data chunks of an INLINE Get to per-block sinks, in order.
 
     With `targets` (one writable flat uint8 array per found block), chunks are copied straight
-    into them; without, each block's pieces are kept (zero-copy) for a single join later.
+    into them; without, each block's bytes are made the moment its last piece arrives: that
+    piece copied once when the block came in one message, else its pieces joined. Either way
+    a message's buffer is let go as soon as its blocks are done, so the next message reuses
+    memory that is already mapped (and warm), not fresh pages.
+
+    With `verify`, each block's xxh3 is computed right after it is made or copied, while its
+    bytes are still in cache (hashing every block at the end reads them all back from memory),
+    and `fetched()` hands the digests to finish_get/finish_get_into.
     """
 
-    def __init__(self, header: GetHeader, targets: list[ByteArray] | None = None) -> None:
+    def __init__(
+        self, header: GetHeader, targets: list[ByteArray] | None = None, verify: bool = False
+    ) -> None:
         self.header = header
         self._sizes = header.sizes
         self._targets = targets
         self._addresses = [address(t) for t in targets] if targets is not None else []
-        self.pieces: list[list[memoryview]] = [[] for _ in header.sizes]
+        self._verify = verify
+        self._payloads: list[bytes] = []
+        """get(): the finished blocks' bytes, in order."""
+        self._digests: list[int] = []
+        """verify: the finished blocks' checksums, in order."""
+        self._pieces: list[memoryview] = []
+        """get(): the pieces of the block in progress, when it spans messages."""
+        self._hasher: Any = None
+        """get_into() with verify: the running hash of the block in progress, ditto."""
         self._block = 0
         self._pos = 0
         self._skip_empty()
@@ -226,12 +244,13 @@ class InlineAssembler:
         first: pb.GetResponse | memoryview,
         num_keys: int,
         arrays: list[ByteArray] | None,
+        verify: bool = False,
     ) -> InlineAssembler:
         """The assembler of an INLINE Get from its first message: the header checked (for
         get_into, against the buffers' sizes) and any data the header carries fed."""
         header = parse_get_header(first, num_keys, capacities(arrays))
         targets = None if arrays is None else [arrays[i] for i in header.found_index]
-        assembler = cls(header, targets)
+        assembler = cls(header, targets, verify)
         if isinstance(first, pb.GetResponse) and first.data:
             assembler.feed(memoryview(first.data))
         return assembler
@@ -239,36 +258,84 @@ class InlineAssembler:
     def _skip_empty(self) -> None:
         sizes = self._sizes
         while self._block < len(sizes) and sizes[self._block] == 0:
+            if self._targets is None:
+                self._payloads.append(b"")
+            if self._verify:
+                self._digests.append(_EMPTY_DIGEST)
             self._block += 1
+
+    def _next_block(self) -> None:
+        self._block += 1
+        self._pos = 0
+        self._skip_empty()
 
     def feed(self, chunk: memoryview) -> None:
         size = chunk.nbytes
+        if not size:
+            return
+        if self._targets is None:
+            self._keep(chunk, size)
+        else:
+            self._copy(chunk, size, self._targets)
+
+    def _keep(self, chunk: memoryview, size: int) -> None:
+        """get(): cut chunk into the blocks it carries; make each block finished here."""
+        sizes = self._sizes
         offset = 0
-        source: ByteArray | None = None
-        source_address = 0
-        if self._targets is not None and size:
-            source = np.frombuffer(chunk, dtype=np.uint8)
-            source_address = address(source)
         while offset < size:
             block = self._block
-            if block >= len(self._sizes):
+            if block >= len(sizes):
                 raise DataLoss("Get stream carried more data than the sizes it announced")
-            take = min(self._sizes[block] - self._pos, size - offset)
-            if source is None:
-                self.pieces[block].append(chunk if take == size else chunk[offset : offset + take])
+            want = sizes[block] - self._pos
+            left = size - offset
+            if left < want:  # the block goes on in the next message
+                self._pieces.append(chunk[offset:] if offset else chunk)
+                self._pos += left
+                return
+            piece = chunk if want == size else chunk[offset : offset + want]
+            if self._pieces:
+                self._pieces.append(piece)
+                payload = b"".join(self._pieces)
+                self._pieces = []
             else:
-                skew = self._addresses[block] + self._pos - source_address - offset
-                assert self._targets is not None  # source is only set with targets
-                target = self._targets[block]
-                copy_bytes(
-                    target[self._pos : self._pos + take], source[offset : offset + take], skew
-                )
+                payload = bytes(piece)
+            self._payloads.append(payload)
+            if self._verify:
+                self._digests.append(xxhash.xxh3_64_intdigest(payload))
+            offset += want
+            self._next_block()
+
+    def _copy(self, chunk: memoryview, size: int, targets: list[ByteArray]) -> None:
+        """get_into(): copy chunk into the targets of the blocks it carries."""
+        sizes = self._sizes
+        source = np.frombuffer(chunk, dtype=np.uint8)
+        source_address = address(source)
+        offset = 0
+        while offset < size:
+            block = self._block
+            if block >= len(sizes):
+                raise DataLoss("Get stream carried more data than the sizes it announced")
+            pos = self._pos
+            block_size = sizes[block]
+            take = min(block_size - pos, size - offset)
+            target = targets[block][pos : pos + take]
+            skew = self._addresses[block] + pos - source_address - offset
+            copy_bytes(target, source[offset : offset + take], skew)
             offset += take
-            self._pos += take
-            if self._pos == self._sizes[block]:
-                self._block += 1
-                self._pos = 0
-                self._skip_empty()
+            if self._verify:
+                if take == block_size:  # the whole block in this chunk
+                    self._digests.append(xxhash.xxh3_64_intdigest(target.data))
+                else:
+                    if self._hasher is None:
+                        self._hasher = xxhash.xxh3_64()
+                    self._hasher.update(target.data)
+                    if pos + take == block_size:
+                        self._digests.append(self._hasher.intdigest())
+                        self._hasher = None
+            if pos + take == block_size:
+                self._next_block()
+            else:
+                self._pos = pos + take
 
     def finish(self) -> None:
         if self._block < len(self._sizes):
@@ -276,23 +343,27 @@ class InlineAssembler:
             raise DataLoss(f"Get stream ended after {done} of {sum(self._sizes)} announced bytes")
 
     def payloads(self) -> list[bytes]:
-        """Each block's bytes (one copy per block); only without targets."""
-        return [b"".join(p) for p in self.pieces]
+        """Each block's bytes; only without targets, once the stream is complete."""
+        return self._payloads
 
     def fetched(self) -> Fetched:
-        """The whole stream, checked complete: get()'s payloads, or none for get_into()."""
+        """The whole stream, checked complete: get()'s payloads, or none for get_into(),
+        and with verify each block's checksum."""
         self.finish()
-        return Fetched(self.header, [] if self._targets is not None else self.payloads())
+        return Fetched(
+            self.header,
+            [] if self._targets is not None else self._payloads,
+            self._digests if self._verify else None,
+        )
+
+
+_EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
 
 
 def chunk_of(message: pb.GetResponse | memoryview) -> memoryview:
     if isinstance(message, memoryview):
         return message
     return memoryview(message.data)
-
-
-def verify(payload: Any, checksum: int) -> bool:
-    return bool(xxhash.xxh3_64_intdigest(payload) == checksum)
 
 
 def finish_get(
@@ -302,11 +373,14 @@ def finish_get(
     header = fetched.header
     out: list[bytes | None] = [None] * len(keys)
     bad: list[bytes] = []
+    digests = fetched.digests
     for j, i in enumerate(header.found_index):
         payload = fetched.payloads[j]
-        if verify_checksums and not verify(payload, header.checksums[j]):
-            bad.append(keys[i])
-            continue
+        if verify_checksums:
+            digest = digests[j] if digests is not None else xxhash.xxh3_64_intdigest(payload)
+            if digest != header.checksums[j]:
+                bad.append(keys[i])
+                continue
         out[i] = payload
     return out, bad
 
