@@ -17,6 +17,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2_grpc
 
+from kvstore.memory import keep_freed_buffers
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -76,6 +77,7 @@ class ClientBase(ABC):
         as this process sees it; None reads KVSTORE_UNIX_SOCKET, else the daemon's own path.
         Files are read here: a bad token or an unreadable file is InvalidArgument naming it."""
         self.namespace = check_client_args(namespace, chunk_bytes, max_message_bytes, timeout_s)
+        keep_freed_buffers()  # once per process: bulk copies into fresh buffers run at speed
         self.target = target
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
@@ -102,7 +104,7 @@ class ClientBase(ABC):
             response_deserializer=decode_get_response,
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._shm = ShmState(shared_memory, socket_path)
+        self._shm = ShmState(shared_memory, socket_path, timeout_s)
         self._closed = False
 
     @staticmethod

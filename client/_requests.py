@@ -58,11 +58,12 @@ class PutPlan:
             independent=self.independent,
         )
 
-    def commit_frame(self, reservation_id: str) -> bytes:
-        """The single PutRequest that commits a written reservation."""
-        request = pb.PutRequest(namespace=self.namespace, reservation_id=reservation_id)
-        data: bytes = request.SerializeToString()
-        return data
+    def commit_request(self, reservation_id: str, checksums: list[int]) -> pb.PutRequest:
+        """The single PutRequest that commits a written reservation, with the checksums the
+        writer computed as it wrote (one per key)."""
+        return pb.PutRequest(
+            namespace=self.namespace, reservation_id=reservation_id, checksums=checksums
+        )
 
 
 def put_plan(

@@ -15,6 +15,7 @@ import numpy as np
 import xxhash
 
 from kvstore import shm
+from kvstore.memory import prefault
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
 from ._buffers import ByteArray, address, copy_bytes
@@ -24,6 +25,10 @@ from .errors import DataLoss, FailedPrecondition
 logger = logging.getLogger("kvstore.client")
 
 Spans = list[tuple[int, int]]
+# Copies that are checksummed cut the block into pieces this large and hash each piece right
+# after copying it, while it is still in the CPU's cache: one pass over memory instead of
+# two. 256 KiB fits the L2 cache of current x86 and Arm server cores (1-2 MiB per core).
+HASH_PIECE_BYTES = 256 * 1024
 
 
 class SharedSegment:
@@ -36,6 +41,9 @@ class SharedSegment:
         self.size_bytes: int = self._view.nbytes
         self.array: ByteArray = np.frombuffer(self._view, dtype=np.uint8)
         self.address = address(self.array)
+        # Page tables populated in the background, so a fresh client's first batches do
+        # not fault every page in (kvstore.memory).
+        self.prefaulting = prefault(self.address, self.size_bytes, self.name)
 
     def spans(self, location: pb.BlockLocation, size: int, field: str) -> Spans:
         """(offset, length) pairs holding exactly `size` bytes, checked against the mapping."""
@@ -67,29 +75,30 @@ class SharedSegment:
 
     def read_into(self, spans: Spans, dst: ByteArray, *, digest: bool) -> int | None:
         """Copy the spans into dst; with digest, return the xxh3-64 of the bytes copied
-        (hashed from dst, so what is verified is what the caller got)."""
+        (hashed from dst as it is copied, so what is verified is what the caller got)."""
         arr = self.array
         skew_base = address(dst) - self.address
+        hasher = xxhash.xxh3_64() if digest else None
         pos = 0
         for offset, length in spans:
-            copy_bytes(
-                dst[pos : pos + length], arr[offset : offset + length], skew_base + pos - offset
-            )
+            _copy(dst, pos, arr, offset, length, skew_base + pos - offset, hasher)
             pos += length
-        return xxhash.xxh3_64_intdigest(dst[:pos].data) if digest else None
+        return hasher.intdigest() if hasher is not None else None
 
-    def write(self, spans: Spans, src: memoryview) -> None:
+    def write(self, spans: Spans, src: memoryview) -> int:
+        """Copy src into the spans; the xxh3-64 of what was written (hashed from the segment
+        as it is written: the writer's end-to-end checksum)."""
+        hasher = xxhash.xxh3_64()
         if not src.nbytes:
-            return
+            return hasher.intdigest()
         source = np.frombuffer(src, dtype=np.uint8)
         arr = self.array
         skew_base = self.address - address(source)
         pos = 0
         for offset, length in spans:
-            copy_bytes(
-                arr[offset : offset + length], source[pos : pos + length], skew_base + offset - pos
-            )
+            _copy(arr, offset, source, pos, length, skew_base + offset - pos, hasher)
             pos += length
+        return hasher.intdigest()
 
     def close(self) -> None:
         # Drop our exports first so the mapping can actually be unmapped. A view another
@@ -103,6 +112,20 @@ class SharedSegment:
             except BufferError:
                 logger.debug("kvstore: segment %s still in use; unmapped later", self.name)
         self._segment.close()
+
+
+def _copy(dst: ByteArray, dst_at: int, src: ByteArray, src_at: int, length: int, skew: int,
+          hasher: Any) -> None:
+    """dst[dst_at:] = src[src_at:src_at + length]; with a hasher, piece by piece, each piece
+    hashed from dst while it is in cache."""
+    if hasher is None:
+        copy_bytes(dst[dst_at : dst_at + length], src[src_at : src_at + length], skew)
+        return
+    for at in range(0, length, HASH_PIECE_BYTES):
+        n = min(HASH_PIECE_BYTES, length - at)
+        piece = dst[dst_at + at : dst_at + at + n]
+        copy_bytes(piece, src[src_at + at : src_at + at + n], skew)
+        hasher.update(piece.data)
 
 
 def attach(name: str) -> SharedSegment:
@@ -151,18 +174,18 @@ def read_shm_get(
 
 def write_reserved(
     segment: SharedSegment, resp: pb.ReserveResponse, payloads: Sequence[memoryview]
-) -> int:
-    """Write every payload whose key does not exist into its reserved extents; the count."""
+) -> list[int]:
+    """Write every payload whose key does not exist into its reserved extents; the checksum
+    of each key's payload as written (0 for a key that exists), for the commit."""
     exists, locations = resp.exists, resp.locations
     if len(exists) != len(payloads) or len(locations) != len(payloads):
         raise DataLoss(
             f"Reserve response has {len(exists)} exists flags and {len(locations)} locations "
             f"for {len(payloads)} keys"
         )
-    written = 0
+    checksums = [0] * len(payloads)
     for i, payload in enumerate(payloads):
-        if exists[i]:
-            continue
-        segment.write(segment.spans(locations[i], payload.nbytes, f"locations[{i}]"), payload)
-        written += 1
-    return written
+        if not exists[i]:
+            checksums[i] = segment.write(
+                segment.spans(locations[i], payload.nbytes, f"locations[{i}]"), payload)
+    return checksums

@@ -28,6 +28,7 @@ from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
 from ._attach import Arena, receive_arenas
 from ._buffers import ByteArray
+from ._localpath import LocalPath, NoSession
 from ._segment import SharedSegment, attach, only_header, read_shm_get, write_reserved
 from ._wire import Fetched, capacities, parse_get_header
 from .errors import DataLoss, DeadlineExceeded, FailedPrecondition, KVStoreError, Unavailable
@@ -69,9 +70,14 @@ class ShmState:
     broken falls back to inline for good (`fall_back`), unless the path is required.
     """
 
-    def __init__(self, mode: bool | None, unix_socket: str | None = None) -> None:
+    def __init__(self, mode: bool | None, unix_socket: str | None = None,
+                 timeout_s: float = 30.0) -> None:
         self.mode = mode
         self.unix_socket = unix_socket
+        self.timeout_s = timeout_s
+        # The hot verbs over the daemon's Unix socket (the blocking client's, opened with
+        # the shared memory when the daemon has a socket); None: they go over gRPC.
+        self.local: LocalPath | None = None
         self.decided = mode is False
         self.segment: SharedSegment | None = None
         # The arena path: the tenant's arenas by name, and the socket they came through
@@ -163,14 +169,39 @@ class ShmState:
             path = self._route(stats)
             if path is None:
                 self.segment = attach(stats.shm_name)
+                self._open_local(self.unix_socket or stats.unix_socket, lambda: "-")
             else:
                 reply = self._attach_reply(fetch_attach)
                 path = self._path_for(reply, path)
                 self._adopt_arenas(path, receive_arenas(path, reply.ticket))
+                assert fetch_attach is not None  # _attach_reply raised otherwise
+                self._open_local(path, lambda: fetch_attach().ticket)
         except KVStoreError as exc:
             self._refuse(exc)
             return
         self.decided = True
+
+    def _open_local(self, path: str, ticket: Callable[[], str]) -> None:
+        """Send the hot verbs over the daemon's Unix socket from now on, when it has one and
+        gives a session."""
+        if not path:
+            return
+        local = LocalPath(path, ticket, self.timeout_s)
+        try:
+            local.probe()
+        except NoSession as exc:
+            local.close()
+            logger.info("kvstore: local path off, hot verbs use gRPC: %s", exc)
+            return
+        self.local = local
+
+    def local_off(self, exc: NoSession) -> None:
+        """A local session could not be had: the hot verbs use gRPC for good."""
+        with self._lock:
+            local, self.local = self.local, None
+        if local is not None:
+            logger.info("kvstore: local path off, hot verbs use gRPC: %s", exc)
+            local.close()
 
     async def adopt_async(
         self, stats: pb.StatsResponse, fetch_attach: FetchAttachAsync | None = None
@@ -304,10 +335,11 @@ class ShmState:
 
     def write_reservation(
         self, reserved: pb.ReserveResponse, payloads: Sequence[memoryview]
-    ) -> int:
-        """Write the payloads into the extents Reserve gave; the count written."""
+    ) -> list[int]:
+        """Write the payloads into the extents Reserve gave; each payload's checksum as
+        written (0 for keys that exist), for the commit."""
         if len(reserved.exists) == len(payloads) and all(reserved.exists):
-            return 0  # nothing to write, so no memory to name
+            return [0] * len(payloads)  # nothing to write, so no memory to name
         segment = self.segment_named(reserved.arena or reserved.shm_name)
         return write_reserved(segment, reserved, payloads)
 
@@ -335,6 +367,9 @@ class ShmState:
         with self._lock:
             segment, self.segment = self.segment, None
             arenas, self.arenas = self.arenas, {}
+            local, self.local = self.local, None
+        if local is not None:
+            local.close()
         for held in [segment, *arenas.values()]:
             if held is not None:
                 held.close()

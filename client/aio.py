@@ -149,8 +149,8 @@ class AsyncKVStoreClient(ClientBase):
         committed = False
         try:
             await self._shm.ensure_arena_async(reserved.arena, self._fetch_attach)
-            self._shm.write_reservation(reserved, plan.payloads)
-            frame = plan.commit_frame(reserved.reservation_id)
+            checksums = self._shm.write_reservation(reserved, plan.payloads)
+            frame = plan.commit_request(reserved.reservation_id, checksums).SerializeToString()
             response: pb.PutResponse = await self._put(iter([frame]), timeout=self.timeout_s)
             committed = True
             return response
@@ -209,7 +209,7 @@ class AsyncKVStoreClient(ClientBase):
                 first = await stream.__anext__()
             except StopAsyncIteration:
                 raise DataLoss("Get stream ended without a header") from None
-            assembler = InlineAssembler.start(first, len(keys), arrays)
+            assembler = InlineAssembler.start(first, len(keys), arrays, self.verify_checksums)
             async for message in stream:
                 assembler.feed(chunk_of(message))
             return assembler.fetched()

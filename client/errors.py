@@ -132,3 +132,12 @@ def from_rpc_error(e: grpc.RpcError) -> KVStoreError:
         details = f"{code.name.lower()}: {e!s}" if str(e) else code.name
     cls = _BY_CODE.get(code, KVStoreError)
     return cls(str(details), code)
+
+
+_BY_VALUE: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status(value: int, details: str) -> KVStoreError:
+    """The KVStoreError for a status code given as its number (the local path's replies)."""
+    code = _BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(code, KVStoreError)(details or code.name, code)

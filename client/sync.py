@@ -25,6 +25,7 @@ from . import _requests as rq
 from . import results as res
 from ._base import ClientBase
 from ._buffers import ByteArray
+from ._localpath import COMMIT, GET, LOOKUP, RELEASE, RESERVE, NoSession
 from ._segment import SharedSegment, only_header
 from ._wire import (
     HEALTH_SERVICE,
@@ -88,6 +89,27 @@ class KVStoreClient(ClientBase):
     def _segment(self) -> SharedSegment | None:
         return self._shm.segment_for(self._fetch_stats, self._fetch_attach)
 
+    def _hot(self, verb: int, request: Any, response_type: type[M],
+             over_grpc: Callable[[], M]) -> M:
+        """A hot verb over the local path when it is open, else (or once it cannot be had)
+        over gRPC; not retried here (the caller's _rpc retries the whole step)."""
+        local = self._shm.local
+        if local is not None:
+            try:
+                return local.call(verb, request, response_type)
+            except NoSession as exc:
+                self._shm.local_off(exc)
+        return over_grpc()
+
+    def _release_lease(self, lease_id: str) -> None:
+        """End a Get's lease without waiting for the answer when the local path is open (the
+        answer is read before the session's next one); else a Release call."""
+        local = self._shm.local
+        if local is not None:
+            local.post(RELEASE, pb.ReleaseRequest(ids=[lease_id]))
+        else:
+            self._release_quietly([lease_id])
+
     def _fetch_stats(self) -> pb.StatsResponse:
         request = self._stats_request()
         response: pb.StatsResponse = self._rpc(
@@ -145,15 +167,16 @@ class KVStoreClient(ClientBase):
         return res.put_result(response)
 
     def _put_shm(self, plan: rq.PutPlan) -> pb.PutResponse:
-        reserved: pb.ReserveResponse = self._stub.Reserve(
-            plan.reserve_request(), timeout=self.timeout_s
-        )
+        request = plan.reserve_request()
+        reserved = self._hot(RESERVE, request, pb.ReserveResponse,
+                             lambda: self._stub.Reserve(request, timeout=self.timeout_s))
         committed = False
         try:
             self._shm.ensure_arena(reserved.arena, self._fetch_attach)
-            self._shm.write_reservation(reserved, plan.payloads)
-            frame = plan.commit_frame(reserved.reservation_id)
-            response: pb.PutResponse = self._put(iter([frame]), timeout=self.timeout_s)
+            checksums = self._shm.write_reservation(reserved, plan.payloads)
+            commit = plan.commit_request(reserved.reservation_id, checksums)
+            response = self._hot(COMMIT, commit, pb.PutResponse, lambda: self._put(
+                iter([commit.SerializeToString()]), timeout=self.timeout_s))
             committed = True
             return response
         finally:
@@ -193,15 +216,15 @@ class KVStoreClient(ClientBase):
         return self._rpc(lambda: self._get_inline(keys, arrays))
 
     def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
-        response = only_header(
-            list(self._get(self._get_request(keys, True), timeout=self.timeout_s))
-        )
+        request = self._get_request(keys, True)
+        response = self._hot(GET, request, pb.GetResponse, lambda: only_header(
+            list(self._get(request, timeout=self.timeout_s))))
         try:
             self._shm.ensure_arena(response.arena, self._fetch_attach)
             return self._shm.read_get(response, len(keys), arrays, self.verify_checksums)
         finally:
             if response.lease_id:
-                self._release_quietly([response.lease_id])
+                self._release_lease(response.lease_id)
 
     def _get_inline(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
         call = self._get(self._get_request(keys, False), timeout=self.timeout_s)
@@ -210,7 +233,7 @@ class KVStoreClient(ClientBase):
             first = next(stream, None)
             if first is None:
                 raise DataLoss("Get stream ended without a header")
-            assembler = InlineAssembler.start(first, len(keys), arrays)
+            assembler = InlineAssembler.start(first, len(keys), arrays, self.verify_checksums)
             for message in stream:
                 assembler.feed(chunk_of(message))
             return assembler.fetched()
@@ -226,9 +249,10 @@ class KVStoreClient(ClientBase):
         if not key_list:
             return res.LookupResult(prefix_length=0, tiers=[])
         request = pb.LookupRequest(namespace=self.namespace, keys=key_list)
-        response: pb.LookupResponse = self._rpc(
-            lambda: self._stub.Lookup(request, timeout=self.timeout_s)
-        )
+        # Over the local path once a data call has opened it (with the shared memory).
+        response: pb.LookupResponse = self._rpc(lambda: self._hot(
+            LOOKUP, request, pb.LookupResponse,
+            lambda: self._stub.Lookup(request, timeout=self.timeout_s)))
         return res.lookup_result(response)
 
     def prefetch(

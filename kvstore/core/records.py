@@ -122,6 +122,11 @@ class StorePlan:
     def size_bytes(self) -> int:
         return sum(block.size_bytes for block in self.blocks)
 
+    @property
+    def num_keys(self) -> int:
+        """Keys of the request the plan was made for: its blocks and the existing ones."""
+        return len(self.blocks) + len(self.existing)
+
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:

@@ -70,16 +70,22 @@ class Tickets:
 
 
 ArenaFds = Callable[[str], list[tuple[str, int, int]]]  # tenant -> (name, fd, size) each
+# A `HOT <ticket>` handshake: True when the local path took the connection over.
+OpenSession = Callable[[socket.socket, str], bool]
 
 
 class AttachSocket:
-    """The daemon's Unix socket: tickets in, arena descriptors out. One thread accepts;
-    each exchange runs on a short-lived thread of its own, at most MAX_EXCHANGES at once."""
+    """The daemon's Unix socket: tickets in, arena descriptors out (arena_fds None: auth off,
+    no arenas to hand out), and `HOT` handshakes handed to the local path
+    (kvstore.daemon.localpath). One thread accepts; each exchange runs on a short-lived
+    thread of its own, at most MAX_EXCHANGES at once."""
 
-    def __init__(self, path: str, tickets: Tickets, arena_fds: ArenaFds) -> None:
+    def __init__(self, path: str, tickets: Tickets, arena_fds: ArenaFds | None,
+                 open_session: OpenSession | None = None) -> None:
         self.path = path
         self._tickets = tickets
         self._arena_fds = arena_fds
+        self._open_session = open_session
         self._slots = threading.BoundedSemaphore(MAX_EXCHANGES)
         self._sock = _listen(path)
         self._stop = threading.Event()
@@ -115,9 +121,19 @@ class AttachSocket:
 
     def _exchange(self, conn: socket.socket) -> None:
         try:
+            conn.settimeout(EXCHANGE_TIMEOUT_S)
+            ticket = _read_line(conn)
+            verb, _, rest = ticket.partition(" ")
+            if verb == "HOT" and self._open_session is not None:
+                if self._open_session(conn, rest.strip()):
+                    return  # the session owns conn now
+                conn.close()
+                return
             with conn:
-                conn.settimeout(EXCHANGE_TIMEOUT_S)
-                ticket = _read_line(conn)
+                if self._arena_fds is None:
+                    _send(conn, {"error": "auth.mode is off: attach the named segment "
+                                          "(StatsResponse.shm_name) instead"}, [])
+                    return
                 tenant = self._tickets.redeem(ticket) if ticket else None
                 if tenant is None:
                     _send(conn, {"error": "unknown, used or expired ticket (call Attach "
@@ -132,6 +148,7 @@ class AttachSocket:
                       [fd for _, fd, _ in arenas])
                 log.debug("attach: gave tenant %r %d arenas", tenant, len(arenas))
         except OSError as exc:
+            conn.close()
             log.info("attach socket: an exchange failed: %s", exc)
         finally:
             self._slots.release()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
@@ -289,6 +289,17 @@ class Metrics:
             labelnames=("method",),
             registry=self.registry,
         )
+        self._local_requests = Counter(
+            "kvstore_local_requests",
+            "Requests served on local sessions (the hot verbs on the Unix socket, "
+            "kvstore.daemon.localpath), by method; also counted in kvstore_rpc_latency_seconds.",
+            labelnames=("method",),
+            registry=self.registry,
+        )
+        self.local_sessions = Gauge(
+            "kvstore_local_sessions", "Local sessions open on the Unix socket.",
+            registry=self.registry,
+        )
         self.registry.register(_TierCollector(stats_fn))
         if loads_coalesced_fn is not None:
             self.registry.register(_CountCollector(
@@ -307,6 +318,11 @@ class Metrics:
     def observe_rpc(self, method: str, code: str, latency_s: float) -> None:
         """Record one finished RPC, e.g. observe_rpc("Get", "OK", 0.0003)."""
         self._rpc_latency.labels(method=method, code=code).observe(latency_s)
+
+    def observe_local(self, method: str, code: str, latency_s: float) -> None:
+        """Record one request of a local session (as an RPC, and as a local one)."""
+        self.observe_rpc(method, code, latency_s)
+        self._local_requests.labels(method=method).inc()
 
     def observe_stream(self, method: str, longest_wait_s: float, aborted_idle: bool) -> None:
         """Record one finished streaming call: its longest wait on its client, and whether

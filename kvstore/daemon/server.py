@@ -8,7 +8,6 @@ thread-safe (one lock). The servicer itself is kvstore/daemon/servicer.py.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import signal
 import sys
@@ -29,6 +28,7 @@ from kvstore.daemon.methods import SERVICE_NAME, handlers
 from kvstore.daemon.metrics import Metrics, store_metrics
 from kvstore.daemon.servicer import KVStoreServicer
 from kvstore.daemon.store import Store
+from kvstore.memory import keep_freed_buffers
 
 log = logging.getLogger("kvstore.daemon.server")
 
@@ -172,6 +172,7 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
         reaper_stop.set()
         if attach is not None:
             attach.close()
+            servicer.local.close()
         sweeper.join()
         reaper.join()
         pool.shutdown()
@@ -180,15 +181,18 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
 
 def _attach_socket(config: Config, store: Store,
                    servicer: KVStoreServicer) -> AttachSocket | None:
-    """The Unix socket that hands tenants their arenas (auth on, L2 on, a path set)."""
+    """The Unix socket (a path set, L2 on): it hands tenants their arenas (auth on) and
+    serves co-located clients' local sessions (kvstore.daemon.localpath)."""
     path = config.server.unix_socket
     if not path:
         return None
-    if not store.auth.on or store.dram is None:
-        log.warning("server.unix_socket is unused: it serves tenants' arenas (auth on, L2 "
-                    "on); with auth off clients attach the named segment")
+    if store.dram is None:
+        log.warning("server.unix_socket is unused: it serves shared-memory clients, and "
+                    "dram.enabled is false")
         return None
-    attach = AttachSocket(path, servicer.tickets, store.dram.arena_fds)
+    attach = AttachSocket(path, servicer.tickets,
+                          store.dram.arena_fds if store.auth.on else None,
+                          servicer.local.open)
     attach.start()
     return attach
 
@@ -206,25 +210,6 @@ def _drain(config: Config, servicer: KVStoreServicer,
     time.sleep(notice_s)
 
 
-def _keep_freed_buffers() -> None:
-    """Let glibc keep freed multi-MiB buffers instead of returning them to the OS: every
-    streamed chunk is a fresh buffer, and page-faulting it in anew ran copies at ~0.8 GB/s
-    instead of ~7 GB/s (bench/store_bench.py). The same as MALLOC_MMAP_THRESHOLD_ etc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        log.info("not glibc; allocator left as it is")
-        return
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    ok = all([
-        libc.mallopt(m_mmap_threshold, 32 << 20),  # glibc's maximum
-        libc.mallopt(m_trim_threshold, 1 << 30),
-        libc.mallopt(m_top_pad, 64 << 20),
-    ])
-    if not ok:
-        log.warning("mallopt refused a setting; large copies may run slower")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstore-server", description=__doc__)
     add_arguments(parser)
@@ -236,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _keep_freed_buffers()
+    keep_freed_buffers()
     stop = threading.Event()
     reload = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -33,8 +33,10 @@ from kvstore.daemon.attach import ATTACH_TICKET_S, Tickets
 from kvstore.daemon.auth import Caller
 from kvstore.daemon.config import config_to_dict
 from kvstore.daemon.faults import FaultLog, parsed, status_for
+from kvstore.daemon.localpath import LocalSessions
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
+from kvstore.daemon.verbs import Verbs
 from kvstore.proto.frames import data_frame
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.shm import host_id
@@ -52,16 +54,6 @@ def _tier(value: int, field: str) -> Tier | None:
         raise InvalidArgument(f"{field} {value} is not a tier") from exc
 
 
-def _locations(extents: list[list[tuple[int, int]]]) -> list[pb.BlockLocation]:
-    return [
-        pb.BlockLocation(extents=[pb.Extent(offset=o, length=n) for o, n in block])
-        for block in extents
-    ]
-
-
-MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages that long
-
-
 class KVStoreServicer:
     def __init__(self, store: Store, metrics: Metrics,
                  drain: Callable[[], None] = lambda: None) -> None:
@@ -75,7 +67,11 @@ class KVStoreServicer:
         self.slots = StreamSlots(self.config)  # streams in flight, capped
         self.faults = FaultLog()
         self.auth = store.auth
+        self.verbs = Verbs(store)
         self.tickets = Tickets()  # Attach's, redeemed on the Unix socket (kvstore.daemon.attach)
+        # The hot verbs on the Unix socket, for co-located clients (server.unix_socket).
+        self.local = LocalSessions(self.verbs, self.auth, self.tickets, metrics, self.faults,
+                                   self.draining, self.config.server.max_message_bytes)
 
     def _admit(self, request: Any, method: str) -> Any:
         """The request, parsed, if the daemon takes new calls of this method: while draining
@@ -122,34 +118,37 @@ class KVStoreServicer:
                 raise InvalidArgument("PutRequest: the stream began with data and no header")
             caller.data(first.namespace)
             if first.reservation_id:
-                if first.keys or first.sizes or first.data or first.parent_key:
-                    raise InvalidArgument(
-                        "reservation_id: a commit carries no keys, sizes, data or parent_key "
-                        "(they were given to Reserve)"
-                    )
-                result = self.store.commit_reservation(first.namespace, first.reservation_id)
-            else:
-                session = self.store.begin_put(
-                    first.namespace, first.keys, first.sizes, first.parent_key,
-                    first.independent, stream.client)
-                if first.data:
-                    self.store.write(session, memoryview(first.data))
-                for msg in map(parsed, messages):
-                    if isinstance(msg, memoryview):  # a data-only frame, not copied
-                        self.store.write(session, msg)
-                        continue
-                    header = [f.name for f, _ in msg.ListFields() if f.name != "data"]
-                    if header:
-                        raise InvalidArgument(f"{header[0]}: only the first PutRequest carries "
-                                              "a header; later ones carry data alone")
-                    self.store.write(session, memoryview(msg.data))
-                if session.received_bytes < session.total_bytes:
-                    # Short of its bytes: gRPC may end the stream of a client that cancelled
-                    # before it marks the call cancelled; give the cancel a moment to land,
-                    # so it counts as CANCELLED and not as a client fault.
-                    ended.wait(0.05)
-                result = self.store.commit(session)
-                session = None
+                if next(messages, None) is not None:
+                    raise InvalidArgument("PutRequest: a commit (reservation_id) is one "
+                                          "message; the bytes are in shared memory")
+                response = self.verbs.commit(caller, first)
+                self._ok("Put", started)
+                return response
+            if first.checksums:
+                raise InvalidArgument("checksums: only a commit (reservation_id) carries the "
+                                      "writer's checksums; inline bytes are checksummed as "
+                                      "they arrive")
+            session = self.store.begin_put(
+                first.namespace, first.keys, first.sizes, first.parent_key,
+                first.independent, stream.client)
+            if first.data:
+                self.store.write(session, memoryview(first.data))
+            for msg in map(parsed, messages):
+                if isinstance(msg, memoryview):  # a data-only frame, not copied
+                    self.store.write(session, msg)
+                    continue
+                header = [f.name for f, _ in msg.ListFields() if f.name != "data"]
+                if header:
+                    raise InvalidArgument(f"{header[0]}: only the first PutRequest carries "
+                                          "a header; later ones carry data alone")
+                self.store.write(session, memoryview(msg.data))
+            if session.received_bytes < session.total_bytes:
+                # Short of its bytes: gRPC may end the stream of a client that cancelled
+                # before it marks the call cancelled; give the cancel a moment to land,
+                # so it counts as CANCELLED and not as a client fault.
+                ended.wait(0.05)
+            result = self.store.commit(session)
+            session = None
             self._ok("Put", started)
             return pb.PutResponse(
                 stored=result.stored, existing=result.existing, evicted=result.evicted
@@ -173,18 +172,7 @@ class KVStoreServicer:
             stream = slot.enter_context(self.slots.held(context.peer(), context, caller.client))
             request = self._admit(request, "Get")
             caller.data(request.namespace)
-            shared = request.mode == pb.GET_MODE_SHARED_MEMORY
-            if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
-                raise InvalidArgument(f"mode {request.mode} is not a GetMode")
-            if shared and self.store.dram is None:
-                raise FailedPrecondition("mode SHARED_MEMORY needs the dram tier (dram.enabled)")
-            timeout_s = (request.lease_timeout_ms / 1000) if request.lease_timeout_ms else (
-                self.config.leases.lease_timeout_s)
-            if timeout_s > MAX_LEASE_S:
-                raise InvalidArgument(
-                    f"lease_timeout_ms {request.lease_timeout_ms} exceeds {MAX_LEASE_S * 1000}"
-                )
-            leased = not (shared and request.no_lease)  # inline reads lease while streaming
+            shared, timeout_s, leased = self.verbs.get_options(request)
             result = self.store.read(request.namespace, request.keys, timeout_s, leased,
                                      stream.client, inline=not shared)
         except Exception as exc:
@@ -205,21 +193,13 @@ class KVStoreServicer:
     def _get_reply(self, result: ReadResult, shared: bool, timeout_s: float, leased: bool,
                    started: float, context: grpc.ServicerContext
                    ) -> Iterator[pb.GetResponse | bytes]:
-        found = [e is not None for e in result.entries]
-        hits = [e for e in result.entries if e is not None]
-        head = pb.GetResponse(
-            found=found,
-            sizes=[e.size_bytes for e in hits],
-            checksums=[e.checksum for e in hits],
-        )
         if shared:
-            head.lease_id = result.lease_id if hits and leased else ""
-            head.shm_name, head.arena, extents = self._shared(result.extents)
-            head.locations.extend(_locations(extents))
-            head.lease_expires_in_ms = int(timeout_s * 1000)
+            head = self.verbs.shared_reply(result, timeout_s, leased)
             self._ok("Get", started)
             yield head
             return
+        head = self.verbs.header(result)
+        hits = head.sizes
         try:
             # Data messages are pre-framed bytes (kvstore.proto.frames): one copy out of
             # shared memory, none by protobuf. The header goes alone, so the client parses
@@ -239,11 +219,6 @@ class KVStoreServicer:
                 with contextlib.suppress(InvalidArgument):  # expired mid-stream: reported above
                     self.store.release([result.lease_id])
 
-    def _shared(self, extents: list[list[tuple[int, int]]]
-                ) -> tuple[str, str, list[list[tuple[int, int]]]]:
-        dram = self.store.dram
-        return dram.client_extents(extents) if dram is not None else ("", "", extents)
-
     def _unary(self, method: str, context: grpc.ServicerContext,
                fn: Callable[[Caller], Any], request: Any) -> Any:
         started = time.perf_counter()
@@ -259,11 +234,8 @@ class KVStoreServicer:
 
     def Lookup(self, request: pb.LookupRequest,
                context: grpc.ServicerContext) -> pb.LookupResponse:
-        def run(caller: Caller) -> pb.LookupResponse:
-            caller.data(request.namespace)
-            prefix, tiers = self.store.lookup(request.namespace, request.keys)
-            return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
-        return self._unary("Lookup", context, run, request)
+        return self._unary("Lookup", context,
+                           lambda caller: self.verbs.lookup(caller, request), request)
 
     def _streamed(self, method: str, context: grpc.ServicerContext,
                   progress: Callable[[Caller], Iterator[Any]], message: type[Any],
@@ -323,30 +295,13 @@ class KVStoreServicer:
 
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:
-        def run(caller: Caller) -> pb.ReserveResponse:
-            caller.data(request.namespace)
-            timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
-            if timeout_s is not None and timeout_s > MAX_LEASE_S:
-                raise InvalidArgument(
-                    f"timeout_ms {request.timeout_ms} exceeds {MAX_LEASE_S * 1000}"
-                )
-            r = self.store.reserve(request.namespace, request.keys, request.sizes,
-                                   request.parent_key, request.independent, timeout_s,
-                                   caller.client)
-            shm_name, arena, extents = self._shared(r.extents)
-            return pb.ReserveResponse(
-                reservation_id=r.reservation_id, exists=r.exists,
-                locations=_locations(extents), shm_name=shm_name, arena=arena,
-                expires_in_ms=int(r.expires_in_s * 1000),
-            )
-        return self._unary("Reserve", context, run, request)
+        return self._unary("Reserve", context,
+                           lambda caller: self.verbs.reserve(caller, request), request)
 
     def Release(self, request: pb.ReleaseRequest,
                 context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        def run(caller: Caller) -> pb.ReleaseResponse:
-            owner = caller.client if self.auth.on else None
-            return pb.ReleaseResponse(released=self.store.release(request.ids, owner))
-        return self._unary("Release", context, run, request)
+        return self._unary("Release", context,
+                           lambda caller: self.verbs.release(caller, request), request)
 
     def Evict(self, request: pb.EvictRequest,
               context: grpc.ServicerContext) -> pb.EvictResponse:
@@ -444,5 +399,5 @@ class KVStoreServicer:
                      if caller.tenant.admin or client == caller.client],
             draining=self.draining.is_set(),
             auth_mode=self.auth.mode, tenant=caller.tenant.name,
-            unix_socket=self.config.server.unix_socket if self.auth.on else "",
+            unix_socket=self.config.server.unix_socket if self.store.dram is not None else "",
         )

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from kvstore.core import checks
 from kvstore.core.errors import FailedPrecondition, InvalidArgument, StartupError
+from kvstore.core.headstart import HeadStart
 from kvstore.core.holdings import Caps, Holding
 from kvstore.core.index import Index
 from kvstore.core.pages import PageAllocator
@@ -63,6 +64,9 @@ def client_caps(config: Config) -> Caps:
                 share(c.max_pinned_share))
 
 
+SETTLE_CHUNK = 32  # deferred head-start uses per hold of the lock: about 1 ms
+
+
 class Store:
     """The daemon's data plane, independent of gRPC. Thread-safe (one lock)."""
 
@@ -91,9 +95,11 @@ class Store:
             except StartupError:
                 self._opened.close()
                 raise
+        # The head start's shadows run on the mover thread, off the requests' path.
         self.index = Index({t: PageAllocator(x.num_pages) for t, x in tiers.items()},
                            {t: x.page_size_bytes for t, x in tiers.items()},
-                           arenas=arenas or None, arena_of=self.auth.arena_of)
+                           arenas=arenas or None, arena_of=self.auth.arena_of,
+                           head_start=HeadStart(deferred=True))
         self._stats = {t: TierStats(t.label, t in tiers) for t in Tier}
         for t, tier in tiers.items():
             self._stats[t].backend = tier.backend
@@ -130,10 +136,20 @@ class Store:
 
     def start(self, on_failure: Callable[[str], None]) -> None:
         """Start the background mover and the L4 workers; on_failure(reason) if one fails."""
-        self._mover = Mover(self.tiering, self.config.movers.interval_s, on_failure)
+        self._mover = Mover(self.tiering, self.config.movers.interval_s, on_failure,
+                            self.settle_head_start)
         self._mover.start()
         if self.remote is not None:
             self.remote.start(on_failure)
+
+    def settle_head_start(self) -> None:
+        """Run the head start's deferred uses (kvstore.core.headstart), SETTLE_CHUNK at a
+        time under the lock, so no request waits long behind them."""
+        while True:
+            with self._lock:
+                if not self.index.settle_head_start(SETTLE_CHUNK):
+                    return
+            time.sleep(0)  # and the GIL: a request waiting for it runs now, not in 5 ms
 
     def close(self, l4_flush_s: float = 5.0) -> None:
         """Stop the workers and close the tiers; blocks queued for L4 get up to l4_flush_s
@@ -188,8 +204,9 @@ class Store:
         return self._writer.reserve(namespace, keys, sizes, parent, independent, timeout_s,
                                     client)
 
-    def commit_reservation(self, namespace: str, reservation_id: str) -> CommitResult:
-        return self._writer.commit_reservation(namespace, reservation_id)
+    def commit_reservation(self, namespace: str, reservation_id: str,
+                           checksums: Sequence[int] = ()) -> CommitResult:
+        return self._writer.commit_reservation(namespace, reservation_id, checksums)
 
     # --- reads -----------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 clients that write shared memory themselves, and imports of blocks fetched from L4.
 
     begin_put -> write ... -> commit | abort     inline bytes, checksummed as they arrive
-    reserve -> (client writes the pages) -> commit_reservation     checksummed at commit
+    reserve -> (client writes the pages) -> commit_reservation
+                                                  the writer's checksums, sampled (or whole)
     import_blocks                                 L4 hits into L2, not offered back to L4
 
 Every put lands in L2. When L2 is full a put waits (at most movers.put_wait_s) for the mover
@@ -32,6 +33,17 @@ from kvstore.keys import BlockKey
 from kvstore.tier import Tier, TierStats
 from kvstore.tiers.dram import DramTier
 from kvstore.units import format_size
+
+
+def commits_to_verify(blocks: int, policy: str) -> range | list[int]:
+    """Which blocks of a commit with the writer's checksums are re-read (dram.verify_commits):
+    all, none, or one at random: a writer whose checksums lie (or whose copies are broken) is
+    caught within a few commits at 1/blocks of the cost of reading everything."""
+    if policy == "all":
+        return range(blocks)
+    if policy == "none" or blocks == 0:
+        return []
+    return [secrets.randbelow(blocks)]
 
 
 class Writer:
@@ -230,8 +242,11 @@ class Writer:
             plan_id, [t is None for t in targets], [t or [] for t in targets], timeout_s
         )
 
-    def commit_reservation(self, namespace: str, reservation_id: str) -> CommitResult:
-        """Make a reservation's pages entries, checksummed as the client wrote them."""
+    def commit_reservation(self, namespace: str, reservation_id: str,
+                           checksums: Sequence[int] = ()) -> CommitResult:
+        """Make a reservation's pages entries. checksums: the writer's, one per reserved key
+        (dram.verify_commits says how many are checked against the pages); none: the pages
+        are checksummed here, as the client wrote them."""
         tier = self._slot_tier()
         with self._lock:
             plan = self._index.plan(reservation_id)
@@ -241,7 +256,21 @@ class Writer:
                     f"{namespace!r}"
                 )
             extents = [tier.extents(b.pages, b.size_bytes) for b in plan.blocks]
-        # Checksums of what the client actually wrote, read without the lock: the pages are
-        # the plan's alone, and _complete refuses the commit if the plan expired meanwhile.
-        checksums = [tier.checksum(e) for e in extents]
-        return self._complete(reservation_id, checksums, sum(b.size_bytes for b in plan.blocks))
+        # What the client actually wrote is read without the lock: the pages are the plan's
+        # alone, and _complete refuses the commit if the plan expired meanwhile.
+        if not checksums:
+            sums = [tier.checksum(e) for e in extents]
+        else:
+            if len(checksums) != plan.num_keys:
+                self.abort(reservation_id)
+                raise InvalidArgument(
+                    f"checksums: {len(checksums)} values for the {plan.num_keys} keys "
+                    f"reservation {reservation_id!r} was made for (one per key)")
+            sums = [checksums[b.index] for b in plan.blocks]
+            for j in commits_to_verify(len(plan.blocks), self._config.dram.verify_commits):
+                if tier.checksum(extents[j]) != sums[j]:
+                    self.abort(reservation_id)
+                    raise InvalidArgument(
+                        f"checksums[{plan.blocks[j].index}] does not match the bytes written "
+                        f"to reservation {reservation_id!r}; the reservation is freed")
+        return self._complete(reservation_id, sums, sum(b.size_bytes for b in plan.blocks))

@@ -596,9 +596,12 @@ def test_an_unknown_arena_reattaches_once_then_is_data_loss(fake: Any) -> None:
 
     state.adopt(daemon.Stats(None, None), fetch_attach)
     assert state.in_use and list(state.arenas) == ["tenant-a.0"]
+    # Attaches: the arenas', the local path's (this fake socket serves no local sessions, so
+    # the blocking client's hot verbs stay on gRPC), then the one re-Attach.
+    assert state.local is None and len(attaches) == 2
     daemon.move_arena()
     state.ensure_arena("tenant-a.1", fetch_attach)
-    assert list(state.arenas) == ["tenant-a.1"] and len(attaches) == 2
+    assert list(state.arenas) == ["tenant-a.1"] and len(attaches) == 3
     state.ensure_arena("tenant-a.9", fetch_attach)  # the daemon still has no such arena
     with pytest.raises(DataLoss, match="tenant-a.9"):
         state.segment_named("tenant-a.9")
@@ -638,7 +641,8 @@ def test_the_blocking_client_reads_and_writes_through_the_arena(fake: Any) -> No
         buffers = [bytearray(3000), bytearray(10)]
         assert kv.get_into(K[:2], buffers) == [3000, 10] and bytes(buffers[1]) == b"q" * 10
     methods = [m for m, _ in recorder.seen]
-    assert methods.count("Attach") == 2 and "Reserve" in methods
+    # The arenas', the local path's (refused by this fake socket: gRPC stays), a re-Attach.
+    assert methods.count("Attach") == 3 and "Reserve" in methods
 
 
 def test_the_awaited_client_reads_and_writes_through_the_arena(fake: Any) -> None:

@@ -343,7 +343,9 @@ def test_reserved_writes_and_shm_reads_follow_extents_in_order() -> None:
         exists=[False, True],
         locations=[_location((1000, 64), (64, 64)), _location()],
     )
-    assert write_reserved(segment, reserve, [memoryview(p) for p in payloads]) == 1
+    # The writer's checksum of each payload it wrote, for the commit; 0 for one that exists.
+    checksums = write_reserved(segment, reserve, [memoryview(p) for p in payloads])
+    assert checksums == [xxhash.xxh3_64_intdigest(payloads[0]), 0]
     get = _header([payloads[0]])
     get.locations.append(_location((1000, 64), (64, 64)))
     header = parse_get_header(get, 1)

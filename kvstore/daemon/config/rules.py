@@ -70,6 +70,8 @@ def _dram(cfg: Config, out: _Problems) -> None:
     out.need(not d.enabled or d.capacity_bytes >= d.page_size_bytes, "dram.capacity_bytes",
              f"must be >= dram.page_size_bytes ({format_size(d.page_size_bytes)}); use e.g. "
              "1GiB, or set dram.enabled=false")
+    out.need(d.verify_commits in ("sample", "all", "none"), "dram.verify_commits",
+             "must be sample, all or none")
     if d.shm_name:
         try:
             check_shm_name(d.shm_name)

@@ -86,6 +86,11 @@ class DramConfig:
     page_size_bytes: int = 64 * KiB  #: Allocation page; a power of two, >= 4 KiB.
     shm_name: str = ""  #: Segment name under /dev/shm; "" = "kvstore-<port>-<pid>".
     pin_memory: bool = True  #: Register the segment as CUDA pinned memory when CUDA is present.
+    #: What a commit of a reservation with the writer's checksums re-reads: sample (one
+    #: random block of each commit: a lying or broken writer is caught in a few commits),
+    #: all (every block: one more pass over the bytes) or none. A commit without checksums
+    #: is always checksummed whole.
+    verify_commits: str = "sample"
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ class BlockLocation(_message.Message):
     def __init__(self, extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "sizes", "data", "reservation_id", "parent_key", "independent")
+    __slots__ = ("namespace", "keys", "sizes", "data", "reservation_id", "parent_key", "independent", "checksums")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class PutRequest(_message.Message):
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     INDEPENDENT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -57,7 +58,8 @@ class PutRequest(_message.Message):
     reservation_id: str
     parent_key: bytes
     independent: bool
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., reservation_id: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., independent: _Optional[bool] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., reservation_id: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., independent: _Optional[bool] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "existing", "evicted")

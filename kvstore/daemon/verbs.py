@@ -1,0 +1,127 @@
+"""The hot verbs' request -> reply logic, written once for both ways in: gRPC
+(`kvstore.daemon.servicer`) and the local socket (`kvstore.daemon.localpath`).
+
+    Lookup                      longest cached prefix and each key's tier
+    Get (SHARED_MEMORY)         extents in shared memory, leased or not
+    Reserve                     pages for the client to write itself
+    Put with reservation_id     the commit of a Reserve, with the writer's checksums
+    Release                     end leases, abandon reservations
+
+Each takes the authenticated Caller and the decoded request message and returns the reply
+message, raising the daemon's errors (kvstore.core.errors); mapping them to a status is the
+transport's part (`kvstore.daemon.faults.status_for`).
+"""
+
+from __future__ import annotations
+
+from kvstore.core.errors import FailedPrecondition, InvalidArgument
+from kvstore.core.records import ReadResult
+from kvstore.daemon.auth import Caller
+from kvstore.daemon.store import Store
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+
+MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages that long
+
+Extents = list[list[tuple[int, int]]]
+
+
+def locations(extents: Extents) -> list[pb.BlockLocation]:
+    return [
+        pb.BlockLocation(extents=[pb.Extent(offset=o, length=n) for o, n in block])
+        for block in extents
+    ]
+
+
+class Verbs:
+    """The hot verbs over one store. Stateless beyond the store: thread-safe as it is."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.config = store.config
+
+    def lookup(self, caller: Caller, request: pb.LookupRequest) -> pb.LookupResponse:
+        caller.data(request.namespace)
+        prefix, tiers = self.store.lookup(request.namespace, request.keys)
+        return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
+
+    def get_options(self, request: pb.GetRequest) -> tuple[bool, float, bool]:
+        """(shared, lease timeout in s, leased) of a Get, its fields checked."""
+        if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
+            raise InvalidArgument(f"mode {request.mode} is not a GetMode")
+        shared = request.mode == pb.GET_MODE_SHARED_MEMORY
+        if shared and self.store.dram is None:
+            raise FailedPrecondition("mode SHARED_MEMORY needs the dram tier (dram.enabled)")
+        timeout_s = (request.lease_timeout_ms / 1000) if request.lease_timeout_ms else (
+            self.config.leases.lease_timeout_s)
+        if timeout_s > MAX_LEASE_S:
+            raise InvalidArgument(
+                f"lease_timeout_ms {request.lease_timeout_ms} exceeds {MAX_LEASE_S * 1000}")
+        leased = not (shared and request.no_lease)  # inline reads lease while streaming
+        return shared, timeout_s, leased
+
+    def get_shared(self, caller: Caller, request: pb.GetRequest) -> pb.GetResponse:
+        """A whole SHARED_MEMORY Get (the local socket's; gRPC streams its header itself)."""
+        caller.data(request.namespace)
+        shared, timeout_s, leased = self.get_options(request)
+        if not shared:
+            raise InvalidArgument("mode: the local socket serves SHARED_MEMORY Gets only; "
+                                  "read inline over gRPC")
+        result = self.store.read(request.namespace, request.keys, timeout_s, leased,
+                                 caller.client)
+        return self.shared_reply(result, timeout_s, leased)
+
+    def header(self, result: ReadResult) -> pb.GetResponse:
+        """The first GetResponse of either mode: found, sizes and checksums."""
+        hits = [e for e in result.entries if e is not None]
+        return pb.GetResponse(
+            found=[e is not None for e in result.entries],
+            sizes=[e.size_bytes for e in hits],
+            checksums=[e.checksum for e in hits],
+        )
+
+    def shared_reply(self, result: ReadResult, timeout_s: float,
+                     leased: bool) -> pb.GetResponse:
+        head = self.header(result)
+        head.lease_id = result.lease_id if head.sizes and leased else ""
+        head.shm_name, head.arena, extents = self.shared(result.extents)
+        head.locations.extend(locations(extents))
+        head.lease_expires_in_ms = int(timeout_s * 1000)
+        return head
+
+    def shared(self, extents: Extents) -> tuple[str, str, Extents]:
+        """(segment name, arena name, extents as the client maps them)."""
+        dram = self.store.dram
+        return dram.client_extents(extents) if dram is not None else ("", "", extents)
+
+    def reserve(self, caller: Caller, request: pb.ReserveRequest) -> pb.ReserveResponse:
+        caller.data(request.namespace)
+        timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
+        if timeout_s is not None and timeout_s > MAX_LEASE_S:
+            raise InvalidArgument(f"timeout_ms {request.timeout_ms} exceeds {MAX_LEASE_S * 1000}")
+        r = self.store.reserve(request.namespace, request.keys, request.sizes,
+                               request.parent_key, request.independent, timeout_s,
+                               caller.client)
+        shm_name, arena, extents = self.shared(r.extents)
+        return pb.ReserveResponse(
+            reservation_id=r.reservation_id, exists=r.exists, locations=locations(extents),
+            shm_name=shm_name, arena=arena, expires_in_ms=int(r.expires_in_s * 1000),
+        )
+
+    def commit(self, caller: Caller, request: pb.PutRequest) -> pb.PutResponse:
+        """A Put whose first message names a reservation: the client wrote the pages."""
+        caller.data(request.namespace)
+        if not request.reservation_id:
+            raise InvalidArgument("reservation_id: the local socket commits reservations "
+                                  "only; send bytes inline over gRPC")
+        if request.keys or request.sizes or request.data or request.parent_key:
+            raise InvalidArgument(
+                "reservation_id: a commit carries no keys, sizes, data or parent_key "
+                "(they were given to Reserve)")
+        result = self.store.commit_reservation(request.namespace, request.reservation_id,
+                                               request.checksums)
+        return pb.PutResponse(stored=result.stored, existing=result.existing,
+                              evicted=result.evicted)
+
+    def release(self, caller: Caller, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        owner = caller.client if self.store.auth.on else None
+        return pb.ReleaseResponse(released=self.store.release(request.ids, owner))
