@@ -1,11 +1,14 @@
 """The house format of every benchmark figure: one line
 `bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x`, the same as JSON, and the end of
-every bench script's main (`run_main`)."""
+every bench script's main (`run_main`); and the timing of ours against a baseline, repeat by
+repeat (`Op`, `paired`, `gbps_figure`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,3 +75,48 @@ def run_main(args: argparse.Namespace, run: Run, *, printed: bool = False) -> in
     elif args.json:  # a path; False or None: no report
         write_report(args.json, figures, setup)
     return 0
+
+
+# --- timing ours against a baseline, interleaved ---------------------------------------------
+
+
+@dataclass
+class Op:
+    """One thing to time: setup() (untimed) -> state; run(state) (timed); teardown(state)."""
+
+    run: Callable[[Any], object]
+    setup: Callable[[], Any] = lambda: None
+    teardown: Callable[[Any], object] = lambda state: None
+
+    def once(self) -> float:
+        state = self.setup()
+        start = time.perf_counter()
+        self.run(state)
+        elapsed = time.perf_counter() - start
+        self.teardown(state)
+        return elapsed
+
+
+def paired(ours: Op, base: Op, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Seconds per run of each, warmed up, alternating which goes first."""
+    for _ in range(warmup):
+        ours.once()
+        base.once()
+    ours_s: list[float] = []
+    base_s: list[float] = []
+    for i in range(repeats):
+        if i % 2:
+            base_s.append(base.once())
+            ours_s.append(ours.once())
+        else:
+            ours_s.append(ours.once())
+            base_s.append(base.once())
+    return ours_s, base_s
+
+
+def gbps_figure(name: str, batch_bytes: int, ours_s: list[float], base_name: str,
+                base_s: list[float], target: str = "") -> Figure:
+    ours = batch_bytes / statistics.median(ours_s) / 1e9
+    base = batch_bytes / statistics.median(base_s) / 1e9
+    return Figure(name, ours, base_name, base, "GB/s", target=target,
+                  extra={"batch_bytes": batch_bytes, "repeats": len(ours_s)})

@@ -43,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import redis
-from figures import Figure, percentile, run_main
+from figures import Figure, Op, gbps_figure, paired, percentile, run_main
 from grpc_floor import GrpcFloor
 
 from kvstore.client import KVStoreClient
@@ -104,48 +104,6 @@ def redis_server(workdir: Path, read_bytes: int) -> Iterator[redis.Redis]:
 
 
 # --- measuring -------------------------------------------------------------------------------
-
-
-@dataclass
-class Op:
-    """One thing to time: setup() (untimed) -> state; run(state) (timed); teardown(state)."""
-
-    run: Callable[[Any], object]
-    setup: Callable[[], Any] = lambda: None
-    teardown: Callable[[Any], object] = lambda state: None
-
-    def once(self) -> float:
-        state = self.setup()
-        start = time.perf_counter()
-        self.run(state)
-        elapsed = time.perf_counter() - start
-        self.teardown(state)
-        return elapsed
-
-
-def paired(ours: Op, base: Op, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
-    """Seconds per run of each, warmed up, alternating which goes first."""
-    for _ in range(warmup):
-        ours.once()
-        base.once()
-    ours_s: list[float] = []
-    base_s: list[float] = []
-    for i in range(repeats):
-        if i % 2:
-            base_s.append(base.once())
-            ours_s.append(ours.once())
-        else:
-            ours_s.append(ours.once())
-            base_s.append(base.once())
-    return ours_s, base_s
-
-
-def gbps_figure(name: str, batch_bytes: int, ours_s: list[float], base_name: str,
-                base_s: list[float], target: str = "") -> Figure:
-    ours = batch_bytes / statistics.median(ours_s) / 1e9
-    base = batch_bytes / statistics.median(base_s) / 1e9
-    return Figure(name, ours, base_name, base, "GB/s", target=target,
-                  extra={"batch_bytes": batch_bytes, "repeats": len(ours_s)})
 
 
 # --- data ------------------------------------------------------------------------------------

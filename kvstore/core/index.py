@@ -2,32 +2,32 @@
 
 Pure: no I/O, no clock reads (deadlines are passed in). Two-phase stores, as in vLLM's offload
 LRU manager: `prepare_store` reserves pages (evicting if it must), `complete_store` commits or
-frees them. `touch` marks entries used (moved up in the eviction order, counted as seen)
-without holding them; leases and pins, which hold them, live in `index.leases`
-(`kvstore.core.leases`), and `expire` ends the leases and plans past their deadline.
+frees them. `touch` marks entries used without holding them; leases and pins, which hold them,
+live in `index.leases`; `expire` ends leases and plans past their deadline. Lookups of big
+namespaces go through a key table (`kvstore.core.keytable`).
 
 Eviction takes the lowest-ranked *leaf* of a tier: LRU, but a hot block (used again, or put
-again soon after its eviction: `kvstore.core.ghosts`) outlives a block used once by a head
-start the workload chooses (`kvstore.core.order`, `kvstore.core.headstart`).
-An entry with a cached child (the next block of its prefix) goes only after that child, as
-in SGLang's radix cache; a copy in tier t is a leaf there when no child is cached in t or a
-faster tier, so a parent can be demoted to L3 after its child. Pinned, leased, moving and
-uncommitted entries never go, nor the cached keys of a put while it makes room. An entry
-may have copies in several tiers (`Entry.copies`); the store's tiering changes them with
-`index.moves` (`kvstore.core.moves`: `pick` or `hold` .. `done` between tiers, `discard`,
-`adopt`), which calls the bookkeeping at the end of this module for every entry inserted or
-removed and every copy added or dropped.
+again soon after its eviction: `kvstore.core.ghosts`) outlives a block used once by a head start
+the workload chooses (`kvstore.core.order`, `kvstore.core.headstart`). An entry with a cached
+child (the next block of its prefix) goes only after that child, as in SGLang's radix cache; a
+copy in tier t is a leaf there when no child is cached in t or a faster tier, so a parent can be
+demoted to L3 after its child. Pinned, leased, moving and uncommitted entries never go, nor the
+cached keys of a put while it makes room. An entry may have copies in several tiers
+(`Entry.copies`); the store's tiering changes them with `index.moves` (`kvstore.core.moves`:
+`pick` or `hold` .. `done` between tiers, `discard`, `adopt`), which calls the bookkeeping at
+the end of this module for every entry inserted or removed and every copy added or dropped.
 
 Each tier may be split into arenas, one per tenant (`kvstore.core.pages.TierPages`):
-`arena_of(namespace)` names the arena a namespace's blocks are stored in (None: no tenant
-owns it, so it cannot be stored), and the entry keeps that arena (`Entry.arena`) in every
-tier it has a copy in. Room is made within the arena only: a tenant at its arena's capacity
-evicts its own blocks, never another's. Without arenas every tier is one arena "".
+`arena_of(namespace)` names the arena a namespace's blocks are stored in (None: no tenant owns
+it, so it cannot be stored), and the entry keeps that arena (`Entry.arena`) in every tier it has
+a copy in. Room is made within the arena only: a tenant at its arena's capacity evicts its own
+blocks, never another's. Without arenas every tier is one arena "".
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import chain
 
 from kvstore.core.children import ChildCounts
 from kvstore.core.ghosts import GhostFilter
@@ -81,8 +81,7 @@ class Index:
         self.moves = Moves(  # arena_of looked up at each call: it may be replaced
             self._pages, self._order, get=self.get, arena_of=lambda ns: self.arena_of(ns),
             pages_per_object=self.pages_per_object, insert=self._insert,
-            add_copy=self._add_copy, drop_copy=self._drop,
-            remove=self.remove_tree)
+            add_copy=self._add_copy, drop_copy=self._drop, remove=self.remove_tree)
         self._usage = UsageBook()
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
         self._children = ChildCounts(self.get)
@@ -92,11 +91,6 @@ class Index:
 
     def __len__(self) -> int:
         return self._num_entries
-
-    def settle_head_start(self, limit: int) -> int:
-        """Run up to limit of the deferred uses the head start's shadows wait for
-        (kvstore.core.headstart); how many still wait."""
-        return self._order.head_start.settle(limit)
 
     @property
     def head_start(self) -> float:
@@ -453,5 +447,4 @@ class Index:
             self._order.push(parent)
 
     def _all_entries(self) -> Iterator[Entry]:
-        for bucket in self._entries.values():
-            yield from bucket.values()
+        return chain.from_iterable(bucket.values() for bucket in self._entries.values())

@@ -34,14 +34,14 @@ from kvstore.core.records import (
     Skipped,
     StoreStats,
 )
-from kvstore.core.tenants import Tenant, TenantsError, split_tier
+from kvstore.core.tenants import Tenant
 from kvstore.daemon.auth import Auth
 from kvstore.daemon.config import Config
 from kvstore.daemon.movers import Mover
 from kvstore.daemon.prefetch import PrefetchProgress, prefetch
 from kvstore.daemon.reader import Reader
 from kvstore.daemon.remote import Remote
-from kvstore.daemon.tier_setup import open_tiers
+from kvstore.daemon.tier_setup import open_tiers, split_arenas
 from kvstore.daemon.tiering import Tiering
 from kvstore.daemon.writer import Writer
 from kvstore.extents import Arena
@@ -80,7 +80,7 @@ class Store:
         self.auth = auth if auth is not None else Auth(config)
         holders = self.auth.tenants.holders() if self.auth.on else []
         d = config.dram
-        dram_arenas = _split("dram", d.capacity_bytes // d.page_size_bytes, d.page_size_bytes,
+        dram_arenas = split_arenas("dram", d.capacity_bytes // d.page_size_bytes, d.page_size_bytes,
                              holders) if holders and d.enabled else None
         self._opened = open_tiers(config, dram_arenas)
         tiers = self._opened.tiers
@@ -91,15 +91,15 @@ class Store:
             try:
                 for t, x in tiers.items():  # L2's split is the one its arenas were made by
                     arenas[t] = dram_arenas if t is Tier.DRAM and dram_arenas else \
-                        _split(t.label, x.num_pages, x.page_size_bytes, holders)
+                        split_arenas(t.label, x.num_pages, x.page_size_bytes, holders)
             except StartupError:
                 self._opened.close()
                 raise
-        # The head start's shadows run on the mover thread, off the requests' path.
+        self._head_start = HeadStart(deferred=True)  # its shadows run on the mover thread
         self.index = Index({t: PageAllocator(x.num_pages) for t, x in tiers.items()},
                            {t: x.page_size_bytes for t, x in tiers.items()},
                            arenas=arenas or None, arena_of=self.auth.arena_of,
-                           head_start=HeadStart(deferred=True))
+                           head_start=self._head_start)
         self._stats = {t: TierStats(t.label, t in tiers) for t in Tier}
         for t, tier in tiers.items():
             self._stats[t].backend = tier.backend
@@ -147,7 +147,7 @@ class Store:
         time under the lock, so no request waits long behind them."""
         while True:
             with self._lock:
-                if not self.index.settle_head_start(SETTLE_CHUNK):
+                if not self._head_start.settle(SETTLE_CHUNK):
                     return
             time.sleep(0)  # and the GIL: a request waiting for it runs now, not in 5 ms
 
@@ -445,9 +445,3 @@ class Store:
                 replace(self._prewarm) if self._prewarm else None,
             )
 
-
-def _split(tier: str, num_pages: int, page_size: int, holders: list[Tenant]) -> list[Arena]:
-    try:
-        return split_tier(tier, num_pages, page_size, holders)
-    except TenantsError as exc:
-        raise StartupError(f"auth.tenants_file: {exc}") from None

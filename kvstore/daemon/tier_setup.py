@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.core.errors import StartupError
+from kvstore.core.tenants import Tenant, TenantsError, split_tier
 from kvstore.daemon.config import Config
 from kvstore.daemon.l3room import allocated_bytes, capacity_problem, space_of
 from kvstore.daemon.manifest import Manifest
@@ -197,3 +198,13 @@ def _open_remote(config: Config, opened: OpenTiers) -> None:
                            "remote.tls_ca_file)") from exc
     opened._stack.callback(pool.close)
     opened.remote = pool
+
+
+def split_arenas(tier: str, num_pages: int, page_size: int,
+                 holders: list[Tenant]) -> list[Arena]:
+    """A tier's pages split into the tenants' arenas; a split that cannot be made stops
+    the start, naming the tenants file."""
+    try:
+        return split_tier(tier, num_pages, page_size, holders)
+    except TenantsError as exc:
+        raise StartupError(f"auth.tenants_file: {exc}") from None
