@@ -15,7 +15,8 @@ from tests.e2e.house_format import check_report, printed_figures
 
 BENCH = REPO / "bench" / "store_bench.py"
 FIGURES = {
-    f"{kind}_{size}" for kind in ("shm_get_into", "shm_put", "inline_get", "inline_put")
+    f"{kind}_{size}" for kind in ("shm_get_into", "shm_put", "inline_get", "inline_get_floor",
+                                  "shm_first_put", "inline_put")
     for size in ("256KiB", "2MiB")
 } | {"lookup_1024_p50", "lookup_1024_p99", "auth_lookup_1024_p50", "auth_shm_get_into_2MiB"}
 
@@ -32,7 +33,7 @@ def test_store_bench_quick_json() -> None:
     figures = report["figures"]
     check_report(figures, printed_figures(lines), FIGURES)
     for name in FIGURES - {"lookup_1024_p50", "lookup_1024_p99", "auth_lookup_1024_p50"}:
-        assert figures[name]["batch_bytes"] == 32 * (256 << 10 if "256KiB" in name else 2 << 20)
+        assert figures[name]["batch_bytes"] == 16 * (256 << 10 if "256KiB" in name else 2 << 20)
 
     shm_name = report["setup"]["shm_name"]
     assert shm_name.startswith("kvstore-")
