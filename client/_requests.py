@@ -119,6 +119,15 @@ def get_request(
     )
 
 
+def lookup_request(namespace: str, keys: list[bytes], block_tokens: int) -> pb.LookupRequest:
+    """block_tokens: tokens per key, counted by the daemon's prefix hit-token metrics."""
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not (
+            0 <= block_tokens <= _MAX_UINT32):
+        raise InvalidArgument(f"block_tokens must be an int >= 0 (tokens per key), "
+                              f"got {block_tokens!r}")
+    return pb.LookupRequest(namespace=namespace, keys=keys, block_tokens=block_tokens)
+
+
 def prefetch_request(
     namespace: str, keys: list[bytes], tier: str | None, deadline_s: float | None
 ) -> pb.PrefetchRequest:

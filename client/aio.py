@@ -219,12 +219,13 @@ class AsyncKVStoreClient(ClientBase):
 
     # --- control verbs --------------------------------------------------------------------
 
-    async def lookup(self, keys: Sequence[BlockKey]) -> res.LookupResult:
+    async def lookup(self, keys: Sequence[BlockKey], *,
+                     block_tokens: int = 0) -> res.LookupResult:
         """See KVStoreClient.lookup."""
         key_list = check_keys(keys)
         if not key_list:
             return res.LookupResult(prefix_length=0, tiers=[])
-        request = pb.LookupRequest(namespace=self.namespace, keys=key_list)
+        request = rq.lookup_request(self.namespace, key_list, block_tokens)
         response: pb.LookupResponse = await self._rpc(
             lambda: self._stub.Lookup(request, timeout=self.timeout_s)
         )

@@ -243,12 +243,15 @@ class KVStoreClient(ClientBase):
 
     # --- control verbs --------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey]) -> res.LookupResult:
-        """The longest cached prefix of `keys` (a chain, root first) and each key's tier."""
+    def lookup(self, keys: Sequence[BlockKey], *,
+               block_tokens: int = 0) -> res.LookupResult:
+        """The longest cached prefix of `keys` (a chain, root first) and each key's tier.
+        block_tokens: the tokens each key covers (the engine's block size), so the daemon
+        counts prefix hit tokens for its dashboards; 0 counts blocks only."""
         key_list = check_keys(keys)
         if not key_list:
             return res.LookupResult(prefix_length=0, tiers=[])
-        request = pb.LookupRequest(namespace=self.namespace, keys=key_list)
+        request = rq.lookup_request(self.namespace, key_list, block_tokens)
         # Over the local path once a data call has opened it (with the shared memory).
         response: pb.LookupResponse = self._rpc(lambda: self._hot(
             LOOKUP, request, pb.LookupResponse,

@@ -50,6 +50,7 @@ HOT_MAX_MEMBERS = 100_000  # popularity set size; past it the lowest scores are 
 # Server replies that can only come from a malformed command, i.e. a bug here: raised as they
 # are. Every other refusal (OOM, READONLY, NOPERM, WRONGTYPE, unknown command on a managed
 # Redis that disables it) is the server's state or policy and reads as "L4 unavailable".
+CENSUS_SCAN_COUNT = 10_000  # keys per SCAN round trip of census(): 1M blocks in 100 trips
 _MISUSE = ("wrong number of arguments", "syntax error")
 _Command: Any = PipelineCommand  # untyped in redis-py
 
@@ -293,6 +294,20 @@ class RedisPool:
         with self._errors("namespaces"):
             members: Any = self._conn().smembers(NAMESPACES_KEY)
         return sorted(bytes(m).decode("utf-8") for m in members)
+
+    def census(self) -> tuple[int, int, int]:
+        """(blocks, used_memory, maxmemory) of the whole pool, every daemon's blocks: a SCAN of
+        the block prefix (every primary, in cluster mode) and INFO memory, summed over nodes
+        (maxmemory 0: no limit set). O(keys) round trips of CENSUS_SCAN_COUNT: the daemon runs
+        it in the background (kvstore.daemon.remote)."""
+        with self._errors("census"):
+            client = self._conn()
+            blocks = sum(1 for _ in client.scan_iter(match=PREFIX + b"*",
+                                                     count=CENSUS_SCAN_COUNT))
+            info: Any = client.info("memory")
+        nodes = [info] if "used_memory" in info else list(info.values())
+        return (blocks, sum(int(n.get("used_memory", 0)) for n in nodes),
+                sum(int(n.get("maxmemory", 0)) for n in nodes))
 
     def close(self) -> None:
         """Drop the connections (a later call would open new ones)."""

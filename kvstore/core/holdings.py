@@ -42,6 +42,15 @@ class Caps:
     reserved_bytes: float = math.inf
     pinned_bytes: float = math.inf
 
+    @staticmethod
+    def of_shares(leases: int, reservations: int, reserved_share: float, pinned_share: float,
+                  l2_bytes: int) -> Caps:
+        """Caps with the byte caps as shares of L2's l2_bytes; a share of 1 (or no L2) is no
+        cap."""
+        def share(value: float) -> float:
+            return math.inf if value >= 1 or not l2_bytes else value * l2_bytes
+        return Caps(leases, reservations, share(reserved_share), share(pinned_share))
+
 
 @dataclass(slots=True)
 class Pin:

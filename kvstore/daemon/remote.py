@@ -12,6 +12,12 @@ tier has; fetched blocks are verified (a bad frame is a miss, deleted from Redis
 imports them into L2. Popularity: reads are counted per namespace and sent in batches every
 `remote.popularity_flush_s`, with exponential decay (`remote.popularity_half_life_s`), so
 `hot()` ranks what is in use now and a new replica pre-warms from it.
+
+Figures: the L4 row's objects, used and capacity bytes are the whole pool's (every daemon's
+blocks; Redis's used_memory and maxmemory), counted by a census thread (`RedisPool.census`) when
+Stats asks and the last count is older than CENSUS_MIN_S, and every CENSUS_EVERY_S anyway. The
+operator verbs about L4 itself (hot, pre-warm) answer UNAVAILABLE while Redis is down; the data
+path never waits on it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import TypeVar
 
 from kvstore.core.blockframe import FrameError, decode, encode
 from kvstore.core.breaker import Breaker
+from kvstore.core.errors import Unavailable
 from kvstore.core.index import Index
 from kvstore.core.records import Entry, PrewarmState
 from kvstore.daemon.config import RemoteConfig
@@ -40,6 +47,8 @@ T = TypeVar("T")
 BATCH_BLOCKS = 64  # blocks per write-through or fetch round trip
 BATCH_BYTES = 32 << 20
 IMPORT_BYTES = 8 << 20  # most bytes pre-warm stores in one internal put
+CENSUS_MIN_S = 5.0  # a Stats (or scrape) asks for a census at most this often
+CENSUS_EVERY_S = 60.0  # and one runs this often when nobody asks
 
 
 class Remote:
@@ -59,12 +68,14 @@ class Remote:
         self._queue: deque[tuple[str, BlockKey, int]] = deque()
         self._queued_bytes = 0
         self._popularity: dict[str, Counter[bytes]] = {}
+        self.queue_dropped = 0  # blocks not written through: the queue was full
         self._stop = threading.Event()
+        self._census_wanted = threading.Event()
         self._threads = [
-            threading.Thread(target=self._supervise, args=(self._write_forever,),
-                             name="l4-writer", daemon=True),
-            threading.Thread(target=self._supervise, args=(self._flush_forever,),
-                             name="l4-popularity", daemon=True),
+            threading.Thread(target=self._supervise, args=(loop,), name=name, daemon=True)
+            for loop, name in ((self._write_forever, "l4-writer"),
+                               (self._flush_forever, "l4-popularity"),
+                               (self._census_forever, "l4-census"))
         ]
         self.on_failure: Callable[[str], None] = lambda reason: None
 
@@ -82,6 +93,7 @@ class Remote:
             if self._queue:
                 log.warning("L4: %d queued blocks not written at shutdown", len(self._queue))
         self._stop.set()
+        self._census_wanted.set()
         with self._cv:
             self._cv.notify_all()
         for t in self._threads:
@@ -99,6 +111,18 @@ class Remote:
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     # --- the breaker -------------------------------------------------------------------------
+
+    def _required(self, call: Callable[[], T], what: str) -> T:
+        """call(), for a verb that is about L4 itself: Unavailable (naming what could not be
+        done and why) when the breaker is open or Redis fails now."""
+        if not self.breaker.allow():
+            raise Unavailable(f"{what}: L4 is down ({self.breaker.last_error}); the breaker "
+                              f"tries Redis again in {self.breaker.retry_in_s:.1f}s")
+        failed = object()
+        result = self._guard(call, failed)
+        if result is failed:
+            raise Unavailable(f"{what}: L4 is down ({self.breaker.last_error})")
+        return result  # type: ignore[return-value]
 
     def _guard(self, call: Callable[[], T], fallback: T) -> T:
         """call() unless the breaker is open; a Redis failure opens it and gives fallback."""
@@ -127,6 +151,7 @@ class Remote:
             for key, size in blocks:
                 if self._queued_bytes + size > self.config.queue_bytes:
                     self._count(admissions_refused=1)
+                    self.queue_dropped += 1
                     continue
                 self._queue.append((namespace, key, size))
                 self._queued_bytes += size
@@ -269,7 +294,7 @@ class Remote:
             scores = {k: float(v) for k, v in counted.items()}
             if not self._guard(partial(self._add_popularity, namespace, scores), False):
                 return  # Redis is down: these counts are lost, which only blurs the ranking
-        for namespace in self.namespaces():
+        for namespace in self._guard(self.pool.namespaces, []):
             self._guard(partial(self.pool.decay, namespace, decay_factor, every_s), False)
 
     def _add_popularity(self, namespace: str, scores: dict[bytes, float]) -> bool:
@@ -285,6 +310,7 @@ class Remote:
         store() them, until target_bytes arrived; progress after every batch, and logged."""
         ranked = sorted(((score, ns, BlockKey(key)) for ns in namespaces or self.namespaces()
                          for key, score in self.hot(ns, HOT_MAX_MEMBERS)), reverse=True)
+        # Past here Redis may go down mid-way: what arrived stays, the rest is a miss.
         progress = PrewarmState(target_bytes=target_bytes)
         for start in range(0, len(ranked), BATCH_BLOCKS):
             if progress.bytes >= target_bytes:
@@ -306,10 +332,28 @@ class Remote:
         yield progress
 
     def hot(self, namespace: str, limit: int) -> list[tuple[bytes, float]]:
-        return self._guard(lambda: self.pool.hot(namespace, limit), [])
+        return self._required(lambda: self.pool.hot(namespace, limit), "hot")
 
     def namespaces(self) -> list[str]:
-        return self._guard(self.pool.namespaces, [])
+        return self._required(self.pool.namespaces, "the namespaces of L4's popularity")
+
+    # --- census --------------------------------------------------------------------------------
+
+    def want_census(self) -> None:
+        """Ask for a fresh count of the pool (Stats does; it returns the last one)."""
+        self._census_wanted.set()
+
+    def _census_forever(self) -> None:
+        while not self._stop.is_set():
+            counted = self._guard(self.pool.census, None)
+            if counted is not None:
+                with self._stats_lock:
+                    self.stats.objects, self.stats.used_bytes, self.stats.capacity_bytes = \
+                        counted
+            self._census_wanted.clear()
+            if self._stop.wait(CENSUS_MIN_S):
+                return
+            self._census_wanted.wait(CENSUS_EVERY_S - CENSUS_MIN_S)
 
     # --- supervision ---------------------------------------------------------------------------
 

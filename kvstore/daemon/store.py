@@ -11,7 +11,6 @@ and read verbs here delegate to them.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +22,7 @@ from kvstore.core.headstart import HeadStart
 from kvstore.core.holdings import Caps, Holding
 from kvstore.core.index import Index
 from kvstore.core.pages import PageAllocator
+from kvstore.core.prefixhits import PrefixCounts, PrefixHits
 from kvstore.core.records import (
     CommitResult,
     Entry,
@@ -52,16 +52,6 @@ from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS
 from kvstore.units import format_size
 
 log = logging.getLogger(__name__)
-
-
-def client_caps(config: Config) -> Caps:
-    """The clients section as caps: shares of L2 in bytes, a share of 1 meaning no cap."""
-    c, l2 = config.clients, config.dram.capacity_bytes if config.dram.enabled else 0
-
-    def share(value: float) -> float:
-        return math.inf if value >= 1 or not l2 else value * l2
-    return Caps(c.max_leases, c.max_reservations, share(c.max_reserved_share),
-                share(c.max_pinned_share))
 
 
 SETTLE_CHUNK = 32  # deferred head-start uses per hold of the lock: about 1 ms
@@ -103,8 +93,7 @@ class Store:
         self._stats = {t: TierStats(t.label, t in tiers) for t in Tier}
         for t, tier in tiers.items():
             self._stats[t].backend = tier.backend
-        # Lookup keys inside / past the cached prefix, by tenant ("" with auth off)
-        self._lookups: dict[str, list[int]] = {}
+        self._prefix_hits = PrefixHits()  # what Lookups asked and found, by tenant
         self.tiering = Tiering(config, self.index, self._lock, tiers, self._opened.manifest,
                                self._stats)
         self._mover: Mover | None = None
@@ -115,7 +104,9 @@ class Store:
                                  self.dram, self._stats[Tier.REMOTE])
             self._stats[Tier.REMOTE].enabled = True
             self._stats[Tier.REMOTE].backend = self._opened.remote.backend
-        self.caps = client_caps(config)
+        c = config.clients  # the caps of each client, byte caps as shares of L2
+        self.caps = Caps.of_shares(c.max_leases, c.max_reservations, c.max_reserved_share,
+                                   c.max_pinned_share, d.capacity_bytes if d.enabled else 0)
         self._writer = Writer(config, self.index, self._lock, self.tiering, self._stats,
                               self._slot_tier, lambda: self.remote, clock, self.caps)
         self._reader = Reader(config, self.index, self._lock, self.tiering, self._stats,
@@ -230,13 +221,15 @@ class Store:
         the known ones are released). With owner, only that client's ids are released."""
         return self._reader.release(ids, owner)
 
-    def lookup(self, namespace: str, keys: Sequence[bytes]) -> tuple[int, list[Tier | None]]:
+    def lookup(self, namespace: str, keys: Sequence[bytes],
+               block_tokens: int = 0) -> tuple[int, list[Tier | None]]:
+        """The longest cached prefix of keys, each key's tier; counted in the prefix hits."""
         checked = self._check_keys(namespace, keys)
         remote = self.remote
         with self._lock:
             prefix, tiers = self.index.lookup(namespace, checked)
             if remote is None or prefix == len(checked):  # no L4 round trip to make
-                self._count_lookup(namespace, prefix, len(checked) - prefix)
+                self._count_lookup(namespace, len(checked), prefix, block_tokens)
                 return prefix, tiers
         misses = [i for i, t in enumerate(tiers) if t is None]
         there = remote.exists(namespace, [checked[i] for i in misses])
@@ -245,16 +238,15 @@ class Store:
                 tiers[i] = Tier.REMOTE
         prefix = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         with self._lock:
-            self._count_lookup(namespace, prefix, len(checked) - prefix)
+            self._count_lookup(namespace, len(checked), prefix, block_tokens)
         return prefix, tiers
 
-    def _count_lookup(self, namespace: str, hits: int, misses: int) -> None:
-        tenant = self.auth.arena_of(namespace) or ""
-        counts = self._lookups.get(tenant)
-        if counts is None:
-            counts = self._lookups[tenant] = [0, 0]
-        counts[0] += hits
-        counts[1] += misses
+    def _count_lookup(self, namespace: str, keys: int, prefix: int, block_tokens: int) -> None:
+        self._prefix_hits.count(self.auth.arena_of(namespace) or "", keys, prefix, block_tokens)
+
+    def prefix_hits(self) -> dict[str, PrefixCounts]:  # by tenant ("" with auth off)
+        with self._lock:
+            return self._prefix_hits.by_tenant()
 
     def prefetch(
         self, namespace: str, keys: Sequence[bytes], target: Tier | None,
@@ -383,10 +375,19 @@ class Store:
     def sweep(self) -> tuple[int, int, int]:
         """Expire leases, reservations and pins past their deadline; how many of each."""
         with self._lock:
-            now = self._clock()
-            leases, plans = self.index.expire(now)
+            leases, plans = self.index.expire(now := self._clock())
             pins = self.index.leases.expire_pins(now)
         return len(leases), len(plans), len(pins)
+
+    def arena_usage(self) -> list[tuple[str, Tier, int, int, int]]:
+        """(arena, tier, objects, used, capacity bytes) of each tenant's arena ("": auth off)."""
+        out = []
+        with self._lock:
+            for t, x in self._opened.tiers.items():
+                for a in self.index.arena_names(t):
+                    objects, used, _, pages = self.index.arena_usage(t, a)
+                    out.append((a, t, objects, used, pages * x.page_size_bytes))
+        return out
 
     def holdings(self) -> dict[str, Holding]:
         """What each client holds now (leases, reservations, pins), by client."""
@@ -426,13 +427,15 @@ class Store:
                         row.objects, row.used_bytes = self.index.usage(t, namespace)
                 if t == Tier.REMOTE and self.remote is not None:
                     row.state = self.remote.state
+                    self.remote.want_census()  # the pool's blocks: counted in the background
                 out.append(row)
             if own:
                 assert tenant is not None
                 held = self.index.holdings.of(tenant.name)
-                hits, misses = self._lookups.get(tenant.name, (0, 0))
+                hits = self._prefix_hits.of(tenant.name)
                 return StoreStats(out, "", 0, held.leases, held.reservations, held.pins,
-                                  hits, misses, None)
+                                  hits.hit_blocks, hits.miss_blocks, None)
+            total = self._prefix_hits.total()
             return StoreStats(
                 out,
                 self.dram.shm_name if self.dram else "",
@@ -440,8 +443,8 @@ class Store:
                 self.index.leases.num_leases,
                 self.index.num_plans,
                 self.index.leases.pinned_count(),
-                sum(c[0] for c in self._lookups.values()),
-                sum(c[1] for c in self._lookups.values()),
+                total.hit_blocks,
+                total.miss_blocks,
                 replace(self._prewarm) if self._prewarm else None,
             )
 

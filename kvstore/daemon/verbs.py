@@ -15,6 +15,7 @@ transport's part (`kvstore.daemon.faults.status_for`).
 from __future__ import annotations
 
 from kvstore.core.errors import FailedPrecondition, InvalidArgument
+from kvstore.core.prefixhits import MAX_BLOCK_TOKENS
 from kvstore.core.records import ReadResult
 from kvstore.daemon.auth import Caller
 from kvstore.daemon.store import Store
@@ -41,7 +42,10 @@ class Verbs:
 
     def lookup(self, caller: Caller, request: pb.LookupRequest) -> pb.LookupResponse:
         caller.data(request.namespace)
-        prefix, tiers = self.store.lookup(request.namespace, request.keys)
+        if request.block_tokens > MAX_BLOCK_TOKENS:
+            raise InvalidArgument(f"block_tokens {request.block_tokens} exceeds "
+                                  f"{MAX_BLOCK_TOKENS} (tokens per key, the engine's block size)")
+        prefix, tiers = self.store.lookup(request.namespace, request.keys, request.block_tokens)
         return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
 
     def get_options(self, request: pb.GetRequest) -> tuple[bool, float, bool]:

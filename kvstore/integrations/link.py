@@ -176,7 +176,7 @@ class StoreLink:
             while pending < len(keys) and keys[pending] in self._pending:
                 pending += 1
         try:
-            result = self.client.lookup(keys)
+            result = self.client.lookup(keys, block_tokens=self.block_size)
         except KVStoreError as exc:
             self._failed("Lookup", exc)
             return _MISS

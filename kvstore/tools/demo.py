@@ -70,7 +70,7 @@ def run_workload(kv: KVStoreClient, num_requests: int, block_bytes: int, console
         task = progress.add_task("requests", total=num_requests)
         for tokens in _workload(num_requests, rng):
             keys = prefix_keys(tokens, BLOCK_SIZE, NAMESPACE)
-            hit = kv.lookup(keys).prefix_length
+            hit = kv.lookup(keys, block_tokens=BLOCK_SIZE).prefix_length
             buffers = [np.empty(block_bytes, dtype=np.uint8) for _ in range(hit)]
             sizes = kv.get_into(keys[:hit], buffers)
             for key, size, buf in zip(keys[:hit], sizes, buffers, strict=True):

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.client import KVStoreClient
+from kvstore.client import InvalidArgument, KVStoreClient, prefix_keys
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.tools.testing import Daemon, free_port, start_daemon
@@ -122,6 +122,66 @@ def test_prometheus_metrics_count_what_the_clients_did(daemon: Daemon,
     assert delta("kvstore_rpc_latency_seconds_count", code="INVALID_ARGUMENT",
                  method="Lookup") == 1
     assert metric(after, "kvstore_metrics_stats_errors_total") == 0
+
+
+def test_prefix_hits_are_counted_in_blocks_and_tokens(daemon: Daemon,
+                                                       channel: grpc.Channel) -> None:
+    # 4 keys of 16 tokens, the first 2 stored: half the tokens are a prefix hit. A Lookup
+    # that does not say its block_tokens counts blocks only.
+    keys = prefix_keys(list(range(64)), 16, "hits")
+    before = scrape(daemon)
+    with KVStoreClient(daemon.target, "hits", shared_memory=False) as kv:
+        kv.put(keys[:2], [b"a" * 100, b"b" * 100])
+        assert kv.lookup(keys, block_tokens=16).prefix_length == 2
+        assert kv.lookup(keys[:3]).prefix_length == 2
+        with pytest.raises(InvalidArgument, match="block_tokens"):
+            kv.lookup(keys, block_tokens=-1)
+    with pytest.raises(grpc.RpcError) as info:
+        rpc.KVStoreStub(channel).Lookup(pb.LookupRequest(
+            namespace="hits", keys=keys, block_tokens=1 << 20))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "block_tokens" in (info.value.details() or "")
+    after = scrape(daemon)
+
+    def delta(name: str) -> float:
+        return metric(after, name, tenant="") - metric(before, name, tenant="")
+
+    assert delta("kvstore_lookup_blocks_total") == 4 + 3
+    assert delta("kvstore_prefix_hit_blocks_total") == 2 + 2
+    assert delta("kvstore_lookup_tokens_total") == 64
+    assert delta("kvstore_prefix_hit_tokens_total") == 32
+
+
+def test_metrics_families_follow_the_conventions(daemon: Daemon) -> None:
+    with KVStoreClient(daemon.target, "conventions", shared_memory=False) as kv:
+        kv.put([b"c" * 32], [b"v" * 1000])
+        kv.pin([b"c" * 32])
+        url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        kv.unpin([b"c" * 32])
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert not [n for n in families if n.endswith("_created")]  # no stray families
+    assert "_created" not in text
+    [build] = families["kvstore_build_info"].samples
+    assert build.name == "kvstore_build_info" and build.value == 1
+    assert set(build.labels) == {"version", "python", "grpc"} and build.labels["version"]
+    for name in ("kvstore_leases", "kvstore_reservations", "kvstore_reserved_bytes",
+                 "kvstore_pins", "kvstore_pinned_bytes", "kvstore_serving"):
+        assert families[name].type == "gauge", name
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}
+    assert samples[("kvstore_pins", ())] >= 1
+    assert samples[("kvstore_pinned_bytes", ())] >= 1000
+    assert samples[("kvstore_serving", ())] == 1
+    assert samples[("kvstore_tenant_capacity_bytes", (("tenant", ""), ("tier", "dram")))] \
+        == CAPACITY
+    assert samples[("kvstore_tenant_used_bytes", (("tenant", ""), ("tier", "dram")))] >= 1000
+    for family in families.values():  # Prometheus naming: counters end in _total, units
+        if family.type == "counter":
+            assert all(s.name.endswith("_total") for s in family.samples), family.name
+        assert family.name.startswith(("kvstore_", "process_")), family.name
+        assert not family.name.endswith(("_ms", "_kb", "_mb", "_milliseconds")), family.name
 
 
 def test_sigterm_removes_the_shared_memory_segment_and_exits_0(

@@ -138,6 +138,18 @@ def test_a_batch_of_500_in_one_pipeline(pool: RedisPool, server: RedisServer) ->
     assert raw(server).dbsize() == 0
 
 
+def test_census_counts_blocks_only_and_redis_memory(pool: RedisPool,
+                                                    server: RedisServer) -> None:
+    assert pool.census()[0] == 0
+    pool.set([(ns, k(i), b"v" * 1000) for i in range(30) for ns in ("a", "b")], ttl_s=60.0)
+    pool.add_popularity("a", {k(1): 1.0})  # popularity and meta keys are not blocks
+    raw(server).set(b"unrelated", b"x")
+    raw(server).config_set("maxmemory", str(64 << 20))
+    blocks, used, limit = pool.census()
+    assert blocks == 60
+    assert used >= 60 * 1000 and limit == 64 << 20
+
+
 def test_namespaces_are_isolated(pool: RedisPool) -> None:
     pool.set([("a", k(1), b"in a"), ("b", k(1), b"in b"), ("{a}", k(1), b"in {a}")], 60.0)
     assert pool.get([("a", k(1)), ("b", k(1)), ("{a}", k(1)), ("c", k(1))]) == [
@@ -283,6 +295,7 @@ def _every_call(pool: RedisPool) -> dict[str, object]:
         "decay": lambda: pool.decay("m", 0.5),
         "hot": lambda: pool.hot("m", 10),
         "namespaces": pool.namespaces,
+        "census": pool.census,
     }
 
 
@@ -365,6 +378,7 @@ def test_cluster_round_trip_spreads_a_namespace(cluster: RedisClusterServers) ->
             slots = {raw(cluster.ports[0]).cluster("keyslot", block_key(ns, key))
                      for _, key in keys}
             assert len(slots) > 100  # spread over slots, no hash tag
+            assert pool.census()[0] == 200  # every primary scanned
             assert pool.delete(keys) == 200
             assert _keys_per_node(cluster) == [0, 0, 0]
     finally:

@@ -12,12 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import (
     AsyncKVStoreClient,
@@ -25,6 +27,7 @@ from kvstore.client import (
     HotResult,
     KVStoreClient,
     PrewarmResult,
+    Unavailable,
 )
 from kvstore.client.results import TierStats
 from kvstore.tiers.redis_pool import block_key
@@ -72,6 +75,15 @@ def remote(kv: KVStoreClient) -> TierStats:
 def in_redis(r: redis.Redis | redis.RedisCluster, keys: Sequence[bytes], ns: str = NS) -> int:
     """How many of the blocks Redis holds (one EXISTS per key: keys span cluster slots)."""
     return sum(int(r.exists(block_key(ns, k))) for k in keys)
+
+
+def _scraped(d: Daemon, name: str) -> float:
+    """One unlabelled sample of the daemon's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics",
+                                timeout=5) as response:
+        text = response.read().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name and not s.labels)
 
 
 def raw(server: RedisServer, password: str = "") -> redis.Redis:
@@ -227,6 +239,11 @@ def test_a_redis_outage_leaves_the_local_tiers_serving_and_heals(
     found = kv.lookup([*keys1, *keys2, unknown])
     assert found.tiers == ["dram"] * 8 + [None] and found.prefix_length == 8
     assert time.monotonic() - started < 1.0  # the breaker answers, not a Redis timeout
+    # The operator verbs about L4 itself say they could not, instead of an empty answer.
+    with pytest.raises(Unavailable, match="hot: L4 is down"):
+        kv.hot()
+    with pytest.raises(Unavailable, match="L4 is down"):
+        kv.prewarm()
 
     second = start_redis_on(tmp_path, port)  # Redis back where the daemon expects it
     try:
@@ -238,6 +255,23 @@ def test_a_redis_outage_leaves_the_local_tiers_serving_and_heals(
         r2.close()
     finally:
         second.stop()
+
+
+def test_the_l4_row_counts_the_whole_pool_every_daemons_blocks(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+    r: redis.Redis,
+) -> None:
+    a = clients(daemon_factory(*l4(server.url)))
+    b = clients(daemon_factory(*l4(server.url)))
+    keys, values = blocks(5)
+    assert a.put(keys, values).stored == 5
+    wait_until(lambda: in_redis(r, keys) == 5, "the chain in Redis")
+    r.set(b"someone-elses-key", b"x")  # the same Redis may hold keys that are not blocks
+    # B wrote none of them and has read none: its L4 row still counts the pool's blocks.
+    wait_until(lambda: remote(b).objects == 5, "B's count of the pool", timeout_s=20)
+    row = remote(b)
+    assert row.used_bytes >= 5 * PAGE  # Redis's used_memory: the frames and its own
+    assert row.capacity_bytes == 0  # no maxmemory set: no limit
 
 
 def test_queue_depth_counts_the_blocks_waiting_for_redis(
@@ -275,8 +309,9 @@ def test_a_full_queue_skips_blocks_and_never_delays_a_put(
     r: redis.Redis,
 ) -> None:
     timeout_s = 2.0
-    kv = clients(daemon_factory(*l4(server.url, "remote.queue_bytes=1MiB",
-                                    f"remote.timeout_s={timeout_s}")))
+    d = daemon_factory(*l4(server.url, "remote.queue_bytes=1MiB",
+                           f"remote.timeout_s={timeout_s}"))
+    kv = clients(d)
     kv.put(*blocks(1), independent=True)  # connections made while Redis answers
     keys, values = blocks(16, 256 << 10)
     os.kill(server.proc.pid, signal.SIGSTOP)  # hung, not gone: each Redis call times out
@@ -290,6 +325,7 @@ def test_a_full_queue_skips_blocks_and_never_delays_a_put(
     assert elapsed_s < timeout_s  # no put waited for the hung Redis
     refused = remote(kv).admissions_refused
     assert 0 < refused < 16
+    assert _scraped(d, "kvstore_l4_queue_dropped_blocks_total") == refused
     # What was queued still arrives; what was skipped never does.
     wait_until(lambda: in_redis(r, keys) == 16 - refused, "the queued blocks in Redis")
     wait_until(lambda: remote(kv).state == "closed", "the breaker to close")

@@ -10,12 +10,14 @@ import json
 import mmap
 import os
 import socket
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import xxhash
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
@@ -134,3 +136,30 @@ def test_another_tenants_lease_cannot_be_released(stub: rpc.KVStoreStub) -> None
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert stub.Release(pb.ReleaseRequest(ids=[head.lease_id]),
                         metadata=md("team-b")).released == 1
+
+
+def test_metrics_count_each_tenants_hits_and_arena_apart(daemon: Daemon,
+                                                         stub: rpc.KVStoreStub) -> None:
+    put(stub, "team-a", A_NS)
+    missing = bytes(range(2, 34))
+    stub.Lookup(pb.LookupRequest(namespace=A_NS, keys=[KEY, missing], block_tokens=16),
+                metadata=md("team-a"))
+    stub.Lookup(pb.LookupRequest(namespace=B_NS, keys=[KEY]), metadata=md("team-b"))
+    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        families = list(text_string_to_metric_families(response.read().decode()))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families for s in f.samples}
+
+    def of(name: str, **labels: str) -> float:
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    assert of("kvstore_lookup_blocks_total", tenant="team-a") == 2
+    assert of("kvstore_prefix_hit_blocks_total", tenant="team-a") == 1
+    assert of("kvstore_lookup_tokens_total", tenant="team-a") == 32
+    assert of("kvstore_prefix_hit_tokens_total", tenant="team-a") == 16
+    assert of("kvstore_lookup_blocks_total", tenant="team-b") == 1
+    assert of("kvstore_prefix_hit_blocks_total", tenant="team-b") == 0  # B's KEY: not A's
+    assert of("kvstore_tenant_capacity_bytes", tenant="team-a", tier="dram") == 8 * MiB
+    assert of("kvstore_tenant_used_bytes", tenant="team-a", tier="dram") == 1200
+    assert of("kvstore_tenant_used_bytes", tenant="team-b", tier="dram") == 0

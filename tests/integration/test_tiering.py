@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from kvstore.core.errors import FailedPrecondition
+from kvstore.daemon.collectors import LOADS_COALESCED
 from kvstore.daemon.config import load_config
-from kvstore.daemon.metrics import LOADS_COALESCED, store_metrics
+from kvstore.daemon.metrics import store_metrics
 from kvstore.daemon.store import Store
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier

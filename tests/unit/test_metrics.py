@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import logging
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
 
-from kvstore.daemon.metrics import Metrics, TierStatsLike
+from kvstore.daemon.collectors import LOADS_COALESCED, CountCollector, TierCollector, TierStatsLike
+from kvstore.daemon.metrics import Metrics
+
+
+def _metrics(stats_fn: Callable[[], Sequence[TierStatsLike]],
+             coalesced_fn: Callable[[], int] | None = None) -> Metrics:
+    """Metrics over fake tier stats (and a coalesced-loads count), as watch_store wires a
+    store's."""
+    metrics = Metrics()
+    metrics.registry.register(TierCollector(stats_fn))
+    if coalesced_fn is not None:
+        metrics.registry.register(CountCollector(LOADS_COALESCED, "loads", coalesced_fn))
+    return metrics
 
 
 @dataclass(frozen=True)
@@ -48,7 +60,7 @@ def _scrape(port: int) -> str:
 def served() -> Iterator[Served]:
     # The collector reads whatever the list's last element is at scrape time.
     current: list[Sequence[TierStatsLike]] = [[_Stats("dram"), _Stats("nvme", enabled=False)]]
-    metrics = Metrics(lambda: current[-1])
+    metrics = _metrics(lambda: current[-1])
     metrics.start_http("127.0.0.1", 0)
     yield metrics, current
     metrics.stop()
@@ -118,11 +130,11 @@ def test_failing_stats_fn_is_logged_and_the_scrape_still_works(
     def broken() -> Sequence[TierStatsLike]:
         raise RuntimeError("index lock poisoned")
 
-    metrics = Metrics(broken)
+    metrics = _metrics(broken)
     port = metrics.start_http("127.0.0.1", 0)
     try:
         metrics.observe_rpc("Lookup", "OK", 0.001)
-        with caplog.at_level(logging.ERROR, logger="kvstore.daemon.metrics"):
+        with caplog.at_level(logging.ERROR, logger="kvstore.daemon.collectors"):
             text = _scrape(port)
         assert 'kvstore_rpc_latency_seconds_count{code="OK",method="Lookup"} 1.0' in text
         assert "kvstore_tier_used_bytes{" not in text
@@ -134,17 +146,17 @@ def test_failing_stats_fn_is_logged_and_the_scrape_still_works(
 
 def test_coalesced_loads_are_a_counter_read_on_each_scrape() -> None:
     coalesced = [3]
-    metrics = Metrics(lambda: [_Stats("dram")], lambda: coalesced[-1])
+    metrics = _metrics(lambda: [_Stats("dram")], lambda: coalesced[-1])
     text = metrics.render().decode()
     assert "# TYPE kvstore_loads_coalesced_total counter" in text
     assert "kvstore_loads_coalesced_total 3.0" in text
     coalesced.append(5)
     assert b"kvstore_loads_coalesced_total 5.0" in metrics.render()
-    assert b"kvstore_loads_coalesced" not in Metrics(lambda: []).render()  # not given: absent
+    assert b"kvstore_loads_coalesced" not in _metrics(lambda: []).render()  # not given: absent
 
 
 def test_registries_are_independent() -> None:
-    a, b = Metrics(lambda: [_Stats("dram")]), Metrics(lambda: [])
+    a, b = _metrics(lambda: [_Stats("dram")]), _metrics(lambda: [])
     a.observe_rpc("Get", "OK", 0.01)
     assert b'method="Get"' in a.render()
     assert b'method="Get"' not in b.render()
@@ -152,7 +164,7 @@ def test_registries_are_independent() -> None:
 
 
 def test_stop_frees_the_port_and_is_idempotent() -> None:
-    metrics = Metrics(lambda: [])
+    metrics = Metrics()
     port = metrics.start_http("127.0.0.1", 0)
     with pytest.raises(RuntimeError, match="already serving"):
         metrics.start_http("127.0.0.1", 0)

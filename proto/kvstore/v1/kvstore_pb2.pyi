@@ -108,12 +108,14 @@ class GetResponse(_message.Message):
     def __init__(self, found: _Optional[_Iterable[bool]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_in_ms: _Optional[int] = ..., arena: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "block_tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    block_tokens: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("prefix_length", "tiers")
