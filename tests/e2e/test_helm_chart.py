@@ -9,28 +9,38 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from kvstore.daemon.config import ConfigError, load_config
+from kvstore.daemon.config import ConfigError
 from kvstore.daemon.l3room import Space, capacity_problem
 from tests.e2e.helm_render import (
+    CASES,
     CHART_DIR,
+    FULLNAME,
     KUBE_VERSION,
     NAMESPACE,
+    NEXT_HASH,
     RELEASE,
     REPO,
+    TEAM_A,
+    TEAM_B,
     Rendered,
+    admin_flags,
+    ci_values,
     container,
+    daemon_config,
     mount,
     pod_spec,
     quantity_bytes,
     render,
+    secret_data,
+    tenants_of,
     volume,
+    workload,
 )
 
 try:
@@ -41,73 +51,6 @@ try:
 except ImportError as exc:  # the chart tools are in the test extra; without them, say which
     pytest.skip(f"chart tests need helm-python-sdk, kubernetes-validate and yamllint ({exc})",
                 allow_module_level=True)
-
-FULLNAME = f"{RELEASE}-kvstore"
-
-CPU_ONLY = {
-    "image": {"variant": "cpu"},
-    "hbm": {"enabled": False},
-    "nodeSelector": None,  # null drops a default map key in Helm ({} would merge)
-    "tolerations": [],
-    "dram": {"size": "2Gi"},
-    "nvme": {"size": "8Gi", "volume": {"type": "emptyDir"}},
-    "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "4Gi"}},
-}
-TEAM_A = {"name": "team-a", "tokens_sha256": [hashlib.sha256(b"token-a").hexdigest()],
-          "namespaces": ["team-a/"], "role": "client",
-          "quota": {"dram": "2GiB", "nvme": "20GiB", "pinned": "512MiB"}}
-TEAM_B = {"name": "team-b", "identities": ["spiffe://cluster/ns/b/sa/engine", "engine-b"],
-          "namespaces": ["team-b/", "shared/"], "role": "admin"}
-NEXT_HASH = hashlib.sha256(b"the next token").hexdigest()
-CASES: dict[str, dict[str, Any]] = {
-    "defaults": {},
-    "cpu": CPU_ONLY,
-    "gpu_gds": {
-        "auth": {"mode": "off"},  # hostIPC (the named /dev/shm segment) exists only without auth
-        "nvme": {"gds": {"enabled": True}},
-        "dram": {"hostIPC": True},
-        "service": {"internalTrafficPolicy": "Local"},
-        "volumePermissions": {"enabled": True},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
-    },
-    "statefulset": {
-        "kind": "StatefulSet",
-        "replicaCount": 3,
-        "nvme": {"size": "200Gi", "volume": {
-            "type": "persistentVolumeClaim",
-            "persistentVolumeClaim": {"storageClass": "local-nvme"}}},
-    },
-    "external_redis": {
-        "remote": {"enabled": True, "address": "redis.cache.svc:6380", "tls": True, "db": 2,
-                   "password": "s3cret", "prewarmSize": "4Gi"},
-    },
-    "bundled_redis": {
-        "redis": {"enabled": True},
-        "remote": {"password": "trial-pw"},
-        "networkPolicy": {"enabled": True},
-    },
-    # The NetworkPolicy plus a Redis password from an existing Secret (gRPC auth is the default).
-    "auth": {
-        "networkPolicy": {"enabled": True, "metricsFrom": [
-            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
-        "remote": {"enabled": True, "address": "redis.cache.svc:6379",
-                   "existingSecret": "redis-auth", "existingSecretPasswordKey": "password"},
-    },
-    "hostpath_statefulset_cpu": {**CPU_ONLY, "kind": "StatefulSet", "replicaCount": 2,
-                                 "nvme": {"size": "8Gi", "volume": {"type": "hostPath"}}},
-    "auth_off": {"auth": {"mode": "off"}},
-    "token_tls_tenants": {
-        "tls": {"enabled": True, "secretName": "kv-tls", "serverName": "kvstore.example"},
-        "auth": {"tenants": [TEAM_A, TEAM_B], "extraTokenHashes": [NEXT_HASH]},
-        "volumePermissions": {"enabled": True},
-    },
-    "mtls_tls": {
-        "auth": {"mode": "mtls", "tenants": [TEAM_B]},
-        "tls": {"enabled": True, "secretName": "kv-tls"},
-    },
-    "existing_secret": {"auth": {"existingSecret": "kv-tenants"}},
-}
-
 
 @pytest.fixture(scope="module")
 def chart() -> Any:
@@ -121,28 +64,14 @@ def rendered(chart: Any) -> dict[str, Rendered]:
     return {case: render(chart, values) for case, values in CASES.items()}
 
 
-def workload(r: Rendered) -> dict[str, Any]:
-    [obj] = [o for o in r.objects if o["kind"] in ("DaemonSet", "StatefulSet")
-             and o["metadata"]["name"] == FULLNAME]
-    return obj
-
-
-def daemon_config(r: Rendered, env: dict[str, str] | None = None) -> Any:
-    """The rendered config file, loaded by the daemon's own loader (raises on any bad key)."""
-    text = r.one("ConfigMap", FULLNAME)["data"]["kvstore.yaml"]
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        f.write(text)
-        f.flush()
-        return load_config(path=f.name, env=env or {})
-
-
 # --- the chart as a whole ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_lint_is_clean(case: str) -> None:
-    report = helm_python.lint(CHART_DIR, CASES[case], strict=True, namespace=NAMESPACE,
-                              kube_version=f"v{KUBE_VERSION}")
+    # As `helm lint helm/kvstore -f helm/kvstore/ci/test-values.yaml` (and chart-testing) lint it.
+    report = helm_python.lint(CHART_DIR, ci_values(CASES[case]), strict=True,
+                              namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}")
     assert report["errors"] == [] and report["messages"] == [], report
 
 
@@ -261,7 +190,7 @@ def test_defaults_are_a_gpu_daemonset(rendered: dict[str, Rendered]) -> None:
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
         in spec["tolerations"]
-    assert ctr["image"] == "ghcr.io/example/kvstore:0.1.0-cuda"
+    assert ctr["image"] == "localhost:5000/kvstore:0.1.0-cuda"  # ci/test-values.yaml's
     assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 1
     # Probes: native gRPC on the health service; the startup probe allows a long start.
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -276,8 +205,9 @@ def test_defaults_are_a_gpu_daemonset(rendered: dict[str, Rendered]) -> None:
     assert l2 <= quantity_bytes(shm["sizeLimit"]) <= limit
     assert volume(wl, "l3")["hostPath"] == {"path": "/var/lib/kvstore", "type": "DirectoryOrCreate"}
     assert not {"hostIPC", "hostNetwork"} & spec.keys()
-    # Auth is on by default, so the only init container readies the Unix socket's folder.
-    assert [c["name"] for c in spec["initContainers"]] == ["socket-dir"]
+    # Auth is on by default: one init container readies the Unix socket's folder, the other
+    # gives the L3 folder (which the kubelet creates as root) to the daemon.
+    assert [c["name"] for c in spec["initContainers"]] == ["socket-dir", "volume-permissions"]
 
 
 def test_restrictive_security_context(rendered: dict[str, Rendered]) -> None:
@@ -328,8 +258,8 @@ def test_gpu_with_gds_and_host_ipc(rendered: dict[str, Rendered]) -> None:
     assert volume(wl, "shm")["hostPath"] == {"path": "/dev/shm", "type": "Directory"}
     # The client's co-location check compares IPC namespaces: hostIPC alone makes them equal.
     assert "hostNetwork" not in spec
-    [init] = spec["initContainers"]
-    assert init["command"][:2] == ["chown", "-R"]
+    [init] = spec["initContainers"]  # auth off: no socket folder, only L3's
+    assert init["command"] == ["chown", "-R", "10001:10001", "/var/lib/kvstore/l3"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert r.one("Service", FULLNAME)["spec"]["internalTrafficPolicy"] == "Local"
     assert "privileged" in r.notes and "hostIPC" in r.notes
@@ -460,26 +390,6 @@ def test_helm_test_pod_runs_admin_health(rendered: dict[str, Rendered]) -> None:
 # --- auth: tenants, token, TLS, the Unix socket ------------------------------------------
 
 
-def _secret_data(secret: dict[str, Any], key: str) -> str:
-    if key in secret.get("stringData", {}):
-        return secret["stringData"][key]
-    return base64.b64decode(secret["data"][key]).decode()
-
-
-def _tenants(r: Rendered) -> list[dict[str, Any]]:
-    return yaml.safe_load(_secret_data(r.one("Secret", f"{FULLNAME}-tenants"), "tenants.yaml"))[
-        "tenants"]
-
-
-def _admin_flags(command: list[str]) -> dict[str, str]:
-    """--flag value pairs of a kvstore-admin command line (the verb and its flags excluded)."""
-    flags = {}
-    for i, word in enumerate(command):
-        if word.startswith("--") and i + 1 < len(command) and not command[i + 1].startswith("--"):
-            flags[word] = command[i + 1]
-    return flags
-
-
 def _mode_of(case: str) -> str:
     return str(CASES[case].get("auth", {}).get("mode", "token"))
 
@@ -491,9 +401,9 @@ def test_token_is_the_default(rendered: dict[str, Rendered]) -> None:
     r = rendered["defaults"]
     cfg = daemon_config(r)
     assert (cfg.auth.mode, cfg.auth.tenants_file) == ("token", "/etc/kvstore-auth/tenants.yaml")
-    token = _secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
+    token = secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
     assert len(token) >= 43 and token.isalnum()
-    assert _tenants(r) == [{"name": "default", "role": "admin", "namespaces": [""],
+    assert tenants_of(r) == [{"name": "default", "role": "admin", "namespaces": [""],
                             "tokens_sha256": [hashlib.sha256(token.encode()).hexdigest()]}]
     assert token not in r.one("ConfigMap")["data"]["kvstore.yaml"]
     wl = workload(r)
@@ -506,7 +416,7 @@ def test_token_is_the_default(rendered: dict[str, Rendered]) -> None:
     assert volume(wl, "token")["secret"]["secretName"] == f"{FULLNAME}-token"
     drain = ctr["lifecycle"]["preStop"]["exec"]["command"]
     assert drain[0] == "kvstore-admin" and drain[-2:] == ["drain", "--wait"]
-    assert _admin_flags(drain) == {"--target": "127.0.0.1:50051",
+    assert admin_flags(drain) == {"--target": "127.0.0.1:50051",
                                    "--token-file": "/etc/kvstore-token/token"}
     assert "checksum/tenants" in wl["spec"]["template"]["metadata"]["annotations"]
     # Health needs no credentials: the probes stay the kubelet's own gRPC probes.
@@ -526,7 +436,7 @@ def test_unix_socket_replaces_host_ipc(rendered: dict[str, Rendered]) -> None:
     assert daemon_config(r).server.unix_socket == "/run/kvstore/kvstore.sock"
     assert volume(wl, "socket")["hostPath"] == {"path": "/run/kvstore", "type": "DirectoryOrCreate"}
     assert mount(container(wl), "socket")["mountPath"] == "/run/kvstore"
-    [init] = spec["initContainers"]
+    init = spec["initContainers"][0]
     assert init["command"] == ["chown", "10001:10001", "/run/kvstore"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert mount(init, "socket")["mountPath"] == "/run/kvstore"
@@ -563,8 +473,8 @@ def test_auth_off_is_loud(rendered: dict[str, Rendered]) -> None:
     ctr = container(wl)
     assert {"tenants", "token", "socket", "tls"}.isdisjoint(
         v["name"] for v in pod_spec(wl)["volumes"])
-    assert "initContainers" not in pod_spec(wl)
-    assert _admin_flags(ctr["lifecycle"]["preStop"]["exec"]["command"]) == \
+    assert [c["name"] for c in pod_spec(wl)["initContainers"]] == ["volume-permissions"]
+    assert admin_flags(ctr["lifecycle"]["preStop"]["exec"]["command"]) == \
         {"--target": "127.0.0.1:50051"}
     assert "WARNING: auth.mode=off: the gRPC endpoint has no authentication" in r.notes
     assert "--set auth.mode=token" in r.notes and "--set networkPolicy.enabled=true" in r.notes
@@ -581,8 +491,8 @@ def test_extra_tenants_and_tls(rendered: dict[str, Rendered]) -> None:
     """auth.tenants go into tenants.yaml as they are, after tenant default (which also takes
     the rotation hashes); TLS mounts the Secret and moves the probes into the container."""
     r = rendered["token_tls_tenants"]
-    default, *rest = _tenants(r)
-    token = _secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
+    default, *rest = tenants_of(r)
+    token = secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
     assert default["tokens_sha256"] == [hashlib.sha256(token.encode()).hexdigest(), NEXT_HASH]
     assert rest == [TEAM_A, TEAM_B]
     assert default["namespaces"] == []  # "" would overlap the tenants' own prefixes
@@ -593,7 +503,7 @@ def test_extra_tenants_and_tls(rendered: dict[str, Rendered]) -> None:
     for case in rendered.values():
         if case.all("Secret") and any(
                 s["metadata"]["name"] == f"{FULLNAME}-tenants" for s in case.all("Secret")):
-            parse_tenants({"tenants": _tenants(case)})
+            parse_tenants({"tenants": tenants_of(case)})
     cfg = daemon_config(r)
     assert (cfg.server.tls_cert_file, cfg.server.tls_key_file) == \
         ("/etc/kvstore-tls/tls.crt", "/etc/kvstore-tls/tls.key")
@@ -607,16 +517,16 @@ def test_extra_tenants_and_tls(rendered: dict[str, Rendered]) -> None:
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         command = ctr[probe]["exec"]["command"]
         assert "grpc" not in ctr[probe] and command[-1] == "health", probe
-        assert _admin_flags(command) == {"--target": "127.0.0.1:50051",
+        assert admin_flags(command) == {"--target": "127.0.0.1:50051",
                                          "--timeout": str(ctr[probe]["timeoutSeconds"]),
                                          **tls_flags}, probe
-    assert _admin_flags(ctr["lifecycle"]["preStop"]["exec"]["command"]) == {
+    assert admin_flags(ctr["lifecycle"]["preStop"]["exec"]["command"]) == {
         "--target": "127.0.0.1:50051", **tls_flags, "--token-file": "/etc/kvstore-token/token"}
     # The helm test pod gets the CA and nothing else of the TLS Secret.
     test_pod = r.one("Pod")
     assert test_pod["spec"]["volumes"][-1]["secret"] == {
         "secretName": "kv-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
-    assert _admin_flags(test_pod["spec"]["containers"][0]["args"])["--tls-ca"] == \
+    assert admin_flags(test_pod["spec"]["containers"][0]["args"])["--tls-ca"] == \
         "/etc/kvstore-tls/ca.crt"
     assert "in clear" not in r.notes and "KVSTORE_TLS_CA_FILE" in r.notes
 
@@ -628,20 +538,20 @@ def test_mtls(rendered: dict[str, Rendered]) -> None:
     assert cfg.server.tls_client_ca_file == "/etc/kvstore-tls/ca.crt"
     # No token in mtls: the tenants file holds the listed tenants only, and the pod holds no
     # admin credential, so SIGTERM alone drains.
-    assert _tenants(r) == [TEAM_B]
+    assert tenants_of(r) == [TEAM_B]
     assert [s["metadata"]["name"] for s in r.all("Secret")] == [f"{FULLNAME}-tenants"]
     wl = workload(r)
     assert volume(wl, "token") is None and "lifecycle" not in container(wl)
     assert "exec" in container(wl)["livenessProbe"]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         # Every mtls handshake needs a client certificate: the probes present the daemon's.
-        flags = _admin_flags(container(wl)[probe]["exec"]["command"])
+        flags = admin_flags(container(wl)[probe]["exec"]["command"])
         assert (flags["--tls-cert"], flags["--tls-key"]) == (
             "/etc/kvstore-tls/tls.crt", "/etc/kvstore-tls/tls.key"), probe
     test_pod = r.one("Pod")  # helm test: the same pair, so its handshake succeeds too
     assert [i["key"] for i in test_pod["spec"]["volumes"][-1]["secret"]["items"]] == [
         "ca.crt", "tls.crt", "tls.key"]
-    assert _admin_flags(test_pod["spec"]["containers"][0]["args"])["--tls-cert"] == \
+    assert admin_flags(test_pod["spec"]["containers"][0]["args"])["--tls-cert"] == \
         "/etc/kvstore-tls/tls.crt"
     assert "KVSTORE_TLS_CERT_FILE" in r.notes and "no preStop drain" in r.notes
 
@@ -726,7 +636,7 @@ BAD_VALUES = {
 def test_bad_values_are_refused_with_the_fix(chart: Any, case: str) -> None:
     values, error, message = BAD_VALUES[case]
     with pytest.raises(error, match=message):
-        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+        chart.render(ci_values(values), name=RELEASE, namespace=NAMESPACE)
 
 
 def test_daemon_loader_catches_a_bad_key_in_extra_config(chart: Any) -> None:

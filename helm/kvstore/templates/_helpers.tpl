@@ -66,6 +66,28 @@ app.kubernetes.io/part-of: kvstore
 {{- end -}}
 {{- end -}}
 
+{{/* "true" while image names the placeholder no registry serves (ghcr.io/example/kvstore), else "". */}}
+{{- define "kvstore.image.isPlaceholder" -}}
+{{- $ref := printf "%s/%s" .Values.image.registry .Values.image.repository | trimPrefix "/" -}}
+{{- if eq $ref "ghcr.io/example/kvstore" }}true{{ end -}}
+{{- end -}}
+
+{{/* uid:gid the daemon container runs as (its securityContext, else the pod's, else the
+     image's 10001): who must own the L3 folder and the socket folder. */}}
+{{- define "kvstore.daemonOwner" -}}
+{{- $ctr := .Values.containerSecurityContext | default dict -}}
+{{- $pod := .Values.podSecurityContext | default dict -}}
+{{- $uid := coalesce (get $ctr "runAsUser") (get $pod "runAsUser") 10001 -}}
+{{- $gid := coalesce (get $ctr "runAsGroup") (get $pod "runAsGroup") (get $pod "fsGroup") 10001 -}}
+{{- printf "%v:%v" $uid $gid -}}
+{{- end -}}
+
+{{/* "true" when the volume-permissions init container gives the L3 folder to the daemon:
+     L3 on a hostPath (which fsGroup never reaches) and volumePermissions.enabled, else "". */}}
+{{- define "kvstore.l3.chown" -}}
+{{- if and .Values.volumePermissions.enabled .Values.nvme.enabled (eq .Values.nvme.volume.type "hostPath") }}true{{ end -}}
+{{- end -}}
+
 {{/* The bundled Redis image. */}}
 {{- define "kvstore.redis.image" -}}
 {{- $img := .Values.redis.image -}}
@@ -321,17 +343,48 @@ filesystem (10% of it, at least 1Gi): (file + manifest) x 10/9, plus 1Gi. */}}
 {{- mergeOverwrite (deepCopy $v.extraConfig) $managed | toYaml -}}
 {{- end -}}
 
+{{/* The label matchers every alerting rule adds to its series: prometheusRule.selector, or
+     the labels the chart's ServiceMonitor gives this release's targets, or none. */}}
+{{- define "kvstore.rules.selector" -}}
+{{- if .Values.prometheusRule.selector -}}
+{{- .Values.prometheusRule.selector -}}
+{{- else if and .Values.metrics.enabled .Values.metrics.serviceMonitor.enabled -}}
+{{- printf "job=%q,namespace=%q" (include "kvstore.fullname" .) .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A PromQL series selector: dict with ctx (the root), name and match (matchers, optional),
+     plus the rules' selector. */}}
+{{- define "kvstore.rules.series" -}}
+{{- $matchers := compact (list (default "" .match) (include "kvstore.rules.selector" .ctx)) -}}
+{{- printf "%s{%s}" .name (join "," $matchers) -}}
+{{- end -}}
+
 {{/*
 Fail early, with the --set that fixes it, on values the daemon or Kubernetes would reject later.
 */}}
 {{- define "kvstore.validateValues" -}}
 {{- $messages := list -}}
 {{- $v := .Values -}}
+{{- if include "kvstore.image.isPlaceholder" . -}}
+{{- $tag := default (printf "%s-%s" .Chart.AppVersion $v.image.variant) $v.image.tag -}}
+{{- $messages = append $messages (printf "kvstore: image.repository\n    ghcr.io/example/kvstore is a placeholder: no registry serves a kvstore image. Build it from\n    docker/Dockerfile, push it to a registry your nodes pull from, and point the chart at it:\n    docker build -f docker/Dockerfile%s -t registry.example.com/ml/kvstore:%s .\n    docker push registry.example.com/ml/kvstore:%s\n    --set image.registry=registry.example.com --set image.repository=ml/kvstore\n    (docs/kubernetes.md, \"Build and push the image\")" (ternary " --build-arg VARIANT=cpu" "" (eq $v.image.variant "cpu")) $tag $tag) -}}
+{{- end -}}
 {{- if and $v.nvme.enabled (not (has $v.nvme.volume.type (list "hostPath" "persistentVolumeClaim" "emptyDir"))) -}}
 {{- $messages = append $messages (printf "kvstore: nvme.volume.type\n    L3 is on (nvme.enabled=true) but has no volume (nvme.volume.type=%q). Give it one:\n    --set nvme.volume.type=hostPath --set nvme.volume.hostPath.path=/mnt/nvme/kvstore\n    or turn L3 off: --set nvme.enabled=false" (toString $v.nvme.volume.type)) -}}
 {{- end -}}
 {{- if and $v.nvme.enabled (eq $v.nvme.volume.type "hostPath") (not $v.nvme.volume.hostPath.path) -}}
 {{- $messages = append $messages "kvstore: nvme.volume.hostPath.path\n    L3 on a hostPath needs a node folder:\n    --set nvme.volume.hostPath.path=/mnt/nvme/kvstore" -}}
+{{- end -}}
+{{- $owner := include "kvstore.daemonOwner" . -}}
+{{- if and $v.nvme.enabled (eq $v.nvme.volume.type "hostPath") (not $v.volumePermissions.enabled) (eq (toString $v.nvme.volume.hostPath.type) "DirectoryOrCreate") -}}
+{{- $messages = append $messages (printf "kvstore: volumePermissions.enabled\n    L3 is a hostPath (%s) of type DirectoryOrCreate: the kubelet creates it owned by root, fsGroup\n    does not apply to hostPath volumes, and the daemon (%s) could not write it. Let the chart\n    give it to the daemon:\n    --set volumePermissions.enabled=true\n    or create it on every node (install -d -o %s -g %s %s) and require it:\n    --set nvme.volume.hostPath.type=Directory" $v.nvme.volume.hostPath.path $owner (first (splitList ":" $owner)) (last (splitList ":" $owner)) $v.nvme.volume.hostPath.path) -}}
+{{- end -}}
+{{- if and $v.nvme.enabled (eq $v.nvme.volume.type "persistentVolumeClaim") (not (get ($v.podSecurityContext | default dict) "fsGroup")) -}}
+{{- $messages = append $messages (printf "kvstore: podSecurityContext.fsGroup\n    L3 is a claim, whose filesystem the kubelet gives to the pod's fsGroup; without one the\n    daemon (%s) could not write it:\n    --set podSecurityContext.fsGroup=%s" $owner (last (splitList ":" $owner))) -}}
+{{- end -}}
+{{- if and (or $v.grafana.dashboard.enabled $v.prometheusRule.enabled) (not $v.metrics.enabled) -}}
+{{- $messages = append $messages "kvstore: metrics.enabled\n    The Grafana dashboard and the alerting rules read the daemon's metrics, which are off:\n    --set metrics.enabled=true\n    or --set grafana.dashboard.enabled=false --set prometheusRule.enabled=false" -}}
 {{- end -}}
 {{- if and $v.nvme.enabled (eq $v.nvme.volume.type "persistentVolumeClaim") (ne $v.kind "StatefulSet") -}}
 {{- $messages = append $messages "kvstore: nvme.volume.type\n    A DaemonSet cannot give each daemon its own claim. Use a node folder or the StatefulSet mode:\n    --set nvme.volume.type=hostPath  or  --set kind=StatefulSet" -}}

@@ -52,7 +52,7 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- $chownL3 := and .Values.volumePermissions.enabled .Values.nvme.enabled (eq .Values.nvme.volume.type "hostPath") }}
+  {{- $chownL3 := include "kvstore.l3.chown" . }}
   {{- $socket := include "kvstore.unixSocket.enabled" . }}
   {{- if or $chownL3 $socket }}
   initContainers:
@@ -62,7 +62,7 @@ spec:
     - name: socket-dir
       image: {{ include "kvstore.image" . }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
-      command: ["chown", "{{ .Values.podSecurityContext.runAsUser }}:{{ .Values.podSecurityContext.fsGroup }}", "/run/kvstore"]
+      command: ["chown", "{{ include "kvstore.daemonOwner" . }}", "/run/kvstore"]
       securityContext:
         runAsUser: 0
         runAsNonRoot: false
@@ -78,10 +78,13 @@ spec:
           mountPath: /run/kvstore
   {{- end }}
   {{- if $chownL3 }}
+    {{- /* The kubelet creates a missing hostPath folder as root and fsGroup never reaches a
+           hostPath: without this the daemon (non-root) cannot write L3. -R also takes over
+           files a daemon under another UID left there. */}}
     - name: volume-permissions
       image: {{ include "kvstore.image" . }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
-      command: ["chown", "-R", "{{ .Values.podSecurityContext.runAsUser }}:{{ .Values.podSecurityContext.fsGroup }}", "{{ .Values.nvme.mountPath }}"]
+      command: ["chown", "-R", "{{ include "kvstore.daemonOwner" . }}", "{{ .Values.nvme.mountPath }}"]
       securityContext:
         runAsUser: 0
         runAsNonRoot: false
