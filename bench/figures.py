@@ -1,7 +1,9 @@
 """The house format of every benchmark figure: one line
 `bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x`, the same as JSON, and the end of
-every bench script's main (`run_main`); and the timing of ours against a baseline, repeat by
-repeat (`Op`, `paired`, `gbps_figure`)."""
+every bench script's main (`run_main`); the data behind a plot that the figure lines do not
+carry, as one line `plot <name> <compact JSON object>` (`plot_line`; bench/run_all.py keeps
+it in the report, bench/plots.py draws it); and the timing of ours against a baseline, repeat
+by repeat (`Op`, `paired`, `gbps_figure`)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,13 @@ class Figure:
         return {"ours": self.ours, "baseline_name": self.baseline_name,
                 "baseline": self.baseline, "unit": self.unit, "ratio": self.ratio,
                 "target": self.target, **self.extra}
+
+
+def plot_line(name: str, data: dict[str, Any]) -> str:
+    """`plot <name> <data as one line of JSON>`: for bench/run_all.py, not for people."""
+    if not name or any(c.isspace() for c in name):
+        raise ValueError(f"a plot name is one word, got {name!r}")
+    return f"plot {name} {json.dumps(data, separators=(',', ':'))}"
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -1,10 +1,13 @@
 """`make bench`: the whole benchmark suite in one command, and a report.
 
 Runs each bench script in turn (GPU ones only where CUDA is present), collects every
-`bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x` line it prints, and writes
-bench/results/<date>.json (every figure, by script, with how long each script took and how it
-ended) and bench/results/<date>.md (the same as a short Markdown report). A script that fails
-or runs past its time limit is reported as such; the others still run.
+`bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x` line it prints and every
+`plot <name> <JSON>` line (the data behind a plot that the figure lines do not carry), and
+writes bench/results/<date>.json (every figure and plot's data, by script, with how long each
+script took and how it ended), the plots of bench/plots.py beside it as
+bench/results/<date>-<plot>.png, and bench/results/<date>.md (the same as a short Markdown
+report, the plots embedded, and what was left out of them and why). A script that fails or
+runs past its time limit is reported as such; the others still run.
 
     python bench/run_all.py [--only NAME ...] [--quick] [--out DIR]
 """
@@ -22,11 +25,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import plots
+
 BENCH = Path(__file__).resolve().parent
 LINE = re.compile(
     r"^bench (?P<name>\S+): (?P<ours>[\d.]+) (?P<unit>\S+) vs (?P<baseline_name>.+?) "
     r"(?P<baseline>[\d.]+) (?P=unit) = (?P<ratio>[\d.]+)x(?: \(target (?P<target>[^)]+)\))?$"
 )
+PLOT = re.compile(r"^plot (?P<name>\S+) (?P<data>\{.*\})$")
 
 
 @dataclass(frozen=True)
@@ -69,15 +75,24 @@ class Outcome:
     seconds: float
     figures: dict[str, dict[str, Any]] = field(default_factory=dict)
     info: list[str] = field(default_factory=list)
+    plots: dict[str, Any] = field(default_factory=dict)
 
 
-def parse(stdout: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """The house-format figure lines of a script's output, and its `#` info lines."""
+def parse(stdout: str) -> tuple[dict[str, dict[str, Any]], list[str], dict[str, Any]]:
+    """The house-format figure lines of a script's output, its `#` info lines, and the data
+    of its `plot` lines (one that is not a JSON object becomes an info line instead)."""
     figures: dict[str, dict[str, Any]] = {}
     info = []
+    plot_data: dict[str, Any] = {}
     for line in stdout.splitlines():
         match = LINE.match(line.strip())
-        if match:
+        plot = PLOT.match(line.strip())
+        if plot:
+            try:
+                plot_data[plot["name"]] = json.loads(plot["data"])
+            except json.JSONDecodeError as exc:
+                info.append(f"# plot {plot['name']}: not JSON ({exc.msg}), left out")
+        elif match:
             f = match.groupdict()
             figures[f["name"]] = {"line": line.strip(), "ours": float(f["ours"]),
                                   "unit": f["unit"], "baseline_name": f["baseline_name"],
@@ -85,7 +100,7 @@ def parse(stdout: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
                                   "target": f["target"] or ""}
         elif line.startswith("#"):
             info.append(line)
-    return figures, info
+    return figures, info, plot_data
 
 
 def run_script(script: Script, quick: bool) -> Outcome:
@@ -102,14 +117,14 @@ def run_script(script: Script, quick: bool) -> Outcome:
                               cwd=BENCH.parent)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        figures, info = parse(out)
+        figures, info, plot_data = parse(out)
         return Outcome(script.name, f"timed out after {script.timeout_s} s",
-                       time.monotonic() - start, figures, info)
-    figures, info = parse(proc.stdout)
+                       time.monotonic() - start, figures, info, plot_data)
+    figures, info, plot_data = parse(proc.stdout)
     status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
     if proc.returncode != 0:
         info.append(f"# stderr tail: {proc.stderr.strip().splitlines()[-1:]}")
-    return Outcome(script.name, status, time.monotonic() - start, figures, info)
+    return Outcome(script.name, status, time.monotonic() - start, figures, info, plot_data)
 
 
 def markdown(outcomes: list[Outcome], stamp: str, total_s: float) -> str:
@@ -162,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": stamp, "quick": args.quick, "cuda": gpu, "total_s": total_s,
               "scripts": [asdict(o) for o in outcomes]}
     (args.out / f"{stamp}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"{stamp}.md").write_text(markdown(outcomes, stamp, total_s))
+    drawn = plots.draw(report, args.out, stamp)
+    for d in drawn:
+        print(f"# plot {d.name}: {d.path if d.path else 'left out: ' + d.reason}", flush=True)
+    (args.out / f"{stamp}.md").write_text(markdown(outcomes, stamp, total_s)
+                                          + plots.markdown(drawn))
     print(f"# {len(outcomes)} scripts in {total_s / 60:.1f} min; report in "
           f"{args.out / (stamp + '.md')}", flush=True)
     return 0 if all(o.status == "ok" for o in outcomes) else 1

@@ -13,6 +13,7 @@ family and capacity, `sim_vs_lru_<family>_<pct>pct`, the store's token hit rate 
 (target >= 1.00x everywhere: a workload must never make the store lose to LRU; >= 1.08x on
 `synthetic`, the trace the policy was tuned on, at 5-20%), the frequency oracle and Belady as
 `#` lines and in the figure's JSON, and at the end a table of every family and capacity.
+Each trace's `plot hit_rate_<trace> <JSON>` line: every policy's token hit rate by capacity.
 
 Hit semantics are the store's `Lookup`: a request hits the longest prefix of its hash ids
 that is cached, and only that prefix counts. Then the engine computes the rest and puts it,
@@ -55,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from figures import Figure, run_main
+from figures import Figure, plot_line, run_main
 from sim_policies import (
     POLICIES,
     Policy,
@@ -328,6 +329,19 @@ def _table(rows: list[tuple[str, str, int, Mapping[str, Result]]]) -> None:
               + " |")
 
 
+def _plot(w: Workload, num_distinct: int, rows: list[tuple[str, str, int, Mapping[str, Result]]],
+          l3_factor: float) -> str:
+    """`plot hit_rate_<trace>`: each policy's token hit rate by capacity (L2's, if an L3)."""
+    blocks, l3 = [n for _, _, n, _ in rows], f"_l3x{l3_factor:g}" if l3_factor else ""
+    return plot_line(f"hit_rate_{w.name}{l3.replace('.', '_')}", {
+        "trace": w.name, "family": w.family, "l3_factor": l3_factor, "requests": len(w.requests),
+        "distinct_blocks": num_distinct, "capacities": [label for _, label, _, _ in rows],
+        "capacity_blocks": blocks, "capacity_pcts": [round(100 * n / num_distinct, 3)
+                                                     for n in blocks],
+        "token_hit_rates": {p: [round(by[p].token_hit_rate, 5) for *_, by in rows]
+                            for p in POLICIES}})
+
+
 def run(args: argparse.Namespace,
         workloads: Sequence[Workload]) -> tuple[list[Figure], dict[str, object]]:
     """Every policy at every capacity of every workload: `#` lines as it goes, a table, and
@@ -354,6 +368,7 @@ def run(args: argparse.Namespace,
             table.append((w.name, label, blocks, by_policy))
         elapsed_s = time.perf_counter() - start
         print(f"# {w.family or 'trace'}: simulated in {elapsed_s:.1f} s")
+        print(_plot(w, num_distinct, table[-len(w.capacities):], args.l3))
         described = {"requests": len(w.requests), "distinct_blocks": num_distinct,
                      "block_accesses": accesses, "simulate_s": round(elapsed_s, 2)}
         if w.family:
