@@ -2,10 +2,11 @@
 that each writes only its control flow (blocking calls, or awaited ones), as redis-py's
 `retry.py` and `asyncio/retry.py` share a base.
 
-Shared here: the constructor and its checks, the credentials (`credentials`: the token bound
-to every call's metadata, TLS for the channel), the stubs over the channel each subclass
-opens, the shared-memory decision (`ShmState`, one per client), the requests the data path
-builds, the warnings both log, `uses_shared_memory` and the repr. Verb arguments are checked and
+Shared here: the constructor and its checks (a target without a port gets 50051: `_target`),
+the credentials (`credentials`: the token bound to every call's metadata, TLS for the
+channel), the stubs over the channel each subclass opens, the shared-memory decision
+(`ShmState`, one per client), the requests the data path builds, the warnings both log,
+`uses_shared_memory` and the repr. Verb arguments are checked and
 requests built in `_requests`, wire framing in `_wire`, results in `results`.
 """
 
@@ -23,6 +24,7 @@ from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 from . import _requests as rq
 from ._shm import ShmState
+from ._target import with_default_port
 from ._wire import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -75,10 +77,13 @@ class ClientBase(ABC):
         KVSTORE_TLS_CERT_FILE, KVSTORE_TLS_KEY_FILE and KVSTORE_TLS_SERVER_NAME when the CA or
         the cert is set, else plaintext. unix_socket: the daemon's Unix socket (for Attach)
         as this process sees it; None reads KVSTORE_UNIX_SOCKET, else the daemon's own path.
-        Files are read here: a bad token or an unreadable file is InvalidArgument naming it."""
+        Files are read here: a bad token or an unreadable file is InvalidArgument naming it.
+
+        target: host:port, [v6]:port, dns:///host:port, unix:PATH or any gRPC target; one
+        without a port means port 50051, the daemon's default (see `_target`)."""
         self.namespace = check_client_args(namespace, chunk_bytes, max_message_bytes, timeout_s)
+        self.target = with_default_port(target)
         keep_freed_buffers()  # once per process: bulk copies into fresh buffers run at speed
-        self.target = target
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.verify_checksums = verify_checksums
@@ -89,7 +94,7 @@ class ClientBase(ABC):
         security = channel_security(settings) if settings is not None else None
         metadata = bearer_metadata(secret) if secret is not None else ()
         self._channel = with_metadata(
-            self._open_channel(target, max_message_bytes, security), metadata
+            self._open_channel(self.target, max_message_bytes, security), metadata
         )
         self._stub = pb_grpc.KVStoreStub(self._channel)
         # Put and Get bypass the generated serializers for their bulk bytes (see _wire).

@@ -42,10 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-size", default="1GiB")
     gen.add_argument("--max-num-seqs", type=int, default=32)
     gen.add_argument("--no-prefix-caching", action="store_true")
-    gen.add_argument("--store", metavar="HOST:PORT",
-                     help="a kvstore daemon: load cached prompts from it, offload to it (with "
-                     "auth on, credentials from KVSTORE_TOKEN or KVSTORE_TOKEN_FILE and "
-                     "KVSTORE_TLS_*)")
+    gen.add_argument("--store", metavar="HOST[:PORT]",
+                     help="a kvstore daemon (no port: 50051): load cached prompts from it, "
+                     "offload to it (with auth on, credentials from KVSTORE_TOKEN or "
+                     "KVSTORE_TOKEN_FILE and KVSTORE_TLS_*)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     return parser
 

@@ -46,7 +46,8 @@ class EngineConfig:
     """"swap" writes a preempted sequence's blocks to the store and loads them on resume
     (needs `store`); "recompute" drops them."""
     store: str | None = None
-    """A kvstore daemon (host:port): look prompts up there, load hits, offload full blocks."""
+    """A kvstore daemon (host:port; a bare host means port 50051): look prompts up there,
+    load hits, offload full blocks."""
     store_timeout_s: float = 2.0
     """Longest a store call may hold a step; past it the store is off until it answers again."""
     store_token: str | None = field(default=None, repr=False)

@@ -28,7 +28,7 @@ from kvstore.core.errors import (
     Unavailable,
 )
 from kvstore.core.records import ReadResult, StoreStats
-from kvstore.daemon.admission import Stream, StreamSlots
+from kvstore.daemon.admission import Stream, StreamSlots, client_stream_cap
 from kvstore.daemon.attach import ATTACH_TICKET_S, Tickets
 from kvstore.daemon.auth import Caller
 from kvstore.daemon.config import config_to_dict
@@ -36,6 +36,7 @@ from kvstore.daemon.faults import FaultLog, parsed, status_for
 from kvstore.daemon.localpath import LocalSessions
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
+from kvstore.daemon.tier_setup import l3_dir
 from kvstore.daemon.verbs import Verbs
 from kvstore.proto.frames import data_frame
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
@@ -392,7 +393,7 @@ class KVStoreServicer:
             host_id=self.host_id, leases=s.leases, reservations=s.reservations, pinned=s.pinned,
             version=__version__,
             hits=s.hits, misses=s.misses,
-            config_json=json.dumps(config_to_dict(self.config)) if include_config else "",
+            config_json=json.dumps(self._config_in_effect(s)) if include_config else "",
             prewarm=pb.PrewarmProgress(**dataclasses.asdict(s.prewarm)) if s.prewarm else None,
             clients=[pb.ClientHoldings(client=client, **dataclasses.asdict(held))
                      for client, held in self.store.holdings().items()
@@ -401,3 +402,23 @@ class KVStoreServicer:
             auth_mode=self.auth.mode, tenant=caller.tenant.name,
             unix_socket=self.config.server.unix_socket if self.store.dram is not None else "",
         )
+
+    def _config_in_effect(self, s: StoreStats) -> dict[str, Any]:
+        """config_to_dict with what the daemon chose where the settings left it the choice
+        ("", auto or 0): the segment it created, the L1 it found, the L3 backend and folder
+        it opened, the stream caps it derived."""
+        data = config_to_dict(self.config)
+        rows = {t.tier: t for t in s.tiers}
+        hbm, nvme = rows["hbm"], rows["nvme"]
+        data["hbm"]["mode"] = "on" if hbm.enabled else "off"
+        if hbm.enabled:
+            data["hbm"]["capacity_bytes"] = hbm.capacity_bytes
+        if self.store.dram is not None:
+            data["dram"]["shm_name"] = self.store.dram.shm_name
+        if nvme.enabled:
+            data["nvme"]["backend"] = nvme.backend
+            data["nvme"]["dir"] = str(l3_dir(self.config))
+        data["server"]["max_streams"] = self.slots.limit
+        data["server"]["max_streams_per_connection"] = self.slots.per_connection
+        data["clients"]["max_streams"] = client_stream_cap(self.config)
+        return data

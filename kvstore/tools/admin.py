@@ -1,37 +1,43 @@
 """`kvstore-admin`: the operator's command line for a running daemon, over the client library.
 
-    kvstore-admin [--target HOST:PORT] [--namespace NS] [credentials] COMMAND
-      stats [--json] [--watch SECONDS]     per-tier tables and summary (the daemon's auth
+    kvstore-admin [global options] COMMAND [options]    (global options also after COMMAND)
+      stats [--watch SECONDS]              per-tier tables and summary (the daemon's auth
                                            mode and your tenant; a warning when auth is off);
-                                           --watch refreshes; L4's "on" is up/down/probing
-      evict [--tier T] [--bytes SIZE] [--all] [--key HEX ...] [--namespace NS] [--json]
+                                           --watch refreshes on a terminal, and prints one
+                                           frame (with --json: one line) per period on a pipe
+      evict [--tier T] [--bytes SIZE] [--all] [--key HEX [HEX ...]]
+                                           in --namespace, else every namespace
       lookup KEYHEX... | --tokens 1,2,3 [--block-size 16]      prefix length, tier per key
       pin KEYHEX... / unpin KEYHEX...
-      hot [--limit N] [--json]             the namespace's hottest L4 blocks: key, score
-      prewarm [--bytes SIZE] [--namespace NS ...] [--max-time SECONDS] [--json]
-                                           pull the hottest L4 blocks local, with progress
-      health                               prints SERVING etc.; exit 0 only when SERVING
-      drain [--wait] [--json]              stop the daemon gracefully, as SIGTERM does; --wait
+      hot [--limit N]                      the namespace's hottest L4 blocks: whole key, score
+      prewarm [--bytes SIZE] [--namespaces NS [NS ...]] [--max-time SECONDS]
+                                           pull the hottest L4 blocks local (from --namespaces,
+                                           else --namespace, else every namespace)
+      health [--service NAME]              prints SERVING etc.; exit 0 only when SERVING
+      drain [--wait]                       stop the daemon gracefully, as SIGTERM does; --wait
                                            until it has exited
-      config [--json]                      the daemon's effective config
+      config                               the daemon's configuration in effect
 
-Credentials (auth.mode token or mtls; each flag's default is the client's variable):
+Global options (kvstore.tools.admin_options): --target HOST[:PORT] (KVSTORE_TARGET, else
+127.0.0.1:50051; no port means 50051), --namespace NS (KVSTORE_NAMESPACE), --timeout SECONDS,
+--json, and the credentials (auth.mode token or mtls; each flag's default is the client's
+variable):
       --token TOKEN | --token-file PATH    bearer token (KVSTORE_TOKEN, KVSTORE_TOKEN_FILE)
       --tls-ca PATH  --tls-cert PATH  --tls-key PATH  --tls-server-name NAME
                                            TLS, mutual with a cert and key (KVSTORE_TLS_*)
 
-Exit codes: 0 success, 1 a request failed (`error: <message>` on stderr, or health not
-SERVING), 2 the daemon could not be reached (or the command line was wrong).
+Exit codes: 0 success, 1 a request failed or the daemon could not do it (one line on stderr,
+`error: <STATUS_NAME>: <the daemon's message>`), or health not SERVING, 2 the daemon could not
+be reached (or the command line was wrong); kvstore.tools.admin_errors.
 
-Owns the arguments, the verbs and the talking to the daemon; the tables it prints are built
-in kvstore.tools.tables.
+Owns the commands and the talking to the daemon; the tables it prints are built in
+kvstore.tools.tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,180 +46,90 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
-from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
+from rich.progress import Progress, TaskID
 
-from kvstore.client import (
-    DeadlineExceeded,
-    KVStoreClient,
-    KVStoreError,
-    PrewarmResult,
-    Retry,
-    Unavailable,
-    prefix_keys,
-)
-from kvstore.client import credentials as cred
-from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.client import KVStoreClient, KVStoreError, PrewarmResult, Retry, Stats, prefix_keys
+from kvstore.keys import BlockKey
 from kvstore.tier import TIER_LABELS
-from kvstore.tools.tables import hot_table, lookup_table, stats_view
-from kvstore.units import format_size, parse_size
+from kvstore.tools import admin_options as opt
+from kvstore.tools.admin_errors import EXIT_FAILED, EXIT_OK, print_error, report
+from kvstore.tools.admin_options import ENV_NAMESPACE, UsageError
+from kvstore.tools.tables import hot_table, lookup_table, prewarm_columns, stats_view
+from kvstore.units import format_size
 
-DEFAULT_TARGET = "127.0.0.1:50051"
-ENV_TARGET = "KVSTORE_TARGET"
-ENV_NAMESPACE = "KVSTORE_NAMESPACE"
 # The client needs a namespace; commands that are not about one never send it.
 _NO_NAMESPACE = "kvstore-admin"
-EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 2
-
-
-# --- argument types -------------------------------------------------------------------------
-
-
-def _key(text: str) -> BlockKey:
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"key {text!r} is not hex") from None
-    if len(raw) != KEY_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"key {text!r} is {len(raw)} bytes; keys are {KEY_BYTES} bytes ({2 * KEY_BYTES} hex)"
-        )
-    return BlockKey(raw)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _tokens(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--tokens {text!r} is not a comma-separated list of ints"
-        ) from None
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
-    return value
+_credentials = opt.credentials  # the name tests and older callers know
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvstore-admin", description="Inspect and manage a running kvstore daemon."
-    )
-    parser.add_argument(
-        "--target",
-        default=os.environ.get(ENV_TARGET, DEFAULT_TARGET),
-        help=f"daemon address HOST:PORT (env {ENV_TARGET}, default {DEFAULT_TARGET})",
-    )
-    parser.add_argument(
-        "--namespace",
-        default=os.environ.get(ENV_NAMESPACE) or None,
-        help=f"namespace for key commands (env {ENV_NAMESPACE})",
-    )
-    parser.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds per call")
-    _add_credentials(parser)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_entry_commands(sub)
-    _add_daemon_commands(sub)
+    common = opt.global_options()
+    parser = opt.AdminParser(prog="kvstore-admin", parents=[common],
+                             description="Inspect and manage a running kvstore daemon.")
+    parser.common = common
+    # Commands parse with the plain class: the top level fills in the global defaults once.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=opt.CommandParser)
+    _add_entry_commands(sub, common)
+    _add_daemon_commands(sub, common)
     return parser
 
 
-def _add_credentials(parser: argparse.ArgumentParser) -> None:
-    """--token/--token-file and --tls-*: absent, the client's KVSTORE_* variables apply."""
-    auth = parser.add_argument_group("credentials (auth.mode token or mtls)")
-    token = auth.add_mutually_exclusive_group()
-    token.add_argument("--token", help=f"bearer token (env {cred.ENV_TOKEN}); visible in the "
-                       "process list: prefer --token-file")
-    token.add_argument("--token-file", metavar="PATH",
-                       help=f"a file holding the token (env {cred.ENV_TOKEN_FILE})")
-    for flag, var, what in (
-        ("--tls-ca", cred.ENV_TLS_CA_FILE, "CA bundle of the daemon's certificate; TLS on"),
-        ("--tls-cert", cred.ENV_TLS_CERT_FILE, "client certificate (mutual TLS), with --tls-key"),
-        ("--tls-key", cred.ENV_TLS_KEY_FILE, "the client certificate's key"),
-        ("--tls-server-name", cred.ENV_TLS_SERVER_NAME, "the name the daemon's certificate "
-         "carries, when not the target's host"),
-    ):
-        auth.add_argument(flag, metavar="NAME" if flag.endswith("name") else "PATH",
-                          help=f"{what} (env {var})")
-
-
-def _credentials(args: argparse.Namespace) -> dict[str, Any]:
-    """The client's token and tls from the flags (a flag absent: its variable)."""
-    token = args.token
-    if args.token_file is not None:
-        token = cred.read_token_file(args.token_file, "--token-file")
-    tls = cred.tls_settings(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-    return {"token": token, "tls": tls}
-
-
-def _add_entry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_entry_commands(sub: argparse._SubParsersAction[opt.CommandParser],
+                        common: opt.CommandParser) -> None:
     """stats, evict, lookup, pin and unpin: the daemon's entries and tiers."""
-    stats = sub.add_parser("stats", help="per-tier capacity, use and counters")
-    stats.add_argument("--json", action="store_true", help="machine-readable output")
-    stats.add_argument("--watch", type=_positive_float, metavar="SECONDS", help="refresh period")
+    stats = sub.add_parser("stats", parents=[common], help="per-tier capacity, use and counters")
+    stats.add_argument("--watch", type=opt.positive_float, metavar="SECONDS",
+                       help="refresh period")
 
-    evict = sub.add_parser("evict", help="evict named keys, a number of bytes, or everything")
+    evict = sub.add_parser("evict", parents=[common],
+                           help="evict named keys, a number of bytes, or everything (in "
+                           "--namespace, else every namespace)")
     evict.add_argument("--tier", choices=TIER_LABELS, help="default: all")
-    evict.add_argument("--bytes", type=_size, default=0, metavar="SIZE", help='e.g. "64MiB"')
+    evict.add_argument("--bytes", type=opt.size, default=0, metavar="SIZE", help='e.g. "64MiB"')
     evict.add_argument("--all", action="store_true", help="everything evictable")
-    evict.add_argument("--key", type=_key, action="append", default=[], metavar="HEX")
-    evict.add_argument(
-        "--namespace",
-        dest="evict_namespace",
-        default=None,
-        help='default: the global --namespace, else every namespace ("")',
-    )
-    evict.add_argument("--json", action="store_true")
+    evict.add_argument("--key", type=opt.key, nargs="+", action="extend", default=[],
+                       metavar="HEX", help="these keys (needs --namespace)")
 
-    lookup = sub.add_parser("lookup", help="cached prefix length and the tier of each key")
-    lookup.add_argument("keys", nargs="*", type=_key, metavar="KEYHEX")
-    lookup.add_argument("--tokens", type=_tokens, help="derive keys from token ids: 1,2,3")
-    lookup.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    lookup.add_argument("--json", action="store_true")
+    lookup = sub.add_parser("lookup", parents=[common],
+                            help="cached prefix length and the tier of each key")
+    lookup.add_argument("keys", nargs="*", type=opt.key, metavar="KEYHEX")
+    lookup.add_argument("--tokens", type=opt.tokens, help="derive keys from token ids: 1,2,3")
+    lookup.add_argument("--block-size", type=opt.positive_int, default=16,
+                        help="tokens per block")
 
     for name, verb in (("pin", "never evict"), ("unpin", "allow evicting again")):
-        cmd = sub.add_parser(name, help=f"{verb}: these keys")
-        cmd.add_argument("keys", nargs="+", type=_key, metavar="KEYHEX")
-        cmd.add_argument("--json", action="store_true")
+        cmd = sub.add_parser(name, parents=[common], help=f"{verb}: these keys")
+        cmd.add_argument("keys", nargs="+", type=opt.key, metavar="KEYHEX")
 
 
-def _add_daemon_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """hot and prewarm (L4), health and config."""
-    hot = sub.add_parser("hot", help="the namespace's most used L4 blocks, hottest first")
-    hot.add_argument("--limit", type=int, default=100, help="how many keys (default 100)")
-    hot.add_argument("--json", action="store_true")
+def _add_daemon_commands(sub: argparse._SubParsersAction[opt.CommandParser],
+                         common: opt.CommandParser) -> None:
+    """hot and prewarm (L4), health, drain and config."""
+    hot = sub.add_parser("hot", parents=[common],
+                         help="the namespace's most used L4 blocks, hottest first")
+    hot.add_argument("--limit", type=opt.positive_int, default=100,
+                     help="how many keys (default 100)")
 
-    prewarm = sub.add_parser("prewarm", help="pull the hottest L4 blocks into the local tiers")
+    prewarm = sub.add_parser("prewarm", parents=[common],
+                             help="pull the hottest L4 blocks into the local tiers")
     prewarm.add_argument(
-        "--bytes", type=_size, default=0, metavar="SIZE", help="default: remote.prewarm_bytes"
+        "--bytes", type=opt.size, default=0, metavar="SIZE", help="default: remote.prewarm_bytes"
     )
-    prewarm.add_argument(
-        "--namespace",
-        dest="prewarm_namespaces",
-        action="append",
-        default=[],
-        metavar="NS",
-        help="repeatable; default: the global --namespace, else every namespace",
-    )
-    prewarm.add_argument("--max-time", type=_positive_float, default=600.0, help="seconds (600)")
-    prewarm.add_argument("--json", action="store_true", help="no progress bar; final JSON")
+    prewarm.add_argument("--namespaces", nargs="+", action="extend", default=[], metavar="NS",
+                         help="pull from these; default: --namespace, else every namespace")
+    prewarm.add_argument("--max-time", type=opt.positive_float, default=600.0,
+                         metavar="SECONDS", help="the whole prewarm's deadline (600)")
 
-    health = sub.add_parser("health", help="grpc.health.v1 status; exit 0 only when SERVING")
+    health = sub.add_parser("health", parents=[common],
+                            help="grpc.health.v1 status; exit 0 only when SERVING")
     health.add_argument("--service", default="", help='health service name (default "")')
 
-    drain = sub.add_parser("drain", help="stop the daemon gracefully (NOT_SERVING, then exit)")
+    drain = sub.add_parser("drain", parents=[common],
+                           help="stop the daemon gracefully (NOT_SERVING, then exit)")
     drain.add_argument("--wait", action="store_true", help="until the daemon has exited")
-    drain.add_argument("--json", action="store_true")
 
-    config = sub.add_parser("config", help="the daemon's effective configuration")
-    config.add_argument("--json", action="store_true", help="raw JSON")
+    sub.add_parser("config", parents=[common], help="the daemon's configuration in effect")
 
 
 def _print_json(data: Any) -> None:
@@ -223,24 +139,39 @@ def _print_json(data: Any) -> None:
 # --- commands -------------------------------------------------------------------------------
 
 
+def _stats_json(stats: Stats) -> dict[str, Any]:
+    """Stats as JSON, without config_json: stats never asks for the config (only an admin
+    may see it, and `config` shows it), so the field would always be empty."""
+    data: dict[str, Any] = stats.to_dict()
+    data.pop("config_json", None)
+    return data
+
+
 def cmd_stats(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
-    namespace = args.namespace
-    if args.json and not args.watch:
-        _print_json(client.stats(namespace=namespace).to_dict())
-        return EXIT_OK
+    def fetch() -> Stats:
+        return client.stats(namespace=args.namespace)
+
     if not args.watch:
-        console.print(stats_view(client.stats(namespace=namespace), client.target))
+        if args.json:
+            _print_json(_stats_json(fetch()))
+        else:
+            console.print(stats_view(fetch(), client.target))
         return EXIT_OK
     try:
-        if args.json:
-            while True:
-                print(json.dumps(client.stats(namespace=namespace).to_dict()), flush=True)
-                time.sleep(args.watch)
-        view = stats_view(client.stats(namespace=namespace), client.target)
-        with Live(view, console=console, refresh_per_second=4) as live:
-            while True:
-                time.sleep(args.watch)
-                live.update(stats_view(client.stats(namespace=namespace), client.target))
+        if sys.stdout.isatty() and not args.json:  # one table, redrawn in place
+            with Live(stats_view(fetch(), client.target), console=console,
+                      refresh_per_second=4) as live:
+                while True:
+                    time.sleep(args.watch)
+                    live.update(stats_view(fetch(), client.target))
+        while True:  # a pipe or a file: one frame per period, each flushed as it is made
+            if args.json:
+                print(json.dumps(_stats_json(fetch()), sort_keys=True))
+            else:
+                console.print(stats_view(fetch(), client.target))
+                console.print()
+            sys.stdout.flush()
+            time.sleep(args.watch)
     except KeyboardInterrupt:
         return EXIT_OK
 
@@ -248,9 +179,7 @@ def cmd_stats(client: KVStoreClient, args: argparse.Namespace, console: Console)
 def cmd_evict(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
     if not (args.bytes or args.all or args.key):
         raise UsageError("evict needs --bytes, --all or --key")
-    namespace = args.evict_namespace
-    if namespace is None:
-        namespace = args.namespace if args.namespace is not None else ""
+    namespace = args.namespace or ""
     if args.key and not namespace:
         raise UsageError("evict --key needs --namespace")
     result = client.evict(
@@ -308,16 +237,38 @@ def cmd_hot(client: KVStoreClient, args: argparse.Namespace, console: Console) -
     return EXIT_OK
 
 
+class _PrewarmBar:
+    """prewarm's progress bar, on stderr when it is a terminal, drawn from the first progress
+    the daemon sends: a prewarm refused at once (L4 off or down) draws none."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+
+    def show(self, p: PrewarmResult) -> None:
+        if not self.enabled:
+            return
+        if self._progress is None:
+            self._progress = Progress(*prewarm_columns(), console=Console(stderr=True),
+                                      transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("prewarm", total=p.target_bytes or None)
+        assert self._task is not None
+        self._progress.update(self._task, completed=p.bytes, total=p.target_bytes or None)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
 def cmd_prewarm(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
-    namespaces = args.prewarm_namespaces or ([args.namespace] if args.namespace else [])
-    columns = (*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, console=console, disable=args.json) as progress:
-        task = progress.add_task("prewarm", total=args.bytes or None)
-
-        def show(p: PrewarmResult) -> None:
-            progress.update(task, completed=p.bytes, total=p.target_bytes or None)
-
-        result = client.prewarm(args.bytes, namespaces, show, timeout_s=args.max_time)
+    namespaces = args.namespaces or ([args.namespace] if args.namespace else [])
+    bar = _PrewarmBar(not args.json and sys.stderr.isatty())
+    try:
+        result = client.prewarm(args.bytes, namespaces, bar.show, timeout_s=args.max_time)
+    finally:
+        bar.close()
     if args.json:
         _print_json(asdict(result))
         return EXIT_OK
@@ -331,7 +282,10 @@ def cmd_prewarm(client: KVStoreClient, args: argparse.Namespace, console: Consol
 
 def cmd_health(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
     status = client.health(args.service)
-    print(status)
+    if args.json:
+        _print_json({"service": args.service, "status": status})
+    else:
+        print(status)
     return EXIT_OK if status == "SERVING" else EXIT_FAILED
 
 
@@ -345,9 +299,13 @@ def cmd_drain(client: KVStoreClient, args: argparse.Namespace, console: Console)
         print(f"the daemon at {client.target} {state}: health NOT_SERVING, new data calls "
               f"refused, {result.streams_in_flight} streams in flight finishing; it exits "
               f"within {result.grace_s:g} s")
-        if stopped is not None:
-            print("it has stopped" if stopped else "error: it is still running", flush=True)
-    return EXIT_FAILED if stopped is False else EXIT_OK
+        if stopped:
+            print("it has stopped", flush=True)
+    if stopped is False:
+        print_error("DEADLINE_EXCEEDED", f"the daemon at {client.target} is still running "
+                    f"{result.grace_s + 5:g} s after the drain began")
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _wait_stopped(client: KVStoreClient, timeout_s: float) -> bool:
@@ -365,7 +323,7 @@ def _wait_stopped(client: KVStoreClient, timeout_s: float) -> bool:
 def cmd_config(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
     stats = client.stats(include_config=True)
     if not stats.config_json:
-        print("error: the daemon returned no config", file=sys.stderr)
+        print_error("UNKNOWN", "the daemon returned no config")
         return EXIT_FAILED
     if args.json:
         print(stats.config_json)
@@ -390,10 +348,6 @@ COMMANDS: dict[str, Command] = {
 _NEEDS_NAMESPACE = frozenset({"lookup", "pin", "unpin", "hot"})
 
 
-class UsageError(Exception):
-    """A command-line mistake found after parsing."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -408,21 +362,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             shared_memory=False,
             timeout_s=args.timeout,
             retry=Retry(attempts=2),
-            **_credentials(args),
+            **opt.credentials(args),
         )
     except KVStoreError as exc:
         parser.error(str(exc))
     try:
         with client:
-            return COMMANDS[args.command](client, args, console)
+            try:
+                return COMMANDS[args.command](client, args, console)
+            except KVStoreError as exc:
+                return report(exc, client, args.command, getattr(args, "service", ""))
     except UsageError as exc:
         parser.error(str(exc))
-    except (Unavailable, DeadlineExceeded) as exc:
-        print(f"error: kvstore daemon at {args.target} is unreachable: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except KVStoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
     except BrokenPipeError:  # `kvstore-admin stats --json | head`
         return EXIT_OK
     except KeyboardInterrupt:

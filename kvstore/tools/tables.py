@@ -4,10 +4,12 @@
                    summary (also the demos' view)
     lookup_table   one row per key: its tier, or a miss
     hot_table      the hottest L4 blocks and their scores
+    prewarm_columns  the columns of prewarm's progress bar
 
 L4's "on" cell shows its circuit breaker: up, down or probing. The summary opens with the
-daemon's auth mode and the caller's tenant, and warns in red when auth is off. Bandwidths use
-decimal units, as disks and links are rated; sizes use binary units (kvstore.units.format_size).
+daemon's auth mode and the caller's tenant, and warns in red when auth is off. Keys are shown
+whole (64 hex digits: what `lookup`, `pin` and `evict --key` take). Sizes and bandwidths use
+one family of units, binary (kvstore.units.format_size: KiB, MiB, GiB; MiB/s).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rich.console import Group
+from rich.progress import BarColumn, ProgressColumn, Task, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvstore.client import Stats
-from kvstore.keys import BlockKey
+from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.units import format_size
 
 AUTH_OFF_WARNING = "auth is OFF: any caller may read or evict every namespace"
@@ -31,11 +35,10 @@ def _percent(fraction: float | None) -> str:
 
 
 def _bandwidth(rate_bytes_s: float) -> str:
-    """ "812.3 MB/s" or "6.41 GB/s" (decimal units, as disks and links are rated); "-" untimed."""
+    """ "774.7 MiB/s" or "6.0 GiB/s" (the units of every size shown); "-" untimed."""
     if rate_bytes_s <= 0:
         return "-"
-    giga = rate_bytes_s >= 1e9
-    return f"{rate_bytes_s / 1e9:.2f} GB/s" if giga else f"{rate_bytes_s / 1e6:.1f} MB/s"
+    return f"{format_size(int(rate_bytes_s))}/s"
 
 
 def _tier_table(stats: Stats, target: str) -> Table:
@@ -138,17 +141,45 @@ def _clients_table(stats: Stats) -> Table:
     return table
 
 
+def _keyed_table(*columns: str, title: str | None = None) -> Table:
+    """A table whose "key" column always holds a whole key: never cut, never wrapped."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        if column == "key":
+            table.add_column(column, no_wrap=True, min_width=2 * KEY_BYTES)
+        else:
+            table.add_column(column, no_wrap=True, justify="right" if column != "tier" else
+                             "left")
+    return table
+
+
 def lookup_table(keys: Sequence[BlockKey], tiers: Sequence[str | None]) -> Table:
     """One row per key, in order: its index, hex and the tier that holds it (or a miss)."""
-    table = Table("#", "key", "tier")
+    table = _keyed_table("#", "key", "tier")
     for i, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
         table.add_row(str(i), key.hex(), tier or "[dim]miss[/]")
     return table
 
 
 def hot_table(namespace: str, pairs: Sequence[tuple[BlockKey, float]]) -> Table:
-    """The hottest blocks first: index, the key's first 16 hex digits, score."""
-    table = Table("#", "key", "score", title=f"hottest in {namespace!r}")
+    """The hottest blocks first: index, the whole key, score."""
+    table = _keyed_table("#", "key", "score", title=f"hottest in {namespace!r}")
     for i, (key, score) in enumerate(pairs):
-        table.add_row(str(i), f"{key.hex()[:16]}…", f"{score:,.2f}")
+        table.add_row(str(i), key.hex(), f"{score:,.2f}")
     return table
+
+
+class _SizeColumn(ProgressColumn):
+    """ "12.0 MiB of 64.0 MiB  310.2 MiB/s": the bytes so far, the target, the rate."""
+
+    def render(self, task: Task) -> Text:
+        done = format_size(int(task.completed))
+        total = f" of {format_size(int(task.total))}" if task.total else ""
+        speed = task.finished_speed or task.speed
+        rate = f"  {format_size(int(speed))}/s" if speed else ""
+        return Text(f"{done}{total}{rate}")
+
+
+def prewarm_columns() -> tuple[ProgressColumn, ...]:
+    """prewarm's progress bar: label, bar, sizes and rate (binary units), time taken."""
+    return (TextColumn("prewarm"), BarColumn(), _SizeColumn(), TimeElapsedColumn())

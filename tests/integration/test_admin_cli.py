@@ -1,5 +1,8 @@
-"""`kvstore-admin` run as a subprocess against a real daemon: what each command prints, what it
-changes, and its exit codes (0 ok, 1 a failed request, 2 unreachable or a bad command line)."""
+"""`kvstore-admin` run as a subprocess against a real daemon, on a pipe: what each command
+prints, what it changes, its global options (before or after the command), its one-line errors
+and its exit codes (0 ok, 1 a failed request, 2 unreachable or a bad command line). L4 (Redis)
+is in test_admin_l4.py, a terminal's --watch in test_admin_watch.py, targets without a port
+in test_admin_default_port.py."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,10 +42,28 @@ def kv(daemon: Daemon) -> Iterator[KVStoreClient]:
         yield client
 
 
-def admin(target: str, *args: str) -> subprocess.CompletedProcess[str]:
+def admin(target: str | None, *args: str) -> subprocess.CompletedProcess[str]:
+    """kvstore-admin --target target args (target None: args alone), no KVSTORE_* variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    return subprocess.run([sys.executable, "-m", "kvstore.tools.admin", "--target", target, *args],
+    where = ["--target", target] if target is not None else []
+    return subprocess.run([sys.executable, "-m", "kvstore.tools.admin", *where, *args],
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+
+
+def admin_all(*runs: tuple[str | None, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """admin(*run) for each run, side by side (each is a whole interpreter start)."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(lambda run: admin(*run), runs))  # type: ignore[arg-type]
+
+
+def failed(done: subprocess.CompletedProcess[str], code: int = 1) -> str:
+    """The one line on stderr of a command that exited with code."""
+    assert done.returncode == code, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    lines = done.stderr.splitlines()
+    start = "error: " if code == 1 else ("error: ", "kvstore-admin")  # 2: a usage error too
+    assert len(lines) == 1 and lines[0].startswith(start), done.stderr
+    assert "Traceback" not in done.stderr and "_InactiveRpcError" not in done.stderr
+    return lines[0]
 
 
 def ok(done: subprocess.CompletedProcess[str]) -> str:
@@ -72,8 +94,10 @@ def test_stats_table_and_json_match_the_client(daemon: Daemon, kv: KVStoreClient
     assert movement_rows == [t.tier for t in kv.stats().tiers if t.enabled]  # only enabled
 
     printed = json.loads(ok(admin(daemon.target, "stats", "--json")))
-    expected = kv.stats()
-    assert printed == expected.to_dict()
+    expected = kv.stats().to_dict()
+    # stats never asks for the config (`config` shows it): no always-empty field
+    assert "config_json" not in printed and expected.pop("config_json") == ""
+    assert printed == expected
     (dram,) = [t for t in printed["tiers"] if t["tier"] == "dram"]
     assert dram["capacity_bytes"] == CAPACITY
     assert (dram["objects"], dram["used_bytes"]) == (3, 3 * PAGE)
@@ -161,19 +185,30 @@ def test_evict_bytes_takes_the_least_recently_used(daemon: Daemon, kv: KVStoreCl
         assert other.get([keys[0]]) == [b"another namespace"]
 
 
-def test_config_json_is_the_effective_config(daemon: Daemon) -> None:
+def test_config_json_is_the_effective_config(daemon: Daemon, kv: KVStoreClient) -> None:
+    """Settings left to the daemon ("", auto, 0) show what it chose: the segment it created,
+    the L3 backend it opened, whether L1 is on, the stream caps it derived."""
     config = json.loads(ok(admin(daemon.target, "config", "--json")))
     assert config["dram"]["capacity_bytes"] == CAPACITY
     assert config["dram"]["page_size_bytes"] == PAGE
     assert config["server"]["port"] == daemon.port
+    stats = kv.stats()
+    tiers = {t.tier: t for t in stats.tiers}
+    assert stats.shm_name and config["dram"]["shm_name"] == stats.shm_name
+    assert config["nvme"]["backend"] == tiers["nvme"].backend != "auto"
+    assert config["nvme"]["dir"] == str(daemon.log_path.parent / f"l3-{daemon.port}")
+    assert config["hbm"]["mode"] == ("on" if tiers["hbm"].enabled else "off")
+    assert config["server"]["max_streams"] == 8 - 2  # workers less two, as 0 means
+    assert 0 < config["clients"]["max_streams"] < config["server"]["max_streams"]
+    shown = ok(admin(daemon.target, "config"))
+    assert f'"shm_name": "{stats.shm_name}"' in shown and '"backend": "auto"' not in shown
 
 
 def test_an_unreachable_daemon_exits_2_naming_the_target() -> None:
     target = f"127.0.0.1:{free_port()}"
     done = admin(target, "--timeout", "3", "stats")
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert target in done.stderr
-    assert "unreachable" in done.stderr
+    line = failed(done, 2)
+    assert line.startswith(f"error: UNAVAILABLE: the kvstore daemon at {target} is unreachable")
 
 
 @pytest.mark.parametrize(("key", "says"), [
@@ -218,3 +253,96 @@ def test_stats_watch_refreshes_until_interrupted(daemon: Daemon, kv: KVStoreClie
         _, err = watch.communicate(timeout=20)
         reader.join(10)
     assert watch.returncode == 0, err
+
+
+def test_stats_watch_on_a_pipe_prints_each_frame_as_it_is_made(daemon: Daemon,
+                                                                kv: KVStoreClient) -> None:
+    """Piped without --json, --watch prints one whole table per period, flushed at once (rich's
+    live display would hold it all back until the end): frames arrive while it runs, and a
+    put made meanwhile shows in a later one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.tools.admin", "stats", "--watch", "0.1",
+         "--target", daemon.target],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout or []])
+    reader.start()
+
+    def next_dram_objects() -> int:
+        while True:  # the dram row of the next frame's tier table: │ dram │ yes │ shm │ ...
+            cells = [c.strip() for c in lines.get(timeout=20).split("│")]
+            if len(cells) > 8 and cells[1] == "dram":
+                return int(cells[7].replace(",", ""))
+
+    try:
+        assert next_dram_objects() == 0
+        kv.put(*blocks(2))
+        seen = [next_dram_objects()]
+        while seen[-1] != 2 and len(seen) < 100:
+            seen.append(next_dram_objects())
+        assert seen[-1] == 2 and set(seen) <= {0, 2}, seen
+        assert watch.poll() is None  # all of this while it still runs
+    finally:
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=20)
+        reader.join(10)
+    assert watch.returncode == 0, err
+
+
+def test_global_options_go_before_or_after_the_command(daemon: Daemon,
+                                                       kv: KVStoreClient) -> None:
+    keys, values = blocks(2)
+    kv.put(keys, values, independent=True)
+    key = keys[0].hex()
+    done = admin_all(
+        (daemon.target, "--json", "stats"), (None, "stats", "--json", "--target", daemon.target),
+        (daemon.target, "--namespace", NS, "--json", "lookup", key),
+        (daemon.target, "lookup", key, "--namespace", NS, "--json"),
+        (daemon.target, "--json", "lookup", "--namespace", NS, key),
+        # evict and stats take the same --namespace as every other command
+        (daemon.target, "evict", "--namespace", "elsewhere", "--all"),
+        (daemon.target, "stats", "--namespace", NS),
+        (daemon.target, "--namespace", NS, "hot", "--namespace", "b"),
+        (daemon.target, "--token", "a", "health", "--token-file", "f"),
+    )
+    before, after = (json.loads(ok(d)) for d in done[:2])
+    assert [t["objects"] for t in before["tiers"]] == [t["objects"] for t in after["tiers"]]
+    assert before["tiers"][1]["objects"] == 2
+    found = [json.loads(ok(d)) for d in done[2:5]]
+    assert found == [{"prefix_length": 1, "keys": [{"key": key, "tier": "dram"}]}] * 3
+    assert "evicted 0 entries" in ok(done[5]) and "lookup hits / misses" in ok(done[6])
+    assert kv.lookup(keys).tiers == ["dram", "dram"]
+    twice = failed(done[7], 2)
+    assert "argument --namespace: given twice, 'admin-ns' and 'b'" in twice
+    assert "prewarm takes several: --namespaces" in twice
+    assert "not allowed with argument --token" in failed(done[8], 2)
+
+
+def test_evict_takes_several_keys_after_one_key_flag(daemon: Daemon, kv: KVStoreClient) -> None:
+    keys, values = blocks(3)
+    kv.put(keys, values, independent=True)
+    out = ok(admin(daemon.target, "evict", "--namespace", NS, "--key", keys[0].hex(),
+                   keys[2].hex()))
+    assert out.startswith(f"evicted 2 entries (128.0 KiB) from namespace {NS!r}"), out
+    assert kv.lookup(keys).tiers == [None, "dram", None]
+    assert "evict --key needs --namespace" in admin(daemon.target, "evict", "--key",
+                                                    keys[1].hex()).stderr
+
+
+def test_an_unknown_health_service_is_one_line_naming_it(daemon: Daemon) -> None:
+    bogus, plain = admin_all((daemon.target, "health", "--service", "bogus"),
+                             (daemon.target, "health", "--json"))
+    assert failed(bogus) == ("error: NOT_FOUND: the daemon has no health service 'bogus' (it "
+                             "serves '' and 'kvstore.v1.KVStore')")
+    assert json.loads(ok(plain)) == {"service": "", "status": "SERVING"}
+
+
+def test_l4_off_hot_and_prewarm_fail_in_one_line_without_a_progress_bar(
+        daemon: Daemon) -> None:
+    runs = [(daemon.target, "prewarm"), (daemon.target, "prewarm", "--bytes", "1MiB", "--json"),
+            (daemon.target, "--namespace", NS, "hot")]
+    for run, done in zip(runs, admin_all(*runs), strict=True):
+        assert failed(done) == "error: FAILED_PRECONDITION: L4 is off: set remote.url", run
+        assert done.stdout == "", run  # no bar, no "prewarmed 0 blocks"

@@ -16,10 +16,12 @@ import pytest
 import xxhash
 
 from kvstore.client import (
+    AsyncKVStoreClient,
     DataLoss,
     ExponentialBackoff,
     FailedPrecondition,
     InvalidArgument,
+    KVStoreClient,
     KVStoreError,
     NoBackoff,
     NotFound,
@@ -31,6 +33,7 @@ from kvstore.client import _requests as rq
 from kvstore.client import results as res
 from kvstore.client._buffers import copy_bytes, readable_view, writable_array
 from kvstore.client._shm import SharedSegment, ShmState, read_shm_get, write_reserved
+from kvstore.client._target import with_default_port
 from kvstore.client._wire import (
     Fetched,
     InlineAssembler,
@@ -456,6 +459,47 @@ def test_call_timeout_override_defaults_to_the_clients_and_must_be_positive() ->
     assert rq.call_timeout_s(30.0, 600) == 600.0
     with pytest.raises(InvalidArgument, match="timeout_s"):
         rq.call_timeout_s(30.0, 0)
+
+
+# --- targets: a missing port is the daemon's 50051, not gRPC's 443 ---------------------------
+
+
+@pytest.mark.parametrize(("given", "dialled"), [
+    ("127.0.0.1", "127.0.0.1:50051"), ("localhost", "localhost:50051"),
+    ("kv.example.svc:6000", "kv.example.svc:6000"), (" host:7 ", "host:7"),
+    ("[::1]", "[::1]:50051"), ("[::1]:6000", "[::1]:6000"), ("::1", "[::1]:50051"),
+    ("dns:///kv.local", "dns:///kv.local:50051"), ("dns:///kv.local:6000", "dns:///kv.local:6000"),
+    ("dns://8.8.8.8/kv.local", "dns://8.8.8.8/kv.local:50051"), ("dns:kv", "dns:kv:50051"),
+    ("ipv4:10.0.0.1,10.0.0.2:7000", "ipv4:10.0.0.1:50051,10.0.0.2:7000"),
+    ("ipv6:[::1]", "ipv6:[::1]:50051"),
+    ("unix:/run/kvstore/kv.sock", "unix:/run/kvstore/kv.sock"), ("unix:///tmp/a", "unix:///tmp/a"),
+    ("unix-abstract:kv", "unix-abstract:kv"), ("xds:///kvstore", "xds:///kvstore"),
+])
+def test_a_target_without_a_port_gets_50051(given: str, dialled: str) -> None:
+    assert with_default_port(given) == dialled
+
+
+@pytest.mark.parametrize(("given", "says"), [
+    ("", "must be a daemon address"), ("host:", "port '' is not a number"),
+    ("host:http", "port 'http' is not a number"), ("host:70000", "from 1 to 65535"),
+    ("[::1", "without its ']'"), ("[::1]x", "expected ':port'"), ("fe80::1::2", "in brackets"),
+    (":50051", "names no host"), ("dns://8.8.8.8", "needs a host"),
+])
+def test_a_malformed_target_is_refused_naming_it(given: str, says: str) -> None:
+    with pytest.raises(InvalidArgument, match=r"^target .*" + says.replace("[", r"\[")):
+        with_default_port(given)
+
+
+def test_both_clients_dial_the_default_port_and_say_so() -> None:
+    with KVStoreClient("127.0.0.1", "ns", shared_memory=False) as kv:
+        assert kv.target == "127.0.0.1:50051" and "127.0.0.1:50051" in repr(kv)
+
+    async def target() -> str:
+        async with AsyncKVStoreClient("[::1]", "ns", shared_memory=False) as akv:
+            return akv.target
+    assert asyncio.run(target()) == "[::1]:50051"
+    with pytest.raises(InvalidArgument, match="port 'x'"):
+        KVStoreClient("h:x", "ns")
 
 
 # --- results --------------------------------------------------------------------------------

@@ -1,0 +1,182 @@
+"""`kvstore-admin`'s global options and argument types: one place for what every command takes.
+
+The global options (`--target`, `--namespace`, `--timeout`, `--json` and the credentials) are
+one parent parser shared by the top level and every command, with SUPPRESS defaults, so they
+work before or after the command (`kvstore-admin --json stats` = `kvstore-admin stats
+--json`); their defaults (the KVSTORE_* variables included) are filled in once parsing is
+done. One given twice with two values (before and after the command, say) is refused, not
+silently resolved. Options of one command only are defined with that command
+(kvstore.tools.admin). A command-line mistake is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from kvstore.client import credentials as cred
+from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.units import parse_size
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+ENV_TARGET = "KVSTORE_TARGET"
+ENV_NAMESPACE = "KVSTORE_NAMESPACE"
+
+
+class UsageError(Exception):
+    """A command-line mistake found after parsing (exit 2 with the usage)."""
+
+
+# --- argument types -------------------------------------------------------------------------
+
+
+def key(text: str) -> BlockKey:
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"key {text!r} is not hex") from None
+    if len(raw) != KEY_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"key {text!r} is {len(raw)} bytes; keys are {KEY_BYTES} bytes ({2 * KEY_BYTES} hex)"
+        )
+    return BlockKey(raw)
+
+
+def size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def tokens(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--tokens {text!r} is not a comma-separated list of ints"
+        ) from None
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
+# --- the global options ---------------------------------------------------------------------
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A parser whose mistakes are one line, as every kvstore-admin error is (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
+class _Once(argparse.Action):
+    """Store the value, and remember it: the parser refuses a second, different one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.given: list[Any] = []
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        self.given.append(values)
+        setattr(namespace, self.dest, values)
+
+
+class _OnceTrue(_Once):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, True, option_string)
+
+
+def global_options() -> CommandParser:
+    """The parent parser of the top level and of every command."""
+    common = CommandParser(add_help=False, argument_default=argparse.SUPPRESS)
+    g = common.add_argument_group("global options (before or after the command)")
+    g.add_argument("--target", action=_Once, metavar="HOST[:PORT]",
+                   help=f"the daemon (env {ENV_TARGET}, default {DEFAULT_TARGET}; no port: "
+                   "50051)")
+    g.add_argument("--namespace", action=_Once, metavar="NS",
+                   help=f"the namespace of lookup, pin, unpin, hot and stats' hits; evict's "
+                   f"and prewarm's (default: every namespace) (env {ENV_NAMESPACE})")
+    g.add_argument("--timeout", action=_Once, type=positive_float, metavar="SECONDS",
+                   help="seconds per call (10)")
+    g.add_argument("--json", action=_OnceTrue, help="machine-readable output")
+    auth = common.add_argument_group("credentials (auth.mode token or mtls; global options)")
+    auth.add_argument("--token", action=_Once, help=f"bearer token (env {cred.ENV_TOKEN}); "
+                      "visible in the process list: prefer --token-file")
+    auth.add_argument("--token-file", action=_Once, metavar="PATH",
+                      help=f"a file holding the token (env {cred.ENV_TOKEN_FILE})")
+    for flag, var, what in (
+        ("--tls-ca", cred.ENV_TLS_CA_FILE, "CA bundle of the daemon's certificate; TLS on"),
+        ("--tls-cert", cred.ENV_TLS_CERT_FILE, "client certificate (mutual TLS), with --tls-key"),
+        ("--tls-key", cred.ENV_TLS_KEY_FILE, "the client certificate's key"),
+        ("--tls-server-name", cred.ENV_TLS_SERVER_NAME, "the name the daemon's certificate "
+         "carries, when not the target's host"),
+    ):
+        auth.add_argument(flag, action=_Once, help=f"{what} (env {var})",
+                          metavar="NAME" if flag.endswith("name") else "PATH")
+    return common
+
+
+def _defaults() -> dict[str, Any]:
+    """Each global option's value when it is not given (read when parsing ends)."""
+    return {"target": os.environ.get(ENV_TARGET) or DEFAULT_TARGET,
+            "namespace": os.environ.get(ENV_NAMESPACE) or None, "timeout": 10.0,
+            "json": False, "token": None, "token_file": None, "tls_ca": None,
+            "tls_cert": None, "tls_key": None, "tls_server_name": None}
+
+
+class AdminParser(CommandParser):
+    """The top-level parser: after parsing, the global options not given get their
+    defaults, and one given twice with different values is an error."""
+
+    common: CommandParser
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        once = [a for a in self.common._actions if isinstance(a, _Once)]
+        for action in once:
+            action.given = []
+        parsed, rest = super().parse_known_args(args, namespace)
+        for action in once:
+            if len(set(map(repr, action.given))) > 1:
+                hint = (" (prewarm takes several: --namespaces A B)"
+                        if action.dest == "namespace" else "")
+                self.error(f"argument {action.option_strings[0]}: given twice, "
+                           f"{action.given[0]!r} and {action.given[-1]!r}: give it once{hint}")
+        for dest, value in _defaults().items():
+            if not hasattr(parsed, dest):
+                setattr(parsed, dest, value)
+        if parsed.token is not None and parsed.token_file is not None:
+            self.error("argument --token-file: not allowed with argument --token")
+        return parsed, rest
+
+
+def credentials(args: argparse.Namespace) -> dict[str, Any]:
+    """The client's token and tls from the flags (a flag absent: its variable)."""
+    token = args.token
+    if args.token_file is not None:
+        token = cred.read_token_file(args.token_file, "--token-file")
+    tls = cred.tls_settings(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    return {"token": token, "tls": tls}
