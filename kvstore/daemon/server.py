@@ -1,4 +1,9 @@
-"""kvstore-server: start the store, serve it over gRPC, stop cleanly.
+"""kvstore-server: bind its ports, open the store, serve it over gRPC, stop cleanly.
+
+Start-up binds the gRPC port first, then the metrics port, and only then opens the store
+(shared memory, the L3 file, Redis): a port that is taken stops the start at once, with one
+line naming server.port or metrics.port, before anything is made on disk or in /dev/shm.
+Whatever start-up made is undone if it fails, the ports included.
 
 A thread-pool server was chosen over grpc.aio by measurement (bench/server_model_bench.py,
 docs/operations.md): lower Lookup latency, equal streaming bandwidth. The store is
@@ -8,31 +13,37 @@ thread-safe (one lock). The servicer itself is kvstore/daemon/servicer.py.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
+from contextlib import ExitStack
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
-from kvstore.core.errors import StartupError
+from kvstore.core.errors import StartupError, Unavailable
 from kvstore.daemon.attach import AttachSocket
 from kvstore.daemon.auth import server_credentials
 from kvstore.daemon.config import Config, ConfigError, add_arguments, config_from_args
 from kvstore.daemon.methods import SERVICE_NAME, handlers
-from kvstore.daemon.metrics import Metrics, store_metrics
+from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.servicer import KVStoreServicer
 from kvstore.daemon.store import Store
 from kvstore.memory import keep_freed_buffers
 
 log = logging.getLogger("kvstore.daemon.server")
 
-
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_THREADS = 2  # Check runs on these, never behind the data calls on server.workers
 
 
@@ -57,55 +68,92 @@ def health_handlers(health_servicer: health.HealthServicer,
     })
 
 
-def _set_health(health_servicer: health.HealthServicer, status: int) -> None:
+def _set_health(health_servicer: health.HealthServicer, metrics: Metrics, status: int) -> None:
+    """Health for every service name, mirrored in kvstore_serving."""
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, status)
+    metrics.set_serving(status == SERVING)
 
 
-def _sweep_forever(store: Store, interval_s: float, stop: threading.Event,
-                   health_servicer: health.HealthServicer) -> None:
-    """Expire leases, reservations and pins. If this ever fails the daemon says so through
-    health (NOT_SERVING) and the log; it never dies silently."""
-    while not stop.wait(interval_s):
-        try:
-            leases, reservations, pins = store.sweep()
-        except Exception:
-            log.exception("lease sweeper failed; marking NOT_SERVING")
-            _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-            return
-        if leases or reservations or pins:
-            log.info("expired %d leases, %d reservations and %d pins (clients.max_pin_s)",
-                     leases, reservations, pins)
+# --- the ports, bound before the store is opened ---------------------------------------------
+
+_BUSY = (errno.EADDRINUSE, errno.EACCES)  # the port's fault; other errors are the host's
 
 
-def serve(config: Config, stop: threading.Event,
-          reload: threading.Event | None = None) -> None:
-    """Run the daemon until stop is set; re-read the tenants file each time reload is set
-    (SIGHUP). Whatever startup made is undone if it fails."""
-    store = Store(config)  # its Auth reads the tenants file
-    metrics = store_metrics(store)
-    drain_began: list[float] = []  # set by _serve once the drain begins
+def _port_error(setting: str, flag: str, host: str, port: int, what: str,
+                exc: OSError) -> StartupError:
+    """One line naming the setting to change: the port when it is taken (or privileged), the
+    host when it is not an address of this machine."""
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, socket.gaierror) or exc.errno not in _BUSY:
+        host_setting = setting.replace(".port", ".host")
+        return StartupError(f"{host_setting} {host!r}: cannot {what} on {host}:{port}: "
+                            f"{reason}; use an address of this host, e.g. 127.0.0.1 or 0.0.0.0")
+    hint = ("ports below 1024 need privileges" if exc.errno == errno.EACCES
+            else "another process listens there")
+    return StartupError(f"{setting} {port}: cannot {what} on {host}:{port}: {reason} ({hint}); "
+                        f"stop it or choose another port ({flag}, or 0 for any free port)")
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise OSError (socket.gaierror for a host that does not resolve) unless host:port can
+    be bound the way grpc binds it (SO_REUSEADDR, no SO_REUSEPORT; the start succeeds if one
+    resolved address binds). Checked before grpc tries, because grpc's own failure is a
+    C-core log line on stderr and a message without the reason."""
+    infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    failure: OSError | None = None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # grpc listens dual-stack on [::]
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                probe.bind(address)
+                return
+            except OSError as exc:
+                if failure is None or exc.errno == errno.EADDRINUSE:
+                    failure = exc
+    raise failure or OSError(errno.EADDRNOTAVAIL, f"{host} resolves to no address")
+
+
+@dataclass
+class Listener:
+    """The gRPC server with its port bound and its health and reflection services, not yet
+    started: the KVStore service is added once the store is open."""
+
+    server: grpc.Server
+    pool: futures.ThreadPoolExecutor
+    health_servicer: health.HealthServicer
+    health_pool: futures.ThreadPoolExecutor
+    port: int
+    tls: bool
+    started: bool = False
+
+    def start(self) -> None:
+        self.server.start()
+        self.started = True
+
+    def close(self) -> None:
+        """Stop the server and free its port; again is a no-op. grpc frees the port of a
+        server that never started only once it is started and stopped (a call that arrives
+        in between is cancelled: no grace)."""
+        if not self.started:
+            self.start()
+        self.server.stop(None).wait()
+        self.pool.shutdown()
+        self.health_pool.shutdown()
+
+
+def bind_grpc(config: Config) -> Listener:
+    """The gRPC server bound to server.host:server.port; StartupError naming the setting if
+    it cannot be."""
+    host, want = config.server.host, config.server.port
     try:
-        _serve(config, store, metrics, stop, reload or threading.Event(), drain_began)
-    finally:
-        metrics.stop()
-        # The L4 write-through queue gets what is left of server.grace_s (5 s at startup).
-        left_s = config.server.grace_s - (time.monotonic() - drain_began[0]) if drain_began \
-            else 5.0
-        store.close(l4_flush_s=max(0.5, left_s))
-
-
-def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event,
-           reload: threading.Event, drain_began: list[float]) -> None:
-    metrics_port = 0
-    if config.metrics.enabled:
-        try:
-            metrics_port = metrics.start_http(config.metrics.host, config.metrics.port)
-        except OSError as exc:
-            raise StartupError(
-                f"cannot serve metrics on {config.metrics.host}:{config.metrics.port}: {exc} "
-                "(metrics.port)"
-            ) from exc
+        check_port(host, want)
+    except OSError as exc:
+        raise _port_error("server.port", "--port", host, want, "listen", exc) from None
+    credentials = server_credentials(config)  # reads the TLS files: before anything is made
     options = [
         ("grpc.max_send_message_length", config.server.max_message_bytes),
         ("grpc.max_receive_message_length", config.server.max_message_bytes),
@@ -113,50 +161,133 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
     ]
     pool = futures.ThreadPoolExecutor(config.server.workers, thread_name_prefix="rpc")
     server = grpc.server(pool, options=options)
-    servicer = KVStoreServicer(store, metrics, drain=stop.set)  # Drain: as SIGTERM
-    server.add_generic_rpc_handlers((handlers(servicer),))
     health_servicer = health.HealthServicer()
     health_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="health")
     server.add_generic_rpc_handlers((health_handlers(health_servicer, health_pool),))
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    address = f"{config.server.host}:{config.server.port}"
-    credentials = server_credentials(config)
+    address = f"{host}:{want}"
     try:
         port = server.add_secure_port(address, credentials) if credentials else \
             server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise StartupError(f"cannot listen on {address}: {exc} (server.port)") from exc
-    attach = _attach_socket(config, store, servicer)
-    server.start()
+    except RuntimeError as exc:  # taken since check_port: grpc logged why
+        pool.shutdown()
+        health_pool.shutdown()
+        raise StartupError(f"server.port {want}: cannot listen on {address}: {exc}; choose "
+                           "another port (--port, or 0 for any free port)") from exc
+    return Listener(server, pool, health_servicer, health_pool, port, credentials is not None)
 
-    def worker_failed(reason: str) -> None:
-        log.error("a background worker stopped (%s); health is NOT_SERVING", reason)
-        _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    store.start(worker_failed)
-    if store.remote is not None and config.remote.prewarm_bytes:
-        for _ in store.prewarm(config.remote.prewarm_bytes):  # logs its progress
-            if stop.is_set():
-                break
-    _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-    sweeper = threading.Thread(
-        target=_sweep_forever, name="lease-sweeper", daemon=True,
-        args=(store, config.leases.sweep_interval_s, stop, health_servicer),
-    )
-    sweeper.start()
-    reaper_stop = threading.Event()  # the reaper outlives stop: it also ends idle streams
-    reaper = threading.Thread(target=servicer.slots.reap_forever, name="stream-reaper",
-                              daemon=True, args=(reaper_stop,))  # while the server drains
-    reaper.start()
-    shm = (store.dram.shm_name or "per-tenant arenas") if store.dram else "off"
-    tls = "TLS" if credentials else "plaintext"
-    print(f"kvstore-server {__version__} listening on {config.server.host}:{port} "
-          f"({tls}, auth {config.auth.mode}, metrics port {metrics_port or 'off'}, L2 shm {shm}"
-          f"{', unix socket ' + attach.path if attach else ''}, {store.describe_l3()})",
-          flush=True)
+def start_metrics(config: Config, metrics: Metrics) -> int:
+    """The exporter on metrics.host:metrics.port (0 when metrics are off): its bound port."""
+    m = config.metrics
+    if not m.enabled:
+        return 0
     try:
+        return metrics.start_http(m.host, m.port)
+    except OSError as exc:
+        raise _port_error("metrics.port", "--metrics-port", m.host, m.port, "serve metrics",
+                          exc) from None
+
+
+# --- serving ---------------------------------------------------------------------------------
+
+
+def _sweep_forever(store: Store, interval_s: float, stop: threading.Event,
+                   set_health: Callable[[int], None]) -> None:
+    """Expire leases, reservations and pins. If this ever fails the daemon says so through
+    health (NOT_SERVING) and the log; it never dies silently."""
+    while not stop.wait(interval_s):
+        try:
+            leases, reservations, pins = store.sweep()
+        except Exception:
+            log.exception("lease sweeper failed; marking NOT_SERVING")
+            set_health(NOT_SERVING)
+            return
+        if leases or reservations or pins:
+            log.info("expired %d leases, %d reservations and %d pins (clients.max_pin_s)",
+                     leases, reservations, pins)
+
+
+def _prewarm(store: Store, target_bytes: int, stop: threading.Event) -> None:
+    """remote.prewarm_bytes before SERVING; with L4 down the daemon serves cold instead of
+    not at all."""
+    try:
+        for _ in store.prewarm(target_bytes):  # logs its progress
+            if stop.is_set():
+                return
+    except Unavailable as exc:
+        log.warning("pre-warm skipped, serving cold: %s", exc)
+
+
+def serve(config: Config, stop: threading.Event,
+          reload: threading.Event | None = None) -> None:
+    """Run the daemon until stop is set; re-read the tenants file each time reload is set
+    (SIGHUP). Binds the gRPC port, then the metrics port, then opens the store; whatever
+    start-up made is undone if it fails, and everything when the daemon stops."""
+    drain_began: list[float] = []  # set by _serve once the drain begins
+    with ExitStack() as undo:
+        listener = bind_grpc(config)
+        undo.callback(listener.close)
+        metrics = Metrics()
+        undo.callback(metrics.stop)
+        metrics_port = start_metrics(config, metrics)
+        store = Store(config)  # shared memory, the L3 file, Redis; its Auth reads the tenants
+
+        def close_store() -> None:
+            listener.close()  # no call and no scrape reaches a closing store
+            metrics.stop()
+            # The L4 write-through queue gets what is left of server.grace_s (5 s at startup).
+            left_s = config.server.grace_s - (time.monotonic() - drain_began[0]) \
+                if drain_began else 5.0
+            store.close(l4_flush_s=max(0.5, left_s))
+
+        undo.callback(close_store)
+        metrics.watch_store(store)
+        _serve(config, listener, store, metrics, metrics_port, stop,
+               reload or threading.Event(), drain_began)
+
+
+def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
+           metrics_port: int, stop: threading.Event, reload: threading.Event,
+           drain_began: list[float]) -> None:
+    health_servicer = listener.health_servicer
+
+    def set_health(status: int) -> None:
+        _set_health(health_servicer, metrics, status)
+
+    set_health(NOT_SERVING)  # until the store's workers run (and L4 prewarm is done)
+    servicer = KVStoreServicer(store, metrics, drain=stop.set)  # Drain: as SIGTERM
+    listener.server.add_generic_rpc_handlers((handlers(servicer),))
+    attach = _attach_socket(config, store, servicer)
+    reaper_stop = threading.Event()  # the reaper outlives stop: it also ends idle streams
+    threads: list[threading.Thread] = []
+    try:
+        listener.start()
+
+        def worker_failed(reason: str) -> None:
+            log.error("a background worker stopped (%s); health is NOT_SERVING", reason)
+            set_health(NOT_SERVING)
+
+        store.start(worker_failed)
+        if store.remote is not None and config.remote.prewarm_bytes:
+            _prewarm(store, config.remote.prewarm_bytes, stop)
+        set_health(SERVING)
+        threads = [
+            threading.Thread(target=_sweep_forever, name="lease-sweeper", daemon=True,
+                             args=(store, config.leases.sweep_interval_s, stop, set_health)),
+            threading.Thread(target=servicer.slots.reap_forever, name="stream-reaper",
+                             daemon=True, args=(reaper_stop,)),  # while the server drains
+        ]
+        for thread in threads:
+            thread.start()
+        shm = (store.dram.shm_name or "per-tenant arenas") if store.dram else "off"
+        print(f"kvstore-server {__version__} listening on {config.server.host}:{listener.port} "
+              f"({'TLS' if listener.tls else 'plaintext'}, auth {config.auth.mode}, metrics "
+              f"port {metrics_port or 'off'}, L2 shm {shm}"
+              f"{', unix socket ' + attach.path if attach else ''}, {store.describe_l3()})",
+              flush=True)
         # Poll, not wait(): the kernel may hand SIGTERM to any thread, and CPython runs the
         # handler only when the main thread runs bytecode again; a wait without a timeout
         # would then never wake, and the daemon would ignore the signal.
@@ -167,16 +298,16 @@ def _serve(config: Config, store: Store, metrics: Metrics, stop: threading.Event
     finally:
         stop.set()
         drain_began.append(time.monotonic())
-        _drain(config, servicer, health_servicer)
-        server.stop(config.server.grace_s - config.server.drain_notice_s).wait()
+        if listener.started:
+            _drain(config, servicer, set_health)
+            listener.server.stop(config.server.grace_s - config.server.drain_notice_s).wait()
         reaper_stop.set()
         if attach is not None:
             attach.close()
             servicer.local.close()
-        sweeper.join()
-        reaper.join()
-        pool.shutdown()
-        health_pool.shutdown()
+        for thread in threads:
+            thread.join()
+        listener.close()  # the pools; the server is stopped
 
 
 def _attach_socket(config: Config, store: Store,
@@ -198,7 +329,7 @@ def _attach_socket(config: Config, store: Store,
 
 
 def _drain(config: Config, servicer: KVStoreServicer,
-           health_servicer: health.HealthServicer) -> None:
+           set_health: Callable[[int], None]) -> None:
     """Say so before stopping: health turns NOT_SERVING and new data calls get UNAVAILABLE,
     while the server still answers, for server.drain_notice_s; Kubernetes and clients see a
     draining replica instead of a refused connection. In-flight calls go on meanwhile."""
@@ -206,7 +337,7 @@ def _drain(config: Config, servicer: KVStoreServicer,
     log.info("shutting down: NOT_SERVING for %.1fs, then up to %.1fs for calls in flight",
              notice_s, config.server.grace_s - notice_s)
     servicer.draining.set()
-    _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    set_health(NOT_SERVING)
     time.sleep(notice_s)
 
 

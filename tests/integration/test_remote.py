@@ -214,6 +214,18 @@ def test_prewarm_pulls_the_hottest_blocks_before_serving(
     assert kd.lookup(keys).tiers == ["dram"] * 8
 
 
+def test_a_daemon_told_to_prewarm_with_redis_down_serves_cold(
+    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+) -> None:
+    server.stop()
+    d = daemon_factory(*l4(server.url, "remote.prewarm_bytes=8MiB"))
+    kv = clients(d)
+    assert kv.health() == "SERVING"
+    keys, values = blocks(2)
+    assert kv.put(keys, values).stored == 2 and kv.get(keys) == values
+    assert "pre-warm skipped, serving cold" in d.log()
+
+
 def test_a_redis_outage_leaves_the_local_tiers_serving_and_heals(
     daemon_factory: Make, clients: Callable[..., KVStoreClient], tmp_path: Path,
 ) -> None:

@@ -138,10 +138,12 @@ def test_bad_size_from_env_names_field_source_and_fix() -> None:
     )
 
 
-def test_bad_value_in_yaml_names_the_file(tmp_path: Path) -> None:
-    path = _write(tmp_path, "server:\n  workers: many\n")
-    with pytest.raises(ConfigError, match=rf"server\.workers = 'many' \(from {path}\): not an int"):
+def test_bad_value_in_yaml_names_the_file_and_its_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "# kvstore\nserver:\n  port: 6000\n  workers: many\n")
+    with pytest.raises(ConfigError) as err:
         load_config(path, env={})
+    assert str(err.value) == (
+        f"server.workers = 'many' (from {path} line 4): not an integer; use e.g. 8")
 
 
 def test_every_bad_value_is_reported_at_once() -> None:
@@ -192,12 +194,69 @@ def test_capacity_below_page_is_fine_when_dram_is_off() -> None:
     assert cfg.dram.capacity_bytes == 0
 
 
-def test_cross_field_rule_blames_the_default_it_conflicts_with() -> None:
+def test_a_rule_between_two_settings_blames_the_one_the_operator_chose() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(env={"KVSTORE_SERVER_CHUNK_BYTES": "8MiB"})
-    message = str(err.value)
-    assert message.startswith("server.max_message_bytes = 8388608 (from default)")
-    assert "server.chunk_bytes" in message
+    assert str(err.value) == (
+        "server.chunk_bytes = '8MiB' (from KVSTORE_SERVER_CHUNK_BYTES): must be <= "
+        "server.max_message_bytes (8.0 MiB) - 64KiB = 8323072: a chunk and its message header "
+        "must fit in one message; lower it or raise server.max_message_bytes")
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides=["server.max_message_bytes=4MiB"])
+    assert str(err.value).startswith(
+        "server.max_message_bytes = '4MiB' (from --set): must be >= server.chunk_bytes (4.0 MiB)")
+    # Both chosen: the rule's own setting (the first of the pair) is blamed, once.
+    with pytest.raises(ConfigError) as err:
+        load_config(env={"KVSTORE_SERVER_CHUNK_BYTES": "8MiB"},
+                    overrides=["server.max_message_bytes=8MiB"])
+    assert str(err.value).startswith("server.max_message_bytes = '8MiB' (from --set): must be >=")
+    assert len(str(err.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "blamed", "says"),
+    [
+        # A value out of its own range is blamed on itself (not on the other), with the range.
+        (["movers.high_watermark=1.5"], "movers.high_watermark = '1.5'", "must be in (0, 1]"),
+        (["movers.low_watermark=1"], "movers.low_watermark = '1'", "must be in (0, 1)"),
+        (["movers.high_watermark=nan"], "movers.high_watermark = 'nan'", "must be in (0, 1]"),
+        # In range, but in the wrong order: the one that was set is blamed.
+        (["movers.high_watermark=0.5"], "movers.high_watermark = '0.5'",
+         "must be above movers.low_watermark (0.75)"),
+        (["movers.low_watermark=0.95"], "movers.low_watermark = '0.95'",
+         "must be below movers.high_watermark (0.9)"),
+        (["movers.low_watermark=0.5", "movers.high_watermark=0.4"],
+         "movers.low_watermark = '0.5'", "must be below movers.high_watermark (0.4)"),
+        (["server.grace_s=0.5"], "server.grace_s = '0.5'",
+         "must be at least server.drain_notice_s (1)"),
+        (["server.drain_notice_s=-1"], "server.drain_notice_s = '-1'", "must be >= 0"),
+        (["server.workers=4", "server.max_streams=6"], "server.max_streams = '6'",
+         "must be 0 or less than server.workers (4)"),
+        (["server.max_streams=-1"], "server.max_streams = '-1'", "must be >= 0"),
+        (["dram.page_size_bytes=2GiB"], "dram.page_size_bytes = '2GiB'",
+         "must be <= dram.capacity_bytes (1.0 GiB)"),
+        (["nvme.capacity_bytes=32KiB"], "nvme.capacity_bytes = '32KiB'",
+         "must be >= nvme.page_size_bytes (64.0 KiB)"),
+        (["server.max_object_bytes=2GiB"], "server.max_object_bytes = '2GiB'",
+         "must be <= server.max_response_bytes (1.0 GiB)"),
+        (["movers.interval_s=0"], "movers.interval_s = '0'", "must be > 0"),
+    ],
+)
+def test_each_error_names_the_setting_that_is_wrong(overrides: list[str], blamed: str,
+                                                    says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides=overrides)
+    (line,) = str(err.value).splitlines()  # one problem, one line
+    assert line.startswith(f"{blamed} (from --set): {says}"), line
+
+
+def test_a_bad_page_size_is_one_problem_and_watermarks_in_order_are_fine() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides=["dram.page_size_bytes=5000", "dram.capacity_bytes=4KiB"])
+    (line,) = str(err.value).splitlines()  # not also "capacity below the page size"
+    assert line.startswith("dram.page_size_bytes = '5000' (from --set): must be a power of two")
+    cfg = load_config(env={}, overrides=["movers.high_watermark=1", "movers.low_watermark=0.5"])
+    assert (cfg.movers.high_watermark, cfg.movers.low_watermark) == (1.0, 0.5)
 
 
 def test_unknown_env_var_suggests_the_closest_name() -> None:
@@ -221,11 +280,44 @@ def test_yaml_section_that_is_not_a_mapping(tmp_path: Path) -> None:
         load_config(_write(tmp_path, "server: 5\n"), env={})
 
 
-def test_yaml_that_is_not_a_mapping_or_not_yaml(tmp_path: Path) -> None:
+def test_a_file_that_is_not_a_mapping_or_not_utf8(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="must be a mapping of sections"):
         load_config(_write(tmp_path, "- a\n- b\n"), env={})
-    with pytest.raises(ConfigError, match="not valid YAML"):
-        load_config(_write(tmp_path, "server: [\n"), env={})
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"# caf\xe9\nserver:\n  port: 1\n")
+    with pytest.raises(ConfigError, match=rf"config file {path}: not UTF-8 text \(byte 5\)"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "what"),
+    [
+        ("server:\n  port: [1, 2\n  workers: 3\n", "line 3 column 10",
+         "expected ',' or ']', but got ':' (while parsing a flow sequence at line 2 column 9)"),
+        ("server:\n\tport: 1\n", "line 2 column 1", "found character '\\t' that cannot start"),
+        ("dram:\n  shm_name: 'open\n", "line 3 column 1", "found unexpected end of stream"),
+        ("log_level: *loud\n", "line 1 column 12", "found undefined alias 'loud'"),
+        ("server: {}\n---\ndram: {}\n", "line 2 column 1", "but found another document"),
+        ("server:\n  port: 1\x00\n", "line 2 column 10", "special characters are not allowed"),
+    ],
+)
+def test_broken_yaml_names_the_file_line_and_column(tmp_path: Path, text: str, where: str,
+                                                    what: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    message = str(err.value)
+    assert message.startswith(f"config file {path} {where}: not valid YAML: "), message
+    assert what in message
+    assert "<unicode string>" not in message and "\n" not in message
+
+
+def test_a_setting_given_twice_in_one_file_is_an_error(tmp_path: Path) -> None:
+    path = _write(tmp_path, "server:\n  port: 6000\n  workers: 2\n  port: 7000\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert str(err.value) == (f"server.port (from {path} line 4): set twice in the file "
+                              "(first at line 2); keep one")
 
 
 def test_missing_config_file_says_who_named_it(tmp_path: Path) -> None:

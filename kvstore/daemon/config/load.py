@@ -4,7 +4,9 @@ Owns the layers (the YAML file, named by a path, --config or $KVSTORE_CONFIG; th
 --set section.field=value, then the named flags), converting each raw value to its field's
 type once (sizes such as "64GiB" parsed here), and the command-line flags. Every bad value, and
 every rule of rules.py a value breaks, becomes one line of one ConfigError naming the setting
-as `section.field`, where the value came from, and what to change. Reads only the YAML file.
+as `section.field`, where the value came from (a file's name and line, an environment
+variable, a flag), and what to change; a file that is not valid YAML names its line and
+column. Reads only the YAML file.
 """
 
 from __future__ import annotations
@@ -92,34 +94,99 @@ def _unknown(key: str, known: Sequence[str], source: str) -> str:
 
 def _read_yaml(path: Path, named_by: str, raw: _Raw, errors: list[str]) -> None:
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ConfigError(
             f"config file {path} (from {named_by}): cannot read it ({exc.strerror}); "
             f"fix the path or drop {named_by}"
         ) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start}); save it "
+                          "as UTF-8") from None
+    data, lines = _parse_yaml(path, text, errors)
     if data is None:
         return
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: must be a mapping of sections, not {data!r}")
+
+    def source(key: str) -> str:
+        return f"{path} line {lines[key]}" if key in lines else str(path)
+
     top = [*SECTIONS, *(k for k in KINDS if "." not in k)]
     for key, value in data.items():
         if key in SECTIONS and isinstance(value, dict):
             for name, item in value.items():
                 full = f"{key}.{name}"
                 if full in KINDS:
-                    raw[full] = (item, str(path))
+                    raw[full] = (item, source(full))
                 else:
                     known = [k for k in KINDS if k.startswith(key + ".")]
-                    errors.append(_unknown(full, known, str(path)))
+                    errors.append(_unknown(full, known, source(full)))
         elif key in SECTIONS:
-            errors.append(f"{key} (from {path}): must be a mapping of settings, not {value!r}")
+            errors.append(f"{key} (from {source(key)}): must be a mapping of settings, "
+                          f"not {value!r}")
         elif key in KINDS:
-            raw[key] = (value, str(path))
+            raw[key] = (value, source(key))
         else:
-            errors.append(_unknown(str(key), top, str(path)))
+            errors.append(_unknown(str(key), top, source(str(key))))
+
+
+def _parse_yaml(path: Path, text: str, errors: list[str]) -> tuple[object, dict[str, int]]:
+    """The YAML document in text, and the line of each key in it ("section.field" or a
+    top-level key): the line a value came from is named beside it. A syntax error is a
+    ConfigError naming the file, the line and the column; a key given twice in one mapping
+    (YAML would keep the last silently) is one of the errors."""
+    lines: dict[str, int] = {}
+    loader: yaml.SafeLoader | None = None
+    try:
+        loader = yaml.SafeLoader(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None, lines
+        data = loader.construct_document(node)
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError(_yaml_syntax(path, exc)) from None
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        raise ConfigError(f"config file {path} line {line} column {column}: not valid YAML: "
+                          f"{exc.reason} (character #x{exc.character:04x})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if isinstance(node, yaml.MappingNode):
+        _key_lines(node, "", lines, path, errors)
+        for key_node, value_node in node.value:
+            if isinstance(value_node, yaml.MappingNode) and key_node.value in SECTIONS:
+                _key_lines(value_node, f"{key_node.value}.", lines, path, errors)
+    return data, lines
+
+
+def _key_lines(node: yaml.MappingNode, prefix: str, lines: dict[str, int], path: Path,
+               errors: list[str]) -> None:
+    for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            continue
+        key, line = prefix + str(key_node.value), value_node.start_mark.line + 1
+        if key in lines:
+            errors.append(f"{key} (from {path} line {line}): set twice in the file (first at "
+                          f"line {lines[key]}); keep one")
+        lines[key] = line
+
+
+def _yaml_syntax(path: Path, exc: yaml.MarkedYAMLError) -> str:
+    """'config file P line L column C: not valid YAML: what (while parsing ... at line ...)'."""
+    mark = exc.problem_mark or exc.context_mark
+    where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    problem = exc.problem or exc.context or "unreadable"
+    context = ""
+    if exc.problem and exc.context:
+        at = exc.context_mark
+        context = f" ({exc.context}" + (f" at line {at.line + 1} column {at.column + 1})"
+                                        if at is not None else ")")
+    return f"config file {path}{where}: not valid YAML: {problem}{context}"
 
 
 def _apply_flag(text: str, source: str, raw: _Raw, errors: list[str]) -> None:
@@ -170,7 +237,7 @@ def _build(raw: _Raw, errors: list[str]) -> Config:
         for name, cls in SECTIONS.items()
     }
     cfg = Config(**sections, **{k: v for k, v in values.items() if "." not in k})
-    for key, msg in problems(cfg):
+    for key, msg in problems(cfg, chosen=raw.keys()):
         value, source = raw.get(key, (DEFAULTS[key], "default"))
         errors.append(f"{key} = {value!r} (from {source}): {msg}")
     if errors:

@@ -1,14 +1,21 @@
 """Every rule a converted config must satisfy, in one place: ranges, allowed values, cross-field
 limits, and the tiers' page sizes.
 
-problems(cfg) returns (setting, what is wrong and what to use) for each rule broken; load.py
+problems(cfg, chosen) returns (setting, what is wrong and what to use) for each rule broken; load.py
 adds the value and where it came from, and raises one ConfigError for them all. The order of
 the list is the order of the lines an operator reads. Pure.
+
+A value out of its own range is blamed on its own setting, with the range. A rule between two
+settings (server.chunk_bytes and server.max_message_bytes, the two watermarks, ...) is checked
+only once both are in range, and is blamed on the one the operator chose (`chosen`: the
+settings given in a file, the environment or a flag), worded for that setting; when both or
+neither were chosen, on the first of the pair.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 from kvstore.daemon.config.schema import LOG_LEVELS, Config
 from kvstore.shm import check_shm_name
@@ -18,14 +25,31 @@ Problem = tuple[str, str]  # (setting as "section.field", what is wrong and what
 
 
 class _Problems(list[Problem]):
+    def __init__(self, chosen: Collection[str]) -> None:
+        super().__init__()
+        self.chosen = chosen
+
     def need(self, ok: bool, path: str, msg: str) -> None:
         if not ok:
             self.append((path, msg))
 
+    def between(self, ok: bool, *alternatives: Problem) -> None:
+        """A rule between settings: one problem, on the first alternative's setting that the
+        operator chose (else the first), each alternative worded for its own setting."""
+        if ok:
+            return
+        chosen = [a for a in alternatives if a[0] in self.chosen]
+        self.append(chosen[0] if chosen else alternatives[0])
 
-def problems(cfg: Config) -> list[Problem]:
-    """(setting, what is wrong and what to use) for every rule the converted config breaks."""
-    out = _Problems()
+    def fine(self, *paths: str) -> bool:
+        """No problem was found for any of paths so far (a rule between them then applies)."""
+        return not any(path in paths for path, _ in self)
+
+
+def problems(cfg: Config, chosen: Collection[str] = ()) -> list[Problem]:
+    """(setting, what is wrong and what to use) for every rule the converted config breaks;
+    chosen: the settings the operator gave (those a rule between two settings blames)."""
+    out = _Problems(chosen)
     _server(cfg, out)
     _dram(cfg, out)
     _durations(cfg, out)
@@ -47,18 +71,42 @@ def _server(cfg: Config, out: _Problems) -> None:
     out.need(bool(s.host.strip()), "server.host", "must not be empty; use e.g. 0.0.0.0")
     out.need(bool(m.host.strip()), "metrics.host", "must not be empty; use e.g. 0.0.0.0")
     out.need(s.chunk_bytes >= 64 * KiB, "server.chunk_bytes", "must be >= 64KiB; use e.g. 4MiB")
-    out.need(s.max_message_bytes >= s.chunk_bytes + 64 * KiB, "server.max_message_bytes",
-             f"must be >= server.chunk_bytes ({format_size(s.chunk_bytes)}) + 64KiB "
-             f"= {s.chunk_bytes + 64 * KiB}; raise it or lower server.chunk_bytes")
+    if out.fine("server.chunk_bytes"):
+        floor = s.chunk_bytes + 64 * KiB
+        out.between(
+            s.max_message_bytes >= floor,
+            ("server.max_message_bytes",
+             f"must be >= server.chunk_bytes ({format_size(s.chunk_bytes)}) + 64KiB = {floor}; "
+             "raise it or lower server.chunk_bytes"),
+            ("server.chunk_bytes",
+             f"must be <= server.max_message_bytes ({format_size(s.max_message_bytes)}) - "
+             f"64KiB = {max(s.max_message_bytes - 64 * KiB, 0)}: a chunk and its message "
+             "header must fit in one message; lower it or raise server.max_message_bytes"))
     out.need(s.max_object_bytes > 0, "server.max_object_bytes", "must be > 0; use e.g. 64MiB")
-    out.need(s.max_response_bytes >= s.max_object_bytes, "server.max_response_bytes",
+    if out.fine("server.max_object_bytes"):
+        out.between(
+            s.max_response_bytes >= s.max_object_bytes,
+            ("server.max_response_bytes",
              f"must be >= server.max_object_bytes ({format_size(s.max_object_bytes)}): a Get "
-             "returns at least one block; raise it (e.g. 1GiB) or lower server.max_object_bytes")
+             "returns at least one block; raise it (e.g. 1GiB) or lower "
+             "server.max_object_bytes"),
+            ("server.max_object_bytes",
+             f"must be <= server.max_response_bytes ({format_size(s.max_response_bytes)}): a "
+             "Get returns at least one block; lower it or raise server.max_response_bytes"))
     out.need(s.max_batch_keys >= 1, "server.max_batch_keys", "must be >= 1; use e.g. 4096")
     out.need(s.workers >= 1, "server.workers", "must be >= 1; use e.g. 8")
-    out.need(s.max_streams == 0 or 1 <= s.max_streams < s.workers, "server.max_streams",
-             "must be 0 (server.workers - 2) or 1 .. server.workers - 1: a thread must stay "
-             "free for unary calls and the health check")
+    out.need(s.max_streams >= 0, "server.max_streams",
+             "must be >= 0 (0 = server.workers - 2, at least 1); use e.g. 6")
+    if out.fine("server.workers", "server.max_streams"):
+        out.between(
+            s.max_streams < s.workers,
+            ("server.max_streams",
+             f"must be 0 or less than server.workers ({s.workers}): a thread must stay free "
+             f"for unary calls; use at most {s.workers - 1}, or raise server.workers"),
+            ("server.workers",
+             f"must be more than server.max_streams ({s.max_streams}): a thread must stay "
+             f"free for unary calls; use at least {s.max_streams + 1}, or lower "
+             "server.max_streams"))
     out.need(s.max_streams_per_connection >= 0, "server.max_streams_per_connection",
              "must be >= 0 (0 = server.max_streams); use e.g. 4")
     out.need(math.isfinite(s.stream_idle_s) and s.stream_idle_s > 0, "server.stream_idle_s",
@@ -67,9 +115,7 @@ def _server(cfg: Config, out: _Problems) -> None:
 
 def _dram(cfg: Config, out: _Problems) -> None:
     d = cfg.dram
-    out.need(not d.enabled or d.capacity_bytes >= d.page_size_bytes, "dram.capacity_bytes",
-             f"must be >= dram.page_size_bytes ({format_size(d.page_size_bytes)}); use e.g. "
-             "1GiB, or set dram.enabled=false")
+    _capacity(out, "dram", d.enabled, d.capacity_bytes, d.page_size_bytes, "1GiB")
     out.need(d.verify_commits in ("sample", "all", "none"), "dram.verify_commits",
              "must be sample, all or none")
     if d.shm_name:
@@ -79,16 +125,42 @@ def _dram(cfg: Config, out: _Problems) -> None:
             out.append(("dram.shm_name", str(exc)))
 
 
+def _capacity(out: _Problems, tier: str, enabled: bool, capacity_bytes: int,
+              page_size_bytes: int, example: str) -> None:
+    """A tier holds at least one page (checked once its page size is itself valid)."""
+    if not enabled or not _page_ok(page_size_bytes):
+        return
+    out.between(
+        capacity_bytes >= page_size_bytes,
+        (f"{tier}.capacity_bytes",
+         f"must be >= {tier}.page_size_bytes ({format_size(page_size_bytes)}); use e.g. "
+         f"{example}, or set {tier}.enabled=false"),
+        (f"{tier}.page_size_bytes",
+         f"must be <= {tier}.capacity_bytes ({format_size(capacity_bytes)}): the tier holds "
+         f"at least one page; lower it or raise {tier}.capacity_bytes"))
+
+
 def _durations(cfg: Config, out: _Problems) -> None:
     """The server's grace period and the lease timers (the tiers' timers are with their tier)."""
     grace_s = cfg.server.grace_s
     out.need(math.isfinite(grace_s) and grace_s >= 0, "server.grace_s", "must be >= 0; use e.g. 5")
-    notice = cfg.server.drain_notice_s
-    out.need(math.isfinite(notice) and 0 <= notice <= grace_s, "server.drain_notice_s",
-             "must be >= 0 and at most server.grace_s; use e.g. 1")
-    for name in ("lease_timeout_s", "reservation_timeout_s", "sweep_interval_s"):
+    notice_s = cfg.server.drain_notice_s
+    out.need(math.isfinite(notice_s) and notice_s >= 0, "server.drain_notice_s",
+             "must be >= 0; use e.g. 1")
+    if out.fine("server.grace_s", "server.drain_notice_s"):
+        out.between(
+            notice_s <= grace_s,
+            ("server.drain_notice_s",
+             f"must be at most server.grace_s ({grace_s:g}): the notice is part of the grace "
+             "period; lower it or raise server.grace_s"),
+            ("server.grace_s",
+             f"must be at least server.drain_notice_s ({notice_s:g}): the notice is part of "
+             "the grace period; raise it or lower server.drain_notice_s"))
+    for name, example in (("lease_timeout_s", 30), ("reservation_timeout_s", 30),
+                          ("sweep_interval_s", 0.5)):
         value = getattr(cfg.leases, name)
-        out.need(math.isfinite(value) and value > 0, f"leases.{name}", "must be > 0; use e.g. 30")
+        out.need(math.isfinite(value) and value > 0, f"leases.{name}",
+                 f"must be > 0; use e.g. {example}")
 
 
 def _hbm(cfg: Config, out: _Problems) -> None:
@@ -99,18 +171,20 @@ def _hbm(cfg: Config, out: _Problems) -> None:
     out.need(h.device >= 0, "hbm.device", "must be >= 0")
 
 
+def _page_ok(page_size_bytes: int) -> bool:
+    return page_size_bytes >= 4 * KiB and page_size_bytes & (page_size_bytes - 1) == 0
+
+
 def _page_sizes(cfg: Config, out: _Problems) -> None:
     for path, page in (("dram.page_size_bytes", cfg.dram.page_size_bytes),
                        ("hbm.page_size_bytes", cfg.hbm.page_size_bytes),
                        ("nvme.page_size_bytes", cfg.nvme.page_size_bytes)):
-        out.need(page >= 4 * KiB and page & (page - 1) == 0, path,
-                 "must be a power of two >= 4KiB; use e.g. 64KiB")
+        out.need(_page_ok(page), path, "must be a power of two >= 4KiB; use e.g. 64KiB")
 
 
 def _nvme(cfg: Config, out: _Problems) -> None:
     n = cfg.nvme
-    out.need(not n.enabled or n.capacity_bytes >= n.page_size_bytes, "nvme.capacity_bytes",
-             "must be >= nvme.page_size_bytes; use e.g. 64GiB, or set nvme.enabled=false")
+    _capacity(out, "nvme", n.enabled, n.capacity_bytes, n.page_size_bytes, "64GiB")
     out.need(n.backend in ("auto", "kvikio", "posix"), "nvme.backend",
              "must be auto, kvikio or posix")
     out.need(1 <= n.io_threads <= 256, "nvme.io_threads", "must be 1..256; use e.g. 4")
@@ -118,18 +192,31 @@ def _nvme(cfg: Config, out: _Problems) -> None:
              "must be exclusive or inclusive")
     out.need(n.admit_min_seen >= 1, "nvme.admit_min_seen",
              "must be >= 1 (1 = admit every block)")
-    out.need(n.compact_after_records >= 1, "nvme.compact_after_records", "must be >= 1")
+    out.need(n.compact_after_records >= 1, "nvme.compact_after_records",
+             "must be >= 1; use e.g. 100000")
 
 
 def _movers(cfg: Config, out: _Problems) -> None:
     mv = cfg.movers
-    out.need(0 < mv.low_watermark < mv.high_watermark <= 1, "movers.low_watermark",
-             "must satisfy 0 < movers.low_watermark < movers.high_watermark <= 1; "
-             "use 0.75 and 0.9")
+    high, low = mv.high_watermark, mv.low_watermark
+    out.need(0 < high <= 1, "movers.high_watermark",
+             "must be in (0, 1]: a share of the tier's capacity; use e.g. 0.9")
+    out.need(0 < low < 1, "movers.low_watermark",
+             "must be in (0, 1): a share of the tier's capacity; use e.g. 0.75")
+    if out.fine("movers.high_watermark", "movers.low_watermark"):
+        out.between(
+            low < high,
+            ("movers.low_watermark",
+             f"must be below movers.high_watermark ({high:g}): the mover demotes from the "
+             "high watermark down to the low one; lower it or raise movers.high_watermark"),
+            ("movers.high_watermark",
+             f"must be above movers.low_watermark ({low:g}): the mover demotes from the "
+             "high watermark down to the low one; raise it or lower movers.low_watermark"))
     out.need(mv.batch_bytes >= 1, "movers.batch_bytes", "must be > 0; use e.g. 64MiB")
-    for name in ("put_wait_s", "interval_s"):
-        value = getattr(mv, name)
-        out.need(math.isfinite(value) and value >= 0, f"movers.{name}", "must be >= 0")
+    out.need(math.isfinite(mv.put_wait_s) and mv.put_wait_s >= 0, "movers.put_wait_s",
+             "must be >= 0 (0 = evict at once); use e.g. 0.5")
+    out.need(math.isfinite(mv.interval_s) and mv.interval_s > 0, "movers.interval_s",
+             "must be > 0 (0 would keep the mover spinning); use e.g. 0.1")
 
 
 def _remote(cfg: Config, out: _Problems) -> None:
