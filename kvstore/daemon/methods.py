@@ -61,6 +61,7 @@ def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
             response_serializer=pb.PrewarmProgress.SerializeToString),
         "Drain": unary(s.Drain, pb.DrainRequest, pb.DrainResponse),
         "Attach": unary(s.Attach, pb.AttachRequest, pb.AttachResponse),
+        "Limits": unary(s.Limits, pb.LimitsRequest, pb.LimitsResponse),
     }
     declared = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
     if set(table) != declared:  # the .proto grew a method this table does not serve

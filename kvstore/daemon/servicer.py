@@ -76,9 +76,8 @@ class KVStoreServicer:
 
     def _admit(self, request: Any, method: str) -> Any:
         """The request, parsed, if the daemon takes new calls of this method: while draining
-        only Release (readers must be able to let go), Stats (operators watch) and Drain
-        are."""
-        if self.draining.is_set() and method not in ("Release", "Stats", "Drain"):
+        only Release (readers must let go), Stats, Limits and Drain are."""
+        if self.draining.is_set() and method not in ("Release", "Stats", "Drain", "Limits"):
             raise Unavailable("the daemon is draining (it is stopping): retry on another "
                               "replica or after its restart")
         return parsed(request)
@@ -381,6 +380,10 @@ class KVStoreServicer:
                                      unix_socket=socket_path,
                                      expires_in_ms=int(ATTACH_TICKET_S * 1000))
         return self._unary("Attach", context, run, request)
+
+    def Limits(self, request: pb.LimitsRequest,
+               context: grpc.ServicerContext) -> pb.LimitsResponse:
+        return self._unary("Limits", context, lambda caller: self.verbs.limits(), request)
 
     def _stats_response(self, s: StoreStats, include_config: bool,
                         caller: Caller) -> pb.StatsResponse:

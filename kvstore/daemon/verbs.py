@@ -19,6 +19,7 @@ from kvstore.core.prefixhits import MAX_BLOCK_TOKENS
 from kvstore.core.records import ReadResult
 from kvstore.daemon.auth import Caller
 from kvstore.daemon.store import Store
+from kvstore.keys import KEY_BYTES, MAX_NAMESPACE_BYTES
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
 MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages that long
@@ -39,6 +40,29 @@ class Verbs:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.config = store.config
+
+    def limits(self) -> pb.LimitsResponse:
+        """What a client must respect and what the daemon offers (the Limits verb)."""
+        c = self.config
+        return pb.LimitsResponse(
+            contract="kvstore.v1",
+            max_message_bytes=c.server.max_message_bytes,
+            chunk_bytes=c.server.chunk_bytes,
+            max_batch_keys=c.server.max_batch_keys,
+            max_object_bytes=c.server.max_object_bytes,
+            max_response_bytes=c.server.max_response_bytes,
+            key_bytes=KEY_BYTES,
+            max_namespace_bytes=MAX_NAMESPACE_BYTES,
+            default_lease_ms=_ms(c.leases.lease_timeout_s),
+            max_lease_ms=MAX_LEASE_S * 1000,
+            reservation_timeout_ms=_ms(c.leases.reservation_timeout_s),
+            max_pin_ms=_ms(c.clients.max_pin_s),
+            stream_idle_ms=_ms(c.server.stream_idle_s),
+            max_block_tokens=MAX_BLOCK_TOKENS,
+            shared_memory=self.store.dram is not None,
+            unix_socket=c.server.unix_socket if self.store.dram is not None else "",
+            auth_mode=c.auth.mode,
+        )
 
     def lookup(self, caller: Caller, request: pb.LookupRequest) -> pb.LookupResponse:
         caller.data(request.namespace)
@@ -129,3 +153,7 @@ class Verbs:
     def release(self, caller: Caller, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         owner = caller.client if self.store.auth.on else None
         return pb.ReleaseResponse(released=self.store.release(request.ids, owner))
+
+
+def _ms(seconds: float) -> int:
+    return min(int(seconds * 1000), (1 << 32) - 1)

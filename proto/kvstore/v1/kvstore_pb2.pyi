@@ -27,6 +27,48 @@ TIER_REMOTE: Tier
 GET_MODE_INLINE: GetMode
 GET_MODE_SHARED_MEMORY: GetMode
 
+class LimitsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LimitsResponse(_message.Message):
+    __slots__ = ("contract", "max_message_bytes", "chunk_bytes", "max_batch_keys", "max_object_bytes", "max_response_bytes", "key_bytes", "max_namespace_bytes", "default_lease_ms", "max_lease_ms", "reservation_timeout_ms", "max_pin_ms", "stream_idle_ms", "max_block_tokens", "shared_memory", "unix_socket", "auth_mode")
+    CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OBJECT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NAMESPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIN_MS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    AUTH_MODE_FIELD_NUMBER: _ClassVar[int]
+    contract: str
+    max_message_bytes: int
+    chunk_bytes: int
+    max_batch_keys: int
+    max_object_bytes: int
+    max_response_bytes: int
+    key_bytes: int
+    max_namespace_bytes: int
+    default_lease_ms: int
+    max_lease_ms: int
+    reservation_timeout_ms: int
+    max_pin_ms: int
+    stream_idle_ms: int
+    max_block_tokens: int
+    shared_memory: bool
+    unix_socket: str
+    auth_mode: str
+    def __init__(self, contract: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_batch_keys: _Optional[int] = ..., max_object_bytes: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., key_bytes: _Optional[int] = ..., max_namespace_bytes: _Optional[int] = ..., default_lease_ms: _Optional[int] = ..., max_lease_ms: _Optional[int] = ..., reservation_timeout_ms: _Optional[int] = ..., max_pin_ms: _Optional[int] = ..., stream_idle_ms: _Optional[int] = ..., max_block_tokens: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., auth_mode: _Optional[str] = ...) -> None: ...
+
 class Extent(_message.Message):
     __slots__ = ("offset", "length")
     OFFSET_FIELD_NUMBER: _ClassVar[int]

@@ -104,6 +104,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttachResponse.FromString,
                 _registered_method=True)
+        self.Limits = channel.unary_unary(
+                '/kvstore.v1.KVStore/Limits',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -224,6 +229,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Limits(self, request, context):
+        """The limits a client must respect and what this daemon offers, typed: ask once after
+        connecting (any authenticated caller; no namespace). The values are the daemon's config
+        in effect and do not change while it runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -296,6 +310,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Attach,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttachResponse.SerializeToString,
+            ),
+            'Limits': grpc.unary_unary_rpc_method_handler(
+                    servicer.Limits,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -676,6 +695,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Attach',
             kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Limits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Limits',
+            kvstore_dot_v1_dot_kvstore__pb2.LimitsRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.LimitsResponse.FromString,
             options,
             channel_credentials,
             insecure,
