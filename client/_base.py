@@ -23,11 +23,13 @@ from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 from . import _requests as rq
+from . import results as res
 from ._shm import ShmState
 from ._target import with_default_port
 from ._wire import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
+    FRAME_SLACK_BYTES,
     GET_METHOD,
     PUT_METHOD,
     check_client_args,
@@ -86,6 +88,7 @@ class ClientBase(ABC):
         keep_freed_buffers()  # once per process: bulk copies into fresh buffers run at speed
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
         self.verify_checksums = verify_checksums
         self.retry = retry if retry is not None else Retry()
         secret = resolve_token(token)
@@ -110,6 +113,8 @@ class ClientBase(ABC):
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._shm = ShmState(shared_memory, socket_path, timeout_s)
+        self._limits: res.Limits | None = None  # the daemon's, asked once (Limits)
+        self._no_limits = False  # the daemon predates the Limits verb
         self._closed = False
 
     @staticmethod
@@ -119,6 +124,30 @@ class ClientBase(ABC):
     ) -> Any:
         """The channel the stubs run on: grpc's blocking one, or grpc.aio's; TLS with
         security, else plaintext."""
+
+    def _put_chunk(self, header: pb.PutRequest) -> int:
+        """Data bytes per inline Put message: chunk_bytes, at most the daemon's chunk_bytes,
+        and small enough that the first message (header and data) fits its
+        max_message_bytes (from Limits once asked; a daemon without the verb: chunk_bytes)."""
+        limits = self._limits
+        if limits is None or not limits.chunk_bytes:
+            return self.chunk_bytes
+        room = limits.max_message_bytes - header.ByteSize() - FRAME_SLACK_BYTES
+        return max(1, min(self.chunk_bytes, limits.chunk_bytes, int(room)))
+
+    def _keep_limits(self, response: pb.LimitsResponse | None) -> res.Limits | None:
+        """Cache the daemon's limits (None: it predates the verb) and check this client can
+        receive its inline Get messages."""
+        if response is None:
+            return None
+        limits = res.limits_result(response)
+        if limits.chunk_bytes + FRAME_SLACK_BYTES > self.max_message_bytes:
+            logger.warning(
+                "the daemon sends inline Get messages of up to %d bytes, over this client's "
+                "max_message_bytes %d: pass max_message_bytes=%d or more",
+                limits.chunk_bytes, self.max_message_bytes, limits.max_message_bytes)
+        self._limits = limits
+        return limits
 
     @property
     def uses_shared_memory(self) -> bool | None:

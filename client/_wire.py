@@ -30,6 +30,8 @@ T = TypeVar("T")
 
 DEFAULT_CHUNK_BYTES = 4 * MiB
 DEFAULT_MAX_MESSAGE_BYTES = 16 * MiB
+#: Bytes of protobuf framing around a data message's payload (tag, length varint), with room.
+FRAME_SLACK_BYTES = 64
 PUT_METHOD = "/kvstore.v1.KVStore/Put"
 GET_METHOD = "/kvstore.v1.KVStore/Get"
 HEALTH_SERVICE = ""

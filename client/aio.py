@@ -37,7 +37,7 @@ from ._wire import (
     put_frames,
 )
 from .credentials import ChannelSecurity
-from .errors import DataLoss, FailedPrecondition, from_rpc_error
+from .errors import DataLoss, FailedPrecondition, KVStoreError, from_rpc_error
 
 __all__ = ["AsyncKVStoreClient"]
 
@@ -135,10 +135,9 @@ class AsyncKVStoreClient(ClientBase):
             except FailedPrecondition as exc:
                 self._shm.fall_back(exc)
         header = plan.inline_header()
+        chunk = self._put_chunk(header) if await self._limits_or_none() else self.chunk_bytes
         response: pb.PutResponse = await self._rpc(
-            lambda: self._put(
-                put_frames(header, plan.payloads, self.chunk_bytes), timeout=self.timeout_s
-            )
+            lambda: self._put(put_frames(header, plan.payloads, chunk), timeout=self.timeout_s)
         )
         return res.put_result(response)
 
@@ -283,6 +282,27 @@ class AsyncKVStoreClient(ClientBase):
             return res.PinResult(changed=0, missing=0)
         request = pb.PinRequest(namespace=self.namespace, keys=key_list)
         return res.pin_result(await self._rpc(lambda: method(request, timeout=self.timeout_s)))
+
+    async def limits(self) -> res.Limits:
+        """See KVStoreClient.limits."""
+        if self._limits is None:
+            request = pb.LimitsRequest()
+            response: pb.LimitsResponse = await self._rpc(
+                lambda: self._stub.Limits(request, timeout=self.timeout_s))
+            self._keep_limits(response)
+        assert self._limits is not None
+        return self._limits
+
+    async def _limits_or_none(self) -> res.Limits | None:
+        """See KVStoreClient._limits_or_none."""
+        if self._limits is None and not self._no_limits:
+            try:
+                await self.limits()
+            except KVStoreError as exc:
+                if exc.code is not grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._no_limits = True
+        return self._limits
 
     async def stats(
         self, *, include_config: bool = False, namespace: str | None = None

@@ -183,6 +183,33 @@ def put_result(resp: pb.PutResponse) -> PutResult:
     return PutResult(stored=resp.stored, existing=resp.existing, evicted=resp.evicted)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the daemon takes and offers (the Limits verb; LimitsResponse field for field)."""
+
+    contract: str
+    max_message_bytes: int
+    chunk_bytes: int
+    max_batch_keys: int
+    max_object_bytes: int
+    max_response_bytes: int
+    key_bytes: int
+    max_namespace_bytes: int
+    default_lease_ms: int
+    max_lease_ms: int
+    reservation_timeout_ms: int
+    max_pin_ms: int
+    stream_idle_ms: int
+    max_block_tokens: int
+    shared_memory: bool
+    unix_socket: str
+    auth_mode: str
+
+
+def limits_result(resp: pb.LimitsResponse) -> Limits:
+    return Limits(**{f.name: getattr(resp, f.name) for f in fields(Limits)})
+
+
 def lookup_result(resp: pb.LookupResponse) -> LookupResult:
     return LookupResult(
         prefix_length=resp.prefix_length, tiers=list(map(TIER_NAMES.get, resp.tiers))

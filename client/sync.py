@@ -39,7 +39,7 @@ from ._wire import (
     put_frames,
 )
 from .credentials import ChannelSecurity
-from .errors import DataLoss, FailedPrecondition, from_rpc_error
+from .errors import DataLoss, FailedPrecondition, KVStoreError, from_rpc_error
 
 __all__ = ["KVStoreClient"]
 
@@ -159,9 +159,10 @@ class KVStoreClient(ClientBase):
             except FailedPrecondition as exc:
                 self._shm.fall_back(exc)
         header = plan.inline_header()
+        chunk = self._put_chunk(header) if self._limits_or_none() else self.chunk_bytes
         response: pb.PutResponse = self._rpc(
             lambda: self._put(
-                put_frames(header, plan.payloads, self.chunk_bytes), timeout=self.timeout_s
+                put_frames(header, plan.payloads, chunk), timeout=self.timeout_s
             )
         )
         return res.put_result(response)
@@ -311,6 +312,27 @@ class KVStoreClient(ClientBase):
             return res.PinResult(changed=0, missing=0)
         request = pb.PinRequest(namespace=self.namespace, keys=key_list)
         return res.pin_result(self._rpc(lambda: method(request, timeout=self.timeout_s)))
+
+    def limits(self) -> res.Limits:
+        """The daemon's limits and what it offers (the Limits verb), asked once and kept."""
+        if self._limits is None:
+            request = pb.LimitsRequest()
+            response: pb.LimitsResponse = self._rpc(
+                lambda: self._stub.Limits(request, timeout=self.timeout_s))
+            self._keep_limits(response)
+        assert self._limits is not None
+        return self._limits
+
+    def _limits_or_none(self) -> res.Limits | None:
+        """limits(), or None from a daemon that predates the verb (UNIMPLEMENTED)."""
+        if self._limits is None and not self._no_limits:
+            try:
+                self.limits()
+            except KVStoreError as exc:
+                if exc.code is not grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._no_limits = True
+        return self._limits
 
     def stats(self, *, include_config: bool = False, namespace: str | None = None) -> res.Stats:
         """Daemon-wide stats; hits/misses filtered to `namespace` when one is given."""
