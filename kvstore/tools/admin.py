@@ -17,6 +17,7 @@
       drain [--wait]                       stop the daemon gracefully, as SIGTERM does; --wait
                                            until it has exited
       config                               the daemon's configuration in effect
+      limits                               what a client must respect (the Limits verb)
 
 Global options (kvstore.tools.admin_options): --target HOST[:PORT] (KVSTORE_TARGET, else
 127.0.0.1:50051; no port means 50051), --namespace NS (KVSTORE_NAMESPACE), --timeout SECONDS,
@@ -130,6 +131,8 @@ def _add_daemon_commands(sub: argparse._SubParsersAction[opt.CommandParser],
     drain.add_argument("--wait", action="store_true", help="until the daemon has exited")
 
     sub.add_parser("config", parents=[common], help="the daemon's configuration in effect")
+    sub.add_parser("limits", parents=[common],
+                   help="what a client must respect: message, chunk and batch sizes, leases")
 
 
 def _print_json(data: Any) -> None:
@@ -332,6 +335,17 @@ def cmd_config(client: KVStoreClient, args: argparse.Namespace, console: Console
     return EXIT_OK
 
 
+def cmd_limits(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
+    limits = asdict(client.limits())
+    if args.json:
+        _print_json(limits)
+        return EXIT_OK
+    for name, value in limits.items():
+        shown = format_size(value) if name.endswith("_bytes") and name != "key_bytes" else value
+        console.print(f"{name:<24} {shown}")
+    return EXIT_OK
+
+
 Command = Callable[[KVStoreClient, argparse.Namespace, Console], int]
 COMMANDS: dict[str, Command] = {
     "stats": cmd_stats,
@@ -344,6 +358,7 @@ COMMANDS: dict[str, Command] = {
     "health": cmd_health,
     "drain": cmd_drain,
     "config": cmd_config,
+    "limits": cmd_limits,
 }
 _NEEDS_NAMESPACE = frozenset({"lookup", "pin", "unpin", "hot"})
 

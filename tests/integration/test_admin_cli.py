@@ -185,6 +185,14 @@ def test_evict_bytes_takes_the_least_recently_used(daemon: Daemon, kv: KVStoreCl
         assert other.get([keys[0]]) == [b"another namespace"]
 
 
+def test_limits_shows_what_a_client_must_respect(daemon: Daemon) -> None:
+    limits = json.loads(ok(admin(daemon.target, "limits", "--json")))
+    assert limits["contract"] == "kvstore.v1" and limits["key_bytes"] == 32
+    assert limits["max_message_bytes"] == 8 << 20 and limits["chunk_bytes"] == 4 << 20
+    table = ok(admin(daemon.target, "limits"))
+    assert "max_message_bytes" in table and "8.0 MiB" in table
+
+
 def test_config_json_is_the_effective_config(daemon: Daemon, kv: KVStoreClient) -> None:
     """Settings left to the daemon ("", auto, 0) show what it chose: the segment it created,
     the L3 backend it opened, whether L1 is on, the stream caps it derived."""
