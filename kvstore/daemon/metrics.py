@@ -176,10 +176,3 @@ class Metrics:
             StoreCollector(store),
         ):
             self.registry.register(collector)
-
-
-def store_metrics(store: Store) -> Metrics:
-    """The metrics of an open store (Metrics().watch_store(store))."""
-    metrics = Metrics()
-    metrics.watch_store(store)
-    return metrics

@@ -21,7 +21,7 @@ import pytest
 from kvstore.core.errors import FailedPrecondition
 from kvstore.daemon.collectors import LOADS_COALESCED
 from kvstore.daemon.config import load_config
-from kvstore.daemon.metrics import store_metrics
+from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier
@@ -90,7 +90,9 @@ def stat(store: Store, tier: str, field: str) -> int:
 
 def loads_coalesced(store: Store) -> float:
     """Loads joined instead of started, as a scrape of the store's metrics shows them."""
-    text = store_metrics(store).render().decode()
+    metrics = Metrics()
+    metrics.watch_store(store)
+    text = metrics.render().decode()
     (line,) = [row for row in text.splitlines() if row.startswith(f"{LOADS_COALESCED} ")]
     return float(line.split()[1])
 
