@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from kvstore.core.errors import ResourceExhausted
+from kvstore.core.errors import Reason, ResourceExhausted
 from kvstore.keys import BlockKey
 from kvstore.units import format_size
 
@@ -95,25 +95,30 @@ class Holdings:
         if leases and held.leases + leases > caps.leases:
             raise ResourceExhausted(
                 f"this client ({client}) holds {held.leases} leases, the most one client may "
-                "(clients.max_leases): Release some, or let them expire")
+                "(clients.max_leases): Release some, or let them expire", Reason.QUOTA_EXCEEDED,
+                limit=caps.leases, setting="clients.max_leases")
         if reservations and held.reservations + reservations > caps.reservations:
             raise ResourceExhausted(
                 f"this client ({client}) has {held.reservations} reservations and puts in "
                 "flight, the most one client may (clients.max_reservations): commit or "
-                "release some first")
+                "release some first", Reason.QUOTA_EXCEEDED, limit=caps.reservations,
+                setting="clients.max_reservations")
         if (reserved_bytes and held.reservations  # a client with none may always take one
                 and held.reserved_bytes + reserved_bytes > caps.reserved_bytes):
             raise ResourceExhausted(
                 f"sizes: {format_size(reserved_bytes)} more would make this client ({client}) "
                 f"hold {format_size(held.reserved_bytes + reserved_bytes)} of reservations and "
                 f"puts in flight, over {format_size(int(caps.reserved_bytes))} "
-                "(clients.max_reserved_share of dram.capacity_bytes)")
+                "(clients.max_reserved_share of dram.capacity_bytes)", Reason.QUOTA_EXCEEDED,
+                field="sizes", limit=int(caps.reserved_bytes),
+                setting="clients.max_reserved_share")
         if pinned_bytes and held.pinned_bytes + pinned_bytes > caps.pinned_bytes:
             raise ResourceExhausted(
                 f"keys: pinning {format_size(pinned_bytes)} more would make this client "
                 f"({client}) pin {format_size(held.pinned_bytes + pinned_bytes)}, over "
                 f"{format_size(int(caps.pinned_bytes))} (clients.max_pinned_share of "
-                "dram.capacity_bytes): unpin some first")
+                "dram.capacity_bytes): unpin some first", Reason.QUOTA_EXCEEDED, field="keys",
+                limit=int(caps.pinned_bytes), setting="clients.max_pinned_share")
 
     # --- pins ------------------------------------------------------------------------------
 

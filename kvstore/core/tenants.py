@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.core.errors import PermissionDenied
+from kvstore.core.errors import PermissionDenied, Reason
 from kvstore.extents import Arena
 from kvstore.units import format_size, parse_size
 
@@ -57,12 +57,12 @@ class Tenant:
             owned = ", ".join(repr(p) for p in self.namespaces) or "none"
             raise PermissionDenied(
                 f"{field_name} {namespace!r}: tenant {self.name!r} owns the namespace "
-                f"prefixes {owned}")
+                f"prefixes {owned}", Reason.NOT_OWNER, field=field_name)
 
     def check_admin(self, what: str) -> None:
         if not self.admin:
             raise PermissionDenied(f"{what} needs role admin; tenant {self.name!r} is "
-                                   f"{self.role}")
+                                   f"{self.role}", Reason.ROLE_DENIED)
 
 
 #: Everything, for auth.mode=off: one trusted tenant (the name "" marks it).

@@ -29,9 +29,11 @@ from typing import TypeVar
 from urllib.parse import unquote
 
 import grpc
+from google.rpc import status_pb2
 
-from kvstore.core.errors import ResourceExhausted
+from kvstore.core.errors import Reason, ResourceExhausted
 from kvstore.daemon.config import Config, ServerConfig
+from kvstore.daemon.faults import IDLE_SETTING, error_status
 
 T = TypeVar("T")
 
@@ -61,7 +63,7 @@ def client_stream_cap(config: Config) -> int:
 class Stream:
     """One streaming call in flight, and since when (if at all) it waits on its client."""
 
-    __slots__ = ("client", "_context", "waiting_since", "longest_wait_s", "aborted")
+    __slots__ = ("client", "_context", "waiting_since", "longest_wait_s", "aborted", "_why")
 
     def __init__(self, client: str, context: grpc.ServicerContext) -> None:
         self.client = client  # client_of its peer: whom its put or lease is charged to
@@ -69,6 +71,8 @@ class Stream:
         self.waiting_since: float | None = None
         self.longest_wait_s = 0.0
         self.aborted = False  # by the reaper: its client sees ABORTED
+        self._why = error_status(grpc.StatusCode.ABORTED, IDLE_SETTING, Reason.STREAM_IDLE,
+                                 {"setting": IDLE_SETTING})
 
     def receive(self, messages: Iterable[T]) -> Iterator[T]:
         """messages (the request stream), each wait for the next one counted as idle."""
@@ -100,10 +104,18 @@ class Stream:
             self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - since)
         self.waiting_since = None
 
-    def abort(self, details: str) -> None:
+    def idle_status(self) -> status_pb2.Status:
+        """What the call ends with once aborted idle: ABORTED, reason STREAM_IDLE."""
+        return self._why
+
+    def abort(self, details: str, idle_s: float) -> None:
         """End the call now with ABORTED (details as its message). gRPC's public cancel()
         carries no status, so the call's own cancel(code, details) is used where grpc has
-        it (the client then reads why), the public one where not."""
+        it (the client then reads why), the public one where not. A cancel sends no
+        trailing metadata, so this ABORTED carries no ErrorInfo: a client reads an ABORTED
+        without details whose message names server.stream_idle_s as STREAM_IDLE."""
+        self._why = error_status(grpc.StatusCode.ABORTED, details, Reason.STREAM_IDLE,
+                                 {"setting": IDLE_SETTING, "limit": f"{idle_s:g}"})
         self.aborted = True
         call = getattr(getattr(self._context, "_rpc_event", None), "call", None)
         try:
@@ -140,16 +152,20 @@ class StreamSlots:
             if len(self._streams) >= self.limit:
                 raise ResourceExhausted(
                     f"{len(self._streams)} streams are in flight, the most the daemon runs at "
-                    "once (server.max_streams): retry shortly, or raise server.workers")
+                    "once (server.max_streams): retry shortly, or raise server.workers",
+                    Reason.TOO_MANY_STREAMS, limit=self.limit, setting="server.max_streams")
             if self._by_peer.get(peer, 0) >= self.per_connection:
                 raise ResourceExhausted(
                     f"this connection has {self.per_connection} streams in flight "
-                    "(server.max_streams_per_connection): finish or cancel one first")
+                    "(server.max_streams_per_connection): finish or cancel one first",
+                    Reason.TOO_MANY_STREAMS, limit=self.per_connection,
+                    setting="server.max_streams_per_connection")
             client = client if client is not None else client_of(peer)
             if self._by_client.get(client, 0) >= self.per_client:
                 raise ResourceExhausted(
                     f"this client ({client}) has {self.per_client} streams in flight, the "
-                    "most one client may (clients.max_streams): finish or cancel one first")
+                    "most one client may (clients.max_streams): finish or cancel one first",
+                    Reason.TOO_MANY_STREAMS, limit=self.per_client, setting="clients.max_streams")
             stream = Stream(client, context)
             self._streams.add(stream)
             _count(self._by_peer, peer, 1)
@@ -170,7 +186,7 @@ class StreamSlots:
                     and now - s.waiting_since > self.idle_s]
         for stream in idle:
             stream.abort(f"the stream sent or took nothing for {self.idle_s:g} s "
-                         "(server.stream_idle_s); its pages and lease were let go")
+                         "(server.stream_idle_s); its pages and lease were let go", self.idle_s)
         return len(idle)
 
     def reap_forever(self, stop: threading.Event) -> None:

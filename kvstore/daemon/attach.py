@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.core.errors import ResourceExhausted, StartupError
+from kvstore.core.errors import Reason, ResourceExhausted, StartupError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ class Tickets:
             if mine >= MAX_TICKETS_PER_TENANT or len(self._tickets) >= MAX_TICKETS:
                 raise ResourceExhausted(
                     f"tenant {tenant!r} holds {mine} unused Attach tickets; redeem them on "
-                    "the Unix socket or wait for them to expire")
+                    "the Unix socket or wait for them to expire", Reason.QUOTA_EXCEEDED,
+                    limit=MAX_TICKETS_PER_TENANT if mine >= MAX_TICKETS_PER_TENANT
+                    else MAX_TICKETS)
             ticket = secrets.token_urlsafe(32)
             self._tickets[ticket] = (tenant, now + ATTACH_TICKET_S)
         return ticket
@@ -132,16 +134,19 @@ class AttachSocket:
             with conn:
                 if self._arena_fds is None:
                     _send(conn, {"error": "auth.mode is off: attach the named segment "
-                                          "(StatsResponse.shm_name) instead"}, [])
+                                          "(StatsResponse.shm_name) instead",
+                                 "reason": Reason.FEATURE_OFF}, [])
                     return
                 tenant = self._tickets.redeem(ticket) if ticket else None
                 if tenant is None:
                     _send(conn, {"error": "unknown, used or expired ticket (call Attach "
-                                          "again, and redeem it within 30 s)"}, [])
+                                          "again, and redeem it within 30 s)",
+                                 "reason": Reason.UNAUTHENTICATED}, [])
                     return
                 arenas = self._arena_fds(tenant)
                 if not arenas:
-                    _send(conn, {"error": f"tenant {tenant!r} has no shared-memory arena"}, [])
+                    _send(conn, {"error": f"tenant {tenant!r} has no shared-memory arena",
+                                 "reason": Reason.FEATURE_OFF}, [])
                     return
                 _send(conn, {"arenas": [{"name": n, "size_bytes": size}
                                         for n, _, size in arenas]},

@@ -1,7 +1,9 @@
 """How the daemon answers a call that fails: the one map from the store's typed errors to
-gRPC status codes (`status_for`), error texts cut to a bound (they echo client input),
-requests whose bytes do not parse (`decoder`: INVALID_ARGUMENT, never gRPC's INTERNAL), and
-the log of client faults, rate-limited (`FaultLog`)."""
+gRPC status codes (`status_for`) and to the google.rpc.Status sent with them (`described`:
+the code, the message and one google.rpc.ErrorInfo, its reason and metadata, in the
+`grpc-status-details-bin` trailer; `abort` sends it), error texts cut to a bound (they echo
+client input), requests whose bytes do not parse (`decoder`: INVALID_ARGUMENT, never gRPC's
+INTERNAL), and the log of client faults, rate-limited (`FaultLog`)."""
 
 from __future__ import annotations
 
@@ -9,18 +11,24 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
 
 import grpc
+from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from kvstore.core.errors import (
+    DOMAIN,
     Aborted,
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
+    Reason,
     ResourceExhausted,
+    StoreError,
     Unauthenticated,
     Unavailable,
 )
@@ -37,6 +45,7 @@ _STATUS = {
 }
 
 
+IDLE_SETTING = "server.stream_idle_s"
 MAX_MESSAGE_CHARS = 512  # of an error's text: it echoes client input, and goes in metadata
 
 
@@ -72,6 +81,37 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             return code, bounded(str(exc))
     log.error("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(exc).__name__}: {exc}")
+
+
+def described(exc: BaseException) -> status_pb2.Status:
+    """The google.rpc.Status a failed call is answered with: status_for's code and message,
+    and one ErrorInfo (the error's reason and metadata; INTERNAL for anything unexpected)."""
+    code, message = status_for(exc)
+    if isinstance(exc, StoreError) and code is not grpc.StatusCode.INTERNAL:
+        return error_status(code, message, exc.reason, exc.metadata)
+    return error_status(code, message, Reason.INTERNAL)
+
+
+def error_status(code: grpc.StatusCode, message: str, reason: str,
+                 metadata: Mapping[str, str] | None = None) -> status_pb2.Status:
+    """A google.rpc.Status carrying one ErrorInfo of domain kvstore.v1."""
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN,
+                                          metadata=dict(metadata or {})))
+    return status_pb2.Status(code=code.value[0], message=message, details=[info])
+
+
+def code_of(status: status_pb2.Status) -> grpc.StatusCode:
+    return _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+
+
+def abort(context: grpc.ServicerContext, status: status_pb2.Status) -> NoReturn:
+    """End the call with status, its details in the grpc-status-details-bin trailer."""
+    context.abort_with_status(rpc_status.to_status(status))
+    raise AssertionError("abort_with_status returned")  # it raises; this keeps mypy honest
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def bounded(message: str) -> str:

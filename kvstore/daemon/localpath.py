@@ -6,9 +6,11 @@ client on this host may send its hot verbs over the socket instead. Same message
 checks, same answers as over gRPC (the logic is `kvstore.daemon.verbs`, shared); gRPC stays
 the complete contract and every verb works over it alone.
 
-Handshake: the client's first line on the socket is `HOT <ticket>\\n` (the ticket from an
-Attach call, auth on; `-` with auth off). The daemon answers one JSON line:
-`{"hot": {"version": 1, "max_frame_bytes": N}}`, or `{"error": "..."}` and closes.
+Handshake: the client's first line on the socket is `HOT <ticket>\\n` or
+`HOT <ticket> status\\n` (the ticket from an Attach call, auth on; `-` with auth off;
+`status`: error replies carry a google.rpc.Status). The daemon answers one JSON line:
+`{"hot": {"version": 1, "max_frame_bytes": N, "status_details": bool}}`, or
+`{"error": "...", "reason": "..."}` (an ErrorInfo reason) and closes.
 
 Frames, little-endian, one request answered before the next is read:
 
@@ -17,7 +19,9 @@ Frames, little-endian, one request answered before the next is read:
 
 verb: 1 Lookup, 2 Get (SHARED_MEMORY only), 3 Reserve, 4 Put (a commit: reservation_id),
 5 Release. status 0: the bytes are the verb's response message; else a gRPC status code and
-the bytes are the error message (UTF-8). flags bit 0: the daemon closes the session after
+the bytes are the error: with flags bit 1 (a session opened with `status`) a serialized
+google.rpc.Status (code, message, one ErrorInfo: the same reason and metadata as over gRPC),
+else the message alone (UTF-8). flags bit 0: the daemon closes the session after
 this reply (it reached SESSION_MAX_S: the client opens a new one, with a fresh ticket, so a
 revoked tenant does not keep a session). A frame over max_frame_bytes or an unknown verb is
 answered with an error; a broken frame closes the session.
@@ -35,11 +39,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.core.errors import InvalidArgument, ResourceExhausted, Unauthenticated, Unavailable
+from kvstore.core.errors import (
+    InvalidArgument,
+    Reason,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from kvstore.core.tenants import OPEN
 from kvstore.daemon.attach import Tickets
 from kvstore.daemon.auth import Auth, Caller
-from kvstore.daemon.faults import FaultLog, decoder, parsed, status_for
+from kvstore.daemon.faults import FaultLog, code_of, decoder, described, parsed
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.verbs import Verbs
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
@@ -49,7 +59,8 @@ log = logging.getLogger(__name__)
 VERSION = 1
 REQUEST = struct.Struct("<IB")  # length, verb
 REPLY = struct.Struct("<IBB")  # length, status, flags
-CLOSING = 1
+CLOSING = 1  #: flags bit 0: the session ends after this reply
+STATUS_BODY = 2  #: flags bit 1: the error reply's bytes are a google.rpc.Status
 MAX_SESSIONS = 256  #: local sessions open at once, all clients together
 MAX_SESSIONS_PER_CLIENT = 32  #: per tenant (auth on) or per host (auth off)
 SESSION_MAX_S = 300.0  #: a session is closed after the reply that passes this age
@@ -91,12 +102,15 @@ class LocalSessions:
         return len(self._open)
 
     def open(self, conn: socket.socket, ticket: str) -> bool:
-        """Answer a `HOT <ticket>` handshake; on success the session runs on its own thread
-        and owns conn (True). Else the refusal is sent and the caller closes conn."""
+        """Answer a `HOT <ticket> [status]` handshake; on success the session runs on its
+        own thread and owns conn (True). Else the refusal is sent and the caller closes
+        conn."""
+        ticket, *options = ticket.split() or ["-"]
+        details = "status" in options
         try:
             caller = self._caller(ticket)
         except Unauthenticated as exc:
-            _send_line(conn, {"error": str(exc)})
+            _send_line(conn, {"error": str(exc), "reason": exc.reason})
             return False
         with self._lock:
             mine = sum(1 for c in self._open.values() if c == caller.client)
@@ -109,15 +123,15 @@ class LocalSessions:
                 self._open[conn] = caller.client
                 self._metrics.local_sessions.set(len(self._open))
         if refusal:
-            _send_line(conn, {"error": refusal})
+            _send_line(conn, {"error": refusal, "reason": Reason.TOO_MANY_SESSIONS})
             return False
         try:
-            _send_line(conn, {"hot": {"version": VERSION,
-                                      "max_frame_bytes": self.max_frame_bytes}})
+            _send_line(conn, {"hot": {"version": VERSION, "max_frame_bytes": self.max_frame_bytes,
+                                      "status_details": details}})
         except OSError:
             self._forget(conn)
             return False
-        threading.Thread(target=self._serve, args=(conn, caller), name="local-session",
+        threading.Thread(target=self._serve, args=(conn, caller, details), name="local-session",
                          daemon=True).start()
         return True
 
@@ -151,7 +165,7 @@ class LocalSessions:
             self._open.pop(conn, None)
             self._metrics.local_sessions.set(len(self._open))
 
-    def _serve(self, conn: socket.socket, caller: Caller) -> None:
+    def _serve(self, conn: socket.socket, caller: Caller, details: bool) -> None:
         born = self._clock()
         buffer = bytearray(64 * 1024)
         try:
@@ -162,9 +176,10 @@ class LocalSessions:
                         return
                     verb, body = frame
                     closing = self._clock() - born >= SESSION_MAX_S
-                    status, reply = self._answer(caller, verb, body)
-                    conn.sendall(REPLY.pack(len(reply), status, CLOSING if closing else 0)
-                                 + reply)
+                    status, reply = self._answer(caller, verb, body, details)
+                    flags = (CLOSING if closing else 0) | (STATUS_BODY if status and details
+                                                           else 0)
+                    conn.sendall(REPLY.pack(len(reply), status, flags) + reply)
                     if closing:
                         return
         except (OSError, _Broken) as exc:
@@ -172,29 +187,34 @@ class LocalSessions:
         finally:
             self._forget(conn)
 
-    def _answer(self, caller: Caller, verb: int, body: memoryview | None) -> tuple[int, bytes]:
-        """(status, reply bytes) of one request."""
+    def _answer(self, caller: Caller, verb: int, body: memoryview | None,
+                details: bool = False) -> tuple[int, bytes]:
+        """(status, reply bytes) of one request; an error's bytes are a serialized
+        google.rpc.Status with details, else its message."""
         started = time.perf_counter()
         entry = self._verbs.get(verb)
         method = entry[0] if entry else "Unknown"
         try:
             if body is None:
                 raise ResourceExhausted(f"the frame is over max_frame_bytes "
-                                        f"({self.max_frame_bytes}, server.max_message_bytes)")
+                                        f"({self.max_frame_bytes}, server.max_message_bytes)",
+                                        Reason.MESSAGE_TOO_LARGE, limit=self.max_frame_bytes,
+                                        setting="server.max_message_bytes")
             if entry is None:
-                raise InvalidArgument(f"verb {verb} is not a local verb (1..5)")
+                raise InvalidArgument(f"verb {verb} is not a local verb (1..5)", field="verb")
             if self._draining.is_set() and method != "Release":
                 raise Unavailable("the daemon is draining (it is stopping): retry on another "
-                                  "replica or after its restart")
+                                  "replica or after its restart", Reason.DRAINING)
             if self._auth.on:
                 caller = self._current(caller.tenant.name)
             request = parsed(entry[1](bytes(body)))
             response = entry[2](caller, request)
         except Exception as exc:
-            code, message = status_for(exc)
+            status = described(exc)
+            code = code_of(status)
             self._metrics.observe_local(method, code.name, time.perf_counter() - started)
-            self._faults.fault(method, LOCAL_CLIENT, code, message)
-            return int(code.value[0]), message.encode()
+            self._faults.fault(method, LOCAL_CLIENT, code, status.message)
+            return status.code, status.SerializeToString() if details else status.message.encode()
         self._metrics.observe_local(method, "OK", time.perf_counter() - started)
         return 0, response.SerializeToString()
 

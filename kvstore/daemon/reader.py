@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.core import checks
-from kvstore.core.errors import Aborted, InvalidArgument, ResourceExhausted
+from kvstore.core.errors import Aborted, InvalidArgument, Reason, ResourceExhausted
 from kvstore.core.holdings import Caps
 from kvstore.core.index import Index
 from kvstore.core.records import Entry, ReadResult
@@ -90,7 +90,8 @@ class Reader:
         self.release([result.lease_id])
         raise ResourceExhausted(
             f"keys: the Get would return {format_size(total)}, over server.max_response_bytes "
-            f"({format_size(cap)}); ask for fewer keys per Get")
+            f"({format_size(cap)}); ask for fewer keys per Get", Reason.MESSAGE_TOO_LARGE,
+            field="keys", limit=cap, setting="server.max_response_bytes")
 
     def _lease(self, namespace: str, checked: list[BlockKey], lease_id: str, leased: bool,
                lease_timeout_s: float, loads: dict[BlockKey, Load], client: str) -> ReadResult:
@@ -184,29 +185,31 @@ class Reader:
     ) -> bytes:
         with self._lock:
             if not self._index.leases.has_lease(lease_id):
-                raise Aborted("the read outlived leases.lease_timeout_s and its lease expired")
+                raise Aborted("the read outlived leases.lease_timeout_s and its lease expired",
+                              Reason.ENTRY_VANISHED, setting="leases.lease_timeout_s")
             return copy(views, size)
 
     def release(self, ids: Sequence[str], owner: str | None = None) -> int:
         """End leases and abandon reservations; unknown or expired ids are an error (after
         the known ones are released). With owner, another client's ids count as unknown."""
-        unknown: list[str] = []
+        unknown: list[int] = []  # indexes into ids
         released = 0
         with self._lock:
-            for rid in ids:
+            for i, rid in enumerate(ids):
                 if owner is not None and self._holder_of(rid) not in (owner, None):
-                    unknown.append(rid)
+                    unknown.append(i)
                 elif self._index.leases.release(rid):
                     released += 1
                 elif self._index.plan(rid) is not None:
                     self._index.complete_store(rid, None, success=False)
                     released += 1
                 else:
-                    unknown.append(rid)
+                    unknown.append(i)
         if unknown:
+            named = [ids[i] for i in unknown[:3]]
             raise InvalidArgument(
-                f"ids: {unknown[:3]!r} unknown or expired ({len(unknown)} in all)"
-            )
+                f"ids: {named!r} unknown or expired ({len(unknown)} in all)",
+                Reason.LEASE_EXPIRED, field=f"ids[{unknown[0]}]")
         return released
 
     def _holder_of(self, lease_or_plan_id: str) -> str | None:

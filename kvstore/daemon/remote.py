@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from kvstore.core.blockframe import FrameError, decode, encode
 from kvstore.core.breaker import Breaker
-from kvstore.core.errors import Unavailable
+from kvstore.core.errors import Reason, Unavailable
 from kvstore.core.index import Index
 from kvstore.core.records import Entry, PrewarmState
 from kvstore.daemon.config import RemoteConfig
@@ -117,11 +117,13 @@ class Remote:
         done and why) when the breaker is open or Redis fails now."""
         if not self.breaker.allow():
             raise Unavailable(f"{what}: L4 is down ({self.breaker.last_error}); the breaker "
-                              f"tries Redis again in {self.breaker.retry_in_s:.1f}s")
+                              f"tries Redis again in {self.breaker.retry_in_s:.1f}s",
+                              Reason.REMOTE_DOWN, setting="remote.url")
         failed = object()
         result = self._guard(call, failed)
         if result is failed:
-            raise Unavailable(f"{what}: L4 is down ({self.breaker.last_error})")
+            raise Unavailable(f"{what}: L4 is down ({self.breaker.last_error})",
+                              Reason.REMOTE_DOWN, setting="remote.url")
         return result  # type: ignore[return-value]
 
     def _guard(self, call: Callable[[], T], fallback: T) -> T:

@@ -2,7 +2,8 @@
 
 Thin on purpose: who is calling and what it may touch is decided first
 (`kvstore.daemon.auth`: a Caller's tenant owns the namespace, or its role allows the verb),
-every error is mapped to a status code in one function, `kvstore.daemon.faults.status_for`,
+every error is mapped to a status code and its ErrorInfo reason in one function,
+`kvstore.daemon.faults.described`,
 and Put and Get move their bulk bytes as raw frames (kvstore.proto.frames), registered
 through `kvstore.daemon.methods.handlers()` instead of the generated
 add_KVStoreServicer_to_server.
@@ -25,6 +26,7 @@ from kvstore import __version__
 from kvstore.core.errors import (
     FailedPrecondition,
     InvalidArgument,
+    Reason,
     Unavailable,
 )
 from kvstore.core.records import ReadResult, StoreStats
@@ -32,7 +34,7 @@ from kvstore.daemon.admission import Stream, StreamSlots, client_stream_cap
 from kvstore.daemon.attach import ATTACH_TICKET_S, Tickets
 from kvstore.daemon.auth import Caller
 from kvstore.daemon.config import config_to_dict
-from kvstore.daemon.faults import FaultLog, parsed, status_for
+from kvstore.daemon.faults import FaultLog, abort, code_of, described, parsed
 from kvstore.daemon.localpath import LocalSessions
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
@@ -52,7 +54,7 @@ def _tier(value: int, field: str) -> Tier | None:
     try:
         return Tier(value)
     except ValueError as exc:
-        raise InvalidArgument(f"{field} {value} is not a tier") from exc
+        raise InvalidArgument(f"{field} {value} is not a tier", field=field) from exc
 
 
 class KVStoreServicer:
@@ -79,22 +81,23 @@ class KVStoreServicer:
         only Release (readers must let go), Stats, Limits and Drain are."""
         if self.draining.is_set() and method not in ("Release", "Stats", "Drain", "Limits"):
             raise Unavailable("the daemon is draining (it is stopping): retry on another "
-                              "replica or after its restart")
+                              "replica or after its restart", Reason.DRAINING)
         return parsed(request)
 
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception,
               started: float, stream: Stream | None = None) -> None:
         if stream is not None and stream.aborted:  # idle: the reaper told the client why
             self.metrics.observe_rpc(method, "ABORTED", time.perf_counter() - started)
-            context.abort(grpc.StatusCode.ABORTED, "server.stream_idle_s")
+            abort(context, stream.idle_status())
         if not context.is_active():  # the client went away: a cancellation, not a fault
             self.metrics.observe_rpc(method, "CANCELLED", time.perf_counter() - started)
             context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the call")
-        code, message = status_for(exc)
+        status = described(exc)
+        code = code_of(status)
         self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
         if code is not grpc.StatusCode.INTERNAL:  # a bug is logged with its traceback instead
-            self.faults.fault(method, context.peer(), code, message)
-        context.abort(code, message)
+            self.faults.fault(method, context.peer(), code, status.message)
+        abort(context, status)
 
     def _ok(self, method: str, started: float) -> None:
         self.metrics.observe_rpc(method, "OK", time.perf_counter() - started)
@@ -115,19 +118,21 @@ class KVStoreServicer:
             if first is None:
                 raise InvalidArgument("PutRequest: the stream carried no message")
             if isinstance(first, memoryview):
-                raise InvalidArgument("PutRequest: the stream began with data and no header")
+                raise InvalidArgument("PutRequest: the stream began with data and no header",
+                                      field="namespace")
             caller.data(first.namespace)
             if first.reservation_id:
                 if next(messages, None) is not None:
                     raise InvalidArgument("PutRequest: a commit (reservation_id) is one "
-                                          "message; the bytes are in shared memory")
+                                          "message; the bytes are in shared memory",
+                                          field="data")
                 response = self.verbs.commit(caller, first)
                 self._ok("Put", started)
                 return response
             if first.checksums:
                 raise InvalidArgument("checksums: only a commit (reservation_id) carries the "
                                       "writer's checksums; inline bytes are checksummed as "
-                                      "they arrive")
+                                      "they arrive", field="checksums")
             session = self.store.begin_put(
                 first.namespace, first.keys, first.sizes, first.parent_key,
                 first.independent, stream.client)
@@ -140,7 +145,8 @@ class KVStoreServicer:
                 header = [f.name for f, _ in msg.ListFields() if f.name != "data"]
                 if header:
                     raise InvalidArgument(f"{header[0]}: only the first PutRequest carries "
-                                          "a header; later ones carry data alone")
+                                          "a header; later ones carry data alone",
+                                          field=header[0])
                 self.store.write(session, memoryview(msg.data))
             if session.received_bytes < session.total_bytes:
                 # Short of its bytes: gRPC may end the stream of a client that cancelled
@@ -369,13 +375,16 @@ class KVStoreServicer:
             socket_path = self.config.server.unix_socket
             if not self.auth.on:
                 raise FailedPrecondition("auth.mode is off: attach the named segment "
-                                         "(StatsResponse.shm_name) instead")
+                                         "(StatsResponse.shm_name) instead", setting="auth.mode")
             if self.store.dram is None or not socket_path:
                 raise FailedPrecondition("shared memory needs the dram tier and "
-                                         "server.unix_socket; move data inline")
+                                         "server.unix_socket; move data inline",
+                                         setting="server.unix_socket"
+                                         if self.store.dram is not None else "dram.enabled")
             if not self.store.dram.arena_fds(caller.tenant.name):
                 raise FailedPrecondition(f"tenant {caller.tenant.name!r} owns no namespace, so "
-                                         "it has no shared-memory arena")
+                                         "it has no shared-memory arena",
+                                         setting="auth.tenants_file")
             return pb.AttachResponse(ticket=self.tickets.issue(caller.tenant.name),
                                      unix_socket=socket_path,
                                      expires_in_ms=int(ATTACH_TICKET_S * 1000))

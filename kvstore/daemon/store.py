@@ -161,7 +161,8 @@ class Store:
 
     def _slot_tier(self) -> DramTier:
         if self.dram is None:
-            raise FailedPrecondition("no slot tier is enabled (dram.enabled is false)")
+            raise FailedPrecondition("no slot tier is enabled (dram.enabled is false)",
+                                     setting="dram.enabled")
         return self.dram
 
     # --- puts (kvstore.daemon.writer) ------------------------------------------------------
@@ -260,9 +261,11 @@ class Store:
         if target is None:
             target = min(tiers, default=Tier.DRAM)
         if target not in tiers:
-            raise FailedPrecondition(f"target_tier {target.label} is not enabled")
+            raise FailedPrecondition(f"target_tier {target.label} is not enabled",
+                                     field="target_tier", setting=checks.switch(target))
         if deadline_s is not None and not deadline_s > 0:
-            raise InvalidArgument(f"deadline_ms must be > 0, got {deadline_s * 1000:g}")
+            raise InvalidArgument(f"deadline_ms must be > 0, got {deadline_s * 1000:g}",
+                                  field="deadline_ms")
         deadline = self._clock() + deadline_s if deadline_s is not None else None
         self._reader.fetch_remote(namespace, checked)  # L4 hits first, in one batch
         return prefetch(self._lock, self.index, self.tiering, namespace, checked, target,
@@ -272,13 +275,14 @@ class Store:
 
     def _remote(self) -> Remote:
         if self.remote is None:
-            raise FailedPrecondition("L4 is off: set remote.url")
+            raise FailedPrecondition("L4 is off: set remote.url", setting="remote.url")
         return self.remote
 
     def hot(self, namespace: str, limit: int) -> list[tuple[bytes, float]]:
         checks.namespace(namespace)
         if not 0 <= limit <= HOT_MAX_MEMBERS:
-            raise InvalidArgument(f"limit must be 0..{HOT_MAX_MEMBERS}, got {limit}")
+            raise InvalidArgument(f"limit must be 0..{HOT_MAX_MEMBERS}, got {limit}",
+                                  field="limit", limit=HOT_MAX_MEMBERS)
         return self._remote().hot(namespace, limit or 100)
 
     def prewarm(self, max_bytes: int, namespaces: Sequence[str] = ()) -> Iterator[PrewarmState]:
@@ -308,21 +312,16 @@ class Store:
         self, namespace: str, keys: Sequence[bytes], min_bytes: int, everything: bool,
         tier: Tier | None,
     ) -> EvictResult:
-        modes = sum([bool(keys), min_bytes > 0, everything])
-        if modes != 1:
-            raise InvalidArgument("give exactly one of keys, bytes or all")
-        if tier is not None and not self._stats[tier].enabled:
-            raise FailedPrecondition(f"tier {tier.label} is not enabled")
-        if tier == Tier.REMOTE and not keys:  # L4 has no eviction order: its keys expire
-            raise FailedPrecondition("tier remote: L4 blocks expire after remote.ttl_s and "
-                                     "cannot be evicted by bytes or all; name their keys")
+        checks.evict_modes(bool(keys), min_bytes, everything, tier,
+                           tier is None or self._stats[tier].enabled)
         if namespace:
             checks.namespace(namespace)
         with self._lock:
             gone: dict[int, Entry] = {}  # entries that lost a copy, once each
             if keys:
                 if not namespace:
-                    raise InvalidArgument("namespace is required to evict keys")
+                    raise InvalidArgument("namespace is required to evict keys",
+                                          field="namespace")
                 checked = self._check_keys(namespace, keys)
                 evicted, skipped = self.index.evict_keys(namespace, checked)
                 self.tiering.journal_free(e for e in evicted if Tier.NVME in e.copies)

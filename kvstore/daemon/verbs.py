@@ -68,22 +68,25 @@ class Verbs:
         caller.data(request.namespace)
         if request.block_tokens > MAX_BLOCK_TOKENS:
             raise InvalidArgument(f"block_tokens {request.block_tokens} exceeds "
-                                  f"{MAX_BLOCK_TOKENS} (tokens per key, the engine's block size)")
+                                  f"{MAX_BLOCK_TOKENS} (tokens per key, the engine's block size)",
+                                  field="block_tokens", limit=MAX_BLOCK_TOKENS)
         prefix, tiers = self.store.lookup(request.namespace, request.keys, request.block_tokens)
         return pb.LookupResponse(prefix_length=prefix, tiers=[t or 0 for t in tiers])
 
     def get_options(self, request: pb.GetRequest) -> tuple[bool, float, bool]:
         """(shared, lease timeout in s, leased) of a Get, its fields checked."""
         if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
-            raise InvalidArgument(f"mode {request.mode} is not a GetMode")
+            raise InvalidArgument(f"mode {request.mode} is not a GetMode", field="mode")
         shared = request.mode == pb.GET_MODE_SHARED_MEMORY
         if shared and self.store.dram is None:
-            raise FailedPrecondition("mode SHARED_MEMORY needs the dram tier (dram.enabled)")
+            raise FailedPrecondition("mode SHARED_MEMORY needs the dram tier (dram.enabled)",
+                                     field="mode", setting="dram.enabled")
         timeout_s = (request.lease_timeout_ms / 1000) if request.lease_timeout_ms else (
             self.config.leases.lease_timeout_s)
         if timeout_s > MAX_LEASE_S:
             raise InvalidArgument(
-                f"lease_timeout_ms {request.lease_timeout_ms} exceeds {MAX_LEASE_S * 1000}")
+                f"lease_timeout_ms {request.lease_timeout_ms} exceeds {MAX_LEASE_S * 1000}",
+                field="lease_timeout_ms", limit=MAX_LEASE_S * 1000)
         leased = not (shared and request.no_lease)  # inline reads lease while streaming
         return shared, timeout_s, leased
 
@@ -93,7 +96,7 @@ class Verbs:
         shared, timeout_s, leased = self.get_options(request)
         if not shared:
             raise InvalidArgument("mode: the local socket serves SHARED_MEMORY Gets only; "
-                                  "read inline over gRPC")
+                                  "read inline over gRPC", field="mode")
         result = self.store.read(request.namespace, request.keys, timeout_s, leased,
                                  caller.client)
         return self.shared_reply(result, timeout_s, leased)
@@ -125,7 +128,8 @@ class Verbs:
         caller.data(request.namespace)
         timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
         if timeout_s is not None and timeout_s > MAX_LEASE_S:
-            raise InvalidArgument(f"timeout_ms {request.timeout_ms} exceeds {MAX_LEASE_S * 1000}")
+            raise InvalidArgument(f"timeout_ms {request.timeout_ms} exceeds {MAX_LEASE_S * 1000}",
+                                  field="timeout_ms", limit=MAX_LEASE_S * 1000)
         r = self.store.reserve(request.namespace, request.keys, request.sizes,
                                request.parent_key, request.independent, timeout_s,
                                caller.client)
@@ -140,11 +144,11 @@ class Verbs:
         caller.data(request.namespace)
         if not request.reservation_id:
             raise InvalidArgument("reservation_id: the local socket commits reservations "
-                                  "only; send bytes inline over gRPC")
+                                  "only; send bytes inline over gRPC", field="reservation_id")
         if request.keys or request.sizes or request.data or request.parent_key:
             raise InvalidArgument(
                 "reservation_id: a commit carries no keys, sizes, data or parent_key "
-                "(they were given to Reserve)")
+                "(they were given to Reserve)", field="reservation_id")
         result = self.store.commit_reservation(request.namespace, request.reservation_id,
                                                request.checksums)
         return pb.PutResponse(stored=result.stored, existing=result.existing,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import xxhash
 
 from kvstore.core import checks
-from kvstore.core.errors import Aborted, InvalidArgument, ResourceExhausted
+from kvstore.core.errors import Aborted, InvalidArgument, Reason, ResourceExhausted
 from kvstore.core.holdings import Caps
 from kvstore.core.index import Index
 from kvstore.core.placement import RoomStep
@@ -75,7 +75,7 @@ class Writer:
         server = self._config.server
         checked = checks.keys(namespace, keys, server.max_batch_keys)
         sizes = checks.sizes(checked, sizes, server.max_object_bytes)
-        parents = checks.chain_parents(checked, parent, independent)
+        parents = checks.chain_parents(namespace, checked, parent, independent)
         tier = self._slot_tier()
         plan_id = secrets.token_hex(12)
         with self._lock:
@@ -97,19 +97,22 @@ class Writer:
         arena = self._index.arena_of(namespace)
         if arena is None:
             return ResourceExhausted(f"namespace {namespace!r}: no tenant owns it, so it has "
-                                     "no pages to store in")
+                                     "no pages to store in", field="namespace")
         if arena and arena not in self._index.arena_names(Tier.DRAM):
             return ResourceExhausted(f"tenant {arena!r} has no arena yet: tenants added since "
-                                     "the daemon started get theirs at its next restart")
+                                     "the daemon started get theirs at its next restart",
+                                     setting="auth.tenants_file")
         if arena:  # a tenant's arena: its quota, not the tier, is what is short
             pages = self._index.arena_usage(Tier.DRAM, arena)[3]
             return ResourceExhausted(
                 f"{wanted}; tenant {arena!r} cannot free that many in its dram arena "
                 f"({format_size(pages * page_size)}, its quota.dram; pinned and leased blocks "
-                "stay)")
+                "stay)", Reason.QUOTA_EXCEEDED, field="sizes", limit=pages * page_size,
+                setting="quota.dram")
         return ResourceExhausted(
             f"{wanted}; the dram tier cannot free that many (capacity "
-            f"{format_size(capacity_bytes)}, dram.capacity_bytes; pinned and leased blocks stay)")
+            f"{format_size(capacity_bytes)}, dram.capacity_bytes; pinned and leased blocks stay)",
+            Reason.NO_ROOM, field="sizes", limit=capacity_bytes, setting="dram.capacity_bytes")
 
     def _prepare(
         self, plan_id: str, namespace: str, keys: list[BlockKey], sizes: list[int],
@@ -155,12 +158,13 @@ class Writer:
         """Append a chunk of the concatenated payloads."""
         if session.received_bytes + len(data) > session.total_bytes:
             raise InvalidArgument(
-                f"data: more than the {session.total_bytes} bytes that sizes add up to"
-            )
+                f"data: more than the {session.total_bytes} bytes that sizes add up to",
+                field="data")
         tier = self._slot_tier()
         with self._lock:
             if self._index.plan(session.plan_id) is None:
-                raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned")
+                raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned",
+                              Reason.ENTRY_VANISHED, setting="leases.reservation_timeout_s")
             self._write_locked(tier, session, data)
 
     @staticmethod
@@ -187,8 +191,7 @@ class Writer:
             self.abort(session.plan_id)
             raise InvalidArgument(
                 f"data: received {session.received_bytes} bytes; sizes add up to "
-                f"{session.total_bytes}"
-            )
+                f"{session.total_bytes}", field="data")
         checksums = [h.intdigest() for h in session.hashers if h is not None]
         written = sum(s for s, t in zip(session.sizes, session.targets, strict=True) if t)
         return self._complete(session.plan_id, checksums, written, to_remote)
@@ -204,7 +207,8 @@ class Writer:
         with self._lock:
             plan = self._index.plan(plan_id)
             if plan is None:  # the sweeper expired it after the last write
-                raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned")
+                raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned",
+                              Reason.ENTRY_VANISHED, setting="leases.reservation_timeout_s")
             result = self._index.complete_store(plan_id, checksums, success=True)
             self._stats[Tier.DRAM].bytes_in += size_bytes
         remote = self._remote()
@@ -253,8 +257,7 @@ class Writer:
             if plan is None or plan.namespace != namespace:
                 raise InvalidArgument(
                     f"reservation_id {reservation_id!r} is unknown or expired in namespace "
-                    f"{namespace!r}"
-                )
+                    f"{namespace!r}", Reason.RESERVATION_EXPIRED, field="reservation_id")
             extents = [tier.extents(b.pages, b.size_bytes) for b in plan.blocks]
         # What the client actually wrote is read without the lock: the pages are the plan's
         # alone, and _complete refuses the commit if the plan expired meanwhile.
@@ -265,12 +268,14 @@ class Writer:
                 self.abort(reservation_id)
                 raise InvalidArgument(
                     f"checksums: {len(checksums)} values for the {plan.num_keys} keys "
-                    f"reservation {reservation_id!r} was made for (one per key)")
+                    f"reservation {reservation_id!r} was made for (one per key)",
+                    field="checksums")
             sums = [checksums[b.index] for b in plan.blocks]
             for j in commits_to_verify(len(plan.blocks), self._config.dram.verify_commits):
                 if tier.checksum(extents[j]) != sums[j]:
                     self.abort(reservation_id)
                     raise InvalidArgument(
                         f"checksums[{plan.blocks[j].index}] does not match the bytes written "
-                        f"to reservation {reservation_id!r}; the reservation is freed")
+                        f"to reservation {reservation_id!r}; the reservation is freed",
+                        Reason.CHECKSUM_MISMATCH, field=f"checksums[{plan.blocks[j].index}]")
         return self._complete(reservation_id, sums, sum(b.size_bytes for b in plan.blocks))
