@@ -115,66 +115,120 @@ class KVStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Put(self, request_iterator, context):
-        """Store blocks. Client-streaming: the first message carries the header (namespace, keys,
-        sizes, or a reservation_id) and may carry data; every message after it carries only
-        `data`. The concatenated `data` of all messages is the concatenation of the payloads in
-        key order. With a reservation_id the blocks were already written into shared memory
-        (see Reserve) and no data is sent.
+        """Store blocks. Client-streaming; framing:
+        - The first message carries the header: namespace, keys, sizes, and parent_key or
+        independent. It may also carry data, as long as the whole message fits in
+        LimitsResponse.max_message_bytes (the header alone: about 34 bytes per key, up to 11
+        per size, plus the namespace and parent_key).
+        - Every later message carries `data` alone (any other field set: INVALID_FIELD). Each
+        message, encoded, is at most max_message_bytes; LimitsResponse.chunk_bytes of data per
+        message always fits. Cuts may fall anywhere, mid-block or across blocks.
+        - The `data` of all messages concatenated is the payloads concatenated in key order,
+        exactly sum(sizes) bytes; then the client half-closes the stream. Nothing is stored
+        unless every byte arrived; a Put that fails stores none of its blocks.
+        - A commit (of blocks written into shared memory, see Reserve) is one message:
+        namespace, reservation_id and checksums; no keys, sizes, parent_key or data.
+        Zero keys is a valid Put (stored = existing = 0).
+        Errors: INVALID_ARGUMENT (INVALID_FIELD: no header first, a header field later, sizes
+        not one per key, a size 0 or over max_object_bytes, too few or too many bytes, more than
+        max_batch_keys keys, a chain naming a block twice; CHECKSUM_MISMATCH: a commit's
+        checksum does not match the bytes written, and the reservation is freed;
+        RESERVATION_EXPIRED: the reservation_id is unknown or expired in this namespace);
+        RESOURCE_EXHAUSTED (NO_ROOM, QUOTA_EXCEEDED, TOO_MANY_STREAMS, MESSAGE_TOO_LARGE);
+        FAILED_PRECONDITION (FEATURE_OFF: L2 is off, and every Put needs it); ABORTED (STREAM_IDLE: the
+        client sent nothing for stream_idle_ms; or the put outlived reservation_timeout_ms).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
-        """Read blocks. INLINE: the first message carries sizes of the found keys, then `data`
-        chunks (at most max_chunk_bytes each) carry the found payloads concatenated in key
-        order. SHARED_MEMORY: one message with extents in the daemon's segment, held under a
-        lease until Release or lease expiry.
+        """Read blocks. Server-streaming; framing:
+        - INLINE: the first message carries found, sizes and checksums and no data; every
+        later message carries `data` alone, at most LimitsResponse.chunk_bytes of it, cut
+        anywhere (a message may end mid-block or hold several blocks). Their data
+        concatenated is the found payloads concatenated in request order, sum(sizes) bytes.
+        No found key: the first message is the only one. The stream's OK end means every
+        byte was sent.
+        - SHARED_MEMORY: exactly one message: found, sizes, checksums, locations (one per
+        found key), and shm_name or arena; the pages stay put under a lease until Release or
+        lease expiry (or, with no_lease, are not held at all).
+        A miss is not an error: found is false for it. Zero keys is valid (found is empty).
+        Errors: INVALID_ARGUMENT (INVALID_FIELD: a key named twice, a mode that is not a
+        GetMode, lease_timeout_ms over max_lease_ms); RESOURCE_EXHAUSTED (MESSAGE_TOO_LARGE: an
+        INLINE Get whose found payloads exceed max_response_bytes; QUOTA_EXCEEDED: the client's
+        live leases at clients.max_leases; TOO_MANY_STREAMS); FAILED_PRECONDITION (FEATURE_OFF:
+        SHARED_MEMORY without L2); ABORTED (ENTRY_VANISHED: an INLINE read outlived its lease,
+        retry; STREAM_IDLE: the client took nothing for stream_idle_ms).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """Length of the longest cached prefix of `keys`, and the tier of every key.
+        """Length of the longest cached prefix of `keys`, and the tier of every key. It moves and
+        holds nothing. Zero keys is valid (prefix_length 0, no tiers). Errors: INVALID_ARGUMENT
+        (INVALID_FIELD: a bad key, more than max_batch_keys, block_tokens over max_block_tokens).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Prefetch(self, request, context):
-        """Move keys up to a target tier before they are needed, in key order (a prefix chain,
-        root first). Streams progress each time a key is ready; stops at the deadline with the
-        ready prefix, and stops working when the caller goes away. A key already being loaded
-        (by a Get or another Prefetch) is waited for, not read twice.
+        """Move keys up to a target tier before they are needed, in key order (a chain in prefix
+        order). Streams progress whenever it would otherwise wait, and always a last message;
+        the stream's OK end means done: every key is done, missing or failed (their sum is
+        total), or the deadline passed (deadline_exceeded, the ready prefix in prefix_length).
+        It stops working when the caller goes away. A key already being loaded (by a Get or
+        another Prefetch) is waited for, not read twice. Zero keys: one message, total 0.
+        Errors: INVALID_ARGUMENT (INVALID_FIELD: a key named twice, target_tier not a Tier);
+        FAILED_PRECONDITION (FEATURE_OFF: target_tier not enabled); RESOURCE_EXHAUSTED
+        (TOO_MANY_STREAMS); ABORTED (STREAM_IDLE: the client took nothing for stream_idle_ms).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Reserve(self, request, context):
-        """Reserve shared-memory pages for blocks the client will write itself; commit with Put.
+        """Reserve shared-memory pages for blocks the client will write itself; write each block
+        into its locations, then commit with a Put of one message carrying the same namespace,
+        the reservation_id and the checksums. Pages not committed go back after
+        reservation_timeout_ms (or at Release). Errors: as Put's header (INVALID_FIELD for keys
+        and sizes, timeout_ms over max_lease_ms); RESOURCE_EXHAUSTED (NO_ROOM, QUOTA_EXCEEDED:
+        clients.max_reservations or max_reserved_share); FAILED_PRECONDITION (FEATURE_OFF: no L2).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """End leases (from Get) or abandon reservations (from Reserve).
+        """End leases (from Get) or abandon reservations (from Reserve). Errors: INVALID_ARGUMENT
+        (LEASE_EXPIRED or RESERVATION_EXPIRED: ids unknown, expired or another client's), sent
+        after every known id has been released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Evict(self, request, context):
-        """Remove entries: named keys, a number of bytes (LRU, leaf-first), or all.
+        """Remove entries: named keys, a number of bytes (LRU, leaf-first), or all; exactly one of
+        the three. With a tier, only copies in that tier go: a block whose only copy was there
+        is removed (a miss afterwards); one with a copy in another tier stays there. Pinned,
+        leased and moving blocks stay (counted in skipped_*). Errors: INVALID_ARGUMENT
+        (INVALID_FIELD: not exactly one of keys, bytes, all; keys without a namespace);
+        FAILED_PRECONDITION (FEATURE_OFF: the tier is off; TIER_REMOTE by bytes or all, since L4
+        blocks expire instead); PERMISSION_DENIED (ROLE_DENIED: an empty namespace, i.e. every
+        namespace, needs the admin role).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Pin(self, request, context):
-        """Pinned entries are never evicted until unpinned.
+        """Pinned entries are never evicted until unpinned, or until LimitsResponse.max_pin_ms
+        after the last Pin (pin again to renew). Errors: INVALID_ARGUMENT (INVALID_FIELD: a key
+        named twice); RESOURCE_EXHAUSTED (QUOTA_EXCEEDED: clients.max_pinned_share or the
+        tenant's quota.pinned).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -188,6 +242,7 @@ class KVStoreServicer:
 
     def Stats(self, request, context):
         """Per-tier capacity, use and counters; the shared-memory segment for co-located clients.
+        Errors: PERMISSION_DENIED (ROLE_DENIED: include_config needs the admin role).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -195,7 +250,8 @@ class KVStoreServicer:
 
     def Hot(self, request, context):
         """The most used blocks of a namespace across every daemon sharing the L4 pool, hottest
-        first. FAILED_PRECONDITION when L4 is off.
+        first. FAILED_PRECONDITION (FEATURE_OFF) when L4 is off; UNAVAILABLE (REMOTE_DOWN)
+        while its Redis is unreachable.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -203,7 +259,9 @@ class KVStoreServicer:
 
     def Prewarm(self, request, context):
         """Pull the hottest L4 blocks into the local tiers (hottest first, every namespace unless
-        named) until `bytes` are local; streams progress. FAILED_PRECONDITION when L4 is off.
+        named) until `bytes` are local; streams progress, the last message with done set.
+        FAILED_PRECONDITION (FEATURE_OFF) when L4 is off; UNAVAILABLE (REMOTE_DOWN) while its
+        Redis is unreachable.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -214,6 +272,7 @@ class KVStoreServicer:
         data calls get UNAVAILABLE for server.drain_notice_s, calls in flight finish, the L4
         queue and the L3 manifest are flushed, and the daemon exits 0 within server.grace_s.
         Answered before the drain begins; asking again while draining changes nothing.
+        PERMISSION_DENIED (ROLE_DENIED) unless the caller has the admin role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -222,8 +281,10 @@ class KVStoreServicer:
     def Attach(self, request, context):
         """A one-time ticket for the daemon's Unix socket (StatsResponse.unix_socket), where a
         co-located client exchanges it for the file descriptors of its tenant's shared-memory
-        arenas (passed with SCM_RIGHTS; the protocol is in docs/security.md). FAILED_PRECONDITION
-        when the daemon has no Unix socket or no L2 tier.
+        arenas (passed with SCM_RIGHTS; the protocol is in docs/security.md). Only with auth on:
+        with auth.mode off, map the named segment (shm_name) instead. FAILED_PRECONDITION
+        (FEATURE_OFF) with auth off, without a Unix socket or L2, or for a tenant that owns no
+        namespace.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -232,7 +293,7 @@ class KVStoreServicer:
     def Limits(self, request, context):
         """The limits a client must respect and what this daemon offers, typed: ask once after
         connecting (any authenticated caller; no namespace). The values are the daemon's config
-        in effect and do not change while it runs.
+        in effect and do not change while it runs. Answered while draining, too.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
