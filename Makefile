@@ -12,8 +12,12 @@ VLLM_BASE  := $(VLLM_VENV)/.installed-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-kvstore
 VLLM_VERSION := 0.32.0
 PYTEST_ARGS ?=
+# Node tooling for `make test`: buf (tools/buf) and, once it exists, the Node client
+# (examples/node); each is `npm ci`-ed from its lockfile, again when the lockfile changes.
+NODE_DIRS   := tools/buf $(patsubst %/package-lock.json,%,$(wildcard examples/node/package-lock.json))
+NODE_STAMPS := $(addsuffix /node_modules/.installed,$(NODE_DIRS))
 
-.PHONY: run demo-store test test-vllm proto lint bench bench-engine bench-vllm gpu-check gpu-wheels redis clean
+.PHONY: run demo-store test test-vllm proto lint bench bench-engine bench-vllm gpu-check gpu-wheels redis node node-tools clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,9 +75,33 @@ redis:
 	@for tool in redis-server redis-cli openssl; do \
 	  command -v $$tool >/dev/null || { echo "$$tool still missing" >&2; exit 1; }; done
 
-## test: install with test extras (and vLLM's virtualenv), make sure redis-server exists, run
-## the whole suite: the main one, then the vLLM connector's tests (tests/vllm) under vLLM
-test: $(TEST_STAMP) $(VLLM_STAMP) redis
+## node-tools: make sure node and npm exist (Debian packages, installed when root)
+node-tools:
+	@missing=""; \
+	for tool in node:nodejs npm:npm; do \
+	  command -v $${tool%%:*} >/dev/null 2>&1 || missing="$$missing $${tool##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else \
+	    echo "missing:$$missing; run 'sudo apt-get install -y$$missing'" >&2; exit 1; \
+	  fi; \
+	fi
+	@for tool in node npm; do \
+	  command -v $$tool >/dev/null || { echo "$$tool still missing" >&2; exit 1; }; done
+
+## node: `npm ci` the Node tooling the tests run: buf (tools/buf; lint and breaking checks of
+## the proto) and the Node client (examples/node) where it exists
+node: $(NODE_STAMPS)
+
+%/node_modules/.installed: %/package-lock.json %/package.json | node-tools
+	npm ci --prefix $* --no-audit --no-fund
+	mkdir -p $(@D) && touch $@
+
+## test: install with test extras (and vLLM's virtualenv), make sure redis-server exists and
+## the Node tooling is installed, run the whole suite: the main one, then the vLLM connector's
+## tests (tests/vllm) under vLLM
+test: $(TEST_STAMP) $(VLLM_STAMP) redis node
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
@@ -81,7 +109,8 @@ test: $(TEST_STAMP) $(VLLM_STAMP) redis
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
-## proto: regenerate the committed gRPC stubs from proto/kvstore/v1/kvstore.proto
+## proto: regenerate the committed gRPC stubs and the descriptor set with comments (served by
+## reflection) from proto/kvstore/v1/kvstore.proto
 proto: $(TEST_STAMP)
 	$(BIN)/python proto/generate.py
 
@@ -119,3 +148,4 @@ gpu-wheels: | $(BIN)/python
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(addsuffix /node_modules,$(NODE_DIRS))

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
 from kvstore.core.errors import StartupError, Unavailable
@@ -36,6 +35,7 @@ from kvstore.daemon.auth import server_credentials
 from kvstore.daemon.config import Config, ConfigError, add_arguments, config_from_args
 from kvstore.daemon.methods import SERVICE_NAME, handlers
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.reflection import Reflection, commented_files
 from kvstore.daemon.servicer import KVStoreServicer
 from kvstore.daemon.store import Store
 from kvstore.memory import keep_freed_buffers
@@ -164,9 +164,7 @@ def bind_grpc(config: Config) -> Listener:
     health_servicer = health.HealthServicer()
     health_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="health")
     server.add_generic_rpc_handlers((health_handlers(health_servicer, health_pool),))
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    server.add_generic_rpc_handlers(Reflection(commented_files()).handlers())
     address = f"{host}:{want}"
     try:
         port = server.add_secure_port(address, credentials) if credentials else \
