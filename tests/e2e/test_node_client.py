@@ -1,0 +1,129 @@
+"""The second-language client (examples/node, Node.js, written from the wire contract alone) runs
+against a real daemon: the key vectors, Limits, Put / Lookup / Get in both modes / Release /
+Prefetch / Evict, and errors branched on their google.rpc.ErrorInfo reason.
+
+Skipped only when `node` is absent and KVSTORE_REQUIRE_NODE is unset; `make test` installs node
+and runs `npm ci` in examples/node, so there it always runs. Missing node_modules is a failure
+that says how to install them, never a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.tools.testing import Daemon, free_port
+from tests.conftest import REPO
+
+NODE_DIR = REPO / "examples" / "node"
+
+
+@pytest.fixture
+def node() -> str:
+    binary = shutil.which("node")
+    if binary is None:
+        if os.environ.get("KVSTORE_REQUIRE_NODE"):
+            pytest.fail("KVSTORE_REQUIRE_NODE is set but `node` is not on PATH (make test "
+                        "installs it)")
+        pytest.skip("node is not installed (make test installs it; set KVSTORE_REQUIRE_NODE "
+                    "to make this a failure)")
+    for package in ("@grpc/grpc-js", "@grpc/proto-loader", "protobufjs", "hash-wasm"):
+        if not (NODE_DIR / "node_modules" / package / "package.json").exists():
+            pytest.fail(f"examples/node/node_modules/{package} is missing: run make test, or "
+                        "npm ci in examples/node (npm ci --prefix examples/node)")
+    return binary
+
+
+def run_demo(node: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([node, str(NODE_DIR / "demo.js"), *args], capture_output=True,
+                          text=True, timeout=timeout_s, cwd=REPO)
+
+
+def test_node_demo_runs_every_verb_against_a_real_daemon(
+        node: str, daemon_factory: Callable[..., Daemon]) -> None:
+    # chunk_bytes over grpc-js's default 4 MiB receive limit: the inline Get works only because
+    # the client sized its channel from Limits; the first block spans two Put and Get messages.
+    d = daemon_factory("server.chunk_bytes=6MiB", "dram.capacity_bytes=64MiB")
+    done = run_demo(node, "--target", d.target)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    for line in ("ok   key vectors: 7/7 match",
+                 "ok   Limits: contract kvstore.v1, max_message_bytes 8388608, chunk_bytes 6291456",
+                 "ok   Put: stored 4, existing 0",
+                 "ok   Put again (values are immutable): stored 0, existing 4",
+                 "ok   Lookup: prefix_length 4",
+                 "ok   Get INLINE: found true,true,true,true,false",
+                 "ok   Get SHARED_MEMORY",
+                 "ok   Release: released 1",
+                 "ok   Release of an ended lease: ErrorInfo: domain kvstore.v1, "
+                 'reason LEASE_EXPIRED, metadata {"field":"ids[0]"}',
+                 "ok   Prefetch (stream read to its end)",
+                 "ok   Get of a 5-byte key: ErrorInfo: domain kvstore.v1, "
+                 'reason INVALID_FIELD, metadata {"field":"keys[0]"}',
+                 "ok   Evict: evicted 4",
+                 "node client: all checks passed"):
+        assert line in out, out
+    assert "FAIL" not in out, out
+
+    # What the demo left behind, seen through raw stubs: its lease released, its blocks gone.
+    with grpc.insecure_channel(d.target) as channel:
+        stats = pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
+    assert stats.leases == 0
+    dram = next(t for t in stats.tiers if t.tier == pb.TIER_DRAM)
+    assert dram.objects == 0, stats
+
+
+def test_node_demo_fails_loudly_without_a_daemon(node: str) -> None:
+    done = run_demo(node, "--target", f"127.0.0.1:{free_port()}", "--timeout-ms", "1500")
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "ok   key vectors: 7/7 match" in out  # computed before dialing
+    assert "FAIL demo: UNAVAILABLE" in out or "FAIL demo: DEADLINE_EXCEEDED" in out, out
+    assert "node client: 1 check(s) failed" in out
+
+
+def test_node_demo_refuses_unknown_arguments(node: str) -> None:
+    done = run_demo(node, "--port", "1")
+    assert done.returncode == 2
+    assert "unknown argument --port" in done.stderr
+
+
+def test_node_target_without_a_port_means_50051(node: str) -> None:
+    script = ("const { withDefaultPort } = require('./client');"
+              "const out = {};"
+              "for (const t of ['kv-host', 'kv-host:6000', '[::1]', '::1', '[::1]:7000',"
+              " 'unix:/run/kv.sock']) out[t] = withDefaultPort(t);"
+              "try { withDefaultPort('kv-host:http'); } catch (e) { out.bad = e.message; }"
+              "console.log(JSON.stringify(out));")
+    done = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60,
+                          cwd=NODE_DIR)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "kv-host": "kv-host:50051", "kv-host:6000": "kv-host:6000", "[::1]": "[::1]:50051",
+        "::1": "[::1]:50051", "[::1]:7000": "[::1]:7000", "unix:/run/kv.sock": "unix:/run/kv.sock",
+        "bad": 'target kv-host:http: port "http" is not a number from 1 to 65535'}
+
+
+def test_node_keys_match_the_published_vectors_and_python(node: str) -> None:
+    """The vectors file is checked by the demo; here the Node keys of a fresh input are checked
+    against the Python implementation, so a vector file that both got wrong would not hide it."""
+    from kvstore.keys import prefix_keys
+
+    tokens = list(range(1000, 1037))
+    script = ("const { blockKeys } = require('./keys');"
+              f"console.log(JSON.stringify(blockKeys('ns/é', {json.dumps(tokens)}, 8)"
+              ".map((k) => k.toString('hex'))));")
+    done = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60,
+                          cwd=NODE_DIR)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [k.hex() for k in prefix_keys(tokens, 8, "ns/é")]
+    assert len(json.loads(done.stdout)) == 4  # the partial fifth block has no key
+
