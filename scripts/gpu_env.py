@@ -70,6 +70,8 @@ CARRY = {
     "protobuf": "7.35.1",  # the stubs' gencode version
     "grpcio-health-checking": "1.85.1",
     "grpcio-reflection": "1.85.1",
+    "grpcio-status": "1.85.1",  # errors' google.rpc.ErrorInfo details
+    "googleapis-common-protos": "1.76.0",
     "lz4": "4.4.5",
     "redis": "8.1.0",
     "hiredis": "3.5.0",

@@ -73,7 +73,8 @@ SETTINGS = (  # a small L2, so that puts demote to L3 and reads promote back
 )
 
 SERVICE = "/kvstore.v1.KVStore/"
-UNARY = ("Lookup", "Reserve", "Release", "Evict", "Pin", "Unpin", "Stats", "Hot", "Attach")
+UNARY = ("Lookup", "Reserve", "Release", "Evict", "Pin", "Unpin", "Stats", "Hot", "Attach",
+         "Limits")
 SERVER_STREAMING = ("Get", "Prefetch", "Prewarm")
 # Any bytes that parse make a valid DrainRequest (it has no fields), and a Drain stops the
 # daemon the rest of the module fuzzes: tests/integration/test_drain.py drives it instead.

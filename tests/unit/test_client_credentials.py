@@ -338,7 +338,7 @@ def fake(socket_dir: str) -> Iterator[tuple[FakeDaemon, str, Recorder]]:
 # --- the token on every call ----------------------------------------------------------------
 
 EVERY_VERB = {"Put", "Get", "Lookup", "Prefetch", "Evict", "Pin", "Unpin", "Stats", "Hot",
-              "Prewarm", "Check", "Release", "Drain"}
+              "Prewarm", "Check", "Release", "Drain", "Limits"}
 
 
 def test_every_blocking_call_carries_the_bearer_token(fake: Any) -> None:
