@@ -658,7 +658,8 @@ def test_readme_documents_deploy_guide() -> None:
 
 def test_security_guide_covers_what_the_chart_relies_on() -> None:
     guide = (REPO / "docs" / "security.md").read_text()
-    for topic in ("Threat model", "SCM_RIGHTS", '{"arenas": [', '{"error": "...", "reason": "..."}', "Attach",
+    for topic in ("Threat model", "SCM_RIGHTS", '{"arenas": [',
+                  '{"error": "...", "reason": "..."}', "Attach",
                   "printf %s \"$TOKEN\" | sha256sum", "kill -HUP", "openssl req", "URI:spiffe://",
                   "tokens_sha256", "identities", "namespaces", "quota", "PERMISSION_DENIED",
                   "UNAUTHENTICATED", "metrics port has no authentication", "auth.extraTokenHashes"):
