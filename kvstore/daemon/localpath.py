@@ -97,10 +97,6 @@ class LocalSessions:
         self._lock = threading.Lock()
         self._open: dict[socket.socket, str] = {}  # session -> client
 
-    @property
-    def count(self) -> int:
-        return len(self._open)
-
     def open(self, conn: socket.socket, ticket: str) -> bool:
         """Answer a `HOT <ticket> [status]` handshake; on success the session runs on its
         own thread and owns conn (True). Else the refusal is sent and the caller closes
