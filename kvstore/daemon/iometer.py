@@ -9,9 +9,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvstore.tier import TierStats
 from kvstore.tiers.base import Transfer
+
+T = TypeVar("T")
 
 
 class IoMeter:
@@ -26,17 +29,25 @@ class IoMeter:
         """move(batch), counted in stats (op is "read" or "write")."""
         if not batch:
             return []
-        busy = (id(stats), op)
         with self._lock:
             stats.queue_depth += len(batch)
+        try:
+            return self.timed(stats, op, lambda: move(batch))
+        finally:
+            with self._lock:
+                stats.queue_depth -= len(batch)
+
+    def timed(self, stats: TierStats, op: str, call: Callable[[], T]) -> T:
+        """call(), its time counted in stats' busy seconds for op ("read" or "write")."""
+        busy = (id(stats), op)
+        with self._lock:
             if not self._in_flight.get(busy):
                 self._busy_since[busy] = time.perf_counter()
             self._in_flight[busy] = self._in_flight.get(busy, 0) + 1
         try:
-            return move(batch)
+            return call()
         finally:
             with self._lock:
-                stats.queue_depth -= len(batch)
                 self._in_flight[busy] -= 1
                 if not self._in_flight[busy]:
                     elapsed = time.perf_counter() - self._busy_since[busy]

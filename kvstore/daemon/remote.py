@@ -36,6 +36,7 @@ from kvstore.core.errors import Reason, Unavailable
 from kvstore.core.index import Index
 from kvstore.core.records import Entry, PrewarmState
 from kvstore.daemon.config import RemoteConfig
+from kvstore.daemon.iometer import IoMeter
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier, TierStats
 from kvstore.tiers.dram import DramTier
@@ -63,10 +64,12 @@ class Remote:
         self._dram = dram
         self.stats = stats
         self._stats_lock = threading.Lock()
+        self._meter = IoMeter()  # L4's busy seconds: reads and writes may overlap
         self.breaker = Breaker(config.breaker_backoff_s)
         self._cv = threading.Condition()  # guards the queue and the popularity counts
         self._queue: deque[tuple[str, BlockKey, int]] = deque()
         self._queued_bytes = 0
+        self._writing = 0  # blocks of the batch being written now
         self._popularity: dict[str, Counter[bytes]] = {}
         self.queue_dropped = 0  # blocks not written through: the queue was full
         self._stop = threading.Event()
@@ -157,7 +160,7 @@ class Remote:
                     continue
                 self._queue.append((namespace, key, size))
                 self._queued_bytes += size
-            self.stats.queue_depth = len(self._queue)
+            self.stats.queue_depth = len(self._queue) + self._writing
             self._cv.notify_all()
 
     def _write_forever(self) -> None:
@@ -166,11 +169,14 @@ class Remote:
                 while not self._queue and not self._stop.is_set():
                     self._cv.wait()
                 batch = self._take_batch()
-            if batch and not self._write(batch):
-                with self._cv:  # Redis is down: keep the batch, wait for the breaker
+            written = not batch or self._write(batch)
+            with self._cv:
+                self._writing = 0
+                if not written:  # Redis is down: keep the batch, wait for the breaker
                     self._queue.extendleft(reversed(batch))
                     self._queued_bytes += sum(size for _, _, size in batch)
-                    self.stats.queue_depth = len(self._queue)
+                self.stats.queue_depth = len(self._queue)
+            if not written:
                 self._stop.wait(max(0.05, self.breaker.retry_in_s))
 
     def _take_batch(self) -> list[tuple[str, BlockKey, int]]:
@@ -181,7 +187,8 @@ class Remote:
             batch.append(item)
             size_sum += item[2]
         self._queued_bytes -= size_sum
-        self.stats.queue_depth = len(self._queue)
+        self._writing = len(batch)  # still queued, for queue_depth, until its SETs return
+        self.stats.queue_depth = len(self._queue) + self._writing
         self._cv.notify_all()  # close() waits for the queue to empty
         return batch
 
@@ -208,7 +215,8 @@ class Remote:
         return True
 
     def _set(self, frames: list[tuple[str, bytes, bytes]]) -> bool:
-        self.pool.set(frames, self.config.ttl_s)
+        self._meter.timed(self.stats, "write",
+                          lambda: self.pool.set(frames, self.config.ttl_s))
         return True
 
     def _hold(self, keys: list[tuple[str, BlockKey]]) -> list[Entry]:
@@ -244,7 +252,9 @@ class Remote:
         for start in range(0, len(keys), BATCH_BLOCKS):
             chunk = [(namespace, bytes(k)) for k in keys[start : start + BATCH_BLOCKS]]
             missed: list[bytes | None] = [None] * len(chunk)
-            frames = self._guard(partial(self.pool.get, chunk), missed)
+            frames = self._guard(
+                partial(self._meter.timed, self.stats, "read", partial(self.pool.get, chunk)),
+                missed)
             out.extend(self._decoded(namespace, [k for _, k in chunk], frames))
         return out
 
