@@ -2,13 +2,15 @@
 blocks, reference counts, prefix caching keyed by the store's chained keys (kvstore.keys),
 LRU reuse of unreferenced cached blocks, and copy-on-write for shared blocks (forks for n > 1).
 
+Keys are the caller's: a sequence's chained block keys are computed once per block, when its
+tokens are known (`extend_keys`), and carried with it; `find_prefix` and `cache_full_blocks`
+take them, and nothing here hashes a block a second time.
+
 How a sequence's progress is tracked: each sequence records `num_tokens`, the largest
 `num_tokens` an `allocate` for it succeeded with (at least its prefix hit). The runner writes
 the tokens between the previous and the new value in the forward pass that follows the call,
-so the next write of a sequence always lands at token index `num_tokens`. Separately, its key
-list grows by one chained key per block that `cache_full_blocks` saw full; that list is what
-`keys_of` returns and where the next key's hash starts, so no step rehashes a prefix (only
-a sequence's first `allocate` hashes its hit once more, to check it is not stale).
+so the next write of a sequence always lands at token index `num_tokens`. Separately, the
+keys of the blocks `cache_full_blocks` registered are what `keys_of` returns.
 
 Copy-on-write: only a partially filled last block can be shared and written (full blocks shared
 by a prefix hit are never written, writes go past them), and it is shared only through `fork`.
@@ -48,17 +50,20 @@ class BlockRequestError(BlockManagerError, ValueError):
 
 
 class StaleHitError(BlockRequestError):
-    """A PrefixHit whose blocks no longer hold those tokens (evicted since find_prefix) or that
-    find_prefix could not have returned for this token list."""
+    """A PrefixHit whose blocks no longer hold its keys (evicted since find_prefix), or whose
+    counts do not add up. That its keys are the caller's sequence's is the caller's to keep:
+    nothing here hashes tokens to check it."""
 
 
 @dataclass
 class PrefixHit:
-    """The longest cached prefix of a token list: its block ids, in order, and how many tokens
-    they hold (a multiple of block_size). Taking no references: `allocate` takes them."""
+    """The longest cached prefix of a token list: its block ids, in order, how many tokens
+    they hold (a multiple of block_size), and their keys. Taking no references: `allocate`
+    takes them."""
 
     block_ids: list[int]
     num_tokens: int
+    keys: list[BlockKey] = field(default_factory=list)
 
 
 @dataclass
@@ -138,32 +143,43 @@ class BlockManager:
         return self._block_size
 
     # -- prefix caching -------------------------------------------------------------------
-    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
-        """Longest run of leading full blocks of token_ids whose chained keys are cached.
-        Never covers the whole list: at least one token is left to compute (its logits are
-        needed), so at most (len(token_ids) - 1) // block_size blocks. Empty when prefix
-        caching is off. Counts a query and the hit tokens in `stats` (queries are counted
-        with caching off too, so the hit rate reads 0 rather than undefined)."""
+    def extend_keys(self, keys: list[BlockKey], token_ids: Sequence[int]) -> list[BlockKey]:
+        """Append to `keys` (the chained keys of token_ids' first len(keys) full blocks) the
+        keys of its further full blocks, and return it: called as a sequence's tokens become
+        known, so each block is hashed once in the sequence's life."""
+        parent = keys[-1] if keys else self._root
+        keys.extend(_chained_keys(parent, token_ids, self._block_size, len(keys),
+                                  len(token_ids) // self._block_size))
+        return keys
+
+    def find_prefix(self, keys: Sequence[BlockKey], num_tokens: int) -> PrefixHit:
+        """Longest run of leading full blocks of a token list of num_tokens tokens, whose
+        chained keys (`keys`, from extend_keys) are cached. Never covers the whole list: at
+        least one token is left to compute (its logits are needed), so at most
+        (num_tokens - 1) // block_size blocks. Empty when prefix caching is off. Counts a query
+        and the hit tokens in `stats` (queries are counted with caching off too, so the hit
+        rate reads 0 rather than undefined)."""
+        _check_count("num_tokens", num_tokens)
         self._prefix_queries += 1
-        self._prefix_query_tokens += len(token_ids)
+        self._prefix_query_tokens += num_tokens
         if not self._caching:
             return PrefixHit([], 0)
-        max_blocks = (len(token_ids) - 1) // self._block_size
+        max_blocks = max(0, (num_tokens - 1) // self._block_size)
         block_ids: list[int] = []
-        for key in _chained_keys(self._root, token_ids, self._block_size, 0, max_blocks):
+        for key in keys[:max_blocks]:
             block_id = self._key_to_block.get(key)
             if block_id is None:
                 break
             block_ids.append(block_id)
         num_tokens = len(block_ids) * self._block_size
         self._prefix_hit_tokens += num_tokens
-        return PrefixHit(block_ids, num_tokens)
+        return PrefixHit(block_ids, num_tokens, list(keys[: len(block_ids)]))
 
     def allocate(
-        self, seq_id: int, token_ids: Sequence[int], num_tokens: int, hit: PrefixHit | None = None
+        self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None
     ) -> list[int] | None:
-        """Make seq_id's block table cover its first `num_tokens` tokens (token_ids is the
-        sequence's whole known token list, len >= num_tokens). On the first call for seq_id,
+        """Make seq_id's block table cover its first `num_tokens` tokens. On the first call for
+        seq_id,
         `hit` (from find_prefix) gives blocks to share: they get a reference and lead the table.
         New blocks come from the free pool, then by evicting the least recently used
         cached-unreferenced block (its key is dropped). If the sequence's last block is shared
@@ -172,16 +188,12 @@ class BlockManager:
         table (a copy), or None when there are not enough blocks -- then nothing changed.
 
         A num_tokens the table already covers is a no-op. Raises BlockRequestError for a
-        negative num_tokens, one above len(token_ids), or a hit on a later call; StaleHitError
-        for a hit whose blocks no longer hold token_ids' prefix."""
+        negative num_tokens or a hit on a later call; StaleHitError for a hit whose blocks no
+        longer hold its keys, or one that covers more than num_tokens."""
         _check_count("num_tokens", num_tokens)
-        if num_tokens > len(token_ids):
-            raise BlockRequestError(
-                f"num_tokens ({num_tokens}) exceeds len(token_ids) ({len(token_ids)})"
-            )
         seq = self._seqs.get(seq_id)
         if seq is None:
-            return self._allocate_first(seq_id, token_ids, num_tokens, hit)
+            return self._allocate_first(seq_id, num_tokens, hit)
         if hit is not None:
             raise BlockRequestError(
                 f"hit given for seq_id {seq_id}, which already has a block table; "
@@ -199,18 +211,19 @@ class BlockManager:
         seq.num_tokens = num_tokens
         return list(seq.table)
 
-    def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> None:
-        """After the model wrote the first num_tokens tokens of seq_id: register every block
-        that is now full under its chained key (computed incrementally, never rehashing the
-        whole prefix). A key already held by another block keeps that block (the duplicate
-        stays private to this sequence). No-op when prefix caching is off (keys_of then stays
-        empty). num_tokens at or below what earlier calls cached is a no-op; above what the
-        table covers it is a BlockRequestError (the model cannot have written those)."""
+    def cache_full_blocks(self, seq_id: int, keys: Sequence[BlockKey], num_tokens: int) -> None:
+        """After the model wrote (or a load filled) the first num_tokens tokens of seq_id:
+        register every block that is now full under its key (keys: the sequence's chained
+        keys, from extend_keys). A key already held by another block keeps that block (the
+        duplicate stays private to this sequence). No-op when prefix caching is off (keys_of
+        then stays empty). num_tokens at or below what earlier calls cached is a no-op; above
+        what the table covers, or past the keys given, it is a BlockRequestError."""
         seq = self._seq(seq_id)
         _check_count("num_tokens", num_tokens)
-        if num_tokens > len(token_ids):
+        if num_tokens // self._block_size > len(keys):
             raise BlockRequestError(
-                f"num_tokens ({num_tokens}) exceeds len(token_ids) ({len(token_ids)})"
+                f"num_tokens ({num_tokens}) fills {num_tokens // self._block_size} blocks; "
+                f"keys has {len(keys)}"
             )
         if num_tokens > seq.num_tokens:
             raise BlockRequestError(
@@ -220,11 +233,16 @@ class BlockManager:
         if not self._caching:
             return
         first = len(seq.keys)
-        parent = seq.keys[-1] if seq.keys else self._root
-        stop = num_tokens // self._block_size
-        for i, key in enumerate(_chained_keys(parent, token_ids, self._block_size, first, stop)):
+        new = list(enumerate(keys[first : num_tokens // self._block_size], start=first))
+        for i, key in new:  # check them all first: a refused call changes nothing
+            current = self._block_keys[seq.table[i]]
+            if current is not None and current != key:
+                raise BlockRequestError(
+                    f"keys[{i}] disagrees with the key block {seq.table[i]} is cached under"
+                )
+        for i, key in new:
             seq.keys.append(key)
-            self._register(seq.table[first + i], key)
+            self._register(seq.table[i], key)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """child shares every block of parent (refcount +1 each), and its computed keys and
@@ -324,10 +342,10 @@ class BlockManager:
         return -(-num_tokens // self._block_size)
 
     def _allocate_first(
-        self, seq_id: int, token_ids: Sequence[int], num_tokens: int, hit: PrefixHit | None
+        self, seq_id: int, num_tokens: int, hit: PrefixHit | None
     ) -> list[int] | None:
         hit_blocks = [] if hit is None else list(hit.block_ids)
-        hit_keys = [] if hit is None else self._check_hit(token_ids, hit)
+        hit_keys = [] if hit is None else self._check_hit(num_tokens, hit)
         # Reviving a cached-unreferenced hit block takes it out of the pool the new blocks
         # come from, so it counts against the room left (vLLM's num_evictable_computed_blocks).
         revived = sum(1 for b in hit_blocks if b in self._evictable)
@@ -343,30 +361,27 @@ class BlockManager:
         self._seqs[seq_id] = seq
         return list(seq.table)
 
-    def _check_hit(self, token_ids: Sequence[int], hit: PrefixHit) -> list[BlockKey]:
-        """The hit's keys, after checking that each block still holds its block of token_ids
-        (another allocation may have evicted it since find_prefix). Hashes the hit once more:
-        once per sequence, not per step."""
+    def _check_hit(self, num_tokens: int, hit: PrefixHit) -> list[BlockKey]:
+        """The hit's keys, after checking that each block still holds its key (another
+        allocation may have evicted it since find_prefix). No hashing: the keys came with it."""
         num_blocks = len(hit.block_ids)
-        if hit.num_tokens != num_blocks * self._block_size:
+        if hit.num_tokens != num_blocks * self._block_size or len(hit.keys) != num_blocks:
             raise StaleHitError(
-                f"hit.num_tokens ({hit.num_tokens}) is not {num_blocks} blocks of "
-                f"{self._block_size} tokens"
+                f"hit.num_tokens ({hit.num_tokens}) and hit.keys ({len(hit.keys)}) are not "
+                f"{num_blocks} blocks of {self._block_size} tokens"
             )
-        if num_blocks and hit.num_tokens >= len(token_ids):
+        if hit.num_tokens > num_tokens:
             raise StaleHitError(
-                f"hit covers {hit.num_tokens} of {len(token_ids)} tokens; find_prefix "
-                "always leaves at least one token to compute"
+                f"hit covers {hit.num_tokens} tokens, more than the {num_tokens} allocated"
             )
-        keys = list(_chained_keys(self._root, token_ids, self._block_size, 0, num_blocks))
-        for i, (block_id, key) in enumerate(zip(hit.block_ids, keys, strict=True)):
+        for i, (block_id, key) in enumerate(zip(hit.block_ids, hit.keys, strict=True)):
             self._check_block(block_id)
             if self._key_to_block.get(key) != block_id:
                 raise StaleHitError(
-                    f"hit.block_ids[{i}] (block {block_id}) no longer holds block {i} of "
-                    "token_ids: call find_prefix again"
+                    f"hit.block_ids[{i}] (block {block_id}) no longer holds its key: "
+                    "call find_prefix again"
                 )
-        return keys
+        return list(hit.keys)
 
     def _grow(self, seq: _SeqState, num_new: int) -> None:
         for _ in range(num_new):
@@ -397,13 +412,8 @@ class BlockManager:
         return block_id
 
     def _register(self, block_id: int, key: BlockKey) -> None:
-        current = self._block_keys[block_id]
-        if current is not None:
-            if current != key:
-                raise BlockRequestError(
-                    f"token_ids disagree with the tokens block {block_id} is cached under"
-                )
-            return  # a hit block, or one a fork sibling registered first
+        if self._block_keys[block_id] is not None:
+            return  # a hit block, or one a fork sibling registered first (same key: checked)
         if key in self._key_to_block:
             return  # another block holds these tokens already: this one stays private
         self._block_keys[block_id] = key

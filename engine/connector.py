@@ -1,9 +1,15 @@
-"""The engine's side of the store (docs/engine.md): ask `Lookup` how much of a new prompt the
-store holds, load those blocks into the paged KV cache instead of computing them (swap-in),
-offload blocks as they fill (in the background: the step loop never waits on the store), swap
-a preempted sequence's blocks out, and pre-warm from the L4 hot set at start.
+"""The engine's side of the store (docs/engine.md). Nothing here blocks the step loop on the
+store: lookups and loads run on the link's loader threads and come back as events the engine
+collects between steps (`poll`), so a request whose prefix the store holds waits for its blocks
+while the rest of the batch keeps stepping; offloads of blocks as they fill go from a writer
+thread; a preempted sequence's blocks are swapped out the same way; the L4 hot set can be
+pre-warmed at start.
 
-The store-facing half (keys, lookup, loads, the offload queue, the fail-safe) is
+Each hit is loaded only when loading it is expected to be faster than computing it
+(`decide`: the engine's own prefill rate against what loads from each tier cost here, see
+kvstore.integrations.cost), unless the policy says always or never.
+
+The store-facing half (lookups, loads, the offload queue, the fail-safe) is
 `kvstore.integrations.link.StoreLink`, shared with the vLLM connector; this module adds the
 tensors: a staging buffer (pinned when the cache is on a GPU) and the kernels' gather and
 scatter. The store is an accelerator, never a dependency of correctness: any store error turns
@@ -13,7 +19,7 @@ failure on.
 
 One stored block = every layer's K and V of one engine block, contiguous
 ([layers, 2, block_size, kv_heads, head_dim], gather_blocks' staging row), under the block's
-chained key in the engine's namespace.
+chained key in the engine's namespace. Keys come with the sequence (computed once per block).
 
 Credentials for a daemon with auth on are the client's: token, tls and unix_socket given here
 (EngineConfig.store_token, store_tls, store_unix_socket), else the variables KVStoreClient
@@ -25,7 +31,10 @@ PERMISSION_DENIED) are store errors like any other: the engine recomputes and lo
 
 from __future__ import annotations
 
+import logging
+import queue
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,12 +42,33 @@ import torch
 from kvstore.client import TLS
 from kvstore.client.errors import KVStoreError
 from kvstore.engine.errors import InvalidRequestError
-from kvstore.integrations.link import ConnectorStats, StoreLink
+from kvstore.engine.scheduler import LoadPlan, LookupPlan
+from kvstore.engine.sequence import StoreAnswer
+from kvstore.integrations.cost import POLICIES, PrefillModel, decide, slowest
+from kvstore.integrations.link import ConnectorStats, Hit, StoreLink
 from kvstore.kernels import KernelOps
 from kvstore.kernels.reference import staging_shape
 from kvstore.keys import BlockKey
 
-__all__ = ["ConnectorStats", "StoreConnector"]
+__all__ = ["ConnectorStats", "Looked", "Loaded", "StoreConnector"]
+
+logger = logging.getLogger("kvstore.engine")
+
+
+@dataclass(frozen=True)
+class Looked:
+    """A lookup came back: what the store holds of plan.keys."""
+
+    plan: LookupPlan
+    hit: Hit
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A load came back: its first `arrived` blocks are in the KV cache."""
+
+    plan: LoadPlan
+    arrived: int
 
 
 def _byte_rows(staging: torch.Tensor) -> list[np.ndarray]:
@@ -62,11 +92,25 @@ class StoreConnector:
         token: str | None = None,
         tls: TLS | bool | None = None,
         unix_socket: str | None = None,
+        load_policy: str = "auto",
+        prefill: PrefillModel | None = None,
+        step_tokens: int = 2048,
     ) -> None:
+        """load_policy: "auto" (load a hit when that is faster than computing it), "always",
+        "never"; prefill: the engine's own step timings (it observes every forward pass);
+        step_tokens: most tokens one step computes (the scheduler's budget)."""
+        if load_policy not in POLICIES:
+            raise InvalidRequestError(
+                f"store_load_policy must be one of {POLICIES}, got {load_policy!r}")
         self.namespace = namespace
         self.block_size = block_size
         self.kv_cache = kv_cache
         self.ops = ops
+        self.load_policy = load_policy
+        self.prefill = prefill or PrefillModel()
+        self.step_tokens = step_tokens
+        self.block_bytes = int(np.prod(staging_shape(kv_cache, 1))) * kv_cache.element_size()
+        self._events: queue.SimpleQueue[Looked | Loaded] = queue.SimpleQueue()
         try:
             self.link = StoreLink(target, namespace, block_size, timeout_s=timeout_s,
                                   reconnect_s=reconnect_s,
@@ -83,34 +127,55 @@ class StoreConnector:
     def available(self) -> bool:
         return self.link.available
 
-    # -- admission: lookup and swap-in ----------------------------------------------------
-    def keys_for(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockKey]:
-        return self.link.keys_for(token_ids, num_blocks)
+    # -- admission: lookups and loads, in the background ---------------------------------
+    def start_lookup(self, plan: LookupPlan) -> None:
+        """Ask how many of plan.keys the store holds (and prefetch the hit's L3/L4 blocks to
+        L2); the answer comes back as a Looked event."""
+        self.link.lookup_async(plan.keys, lambda hit: self._events.put(Looked(plan, hit)))
 
-    def matched_tokens(self, token_ids: Sequence[int], local_tokens: int) -> int:
-        """How many tokens past local_tokens (a block multiple) the store holds for this
-        prefix, leaving at least the last token to compute. 0 when the store is off."""
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        first = local_tokens // self.block_size
-        if max_blocks <= first:
-            return 0
-        # A chain may start anywhere: ask only for the blocks past the local hit.
-        keys = self.keys_for(token_ids, max_blocks)[first:]
-        return self.link.lookup(keys, prefetch=True).blocks * self.block_size
+    def decide(self, looked: Looked) -> StoreAnswer:
+        """How much of a hit to load: the leading blocks whose load is expected to beat
+        computing them (or all / none, by policy)."""
+        plan, hit = looked.plan, looked.hit
+        choice = decide(tiers=hit.tiers, block_bytes=self.block_bytes,
+                        block_size=self.block_size, first_block=plan.first_block,
+                        num_tokens=len(plan.seq), policy=self.load_policy,
+                        prefill=self.prefill, rates=self.link.rates,
+                        step_tokens=self.step_tokens)
+        return StoreAnswer(plan.first_block, hit.blocks, choice.load_blocks, choice.reason,
+                           slowest(hit.tiers[: choice.load_blocks]))
 
-    def load(self, token_ids: Sequence[int], first_block: int, block_ids: Sequence[int]) -> int:
-        """Load blocks first_block.. of token_ids' chain into block_ids of the KV cache; returns
-        how many leading blocks arrived whole (the rest must be recomputed)."""
-        if not block_ids:
-            return 0
-        keys = self.keys_for(token_ids, first_block + len(block_ids))[first_block:]
-        staging = self._staging(len(keys))
-        arrived = self.link.read(keys, _byte_rows(staging))
-        if arrived:
-            ids = torch.tensor(list(block_ids[:arrived]), dtype=torch.int64)
-            self.ops.scatter_blocks(staging[:arrived], self.kv_cache,
-                                    ids.to(self.kv_cache.device))
-        return arrived
+    def start_load(self, plan: LoadPlan, tier: str = "") -> None:
+        """Read plan.keys into plan.block_ids of the KV cache on a loader thread (staged,
+        then scattered there); comes back as a Loaded event with the blocks that arrived."""
+        staging = self._staging(len(plan.keys))
+
+        def done(arrived: int) -> None:
+            try:
+                if arrived:
+                    ids = torch.tensor(plan.block_ids[:arrived], dtype=torch.int64)
+                    self.ops.scatter_blocks(staging[:arrived], self.kv_cache,
+                                            ids.to(self.kv_cache.device))
+            except Exception:  # blocks that cannot be placed are blocks to compute
+                logger.exception("kvstore: placing %d loaded blocks failed", arrived)
+                arrived = 0
+            self._events.put(Loaded(plan, arrived))
+
+        self.link.read_async(plan.keys, _byte_rows(staging), done, tier=tier)
+
+    def poll(self, timeout_s: float = 0.0) -> list[Looked | Loaded]:
+        """The lookups and loads that came back; waits up to timeout_s for the first."""
+        events: list[Looked | Loaded] = []
+        try:
+            events.append(self._events.get(timeout=timeout_s) if timeout_s > 0
+                          else self._events.get_nowait())
+        except queue.Empty:
+            return events
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                return events
 
     def _staging(self, count: int) -> torch.Tensor:
         pin = self.kv_cache.device.type == "cuda"

@@ -1,7 +1,12 @@
 """The engine's front door: `LLM(model_path).generate(prompts, SamplingParams(...))`. Loads a
 checkpoint (Hugging Face folder or GGUF), sizes the paged KV cache, and drives the scheduler
 and the model runner step by step until every request has finished. Everything a request
-could get wrong is checked before the first step runs."""
+could get wrong is checked before the first step runs.
+
+With a store, each step first collects the lookups and loads that came back (deciding, for
+each hit, how much of it to load), then starts the ones the scheduler planned, and runs the
+batch without waiting for them; only a step with nothing to compute waits, for the next one
+to come back. Every forward pass is timed into the prefill model the decision uses."""
 
 from __future__ import annotations
 
@@ -14,15 +19,16 @@ import torch
 
 from kvstore.client import TLS
 from kvstore.engine.block_manager import BlockManager
-from kvstore.engine.connector import StoreConnector
+from kvstore.engine.connector import Looked, StoreConnector
 from kvstore.engine.errors import EngineError, InvalidRequestError
 from kvstore.engine.loader import load_checkpoint
 from kvstore.engine.model import CausalLM
 from kvstore.engine.outputs import Prompt, RequestOutput, build_output, stop_index
 from kvstore.engine.runner import ModelRunner, kv_cache_shape
 from kvstore.engine.sampling import SamplingParams
-from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig
 from kvstore.engine.sequence import Sequence as Seq
+from kvstore.integrations.cost import PrefillModel
 from kvstore.kernels import ops_for
 from kvstore.units import parse_size
 
@@ -49,7 +55,11 @@ class EngineConfig:
     """A kvstore daemon (host:port; a bare host means port 50051): look prompts up there,
     load hits, offload full blocks."""
     store_timeout_s: float = 2.0
-    """Longest a store call may hold a step; past it the store is off until it answers again."""
+    """Longest one store call may take (calls run beside the steps); past it the store is off
+    until it answers again, and what it did not deliver is computed."""
+    store_load_policy: str = "auto"
+    """"auto": load a store hit only when that is expected to be faster than computing it
+    (per tier, from measured rates); "always"; "never" (look up, but compute)."""
     store_token: str | None = field(default=None, repr=False)
     """The store's bearer token (auth.mode=token); None: KVSTORE_TOKEN or KVSTORE_TOKEN_FILE."""
     store_tls: TLS | bool | None = None
@@ -136,6 +146,10 @@ class LLM:
         )
         if config.preemption_mode == "swap" and config.store is None:
             raise InvalidRequestError('preemption_mode "swap" needs a store (set store=host:port)')
+        if config.store is not None and not config.enable_prefix_caching:
+            raise InvalidRequestError(
+                "store needs enable_prefix_caching: loaded blocks join the prefix cache and "
+                "offloads follow its keys")
         model = CausalLM.from_weights(
             mc,
             checkpoint.weights,
@@ -154,18 +168,23 @@ class LLM:
         self.runner = ModelRunner(
             model, ops_for(self.device), num_blocks, config.block_size, self.dtype, self.device
         )
+        self.prefill = PrefillModel()
+        """Seconds per forward step from what it computed: the load-or-recompute rule's
+        compute side."""
         self.connector: StoreConnector | None = None
         if config.store is not None:
             self.connector = StoreConnector(
                 config.store, self.namespace, self.runner.kv_cache, config.block_size,
                 self.runner.ops, timeout_s=config.store_timeout_s, token=config.store_token,
                 tls=config.store_tls, unix_socket=config.store_unix_socket,
+                load_policy=config.store_load_policy, prefill=self.prefill,
+                step_tokens=config.max_num_batched_tokens,
             )
             if config.prewarm_bytes is not None:
                 self.connector.prewarm(config.prewarm_bytes)
         self.scheduler = Scheduler(
             scheduler_config, self.block_manager, config.block_size, mc.eos_token_ids,
-            external=self.connector,
+            store=self.connector is not None,
         )
         self._ids = count()
 
@@ -234,18 +253,36 @@ class LLM:
         by_id = {r.request_id: r for r in requests}
         finished_requests = 0
         generated = 0
+        connector = self.connector
         while self.scheduler.has_unfinished:
+            if connector is not None:
+                self._collect(connector)
+                self.scheduler.store_up = connector.available
             out = self.scheduler.schedule()
+            if connector is not None:
+                for lookup in out.lookups:
+                    connector.start_lookup(lookup)
+                for load in out.loads:
+                    answer = load.seq.store_answer
+                    connector.start_load(load, answer.tier if answer else "")
             if out.is_empty:
+                if connector is not None and self.scheduler.waiting_on_store:
+                    self._collect(connector, wait_s=self.config.store_timeout_s)
+                    continue
                 raise EngineError("the scheduler made no progress (KV cache too small?)")
-            if self.connector is not None:
-                self._swap(out, self.connector)
+            if connector is not None:
+                for run in out.swapped_out:  # before this step's forward pass reuses them
+                    connector.swap_out(run.keys, run.block_ids)
+            chunks = [(item.num_new_tokens, item.seq.num_computed_tokens)
+                      for item in out.scheduled]
+            start = time.perf_counter()
             sampled = self.runner.execute(out)
             now = time.perf_counter()
+            self.prefill.observe(chunks, now - start)
             stepped, finished = self.scheduler.update(out, sampled, lambda: next(self._ids))
-            if self.connector is not None:
+            if connector is not None:
                 for run in out.filled:
-                    self.connector.offload(run.keys, run.block_ids, run.parent)
+                    connector.offload(run.keys, run.block_ids, run.parent)
             for seq in stepped:
                 if seq.child_index and seq not in by_id[seq.request_id].seqs:
                     by_id[seq.request_id].seqs.append(seq)
@@ -272,26 +309,14 @@ class LLM:
                     )
                 )
 
-    @staticmethod
-    def _swap(out: SchedulerOutput, connector: StoreConnector) -> None:
-        """Before the forward pass: copy preempted sequences' blocks out (their ids may be
-        reused this step), then load the store hits the scheduler planned. A block that does
-        not arrive is computed instead, and every block after it."""
-        for run in out.swapped_out:
-            connector.swap_out(run.keys, run.block_ids)
-        for item in out.scheduled:
-            if not item.load_num_blocks:
-                continue
-            first, count = item.load_first_block, item.load_num_blocks
-            arrived = connector.load(
-                item.seq.token_ids, first, item.block_table[first : first + count]
-            )
-            missing = (count - arrived) * connector.block_size
-            item.seq.num_computed_tokens -= missing
-            item.num_new_tokens += missing
-            if item.seq.num_preemptions == 0:
-                item.seq.num_cached_tokens -= missing
-                item.seq.num_store_tokens -= missing
+    def _collect(self, connector: StoreConnector, wait_s: float = 0.0) -> None:
+        """Hand the lookups and loads that came back to the scheduler, deciding for each hit
+        how much of it to load; wait_s > 0: wait that long at most for the first."""
+        for event in connector.poll(wait_s):
+            if isinstance(event, Looked):
+                self.scheduler.lookup_done(event.plan.seq, connector.decide(event))
+            else:
+                self.scheduler.load_done(event.plan.seq, event.arrived)
 
     def reset_prefix_cache(self) -> int:
         """Drop the engine's own cached blocks (as if they had been evicted); the store keeps
@@ -310,6 +335,16 @@ class LLM:
         self.close()
 
     def _abort(self, requests: list[_Request]) -> None:
+        connector = self.connector
+        # Loads write into blocks their sequences hold: let them land before the blocks go
+        # (one still out past the deadline keeps its blocks: never reused while written).
+        deadline = time.monotonic() + 2 * self.config.store_timeout_s + 1.0
+        try:
+            while (connector is not None and self.scheduler.waiting_on_store
+                   and time.monotonic() < deadline):
+                self._collect(connector, wait_s=0.1)
+        except Exception:  # the abort goes on: what failed is already being raised
+            pass
         for request in requests:
             for seq in request.seqs:
                 if not seq.is_finished:

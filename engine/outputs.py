@@ -32,6 +32,11 @@ class RequestMetrics:
     """Prompt tokens served from the prefix cache or the store instead of computed."""
     store_prompt_tokens: int
     """Of those, the tokens loaded from the store."""
+    store_recomputed_tokens: int
+    """Prompt tokens the store held that the engine computed instead (loading was expected
+    to be slower), or that did not arrive."""
+    store_decision: str
+    """Why the store's tokens were loaded or computed ("" when the store held none)."""
     generated_tokens: int
     ttft_s: float
     """Arrival to the first generated token."""
@@ -85,6 +90,8 @@ def build_output(
         prompt_tokens=head.num_prompt_tokens,
         cached_prompt_tokens=head.num_cached_tokens,
         store_prompt_tokens=head.num_store_tokens,
+        store_recomputed_tokens=head.num_store_recomputed_tokens,
+        store_decision=head.store_reason,
         generated_tokens=sum(len(s.output_token_ids) for s in seqs),
         ttft_s=first - arrival_s,
         tpot_s=(last - first) / (longest - 1) if longest > 1 else 0.0,

@@ -1,33 +1,32 @@
-"""Continuous batching (pure: no torch, no clock). Each step picks what the model computes:
-running sequences first (decodes, and the rest of chunked prefills), then waiting sequences in
-arrival order (FCFS) while a token budget, a sequence limit and the block pool allow. When a
-running sequence cannot get a block, the newest running sequence is preempted: its blocks are
-freed and it is recomputed later (its finished blocks usually come back as prefix-cache hits).
+"""Continuous batching (pure: no torch, no clock, no I/O). Each step picks what the model
+computes: running sequences first (decodes, and the rest of chunked prefills), then waiting
+sequences in arrival order (FCFS) while a token budget, a sequence limit and the block pool
+allow. When a running sequence cannot get a block, the newest running sequence is preempted:
+its blocks are freed and it is recomputed later (its finished blocks usually come back as
+prefix-cache hits).
+
+With a store, nothing here waits on it. A waiting sequence whose full blocks go past its local
+hit is first asked about (`SchedulerOutput.lookups`: the engine starts the Lookup and answers
+with `lookup_done`); while the answer is out it keeps its place in the queue and the sequences
+behind it may go first. When the answer says to load blocks, they are allocated and the
+sequence waits LOADING (`SchedulerOutput.loads`) while the batch keeps stepping; `load_done`
+registers the blocks that arrived in the prefix cache and releases the sequence's table, so its
+next admission takes them as a local hit and computes the rest, from the first block that did
+not arrive. Several sequences load at once; none of it changes a token of the output.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
 
-from kvstore.engine.block_manager import BlockManager
+from kvstore.engine.block_manager import BlockManager, PrefixHit
 from kvstore.engine.errors import InvalidRequestError
-from kvstore.engine.sequence import SeqStatus, Sequence
+from kvstore.engine.sequence import SeqStatus, Sequence, StoreAnswer
 from kvstore.keys import BlockKey
 
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-class PrefixSource(Protocol):
-    """Where blocks past the local prefix cache can come from (the store connector)."""
-
-    def matched_tokens(self, token_ids: Seq[int], local_tokens: int) -> int:
-        """Tokens past local_tokens (a block multiple) it can load, in whole blocks, leaving
-        at least the last token to compute."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -64,10 +63,25 @@ class ScheduledSeq:
     num_samples: int
     """Tokens to sample after this step: 0 for a prefill chunk that does not reach the end of
     the known tokens, n for a request's first token, else 1."""
-    load_first_block: int = 0
-    load_num_blocks: int = 0
-    """Blocks load_first_block.. of the table to load from the store before the forward pass,
-    instead of computing them (already counted in seq.num_computed_tokens)."""
+
+
+@dataclass
+class LookupPlan:
+    """Ask the store how many of keys (blocks first_block.. of seq) it holds."""
+
+    seq: Sequence
+    first_block: int
+    keys: list[BlockKey]
+
+
+@dataclass
+class LoadPlan:
+    """Read keys (blocks first_block.. of seq) from the store into block_ids of the cache."""
+
+    seq: Sequence
+    first_block: int
+    keys: list[BlockKey]
+    block_ids: list[int]
 
 
 @dataclass
@@ -89,6 +103,10 @@ class SchedulerOutput:
     """Preempted sequences' blocks, to copy out before this step's forward pass reuses them."""
     filled: list[BlockRun] = field(default_factory=list)
     """Blocks that became full in this step (set by update), to offload."""
+    lookups: list[LookupPlan] = field(default_factory=list)
+    """Store lookups to start (answered with Scheduler.lookup_done)."""
+    loads: list[LoadPlan] = field(default_factory=list)
+    """Store loads to start (answered with Scheduler.load_done)."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -106,15 +124,19 @@ class Scheduler:
         block_manager: BlockManager,
         block_size: int,
         eos_token_ids: tuple[int, ...] = (),
-        external: PrefixSource | None = None,
+        store: bool = False,
     ) -> None:
         self.config = config
-        self.external = external
+        self.store = store
+        self.store_up = store
+        """Whether to ask the store now (the engine clears it while the store is off)."""
         self.blocks = block_manager
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._loads: dict[int, LoadPlan] = {}  # by seq_id: loads in flight
+        self._lookups = 0  # lookups in flight
         self.num_preemptions = 0
 
     # -- admission ------------------------------------------------------------------------
@@ -149,11 +171,17 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check(seq.num_prompt_tokens, seq.params.max_tokens)
         seq.status = SeqStatus.WAITING
+        self.blocks.extend_keys(seq.block_keys, seq.token_ids)
         self.waiting.append(seq)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def waiting_on_store(self) -> bool:
+        """A lookup or a load is in flight: a step that computes nothing may wait for it."""
+        return bool(self._lookups or self._loads)
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -170,17 +198,13 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            table = self.blocks.allocate(
-                seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new
-            )
+            table = self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
             while table is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                table = self.blocks.allocate(
-                    seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new
-                )
+                table = self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
             if table is None:
                 break
             out.scheduled.append(ScheduledSeq(seq, num_new, table, self._samples(seq, num_new)))
@@ -189,54 +213,106 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if seq.status is SeqStatus.LOADING or seq.store_pending:
+                continue  # keeps its place; the sequences behind it may go first
             hit = None
-            loaded = 0
             if seq.num_computed_tokens == 0:
-                hit = self.blocks.find_prefix(seq.token_ids)
-                loaded = self._store_match(seq, hit.num_tokens)
-                seq.num_computed_tokens = hit.num_tokens + loaded
+                hit = self.blocks.find_prefix(seq.block_keys, len(seq))
+                ask = self._ask_store(seq, hit, out)
+                if ask == "wait":
+                    continue
+                if ask == "full":
+                    return
+                seq.num_computed_tokens = hit.num_tokens
             num_new = len(seq) - seq.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self._undo_hit(seq, hit)
-                break
+                return
             num_new = min(num_new, budget)
-            table = self.blocks.allocate(
-                seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new, hit
-            )
+            table = self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + num_new, hit)
             if table is None:
                 self._undo_hit(seq, hit)
-                break
-            self.waiting.popleft()
-            seq.store_match = None  # readmitted after a preemption, it asks again
+                return
+            self.waiting.remove(seq)
+            seq.store_answer = None  # readmitted after a preemption, it asks again
             if hit is not None:
                 if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = hit.num_tokens + loaded
-                    seq.num_store_tokens = loaded
+                    seq.num_cached_tokens = hit.num_tokens
                 seq.num_stored_blocks = seq.num_computed_tokens // self.block_size
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            item = ScheduledSeq(seq, num_new, table, self._samples(seq, num_new))
-            if loaded and hit is not None:
-                item.load_first_block = hit.num_tokens // self.block_size
-                item.load_num_blocks = loaded // self.block_size
-            out.scheduled.append(item)
+            out.scheduled.append(ScheduledSeq(seq, num_new, table, self._samples(seq, num_new)))
             budget -= num_new
 
-    def _store_match(self, seq: Sequence, local_tokens: int) -> int:
-        """Tokens the store holds past the local hit. A waiting head that cannot be admitted
-        yet keeps its answer while its local hit stays the same, instead of one Lookup per
-        step; a stale answer costs nothing wrong, as loads recompute what did not arrive."""
-        if self.external is None:
-            return 0
-        loaded: int
-        if seq.store_match is not None and seq.store_match[0] == local_tokens:
-            loaded = seq.store_match[1]
-        else:
-            loaded = self.external.matched_tokens(seq.token_ids, local_tokens)
-            seq.store_match = (local_tokens, loaded)
-        return loaded
+    def _ask_store(self, seq: Sequence, hit: PrefixHit, out: SchedulerOutput) -> str:
+        """What the store means for a waiting sequence at admission: "admit" (nothing to
+        load: compute past the local hit), "wait" (a lookup or a load was started: skip it
+        this step), "full" (no room for the blocks to load: stop admitting, FCFS)."""
+        first = hit.num_tokens // self.block_size
+        last = (len(seq) - 1) // self.block_size  # the last token is always computed
+        if not self.store_up or last <= first:
+            return "admit"
+        answer = seq.store_answer
+        if answer is None or answer.first_block > first:  # none yet, or the local hit shrank
+            if self._lookups + len(self._loads) >= self.config.max_num_seqs:
+                return "full"
+            seq.store_pending = True
+            self._lookups += 1
+            out.lookups.append(LookupPlan(seq, first, seq.block_keys[first:last]))
+            return "wait"
+        # Blocks past the local hit still to load (the local hit may have grown since).
+        count = min(answer.first_block + answer.load_blocks, last) - first
+        if count <= 0:
+            return "admit"
+        if len(self._loads) + len(self.running) >= self.config.max_num_seqs:
+            return "full"
+        table = self.blocks.allocate(seq.seq_id, (first + count) * self.block_size, hit)
+        if table is None:
+            return "full"
+        plan = LoadPlan(seq, first, seq.block_keys[first : first + count],
+                        table[first : first + count])
+        seq.status = SeqStatus.LOADING
+        self._loads[seq.seq_id] = plan
+        out.loads.append(plan)
+        return "wait"
+
+    def lookup_done(self, seq: Sequence, answer: StoreAnswer) -> None:
+        """The answer to a LookupPlan; the decision (answer.load_blocks) is the engine's."""
+        self._lookups -= 1
+        seq.store_pending = False
+        if seq.status is not SeqStatus.WAITING or seq.num_computed_tokens:
+            return  # admitted meanwhile (the store went off), or finished
+        seq.store_answer = answer
+        if seq.num_preemptions == 0:
+            seq.num_store_recomputed_tokens = (
+                (answer.hit_blocks - answer.load_blocks) * self.block_size)
+            seq.store_reason = answer.reason
+
+    def load_done(self, seq: Sequence, arrived: int) -> None:
+        """A LoadPlan finished: its first `arrived` blocks hold their keys' K/V. They join the
+        prefix cache, the table is released (blocks that did not arrive go back to the pool),
+        and the sequence waits for admission again, which takes them as a local hit."""
+        plan = self._loads.pop(seq.seq_id)
+        if arrived:
+            self.blocks.cache_full_blocks(
+                seq.seq_id, seq.block_keys, (plan.first_block + arrived) * self.block_size)
+        self.blocks.free(seq.seq_id)
+        if seq.status is not SeqStatus.LOADING:
+            return  # finished while loading
+        seq.status = SeqStatus.WAITING
+        if seq.num_preemptions == 0:
+            seq.num_store_tokens = arrived * self.block_size
+            missing = len(plan.keys) - arrived
+            seq.num_store_recomputed_tokens += missing * self.block_size
+            if missing:
+                seq.store_reason = (f"{seq.store_reason}; {missing} blocks did not arrive: "
+                                    "computed").lstrip("; ")
+        if seq.store_answer is not None:  # nothing more to load from here
+            seq.store_answer = replace(seq.store_answer, first_block=plan.first_block,
+                                       load_blocks=arrived)
 
     @staticmethod
     def _undo_hit(seq: Sequence, hit: object) -> None:
@@ -259,6 +335,7 @@ class Scheduler:
             out.swapped_out.append(BlockRun(keys, table, None))
         self.blocks.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.store_answer = None
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -278,12 +355,14 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.blocks.cache_full_blocks(seq.seq_id, seq.block_keys, seq.num_computed_tokens)
             self._note_filled(seq, out)
             tokens = sampled.get(seq.seq_id, [])
             if not tokens:
                 continue
             seq.output_token_ids.append(tokens[0])
+            if len(seq) % self.block_size == 0:
+                self.blocks.extend_keys(seq.block_keys, seq.token_ids)
             stepped.append(seq)
             if len(tokens) > 1:
                 stepped.extend(self._fork(seq, tokens[1:], new_seq_id))
@@ -295,7 +374,7 @@ class Scheduler:
 
     def _note_filled(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Record seq's blocks that became full (and keyed) since the last offload."""
-        if self.external is None:
+        if not self.store:
             return
         done = seq.num_stored_blocks
         num_keys = self.blocks.num_keys(seq.seq_id)  # most steps fill no block: copy nothing
@@ -326,6 +405,9 @@ class Scheduler:
                 forked=True,
                 child_index=offset,
             )
+            # Its tokens differ from the parent's only in the last one.
+            common = parent.block_keys[: (len(child) - 1) // self.block_size]
+            child.block_keys = self.blocks.extend_keys(list(common), child.token_ids)
             self.blocks.fork(parent.seq_id, child.seq_id)
             self.running.append(child)
             children.append(child)
@@ -345,11 +427,14 @@ class Scheduler:
         return seq.finish_reason is not None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence (also used for stop strings and aborts) and release its blocks."""
+        """End a sequence (also used for stop strings and aborts) and release its blocks; a
+        loading sequence's blocks stay its load's until load_done (they are being written)."""
+        loading = seq.status is SeqStatus.LOADING
         seq.finish_reason = reason
         seq.status = SeqStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq.seq_id)
+        if not loading:
+            self.blocks.free(seq.seq_id)

@@ -8,12 +8,31 @@ import enum
 from dataclasses import dataclass, field
 
 from kvstore.engine.sampling import SamplingParams
+from kvstore.keys import BlockKey
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"
+    """Waiting while its store hit is read into the KV cache (it holds those blocks)."""
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class StoreAnswer:
+    """What the store holds of a waiting sequence past its local hit, and what to do with it."""
+
+    first_block: int
+    """The local hit, in blocks, the lookup started after."""
+    hit_blocks: int
+    """Blocks past first_block the store holds."""
+    load_blocks: int
+    """Of those, the leading blocks to load (the rest are recomputed: cheaper, by cost)."""
+    reason: str = ""
+    """Why, in a few words (the request's metrics carry it)."""
+    tier: str = ""
+    """The slowest tier the blocks to load lie in."""
 
 
 @dataclass(eq=False)
@@ -29,11 +48,19 @@ class Sequence:
     """Prompt tokens served from the prefix cache or the store at first admission."""
     num_store_tokens: int = 0
     """Of those, the tokens loaded from the store."""
+    num_store_recomputed_tokens: int = 0
+    """Prompt tokens the store held that were computed instead (loading them was slower)."""
+    store_reason: str = ""
+    """Why those tokens were loaded or computed (the load-or-recompute decision)."""
     num_stored_blocks: int = 0
     """Leading full blocks already in the store (offloaded, or loaded from it)."""
-    store_match: tuple[int, int] | None = None
-    """While waiting: (local hit tokens, tokens the store holds past them) from the last
-    Lookup, so a head that cannot be admitted yet does not ask the store every step."""
+    block_keys: list[BlockKey] = field(default_factory=list)
+    """The chained keys of its full blocks, computed once each as its tokens become known."""
+    store_answer: StoreAnswer | None = None
+    """While waiting: the last Lookup's answer, so a sequence that cannot be admitted yet does
+    not ask the store every step."""
+    store_pending: bool = False
+    """A Lookup for it is in flight."""
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

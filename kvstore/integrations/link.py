@@ -5,9 +5,15 @@
   never depends on an engine's hash settings or seeds.
 - Lookup: how many of a chain's blocks the store holds (or an offload in flight here still
   holds), and a Prefetch up to L2 of the hit's blocks that lie lower (L3, L4), started in the
-  background so they come up while the request waits for its load.
-- Loads: `read` copies blocks into caller-owned rows (blocking); `read_async` does it on a
-  loader thread and calls back with how many leading blocks arrived whole.
+  background so they come up while the request waits for its load. `lookup_async` does the
+  Lookup on a loader thread and calls back with the hit.
+- Loads: `read` copies blocks into caller-owned rows (blocking), after any Prefetch of theirs
+  started here has brought them up; `read_async` does it on a loader thread and calls back
+  with how many leading blocks arrived whole.
+- Costs: `rates` (kvstore.integrations.cost.TierRates) learns what a load from each tier costs
+  here: every whole load, end to end, by the slowest tier it read from; the Lookup round trip;
+  and, every few seconds while lookups come, the daemon's per-tier read figures (Stats). The
+  connectors decide from it whether loading a hit beats computing it.
 - Offload: `offload` takes rows the caller already copied out of its KV cache (so the cache may
   reuse the blocks at once) and puts them from a writer thread; while queued they are readable
   by loads and lookups of this link.
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -37,12 +44,17 @@ import numpy as np
 from kvstore.client import TLS, KVStoreClient
 from kvstore.client.errors import KVStoreError
 from kvstore.client.retry import Retry
+from kvstore.integrations.cost import TierRates
 from kvstore.keys import BlockKey, namespace_root, prefix_keys
 
 logger = logging.getLogger("kvstore.integrations")
 
 # Tiers a block must be brought up from before a load reads it at memory speed.
 _BELOW_L2 = ("nvme", "remote")
+STATS_EVERY_S = 5.0
+"""How often, at most, lookups also read the daemon's per-tier figures (one Stats call)."""
+LOADERS = 4
+"""Loader threads: lookups, prefetches and loads of several requests at once."""
 
 
 @dataclass
@@ -117,8 +129,11 @@ class StoreLink:
         self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=max_pending_batches)
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload", daemon=True)
         self._writer.start()
-        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
+        self._loader = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="kv-load")
         self._watcher: threading.Thread | None = None
+        self.rates = TierRates()
+        self._raising: dict[BlockKey, threading.Event] = {}  # keys a Prefetch brings up now
+        self._stats_due = 0.0
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -175,36 +190,79 @@ class StoreLink:
             pending = 0
             while pending < len(keys) and keys[pending] in self._pending:
                 pending += 1
+        start = time.perf_counter()
         try:
             result = self.client.lookup(keys, block_tokens=self.block_size)
         except KVStoreError as exc:
             self._failed("Lookup", exc)
             return _MISS
+        self.rates.observe_rtt(time.perf_counter() - start)
         found = int(result.prefix_length)
         if prefetch and found > pending:
             below = [key for key, tier in zip(keys[:found], result.tiers, strict=False)
                      if tier in _BELOW_L2]
             if below:
-                self._loader.submit(self._prefetch, below)
+                raised = threading.Event()
+                with self._lock:
+                    for key in below:
+                        self._raising[key] = raised
+                self._loader.submit(self._prefetch, below, raised)
+        if time.monotonic() >= self._stats_due:
+            self._stats_due = time.monotonic() + STATS_EVERY_S
+            self._loader.submit(self._read_stats)
         hit = max(found, pending)
         self._count(lookup_hit_blocks=hit)
         tiers = ["pending"] * pending + [t or "" for t in result.tiers[pending:hit]]
         return Hit(hit, tiers)
 
-    def _prefetch(self, keys: list[BlockKey]) -> None:
+    def lookup_async(self, keys: Sequence[BlockKey], done: Callable[[Hit], None], *,
+                     prefetch: bool = True) -> Future[None]:
+        """lookup() on a loader thread, then done(hit) there; done is called exactly once
+        (with a miss if the lookup itself raised)."""
+
+        def run() -> None:
+            hit = _MISS
+            try:
+                hit = self.lookup(keys, prefetch=prefetch)
+            except Exception:  # a bug here must not strand the request waiting for its answer
+                logger.exception("kvstore: lookup of %d blocks failed", len(keys))
+            done(hit)
+
+        return self._loader.submit(run)
+
+    def _prefetch(self, keys: list[BlockKey], raised: threading.Event) -> None:
         try:
             result = self.client.prefetch(keys, tier="dram")
+            self._count(prefetched_blocks=int(result.done))
         except KVStoreError as exc:
             logger.debug("kvstore: prefetch of %d blocks failed: %s", len(keys), exc)
+        finally:
+            with self._lock:
+                for key in keys:
+                    if self._raising.get(key) is raised:
+                        del self._raising[key]
+            raised.set()
+
+    def _read_stats(self) -> None:
+        try:
+            stats = self.client.stats()
+        except KVStoreError as exc:
+            logger.debug("kvstore: no per-tier figures (%s)", exc)
             return
-        self._count(prefetched_blocks=int(result.done))
+        self.rates.observe_stats({t.tier: (int(t.bytes_out), float(t.read_seconds))
+                                  for t in stats.tiers if t.enabled})
 
     # -- loads ----------------------------------------------------------------------------
-    def read(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray]) -> int:
+    def read(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray], *,
+             tier: str = "") -> int:
         """Copy keys' blocks into rows (one block each, its exact size); returns how many
-        leading rows arrived whole. The rest must be recomputed by the caller."""
+        leading rows arrived whole. The rest must be recomputed by the caller. Waits (at most
+        the call timeout) for a Prefetch of these keys started here to bring them up first.
+        tier: the slowest tier they were found in; a whole load teaches `rates` its cost."""
         if not keys:
             return 0
+        start = time.perf_counter()
+        self._await_prefetch(keys)
         arrived = self._from_pending(keys, rows)
         if arrived < len(keys) and self.available:
             try:
@@ -216,19 +274,29 @@ class StoreLink:
                 if size != row.nbytes:
                     break
                 arrived += 1
-        self._count(loaded_blocks=arrived, loaded_bytes=sum(r.nbytes for r in rows[:arrived]),
+        loaded = sum(r.nbytes for r in rows[:arrived])
+        self._count(loaded_blocks=arrived, loaded_bytes=loaded,
                     load_failures=int(arrived < len(keys)))
+        if tier and arrived == len(keys):
+            self.rates.observe_load(tier, loaded, time.perf_counter() - start)
         return arrived
 
+    def _await_prefetch(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            events = {id(e): e for e in (self._raising.get(k) for k in keys) if e is not None}
+        deadline = time.monotonic() + self.client.timeout_s
+        for event in events.values():
+            event.wait(max(0.0, deadline - time.monotonic()))
+
     def read_async(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray],
-                   done: Callable[[int], None]) -> Future[None]:
+                   done: Callable[[int], None], *, tier: str = "") -> Future[None]:
         """read() on a loader thread, then done(arrived) there. done is called exactly once,
         with 0 if the read itself raised."""
 
         def run() -> None:
             arrived = 0
             try:
-                arrived = self.read(keys, rows)
+                arrived = self.read(keys, rows, tier=tier)
             except Exception:  # a bug here must not strand the request waiting for its load
                 logger.exception("kvstore: load of %d blocks failed", len(keys))
             done(arrived)

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.engine.connector import StoreConnector
+from kvstore.engine.connector import Loaded, Looked, StoreConnector
 from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
+from kvstore.engine.scheduler import LoadPlan, LookupPlan
+from kvstore.engine.sequence import Sequence
 from kvstore.kernels import ops_for
+from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
 from tests.engine.models import save_random
 
@@ -63,14 +66,19 @@ def test_connector_stages_a_cuda_cache_through_pinned_memory_bit_exact(daemon: D
         staging = connector._staging(4)
         assert staging.is_pinned() and staging.device.type == "cpu"
         tokens = [3 + i % 250 for i in range(4 * 16 + 1)]
-        keys = connector.keys_for(tokens, 4)
+        seq = Sequence(1, 1, tokens, SamplingParams())
+        keys = prefix_keys(tokens, 16, "gpu-staging")
         want = kv[:, :, [1, 3, 5, 7]].view(torch.int16).cpu()
         assert connector.offload(keys, [1, 3, 5, 7], None)
         connector.flush(timeout_s=10.0)
         assert connector.stats.offloaded_blocks == 4
-        assert connector.matched_tokens(tokens, 0) == 4 * 16
+        connector.start_lookup(LookupPlan(seq, 0, keys))
+        [looked] = connector.poll(timeout_s=10.0)
+        assert isinstance(looked, Looked) and looked.hit.blocks == 4
         kv[:, :, 8:12] = 0.0  # where the blocks come back: zeros, unlike the random bits
-        assert connector.load(tokens, 0, [8, 9, 10, 11]) == 4
+        connector.start_load(LoadPlan(seq, 0, keys, [8, 9, 10, 11]), "dram")
+        [loaded] = connector.poll(timeout_s=10.0)
+        assert isinstance(loaded, Loaded) and loaded.arrived == 4
         torch.cuda.synchronize()
         assert torch.equal(kv[:, :, 8:12].view(torch.int16).cpu(), want)
         assert connector.stats.load_failures == 0 and connector.available

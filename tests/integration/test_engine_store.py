@@ -136,7 +136,7 @@ def _prefix_from_tier(tiny: Path, d: Daemon, daemon_factory: Make,
 
 def _kv_of(llm: LLM, prompt: list[int]) -> torch.Tensor:
     """The K/V of prompt's full blocks (but the last token's) from llm's prefix cache."""
-    hit = llm.block_manager.find_prefix(prompt)
+    hit = llm.block_manager.find_prefix(prefix_keys(prompt, 16, llm.namespace), len(prompt))
     assert hit.num_tokens == (len(prompt) - 1) // 16 * 16
     return gather_blocks(llm.runner.kv_cache, hit.block_ids)
 
@@ -202,17 +202,17 @@ def test_a_block_lost_before_its_load_is_recomputed(
     reader = engines(tiny, store=d.target)
     assert reader.connector is not None
     keys = prefix_keys(prompt, 16, reader.namespace)
-    evict_third_then_load = reader.connector.load
+    start_load = reader.connector.start_load
 
-    def load(token_ids: Any, first: int, block_ids: Any) -> int:
+    def evict_third_then_load(plan: Any, tier: str = "") -> None:
         # Lookup said 6 blocks; block 2 (and with it 3.., its descendants) leaves the store
         # before the load reads it.
         with KVStoreClient(d.target, reader.namespace) as kv:
             assert kv.evict(keys=[keys[2]]).evicted >= 4
             assert kv.lookup(keys).tiers == ["dram", "dram", None, None, None, None]
-        return evict_third_then_load(token_ids, first, block_ids)
+        start_load(plan, tier)
 
-    reader.connector.load = load  # type: ignore[method-assign]
+    reader.connector.start_load = evict_third_then_load  # type: ignore[method-assign]
     [out] = reader.generate([prompt], GREEDY)
     assert out.outputs[0].token_ids == want[0]
     assert out.metrics.store_prompt_tokens == 32  # blocks 0 and 1 arrived; 2.. recomputed
