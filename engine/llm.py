@@ -97,6 +97,13 @@ class _Request:
     seqs: list[Seq] = field(default_factory=list)
 
 
+@dataclass
+class _Stepped:
+    finished: list[RequestOutput] = field(default_factory=list)
+    generated: int = 0
+    batched_tokens: int = 0
+
+
 def _pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -187,6 +194,7 @@ class LLM:
             store=self.connector is not None,
         )
         self._ids = count()
+        self._requests: dict[int, _Request] = {}  # unfinished, by request id
 
     def _blocks_for(self, model: CausalLM, config: EngineConfig) -> int:
         shape = kv_cache_shape(model, 1, config.block_size)
@@ -221,93 +229,123 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); outputs in prompt order."""
+        """Generate for every prompt (text, or a list of token ids); outputs in prompt order.
+        Every prompt is checked before any starts."""
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
         now = time.perf_counter()
-        requests = []
-        for index, (prompt, p) in enumerate(zip(batch, params, strict=True)):
-            ids = self._to_ids(index, prompt)
-            try:
-                self.scheduler.check(len(ids), p.max_tokens)
-            except InvalidRequestError as exc:
-                raise InvalidRequestError(f"prompts[{index}]: {exc}") from None
-            request = _Request(next(self._ids), prompt, p, now)
-            request.seqs.append(Seq(next(self._ids), request.request_id, ids, p))
-            requests.append(request)
+        requests = [self._request(index, prompt, p, now)
+                    for index, (prompt, p) in enumerate(zip(batch, params, strict=True))]
         for request in requests:
-            self.scheduler.add(request.seqs[0])
+            self._admit(request)
+        done: dict[int, RequestOutput] = {}
+        generated = 0
         try:
-            self._run(requests, on_step)
+            while len(done) < len(requests):
+                out = self._step()
+                done.update((o.request_id, o) for o in out.finished)
+                generated += out.generated
+                if on_step is not None:
+                    on_step(StepInfo(sum(r.request_id in done for r in requests),
+                                     len(requests), generated, out.batched_tokens,
+                                     len(self.scheduler.running), len(self.scheduler.waiting)))
+        except BaseException:  # a failed callback (or Ctrl-C): these requests end here
+            left = [r for r in requests if self._requests.pop(r.request_id, None) is not None]
+            self._abort(left)
+            raise
+        return [done[r.request_id] for r in requests]
+
+    # -- one step at a time (a server's loop) -----------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Queue one request (checked now); it joins the batch from the next `step`. Returns
+        its request id, which its RequestOutput carries."""
+        request = self._request(0, prompt, params or SamplingParams(), time.perf_counter())
+        self._admit(request)
+        return request.request_id
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it."""
+        return self._step().finished
+
+    def _request(self, index: int, prompt: Prompt, params: SamplingParams,
+                 arrival_s: float) -> _Request:
+        ids = self._to_ids(index, prompt)
+        try:
+            self.scheduler.check(len(ids), params.max_tokens)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"prompts[{index}]: {exc}") from None
+        request = _Request(next(self._ids), prompt, params, arrival_s)
+        request.seqs.append(Seq(next(self._ids), request.request_id, ids, params))
+        return request
+
+    def _admit(self, request: _Request) -> None:
+        self._requests[request.request_id] = request
+        self.scheduler.add(request.seqs[0])
+
+    def _step(self) -> _Stepped:
+        try:
+            return self._step_once()
         except BaseException:
             # A failed step (or Ctrl-C) must not leave sequences holding blocks for the next
-            # generate() call to trip over.
-            self._abort(requests)
+            # call to trip over: every request in flight ends.
+            self._abort(list(self._requests.values()))
+            self._requests.clear()
             raise
-        return [
-            build_output(r.request_id, r.prompt, r.seqs, r.arrival_s, self.tokenizer)
-            for r in requests
-        ]
 
-    def _run(self, requests: list[_Request], on_step: Callable[[StepInfo], None] | None) -> None:
-        by_id = {r.request_id: r for r in requests}
-        finished_requests = 0
-        generated = 0
+    def _step_once(self) -> _Stepped:
         connector = self.connector
-        while self.scheduler.has_unfinished:
-            if connector is not None:
-                self._collect(connector)
-                self.scheduler.store_up = connector.available
-            out = self.scheduler.schedule()
-            if connector is not None:
-                for lookup in out.lookups:
-                    connector.start_lookup(lookup)
-                for load in out.loads:
-                    answer = load.seq.store_answer
-                    connector.start_load(load, answer.tier if answer else "")
-            if out.is_empty:
-                if connector is not None and self.scheduler.waiting_on_store:
-                    self._collect(connector, wait_s=self.config.store_timeout_s)
-                    continue
-                raise EngineError("the scheduler made no progress (KV cache too small?)")
-            if connector is not None:
-                for run in out.swapped_out:  # before this step's forward pass reuses them
-                    connector.swap_out(run.keys, run.block_ids)
-            chunks = [(item.num_new_tokens, item.seq.num_computed_tokens)
-                      for item in out.scheduled]
-            start = time.perf_counter()
-            sampled = self.runner.execute(out)
-            now = time.perf_counter()
-            self.prefill.observe(chunks, now - start)
-            stepped, finished = self.scheduler.update(out, sampled, lambda: next(self._ids))
-            if connector is not None:
-                for run in out.filled:
-                    connector.offload(run.keys, run.block_ids, run.parent)
-            for seq in stepped:
-                if seq.child_index and seq not in by_id[seq.request_id].seqs:
-                    by_id[seq.request_id].seqs.append(seq)
-                seq.first_token_s = seq.first_token_s or now
-                seq.last_token_s = now
-                generated += 1
-                if seq.params.stop and not seq.is_finished and self._hit_stop(seq):
-                    self.scheduler.finish(seq, "stop")
-                    finished.append(seq)
-            for seq in finished:
-                self.runner.forget(seq.seq_id)
-            finished_requests = sum(
-                all(s.is_finished for s in r.seqs) and len(r.seqs) == r.params.n for r in requests
-            )
-            if on_step is not None:
-                on_step(
-                    StepInfo(
-                        finished_requests,
-                        len(requests),
-                        generated,
-                        out.num_batched_tokens,
-                        len(self.scheduler.running),
-                        len(self.scheduler.waiting),
-                    )
-                )
+        if connector is not None:
+            self._collect(connector)
+            self.scheduler.store_up = connector.available
+        out = self.scheduler.schedule()
+        if connector is not None:
+            for lookup in out.lookups:
+                connector.start_lookup(lookup)
+            for load in out.loads:
+                answer = load.seq.store_answer
+                connector.start_load(load, answer.tier if answer else "")
+        if out.is_empty:
+            if connector is not None and self.scheduler.waiting_on_store:
+                # Nothing to compute until a lookup or a load comes back: wait for it.
+                self._collect(connector, wait_s=self.config.store_timeout_s)
+                return _Stepped()
+            raise EngineError("the scheduler made no progress (KV cache too small?)")
+        if connector is not None:
+            for run in out.swapped_out:  # before this step's forward pass reuses them
+                connector.swap_out(run.keys, run.block_ids)
+        chunks = [(item.num_new_tokens, item.seq.num_computed_tokens) for item in out.scheduled]
+        start = time.perf_counter()
+        sampled = self.runner.execute(out)
+        now = time.perf_counter()
+        self.prefill.observe(chunks, now - start)
+        stepped, finished = self.scheduler.update(out, sampled, lambda: next(self._ids))
+        if connector is not None:
+            for run in out.filled:
+                connector.offload(run.keys, run.block_ids, run.parent)
+        for seq in stepped:
+            request = self._requests[seq.request_id]
+            if seq.child_index and seq not in request.seqs:
+                request.seqs.append(seq)
+            seq.first_token_s = seq.first_token_s or now
+            seq.last_token_s = now
+            if seq.params.stop and not seq.is_finished and self._hit_stop(seq):
+                self.scheduler.finish(seq, "stop")
+                finished.append(seq)
+        for seq in finished:
+            self.runner.forget(seq.seq_id)
+        result = _Stepped(generated=len(stepped), batched_tokens=out.num_batched_tokens)
+        for request_id in {seq.request_id for seq in finished}:
+            request = self._requests[request_id]
+            if len(request.seqs) == request.params.n and all(s.is_finished
+                                                             for s in request.seqs):
+                del self._requests[request_id]
+                result.finished.append(build_output(request_id, request.prompt, request.seqs,
+                                                    request.arrival_s, self.tokenizer))
+        return result
 
     def _collect(self, connector: StoreConnector, wait_s: float = 0.0) -> None:
         """Hand the lookups and loads that came back to the scheduler, deciding for each hit

@@ -19,10 +19,13 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
+from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.llm import LLM
+from kvstore.engine.random_model import save_random_llama
 from kvstore.engine.sampling import SamplingParams
 from kvstore.kernels import gather_blocks
 from kvstore.keys import prefix_keys
+from kvstore.tools.slowlink import SlowLink
 from kvstore.tools.testing import Daemon, RedisServer, start_redis_on
 from tests.conftest import REPO
 from tests.engine.models import save_tiny
@@ -283,10 +286,84 @@ def test_a_fresh_daemon_prewarmed_from_l4_serves_the_first_request(
 
 
 def test_swap_needs_a_store(tiny: Path) -> None:
-    from kvstore.engine.errors import InvalidRequestError
-
     with pytest.raises(InvalidRequestError, match="needs a store"):
         LLM(str(tiny), device="cpu", preemption_mode="swap")
     with pytest.raises(InvalidRequestError, match="preemption_mode"):
         LLM(str(tiny), device="cpu", preemption_mode="sometimes")
 
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model whose prefill of a few hundred tokens costs far more than loading its K/V from
+    a local daemon (tens of ms against ~1 ms), and far less than a 0.5 s round trip."""
+    return save_random_llama(
+        tmp_path_factory.mktemp("wide") / "llama", vocab_size=512, hidden_size=512,
+        intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=2,
+        max_position_embeddings=2048)
+
+
+def _generate(llm: LLM, prompt: list[int]) -> Any:
+    [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    return out
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.5])
+def test_the_cost_rule_loads_from_a_fast_tier_and_recomputes_from_a_slow_one(
+    wide: Path, daemon_factory: Make, engines: Callable[..., LLM], tmp_path: Path,
+    delay_s: float,
+) -> None:
+    redis = start_redis_on(tmp_path)
+    try:
+        with SlowLink("127.0.0.1", redis.port, delay_s) as link:
+            _cost_rule(wide, daemon_factory, engines, redis.url, link.url, delay_s)
+    finally:
+        redis.stop()
+
+
+def _cost_rule(wide: Path, daemon_factory: Make, engines: Callable[..., LLM], direct: str,
+               slowed: str, delay_s: float) -> None:
+    l4 = (*LOCAL, "remote.timeout_s=5")
+    writer_d = daemon_factory(*l4, f"remote.url={direct}")
+    rng = random.Random(11)
+    warm, *prompts = [[rng.randrange(3, 500) for _ in range(400)] for _ in range(4)]
+    writer = engines(wide, store=writer_d.target)
+    want = [_generate(writer, p).outputs[0].token_ids for p in prompts]
+    writer.close()
+    _drain_l4(writer_d.target, writer.namespace)
+    # The reader's daemon reaches the same Redis through a link that holds every reply.
+    reader_d = daemon_factory(*l4, f"remote.url={slowed}")
+    reader = engines(wide, store=reader_d.target, store_timeout_s=10.0)
+    _generate(reader, warm)  # a prefill of its own: the rule knows what computing costs
+    first, second, third = (_generate(reader, p) for p in prompts)
+    assert [o.outputs[0].token_ids for o in (first, second, third)] == want
+    # Nothing known yet about L4 here: the first hit is loaded, and teaches the rule.
+    assert first.metrics.store_prompt_tokens == 384, first.metrics
+    assert first.metrics.store_decision.startswith("no estimate yet")
+    for out in (second, third):
+        m = out.metrics
+        if delay_s:  # loading would take longer than computing: computed, and said why
+            assert (m.store_prompt_tokens, m.store_recomputed_tokens) == (0, 384), m
+            assert m.store_decision.startswith("recompute") and "remote" in m.store_decision
+        else:
+            assert (m.store_prompt_tokens, m.store_recomputed_tokens) == (384, 0), m
+            assert m.store_decision.startswith("load") and "remote" in m.store_decision
+
+
+def test_store_load_policy_never_looks_up_but_computes(
+    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM]
+) -> None:
+    d = daemon_factory(*LOCAL)
+    [prompt] = _prompts(1, length=100, seed=13)
+    writer = engines(tiny, store=d.target)
+    want = _tokens(writer.generate([prompt], GREEDY))
+    writer.close()
+    never = engines(tiny, store=d.target, store_load_policy="never")
+    [out] = never.generate([prompt], GREEDY)
+    assert out.outputs[0].token_ids == want[0]
+    assert (out.metrics.store_prompt_tokens, out.metrics.store_recomputed_tokens) == (0, 96)
+    assert out.metrics.store_decision.startswith("policy never")
+    with pytest.raises(InvalidRequestError, match="store_load_policy"):
+        engines(tiny, store=d.target, store_load_policy="sometimes")
+    with pytest.raises(InvalidRequestError, match="enable_prefix_caching"):
+        engines(tiny, store=d.target, enable_prefix_caching=False)
