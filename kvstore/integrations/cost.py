@@ -22,12 +22,15 @@ Shared by this repo's engine (`engine/connector.py`) and the vLLM connector (`vl
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -45,6 +48,7 @@ MIN_STATS_DELTA_BYTES = 64 * 1024
 _FASTEST_S_PER_BYTE = 1e-12
 """1 TB/s: a floor, so a load that took no longer than the round trip never reads as infinite."""
 _MIN_FIT_STEPS = 3
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 _RANKS = {tier: i for i, tier in enumerate(TIER_ORDER)}
@@ -165,6 +169,15 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float, floa
     return a, b, c
 
 
+def _locked(method: F) -> F:
+    @functools.wraps(method)
+    def call(self: TierRates, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
 class TierRates:
     """Expected seconds to load bytes from each tier. Two sources:
     - own loads, end to end (observe_load: the load's slowest tier, bytes, seconds): an
@@ -177,7 +190,7 @@ class TierRates:
     Own observations win while fresh (younger than stale_s); past that, or with none, the
     daemon's recent rate for that tier is used; with neither, estimate returns None.
     observe_rtt(seconds) feeds an EWMA of the store round trip (a Lookup's latency), added once
-    per load."""
+    per load. Thread-safe: loader threads feed it while the engine's loop asks it."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, stale_s: float = 30.0,
                  alpha: float = 0.3) -> None:
@@ -191,7 +204,9 @@ class TierRates:
         self._baseline: dict[str, tuple[int, float]] = {}  # tier -> Stats counters a delta starts
         self._daemon: dict[str, float] = {}  # tier -> s/byte from the latest usable delta
         self._rtt_s: float | None = None
+        self._lock = threading.Lock()
 
+    @_locked
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
         """One load of ours, end to end; the round trip believed now is taken out of it, as
         estimate adds it back once. Loads of no bytes or no time teach nothing; "pending" is a
@@ -206,6 +221,7 @@ class TierRates:
             per_byte = self._alpha * per_byte + (1 - self._alpha) * held[0]
         self._own[tier] = (per_byte, now)
 
+    @_locked
     def observe_stats(self, tiers: Mapping[str, tuple[int, float]]) -> None:
         """One poll of the daemon's Stats: tier -> cumulative (bytes_out, read_seconds). The
         baseline stays put until a delta is large enough to trust, so slow trickles add up."""
@@ -220,6 +236,7 @@ class TierRates:
             self._daemon[tier] = max(delta_s / delta_bytes, _FASTEST_S_PER_BYTE)
             self._baseline[tier] = (total_bytes, total_s)
 
+    @_locked
     def observe_rtt(self, seconds: float) -> None:
         """One store round trip (a Lookup's latency)."""
         if not seconds >= 0 or not math.isfinite(seconds):
@@ -227,6 +244,7 @@ class TierRates:
         held = self._rtt_s
         self._rtt_s = seconds if held is None else self._alpha * seconds + (1 - self._alpha) * held
 
+    @_locked
     def estimate(self, tier: str, nbytes: int) -> float | None:
         """Seconds to load `nbytes` from `tier` in one load; None when nothing current is known."""
         if nbytes < 0:
@@ -238,6 +256,7 @@ class TierRates:
             return None
         return (self._rtt_s or 0.0) + nbytes * per_byte
 
+    @_locked
     def snapshot(self) -> dict[str, float]:
         """Tier -> bytes/s currently believed (for logs and metrics); tiers with no current
         figure are left out."""
