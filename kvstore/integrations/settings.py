@@ -2,7 +2,7 @@
 vLLM so that a bad value fails at start naming its key, and so both are tested anywhere.
 
     {"target": "10.0.0.5:50051", "namespace_prefix": "team-a/", "token_file": "/run/kv/token",
-     "shared_memory": "auto", "offload": true, "timeout_s": 1.0}
+     "shared_memory": "auto", "offload": true, "timeout_s": 1.0, "load_policy": "auto"}
 
 Credentials: `token` or `token_file`, else the client's own variables (KVSTORE_TOKEN,
 KVSTORE_TOKEN_FILE); `tls_ca_file` / `tls_cert_file` / `tls_key_file` / `tls_server_name`, else
@@ -21,6 +21,7 @@ from typing import Any
 from kvstore.client import TLS
 from kvstore.client.credentials import read_token_file
 from kvstore.client.errors import KVStoreError
+from kvstore.integrations.cost import POLICIES
 from kvstore.keys import MAX_NAMESPACE_BYTES
 
 ENV_TARGET = "KVSTORE_TARGET"
@@ -57,11 +58,16 @@ class Settings:
     """How often a turned-off connector probes the store."""
     max_pending_batches: int = 64
     """Offload batches queued at most; past it new ones are dropped (a future miss)."""
+    load_policy: str = "auto"
+    """How much of a hit to load: "auto" the leading blocks whose load is estimated to beat
+    computing them (vLLM's own step times against this link's load rates, per tier);
+    "always" the whole hit; "never" none (the hit is looked up and counted, then computed)."""
 
 
 _KEYS = ("target", "namespace_prefix", "namespace_salt", "token", "token_file", "tls_ca_file",
          "tls_cert_file", "tls_key_file", "tls_server_name", "unix_socket", "shared_memory",
-         "load", "offload", "timeout_s", "reconnect_s", "max_pending_batches")
+         "load", "offload", "timeout_s", "reconnect_s", "max_pending_batches",
+         "load_policy")
 
 
 def _str(extra: Mapping[str, Any], key: str, default: str | None) -> str | None:
@@ -115,6 +121,10 @@ def parse_settings(extra: Mapping[str, Any] | None,
     if isinstance(pending, bool) or not isinstance(pending, int) or pending < 1:
         raise SettingsError(f"{_FIELD}.max_pending_batches must be a positive integer, "
                             f"got {pending!r}")
+    policy = extra.get("load_policy", "auto")
+    if policy not in POLICIES:
+        raise SettingsError(f"{_FIELD}.load_policy must be one of "
+                            f"{', '.join(map(repr, POLICIES))}, got {policy!r}")
     return Settings(
         target=str(target),
         namespace_prefix=_str(extra, "namespace_prefix", "") or "",
@@ -128,6 +138,7 @@ def parse_settings(extra: Mapping[str, Any] | None,
         timeout_s=_positive(extra, "timeout_s", 1.0),
         reconnect_s=_positive(extra, "reconnect_s", 1.0),
         max_pending_batches=pending,
+        load_policy=str(policy),
     )
 
 

@@ -5,11 +5,16 @@
                      kv_role="kv_both", kv_connector_extra_config={"target": "host:50051"})
 
 Scheduler side (the engine core): at `get_num_new_matched_tokens` the keys of the request's
-full blocks past vLLM's own prefix-cache hit, one Lookup, and a background Prefetch to L2 of
-the hit's L3/L4 blocks; the hit (always leaving the last token to compute) is loaded
-asynchronously, so the request waits for its blocks while the rest of the batch runs. Each
-step's metadata carries the loads to start and the newly full blocks to save, keys included:
-the worker needs no token ids.
+full blocks past vLLM's own prefix-cache hit go out in one Lookup on a loader thread (with a
+background Prefetch to L2 of the hit's L3/L4 blocks), and vLLM hears "ask again later" (None)
+until the answer is back, so the rest of the batch runs meanwhile. The answer is kept per
+request, so vLLM's asks each step cost nothing. Then `cost.decide` picks how much of the hit
+to load (`load_policy`): the leading blocks whose load is estimated to beat computing them,
+from vLLM's own forward steps (timed by the worker, reported through the connector stats) and
+the link's learnt load rates per tier. What is loaded (always leaving the last token to
+compute) arrives asynchronously, so the request waits for its blocks while the batch runs.
+Each step's metadata carries the loads to start, the newly full blocks to save, keys
+included (the worker needs no token ids), and what the step computes.
 
 Worker side: `register_kv_caches` learns the layout (`PagedKV`); loads read the blocks on a
 loader thread (through shared memory when co-located) into a staging buffer and scatter them
@@ -18,19 +23,23 @@ copy the newly full blocks out after the forward pass (`wait_for_save`) and put 
 writer thread. Blocks that did not arrive are reported by `get_block_ids_with_load_errors`,
 and vLLM recomputes them. Because a save copies its blocks before the step ends, vLLM may free
 a finished request's blocks at once (`request_finished` returns False): nothing it frees is
-still being read.
+still being read. The worker times each forward pass (bind -> wait_for_save) and each whole
+load, and reports both in its stats; the scheduler side feeds them to its `PrefillModel` and
+its link's `TierRates` (a load its own link already saw, in one process, is not counted twice).
 
 Roles: kv_both loads and saves; kv_producer (a prefill instance) only saves; kv_consumer (a
 decode instance) only loads. The store-facing half (keys, lookup, prefetch, loads, the offload
-queue, the fail-safe) is `StoreLink`, shared with this repository's engine; one link per
-process serves both sides, so an outage is logged once per process.
+queue, the fail-safe, the load rates) is `StoreLink`, shared with this repository's engine;
+one link per process serves both sides, so an outage is logged once per process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,9 +53,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.client.errors import KVStoreError
-from kvstore.integrations.link import release_link, shared_link
+from kvstore.integrations.cost import Decision, PrefillModel, decide, slowest
+from kvstore.integrations.link import Hit, release_link, shared_link
 from kvstore.integrations.paged import PagedKV
 from kvstore.integrations.settings import ModelShape, namespace_for, parse_settings
+from kvstore.integrations.vllm_steps import (
+    SCHEDULER_FIELDS,
+    WORKER_FIELDS,
+    KVStoreMetadata,
+    KVStoreStats,
+    LoadSpec,
+    SaveSpec,
+    StepTimer,
+)
 from kvstore.keys import BlockKey, chain_key, namespace_root
 
 if TYPE_CHECKING:
@@ -62,52 +81,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvstore.integrations.vllm")
 
 
-@dataclass
-class LoadSpec:
-    req_id: str
-    keys: list[BlockKey]
-    block_ids: list[int]
-
-
-@dataclass
-class SaveSpec:
-    keys: list[BlockKey]
-    block_ids: list[int]
-    parent: BlockKey | None
-
-
-@dataclass
-class KVStoreMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    idle: bool = False
-    """The step computes nothing (every request waits, for its load say)."""
-
-
-class KVStoreStats(KVConnectorStats):
-    """Counters of one interval, summed across workers and the scheduler."""
-
-    def reset(self) -> None:
-        self.data = dict[str, Any]()
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-# What each side reports (one link may serve both in one process: no field twice).
-_SCHEDULER_FIELDS = ("lookups", "lookup_hit_blocks", "prefetched_blocks")
-_WORKER_FIELDS = ("loaded_blocks", "loaded_bytes", "load_failures", "offloaded_blocks",
-                  "offloaded_bytes", "offload_dropped_blocks", "errors")
-
-
 # kvstore's tiers as vLLM's hit sources (L4 is a remote store: unspecified, in vLLM's words).
 _SOURCES = {"hbm": CacheHitSource.DEVICE, "dram": CacheHitSource.HOST,
             "pending": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
@@ -121,7 +94,35 @@ class _Tracked:
     """Leading blocks the store holds, or whose save is scheduled."""
 
 
+@dataclass
+class _Lookup:
+    """One request's Lookup: blocks first.. of its chain; hit is None while it is out."""
+
+    first: int
+    hit: Hit | None = None
+
+
+@dataclass
+class _Match:
+    """What get_num_new_matched_tokens answered, for update_state_after_alloc."""
+
+    first: int
+    tiers: list[str] = field(default_factory=list)
+    """The tier of each block chosen to load."""
+    decision: Decision | None = None
+
+
 _IDLE_WAIT_S = 0.01
+"""An empty step waits at most this long for a lookup or a load to come back."""
+
+
+def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """One stored block's bytes on one rank: every layer's page."""
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        return 0
+    return int(groups[0].kv_cache_spec.page_size_bytes) * len(groups[0].layer_names)
+
 
 def _model_shape(vllm_config: VllmConfig, tp_rank: int) -> ModelShape:
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
@@ -187,9 +188,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.loads = self.settings.load and transfer.is_kv_consumer
         self.saves = self.settings.offload and transfer.is_kv_producer
+        self.policy = self.settings.load_policy
+        self.block_bytes = _block_bytes(kv_cache_config)
+        self.step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.prefill = PrefillModel()
+        """vLLM's forward steps, as the workers time them (fed on the scheduler side)."""
         # The scheduler looks up under rank 0's namespace; every rank saves and loads its own.
-        rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
-        self.namespace = namespace_for(self.settings, _model_shape(vllm_config, rank))
+        self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        self.namespace = namespace_for(self.settings, _model_shape(vllm_config, self._rank))
         opts = self.settings
         try:  # one link per process serves both sides when vLLM runs them in one
             self.link = shared_link(
@@ -199,23 +205,32 @@ class KVStoreConnector(KVConnectorBase_V1):
                 unix_socket=opts.unix_socket)
         except KVStoreError as exc:
             raise ValueError(f"kv_connector_extra_config: {exc}") from None
+        # Which link timed a load: the scheduler's rates take a worker's load only when its
+        # own link did not already learn from it.
+        self._origin = f"{os.getpid()}:{id(self.link)}"
         self._reported: dict[str, int] = {}
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
         self._keys: dict[str, list[BlockKey]] = {}
-        self._matched: dict[str, tuple[int, int]] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._answered = threading.Condition()  # guards _lookups' hits, set on loader threads
+        self._fresh_answers = 0
+        self._matched: dict[str, _Match] = {}
         self._sources: dict[str, list[str]] = {}
         self._loads: list[LoadSpec] = []
+        self._recomputed_by_choice_tokens = 0
         # Worker side.
         self.paged: PagedKV | None = None
+        self._timer: StepTimer | None = None
         self._lock = threading.Lock()
         self._load_done = threading.Condition(self._lock)
         self._loads_in_flight = 0
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
-        logger.info("kvstore: %s connector on %s, namespace %s (load %s, save %s)",
+        self._load_times: list[tuple[str, str, int, float]] = []
+        logger.info("kvstore: %s connector on %s, namespace %s (load %s, save %s, policy %s)",
                     role.name.lower(), self.settings.target, self.namespace, self.loads,
-                    self.saves)
+                    self.saves, self.policy)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -233,18 +248,59 @@ class KVStoreConnector(KVConnectorBase_V1):
             keys.append(parent)
         return keys[:num_blocks]
 
+    @property
+    def pending_lookups(self) -> int:
+        """Lookups out now, their answers not back yet."""
+        with self._answered:
+            return sum(1 for looked in self._lookups.values() if looked.hit is None)
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM asks every step until the request is admitted. The first ask starts a Lookup
+        of the full blocks past num_computed_tokens and answers None ("ask again later"), as
+        does every ask while it is out; then the tokens to load, as `decide` chooses from the
+        answer (the part of it past num_computed_tokens). An answer serves every ask until the
+        request is admitted; one that starts past num_computed_tokens is asked again."""
+        req_id = request.request_id
         first = num_computed_tokens // self.block_size
-        self._matched[request.request_id] = (first, 0)
+        self._matched[req_id] = _Match(first)
+        self._sources.pop(req_id, None)
         max_blocks = (request.num_tokens - 1) // self.block_size  # the last token is computed
-        if not self.loads or max_blocks <= first or not _cacheable(request):
+        if (not self.loads or max_blocks <= first or not _cacheable(request)
+                or request.skip_reading_prefix_cache):
             return 0, False
-        keys = self._keys_of(request, max_blocks)[first:]
-        hit = self.link.lookup(keys, prefetch=True)
-        self._matched[request.request_id] = (first, hit.blocks)
-        self._sources[request.request_id] = hit.tiers
-        return hit.blocks * self.block_size, hit.blocks > 0
+        with self._answered:
+            looked = self._lookups.get(req_id)
+            hit = looked.hit if looked is not None else None
+        if looked is None or first < looked.first:
+            if not self.link.available:
+                return 0, False  # a turned-off link answers a miss at once
+            self._lookup(request, first, max_blocks)
+            return None, False
+        if hit is None:
+            return None, False
+        tiers = hit.tiers[first - looked.first:hit.blocks]
+        choice = decide(tiers=tiers, block_bytes=self.block_bytes, block_size=self.block_size,
+                        first_block=first, num_tokens=request.num_tokens, policy=self.policy,
+                        prefill=self.prefill, rates=self.link.rates,
+                        step_tokens=self.step_tokens)
+        self._matched[req_id] = _Match(first, tiers[:choice.load_blocks], choice)
+        self._sources[req_id] = tiers[:choice.load_blocks]
+        return choice.load_blocks * self.block_size, choice.load_blocks > 0
+
+    def _lookup(self, request: Request, first: int, max_blocks: int) -> None:
+        """Start the Lookup of blocks first..max_blocks-1; its answer lands in _lookups."""
+        looked = _Lookup(first)
+
+        def done(hit: Hit) -> None:  # on a loader thread
+            with self._answered:
+                looked.hit = hit
+                self._fresh_answers += 1
+                self._answered.notify_all()
+
+        with self._answered:
+            self._lookups[request.request_id] = looked
+        self.link.lookup_async(self._keys_of(request, max_blocks)[first:], done, prefetch=True)
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -260,30 +316,43 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        req_id = request.request_id
+        tracked = self._tracked.setdefault(req_id, _Tracked(request))
         tracked.block_ids = list(blocks.get_block_ids()[0])
-        matched = self._matched.pop(request.request_id, None)
+        matched = self._matched.pop(req_id, None)
         if matched is None:  # the second call, after an async load: more blocks only
             return
-        first, _ = matched
-        count = num_external_tokens // self.block_size
+        with self._answered:  # admitted: a later admission (after a preemption) asks afresh
+            self._lookups.pop(req_id, None)
+        first, count = matched.first, num_external_tokens // self.block_size
+        saved = first + count
+        choice = matched.decision
+        if choice is not None and (choice.load_blocks or choice.recompute_blocks):
+            logger.debug("kvstore: %s: %s", req_id, choice.reason)
+            self._recomputed_by_choice_tokens += choice.recompute_blocks * self.block_size
+            if count == choice.load_blocks:  # the store holds them: computed, not saved again
+                saved += choice.recompute_blocks
         if count:
             keys = self._keys_of(request, first + count)[first:]
-            self._loads.append(LoadSpec(request.request_id, keys,
-                                        tracked.block_ids[first:first + count]))
-        tracked.saved = first + count
+            self._loads.append(LoadSpec(req_id, keys, tracked.block_ids[first:first + count],
+                                        slowest(matched.tiers[:count])))
+        tracked.saved = saved
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVStoreMetadata(loads=self._loads,
-                               idle=scheduler_output.total_num_scheduled_tokens == 0)
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        self._await_lookup(_IDLE_WAIT_S if idle else 0.0)
+        meta = KVStoreMetadata(loads=self._loads, idle=idle)
         self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            meta.chunks.append((scheduled.get(new.req_id, 0), new.num_computed_tokens))
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0])
                 self._save(meta, tracked, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            meta.chunks.append((scheduled.get(req_id, 0), cached.num_computed_tokens[i]))
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
@@ -294,6 +363,17 @@ class KVStoreConnector(KVConnectorBase_V1):
                 tracked.block_ids.extend(new_ids[0])
             self._save(meta, tracked, cached.num_computed_tokens[i], scheduler_output)
         return meta
+
+    def _await_lookup(self, timeout_s: float) -> None:
+        """In a step that computes nothing while lookups are out and none came back since the
+        last step, wait for one (at most timeout_s) rather than let vLLM's loop spin through
+        empty steps, which starves the loader threads of the GIL. Bounded, so a request
+        arriving now is scheduled at most _IDLE_WAIT_S late."""
+        with self._answered:
+            if timeout_s > 0 and not self._fresh_answers and any(
+                    looked.hit is None for looked in self._lookups.values()):
+                self._answered.wait(timeout_s)
+            self._fresh_answers = 0
 
     def _save(self, meta: KVStoreMetadata, tracked: _Tracked, num_computed: int,
               scheduler_output: SchedulerOutput) -> None:
@@ -315,14 +395,19 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # A save copies its blocks out during its own step, so none is read after this.
-        self._tracked.pop(request.request_id, None)
-        self._keys.pop(request.request_id, None)
-        self._matched.pop(request.request_id, None)
-        self._sources.pop(request.request_id, None)
+        req_id = request.request_id
+        self._tracked.pop(req_id, None)
+        self._keys.pop(req_id, None)
+        self._matched.pop(req_id, None)
+        self._sources.pop(req_id, None)
+        with self._answered:  # a lookup still out answers into nothing
+            self._lookups.pop(req_id, None)
         return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """A block that failed to load is recomputed by vLLM: save it again from there."""
+        """The workers' timings teach the cost model; a block that failed to load is
+        recomputed by vLLM: save it again from there."""
+        self._learn(connector_output.kv_connector_stats)
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
@@ -332,15 +417,37 @@ class KVStoreConnector(KVConnectorBase_V1):
                     tracked.saved = index
                     break
 
+    def _learn(self, stats: KVConnectorStats | None) -> None:
+        """Feed the workers' forward steps to `prefill` and their loads to the link's rates,
+        and take both out of the stats (vLLM logs the counters that remain)."""
+        data = getattr(stats, "data", None)
+        if not isinstance(data, dict):
+            return
+        for chunks, seconds in data.pop("steps", None) or []:
+            self.prefill.observe([(int(n), int(c)) for n, c in chunks], float(seconds))
+        for origin, tier, nbytes, seconds in data.pop("loads", None) or []:
+            if origin != self._origin:  # else this process's link timed it already
+                self.link.rates.observe_load(str(tier), int(nbytes), float(seconds))
+
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = [n for g in self._kv_cache_config.kv_cache_groups for n in g.layer_names
                  if n in kv_caches]
         self.paged = PagedKV([(n, kv_caches[n]) for n in names],
                              self._kv_cache_config.num_blocks)
+        if self._rank == 0:  # every rank runs the same steps: one reports them
+            self._timer = StepTimer(cuda=self.paged.device.type == "cuda")
         logger.info("kvstore: %d layers, %d-byte blocks, %s", len(names),
                     self.paged.block_bytes,
                     "loads straight into the cache" if self.paged.direct else "staged loads")
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM binds the step's metadata just before the forward pass: the step's clock
+        starts here and stops at wait_for_save, right after it."""
+        super().bind_connector_metadata(connector_metadata)
+        if (self._timer is not None and isinstance(connector_metadata, KVStoreMetadata)
+                and connector_metadata.chunks):
+            self._timer.start(connector_metadata.chunks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -354,8 +461,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise RuntimeError("KVStoreConnector: a load before register_kv_caches")
         staging = None if paged.direct else paged.staging(len(spec.keys))
         rows = paged.direct_rows(spec.block_ids) if staging is None else paged.rows(staging)
+        begun = time.perf_counter()
 
         def done(arrived: int) -> None:
+            # From the start of the load to its arrival, as the request waits for it.
+            seconds = time.perf_counter() - begun
             try:
                 if staging is not None and arrived:
                     paged.scatter(staging, spec.block_ids[:arrived])
@@ -363,6 +473,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 logger.exception("kvstore: scattering %d loaded blocks failed", arrived)
                 arrived = 0
             with self._lock:
+                if spec.tier and arrived == len(spec.keys):
+                    self._load_times.append((self._origin, spec.tier,
+                                             arrived * paged.block_bytes, seconds))
                 self._load_errors.update(spec.block_ids[arrived:])
                 self._finished_loads.add(spec.req_id)
                 self._loads_in_flight -= 1
@@ -370,7 +483,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         with self._lock:
             self._loads_in_flight += 1
-        self.link.read_async(spec.keys, rows, done)
+        self.link.read_async(spec.keys, rows, done, tier=spec.tier)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish before their request is scheduled (they are asynchronous)
@@ -380,6 +493,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return  # saved all layers at once, after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
         if not self.has_connector_metadata() or self.paged is None:
             return
         meta = self._get_connector_metadata()
@@ -412,13 +527,26 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # -- metrics and life -----------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        names = _SCHEDULER_FIELDS if self.role == KVConnectorRole.SCHEDULER else _WORKER_FIELDS
-        now = self.link.stats.as_dict()
-        delta = {n: now[n] - self._reported.get(n, 0) for n in names}
+        """The counters of the interval since the last call; a worker adds its timed steps
+        (`steps`: [chunks, seconds]) and whole loads (`loads`: [origin, tier, bytes,
+        seconds]) for the scheduler side's cost model."""
+        scheduler = self.role == KVConnectorRole.SCHEDULER
+        names = SCHEDULER_FIELDS if scheduler else WORKER_FIELDS
+        now = {**self.link.stats.as_dict(),
+               "recomputed_by_choice_tokens": self._recomputed_by_choice_tokens}
+        data: dict[str, Any] = {n: now[n] - self._reported.get(n, 0) for n in names}
         self._reported.update({n: now[n] for n in names})
-        if "lookup_hit_blocks" in delta:
-            delta["external_hit_tokens"] = delta.pop("lookup_hit_blocks") * self.block_size
-        return KVStoreStats(data=delta) if any(delta.values()) else None
+        if "lookup_hit_blocks" in data:
+            data["external_hit_tokens"] = data.pop("lookup_hit_blocks") * self.block_size
+        if not scheduler:
+            steps = self._timer.take() if self._timer is not None else []
+            with self._lock:
+                loads, self._load_times = self._load_times, []
+            if steps:
+                data["steps"] = steps
+            if loads:
+                data["loads"] = loads
+        return KVStoreStats(data=data) if any(data.values()) else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -36,14 +36,17 @@ def test_every_option_is_read() -> None:
                           "tls_ca_file": "/ca.pem", "tls_server_name": "kv",
                           "unix_socket": "/run/kv.sock", "shared_memory": False,
                           "load": False, "offload": True, "timeout_s": 0.25,
-                          "reconnect_s": 2, "max_pending_batches": 8}, env={})
+                          "reconnect_s": 2, "max_pending_batches": 8,
+                          "load_policy": "never"}, env={})
     assert got == Settings(target="h:1", namespace_prefix="team-a/", namespace_salt="ft-3",
                            token="s3cret-token", tls=TLS(ca_file="/ca.pem", server_name="kv"),
                            unix_socket="/run/kv.sock", shared_memory=False, load=False,
                            offload=True, timeout_s=0.25, reconnect_s=2.0,
-                           max_pending_batches=8)
+                           max_pending_batches=8, load_policy="never")
     assert parse_settings({"shared_memory": "auto"}).shared_memory is None
     assert parse_settings({"shared_memory": True}).shared_memory is True
+    assert parse_settings({}).load_policy == "auto"
+    assert parse_settings({"load_policy": "always"}).load_policy == "always"
 
 
 def test_a_token_file_is_read_at_start(tmp_path: Path) -> None:
@@ -66,6 +69,8 @@ def test_a_token_file_is_read_at_start(tmp_path: Path) -> None:
     ({"max_pending_batches": 2.5}, "max_pending_batches"),
     ({"namespace_prefix": 3}, "namespace_prefix"), ({"tls_ca_file": ""}, "tls_ca_file"),
     ({"tagret": "h:1"}, "tagret"),
+    ({"load_policy": "sometimes"}, "load_policy"), ({"load_policy": None}, "load_policy"),
+    ({"load_policy": ["auto"]}, "load_policy"),
 ])
 def test_a_bad_value_is_refused_naming_its_key(extra: dict[str, object], key: str) -> None:
     with pytest.raises(SettingsError, match=rf"^kv_connector_extra_config\.{key}\b"):

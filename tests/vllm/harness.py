@@ -4,6 +4,7 @@ and the CPU: no hub, no GPU."""
 
 from __future__ import annotations
 
+import time
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -98,15 +100,38 @@ def request(tokens: list[int], max_tokens: int = 4, cache_salt: str | None = Non
                    block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 
+def matched(connector: KVStoreConnector, req: Request, computed: int = 0,
+            timeout_s: float = 10.0) -> tuple[int | None, bool]:
+    """get_num_new_matched_tokens asked as vLLM asks it, again each step while it answers None
+    (its Lookup is out), until it answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = connector.get_num_new_matched_tokens(req, computed)
+        if answer[0] is not None or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.005)
+
+
+def wait_lookups(connector: KVStoreConnector, timeout_s: float = 10.0) -> None:
+    """Until every Lookup the connector started has come back."""
+    deadline = time.monotonic() + timeout_s
+    while connector.pending_lookups:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{connector.pending_lookups} lookups never came back")
+        time.sleep(0.005)
+
+
 def runner_output(requests: list[Request], *, finished_recving: set[str] | None = None,
-                  invalid_block_ids: set[int] | None = None, token: int = 7
-                  ) -> ModelRunnerOutput:
-    """What the model runner returns for one step: one sampled token per running request."""
+                  invalid_block_ids: set[int] | None = None, token: int = 7,
+                  stats: KVConnectorStats | None = None) -> ModelRunnerOutput:
+    """What the model runner returns for one step: one sampled token per running request,
+    and what the worker-side connector reported."""
     ids = [r.request_id for r in requests]
     connector = None
-    if finished_recving is not None or invalid_block_ids is not None:
+    if finished_recving is not None or invalid_block_ids is not None or stats is not None:
         connector = KVConnectorOutput(finished_recving=finished_recving,
-                                      invalid_block_ids=invalid_block_ids or set())
+                                      invalid_block_ids=invalid_block_ids or set(),
+                                      kv_connector_stats=stats)
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                              sampled_token_ids=[[token] for _ in ids],
                              kv_connector_output=connector)

@@ -8,7 +8,8 @@ so the test can reach the connector; false runs vLLM's engine-core and worker pr
 users do).
 Output: tokens (greedy, per prompt), cached_tokens (per prompt: tokens not computed),
 stats (the connector's counters, in-process runs only), namespace, shared_memory (whether
-its data calls went through the daemon's shared memory).
+its data calls went through the daemon's shared memory), prefill_steps (forward steps the
+workers timed that reached the scheduler side's cost model, in-process runs only).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def main() -> None:
         result["stats"] = connector.link.stats.as_dict()
         result["namespace"] = connector.namespace
         result["shared_memory"] = connector.link.client.uses_shared_memory
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+        result["prefill_steps"] = scheduler.connector.prefill.steps
     if args.get("dump_kv"):
         import torch
         from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -46,6 +46,7 @@ def test_a_fresh_engine_loads_the_bytes_another_computed_and_generates_the_same(
     first, _ = llm_run({**args, "dump_kv": str(tmp_path / "first.pt")})
     assert first["tokens"] == baseline
     assert first["stats"]["offloaded_blocks"] == STORED
+    assert first["prefill_steps"] > 0  # the worker's timed forward passes reached the scheduler
 
     second, _ = llm_run({**args, "dump_kv": str(tmp_path / "second.pt")})
     assert second["tokens"] == baseline

@@ -1,5 +1,6 @@
 """The connector inside vLLM's real v1 Scheduler, against a real daemon: what a request waits
-for, what it loads, what it saves, and what happens when the store fails."""
+for (its Lookup, then its load), what it loads or computes instead, what it saves, what the
+workers' timings teach it, and what happens when the store fails."""
 
 from __future__ import annotations
 
@@ -13,13 +14,24 @@ import numpy as np
 import pytest
 import torch
 from vllm.lora.request import LoRARequest
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvstore.client import KVStoreClient
-from kvstore.integrations.vllm import KVStoreConnector, KVStoreMetadata
+from kvstore.integrations.vllm import KVStoreConnector, KVStoreMetadata, KVStoreStats
 from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
-from tests.vllm.harness import BLOCK, LAYERS, request, runner_output, scheduler, vllm_config
+from tests.vllm.harness import (
+    BLOCK,
+    LAYERS,
+    matched,
+    request,
+    runner_output,
+    scheduler,
+    vllm_config,
+    wait_lookups,
+)
 from tests.vllm.harness import worker as make_worker
 
 
@@ -52,6 +64,16 @@ def _put_blocks(target: str, namespace: str, tokens: list[int], num_blocks: int,
     return payloads
 
 
+def _looked_up(sched: Scheduler) -> SchedulerOutput:
+    """The step that starts the waiting requests' Lookups (they are skipped: nothing is
+    scheduled), then, once the answers are back, the step that admits them."""
+    out = sched.schedule()
+    assert out.total_num_scheduled_tokens == 0
+    wait_lookups(sched.connector)
+    sched.update_from_output(out, runner_output([]))
+    return sched.schedule()
+
+
 def test_a_stored_prefix_is_loaded_asynchronously_then_the_request_runs(
         store: Daemon, model_dir: Path) -> None:
     config = vllm_config(model_dir, {"target": store.target})
@@ -64,6 +86,14 @@ def test_a_stored_prefix_is_loaded_asynchronously_then_the_request_runs(
 
     req = request(tokens)
     sched.add_request(req)
+    out = sched.schedule()  # the Lookup goes out; the request waits for its answer
+    assert req.status == RequestStatus.WAITING and out.total_num_scheduled_tokens == 0
+    wait_lookups(conn)
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None and stats.data["external_hit_tokens"] == 4 * BLOCK
+    assert stats.data["lookups"] == 1
+    assert conn.get_kv_connector_stats() is None  # an interval's counts, reported once
+    sched.update_from_output(out, runner_output([]))
     out = sched.schedule()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert not out.scheduled_new_reqs  # the rest of the batch would run; this one waits
@@ -71,10 +101,7 @@ def test_a_stored_prefix_is_loaded_asynchronously_then_the_request_runs(
     assert isinstance(meta, KVStoreMetadata) and len(meta.loads) == 1
     load = meta.loads[0]
     assert load.req_id == req.request_id and len(load.block_ids) == 4
-    stats = conn.get_kv_connector_stats()
-    assert stats is not None and stats.data["external_hit_tokens"] == 4 * BLOCK
-    assert stats.data["lookups"] == 1
-    assert conn.get_kv_connector_stats() is None  # an interval's counts, reported once
+    assert load.tier == "dram"  # the daemon's L2: the load teaches its cost
 
     work.bind_connector_metadata(meta)
     work.start_load_kv(None)  # type: ignore[arg-type]
@@ -106,14 +133,20 @@ def test_the_hit_always_leaves_the_last_prompt_token_to_compute(
     _put_blocks(store.target, sched.connector.namespace, tokens, stored,
                 work.paged.block_bytes)
     req = request(tokens)
-    assert sched.connector.get_num_new_matched_tokens(req, 0) == (external, True)
+    assert sched.connector.get_num_new_matched_tokens(req, 0) == (None, False)  # looking up
+    assert matched(sched.connector, req) == (external, True)
+    # The answer is kept: asking again costs no Lookup, and a larger local hit takes the rest.
+    assert sched.connector.get_num_new_matched_tokens(req, BLOCK) == (
+        external - BLOCK, external > BLOCK)
+    assert sched.connector.link.stats.lookups == 1
 
 
-def test_a_miss_gets_zero_and_the_request_runs_at_once(store: Daemon, model_dir: Path) -> None:
+def test_a_miss_gets_zero_and_the_request_runs_once_answered(
+        store: Daemon, model_dir: Path) -> None:
     sched = scheduler(vllm_config(model_dir, {"target": store.target}))
     req = request(_tokens(100, seed=9))
     sched.add_request(req)
-    out = sched.schedule()
+    out = _looked_up(sched)
     assert req.status == RequestStatus.RUNNING
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert out.kv_connector_metadata.loads == []
@@ -128,7 +161,7 @@ def test_a_lookup_error_gets_zero_and_one_warning(
     reqs = [request(_tokens(100, seed=s)) for s in (1, 2, 3)]
     for req in reqs:
         sched.add_request(req)
-    out = sched.schedule()
+    out = _looked_up(sched)
     assert sorted(r.req_id for r in out.scheduled_new_reqs) == sorted(
         r.request_id for r in reqs)
     assert all(r.num_computed_tokens == 0 for r in out.scheduled_new_reqs)
@@ -148,19 +181,22 @@ def test_a_frozen_store_costs_one_timeout_then_answers_zero_at_once(
     _put_blocks(store.target, conn.namespace, tokens, 3, work.paged.block_bytes)
     os.kill(store.proc.pid, signal.SIGSTOP)
     try:
+        req = request(tokens)
         started = time.monotonic()
-        assert conn.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
+        assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
+        asked = time.monotonic() - started  # the scheduler never waits on the store
+        assert matched(conn, req) == (0, False)
         first = time.monotonic() - started
         started = time.monotonic()
         assert conn.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
         second = time.monotonic() - started
     finally:
         os.kill(store.proc.pid, signal.SIGCONT)
-    assert first < 3.0 and second < 0.05, (first, second)
+    assert asked < 0.05 and first < 3.0 and second < 0.05, (asked, first, second)
     deadline = time.monotonic() + 10.0
     while not conn.link.available and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert conn.get_num_new_matched_tokens(request(tokens), 0) == (3 * BLOCK, True)
+    assert matched(conn, request(tokens)) == (3 * BLOCK, True)
 
 
 def test_a_block_that_fails_to_load_is_recomputed_from_there(
@@ -172,7 +208,7 @@ def test_a_block_that_fails_to_load_is_recomputed_from_there(
     _put_blocks(store.target, sched.connector.namespace, tokens, 4, work.paged.block_bytes)
     req = request(tokens)
     sched.add_request(req)
-    out = sched.schedule()
+    out = _looked_up(sched)
     load = out.kv_connector_metadata.loads[0]
     with KVStoreClient(store.target, sched.connector.namespace) as client:
         client.evict([load.keys[2]])  # gone between the Lookup and the load
@@ -197,6 +233,9 @@ def test_saves_follow_the_blocks_each_step_fills(store: Daemon, model_dir: Path)
     tokens = _tokens(100, seed=7)
     req = request(tokens, max_tokens=20)
     sched.add_request(req)
+    out = sched.schedule()  # the Lookup (a miss) goes out: nothing runs yet
+    wait_lookups(sched.connector)
+    sched.update_from_output(out, runner_output([]))
     saved: list[tuple[bytes, int]] = []
     for _ in range(14):  # a chunked prefill (64 tokens a step, 2 steps), then 12 decodes
         out = sched.schedule()
@@ -240,16 +279,14 @@ def test_requests_with_different_cache_salts_share_no_blocks(
     tokens = _tokens(70, seed=12)
     first = request(tokens, cache_salt="tenant-a")
     sched.add_request(first)
-    out = sched.schedule()
+    out = _looked_up(sched)
     work.bind_connector_metadata(out.kv_connector_metadata)
     work.wait_for_save()
     assert work.link.flush(10.0)
     conn = sched.connector
-    assert conn.get_num_new_matched_tokens(request(tokens, cache_salt="tenant-a"), 0) == (
-        4 * BLOCK, True)
-    assert conn.get_num_new_matched_tokens(request(tokens, cache_salt="tenant-b"), 0) == (
-        0, False)
-    assert conn.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
+    assert matched(conn, request(tokens, cache_salt="tenant-a")) == (4 * BLOCK, True)
+    assert matched(conn, request(tokens, cache_salt="tenant-b")) == (0, False)
+    assert matched(conn, request(tokens)) == (0, False)
 
 
 def test_each_lora_adapter_roots_its_own_chains(store: Daemon, model_dir: Path) -> None:
@@ -272,3 +309,155 @@ def test_a_bad_option_fails_at_start_naming_the_key(model_dir: Path) -> None:
         scheduler(vllm_config(model_dir, {"timeout_s": -1}))
     with pytest.raises(ValueError, match=r"kv_connector_extra_config\.tagret: unknown"):
         scheduler(vllm_config(model_dir, {"tagret": "x:1"}))
+
+
+def test_a_hit_waits_for_its_lookup_while_a_short_request_runs_then_loads_and_runs(
+        store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": store.target})
+    sched = scheduler(config)
+    conn = sched.connector
+    work, _ = make_worker(config)
+    tokens = _tokens(100, seed=14)
+    _put_blocks(store.target, conn.namespace, tokens, 4, work.paged.block_bytes)
+    hit, short = request(tokens, max_tokens=8), request(_tokens(10, seed=15), max_tokens=8)
+    sched.add_request(hit)
+    sched.add_request(short)  # under one block: nothing to look up
+
+    out = sched.schedule()  # 1: the hit's Lookup goes out, the short one runs
+    assert (hit.status, short.status) == (RequestStatus.WAITING, RequestStatus.RUNNING)
+    assert [r.req_id for r in out.scheduled_new_reqs] == [short.request_id]
+    assert out.kv_connector_metadata.loads == []
+    wait_lookups(conn)
+    sched.update_from_output(out, runner_output([short]))
+
+    out = sched.schedule()  # 2: answered: the hit loads while the short one decodes
+    assert (hit.status, short.status) == (RequestStatus.WAITING_FOR_REMOTE_KVS,
+                                          RequestStatus.RUNNING)
+    assert list(out.num_scheduled_tokens) == [short.request_id]
+    [load] = out.kv_connector_metadata.loads
+    assert load.req_id == hit.request_id and len(load.keys) == 4
+    work.bind_connector_metadata(out.kv_connector_metadata)
+    work.start_load_kv(None)  # type: ignore[arg-type]
+    work.clear_connector_metadata()
+    _wait_loads(work, hit.request_id)
+    sched.update_from_output(out, runner_output([short], finished_recving={hit.request_id}))
+
+    out = sched.schedule()  # 3: loaded: the hit computes the rest beside the short one
+    assert (hit.status, short.status) == (RequestStatus.RUNNING, RequestStatus.RUNNING)
+    assert out.num_scheduled_tokens == {short.request_id: 1, hit.request_id: 100 - 4 * BLOCK}
+    assert conn.link.stats.lookups == 1  # vLLM asked twice; one Lookup
+
+
+def _fed(conn: KVStoreConnector, seconds_per_token: float = 2e-3) -> None:
+    """Teach the connector's prefill model a few steps of a fixed cost per token."""
+    for tokens in (64, 128, 256):
+        conn.prefill.observe([(tokens, 0)], tokens * seconds_per_token)
+
+
+def test_policy_never_looks_the_hit_up_loads_nothing_and_counts_it(
+        store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": store.target, "load_policy": "never"})
+    sched = scheduler(config)
+    conn = sched.connector
+    work, _ = make_worker(config)
+    tokens = _tokens(100, seed=16)
+    _put_blocks(store.target, conn.namespace, tokens, 4, work.paged.block_bytes)
+    req = request(tokens)
+    sched.add_request(req)
+    out = _looked_up(sched)
+    assert req.status == RequestStatus.RUNNING
+    assert out.kv_connector_metadata.loads == []
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    # The four blocks are computed, not saved again: the store holds them.
+    assert [len(s.keys) for s in out.kv_connector_metadata.saves] == [2]
+    assert conn.link.stats.lookup_hit_blocks == 4  # the hit was looked up and counted
+    stats = conn.get_kv_connector_stats()  # the interval since the scheduler took the last
+    assert stats is not None and stats.data["recomputed_by_choice_tokens"] == 4 * BLOCK
+
+
+def test_policy_always_loads_even_from_a_tier_believed_slow(
+        store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": store.target, "load_policy": "always"})
+    conn = scheduler(config).connector
+    work, _ = make_worker(config)
+    tokens = _tokens(100, seed=17)
+    _put_blocks(store.target, conn.namespace, tokens, 4, work.paged.block_bytes)
+    _fed(conn)
+    conn.link.rates.observe_load("dram", conn.block_bytes, 1e4)
+    assert matched(conn, request(tokens)) == (4 * BLOCK, True)
+
+
+def test_auto_recomputes_a_hit_whose_tier_is_slower_than_computing_it(
+        store: Daemon, model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = vllm_config(model_dir, {"target": store.target})
+    sched = scheduler(config)
+    conn = sched.connector
+    work, _ = make_worker(config)
+    assert conn.block_bytes == work.paged.block_bytes  # the scheduler's figure of a block
+    tokens = _tokens(100, seed=18)
+    _put_blocks(store.target, conn.namespace, tokens, 4, work.paged.block_bytes)
+    _fed(conn)
+    conn.link.rates.observe_load("dram", conn.block_bytes, 1e4)  # 10^4 s a block
+    caplog.set_level(logging.DEBUG, logger="kvstore.integrations.vllm")
+    req = request(tokens)
+    sched.add_request(req)
+    out = _looked_up(sched)
+    assert req.status == RequestStatus.RUNNING and out.kv_connector_metadata.loads == []
+    assert out.num_scheduled_tokens[req.request_id] == 100
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None and stats.data["recomputed_by_choice_tokens"] == 4 * BLOCK
+    [reason] = [r.getMessage() for r in caplog.records if req.request_id in r.getMessage()]
+    assert "recompute 4 blocks: loading (dram)" in reason
+
+
+def test_auto_loads_a_hit_whose_tier_is_faster_than_computing_it(
+        store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": store.target})
+    conn = scheduler(config).connector
+    work, _ = make_worker(config)
+    tokens = _tokens(100, seed=19)
+    _put_blocks(store.target, conn.namespace, tokens, 4, work.paged.block_bytes)
+    _fed(conn, seconds_per_token=10e-3)  # 64 tokens: ~0.6 s to compute
+    conn.link.rates.observe_load("dram", 1 << 30, 0.1)  # 10 GB/s
+    assert matched(conn, request(tokens)) == (4 * BLOCK, True)
+
+
+def test_the_workers_forward_steps_and_loads_reach_the_schedulers_cost_model(
+        store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": store.target})
+    sched = scheduler(config)
+    conn = sched.connector
+    work, _ = make_worker(config)
+    req = request(_tokens(40, seed=20))
+    sched.add_request(req)
+    out = _looked_up(sched)
+    meta = out.kv_connector_metadata
+    assert meta.chunks == [(40, 0)]
+    work.bind_connector_metadata(meta)  # the step's clock starts
+    time.sleep(0.02)  # the forward pass
+    work.wait_for_save()  # ... and stops
+    work.clear_connector_metadata()
+    stats = work.get_kv_connector_stats()
+    assert stats is not None
+    [(chunks, seconds)] = stats.data["steps"]
+    assert chunks == [(40, 0)] and 0.02 <= seconds < 1.0
+    # A load timed by another process's link teaches this one; one timed by this process's
+    # own link (the scheduler shares it here) was learnt already.
+    stats.data["loads"] = [("elsewhere:1", "nvme", 1 << 20, 0.5),
+                           (work._origin, "remote", 1 << 20, 0.5)]
+    assert conn.prefill.steps == 0
+    sched.update_from_output(out, runner_output([req], stats=stats))
+    assert conn.prefill.steps == 1
+    nvme = conn.link.rates.estimate("nvme", 1 << 20)
+    assert nvme is not None and 0.4 < nvme <= 0.5
+    assert conn.link.rates.estimate("remote", 1 << 20) is None
+    assert "steps" not in stats.data and "loads" not in stats.data  # vLLM logs the rest
+
+
+def test_stats_sum_counters_and_concatenate_timings() -> None:
+    ours = KVStoreStats(data={"loaded_blocks": 1, "steps": [([(8, 0)], 0.1)]})
+    ours.aggregate(KVStoreStats(data={"loaded_blocks": 2, "steps": [([(4, 8)], 0.2)],
+                                      "errors": 1}))
+    assert ours.data == {"loaded_blocks": 3, "steps": [([(8, 0)], 0.1), ([(4, 8)], 0.2)],
+                         "errors": 1}
+    assert ours.reduce() == {"loaded_blocks": 3, "errors": 1}

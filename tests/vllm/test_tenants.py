@@ -14,7 +14,16 @@ import pytest
 import yaml
 
 from kvstore.tools.testing import Daemon, start_daemon
-from tests.vllm.harness import BLOCK, request, scheduler, vllm_config, worker
+from tests.vllm.harness import (
+    BLOCK,
+    matched,
+    request,
+    runner_output,
+    scheduler,
+    vllm_config,
+    wait_lookups,
+    worker,
+)
 
 TOKENS = {"team-a": "vllm-token-of-a-0123456789", "team-b": "vllm-token-of-b-0123456789"}
 
@@ -44,6 +53,9 @@ def test_a_tenant_saves_and_hits_under_its_prefix_and_another_sees_nothing(
     tokens = [5 + i % 300 for i in range(3 * BLOCK + 2)]
     req = request(tokens)
     sched_a.add_request(req)
+    out = sched_a.schedule()  # the Lookup (a miss) goes out
+    wait_lookups(sched_a.connector)
+    sched_a.update_from_output(out, runner_output([]))
     out = sched_a.schedule()
     work.bind_connector_metadata(out.kv_connector_metadata)
     work.wait_for_save()
@@ -51,10 +63,10 @@ def test_a_tenant_saves_and_hits_under_its_prefix_and_another_sees_nothing(
     assert work.link.client.uses_shared_memory  # the tenant's own arena, by Attach
 
     fresh = scheduler(vllm_config(model_dir, a))
-    assert fresh.connector.get_num_new_matched_tokens(request(tokens), 0) == (3 * BLOCK, True)
+    assert matched(fresh.connector, request(tokens)) == (3 * BLOCK, True)
     b = {"target": shared.target, "token": TOKENS["team-b"], "namespace_prefix": "team-b/"}
     other = scheduler(vllm_config(model_dir, b))
-    assert other.connector.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
+    assert matched(other.connector, request(tokens)) == (0, False)
 
 
 def test_refused_credentials_cost_one_warning_and_stay_off(
@@ -65,7 +77,7 @@ def test_refused_credentials_cost_one_warning_and_stay_off(
     sched = scheduler(vllm_config(model_dir, squatter))
     tokens = [9 + i % 200 for i in range(2 * BLOCK + 1)]
     for _ in range(3):
-        assert sched.connector.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
+        assert matched(sched.connector, request(tokens)) == (0, False)
     time.sleep(0.5)  # ten probes: each is refused, so the connector stays off
     assert not sched.connector.link.available
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("kvstore")]

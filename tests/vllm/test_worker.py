@@ -38,9 +38,9 @@ def _save(connector: KVStoreConnector, keys: list[bytes], block_ids: list[int]) 
 
 
 def _load(connector: KVStoreConnector, req_id: str, keys: list[bytes],
-          block_ids: list[int]) -> set[int]:
+          block_ids: list[int], tier: str = "") -> set[int]:
     connector.bind_connector_metadata(KVStoreMetadata(loads=[LoadSpec(req_id, keys,
-                                                                      block_ids)]))
+                                                                      block_ids, tier)]))
     connector.start_load_kv(None)  # type: ignore[arg-type]
     connector.clear_connector_metadata()
     return _finish(connector, req_id)
@@ -56,7 +56,7 @@ def test_blocks_saved_by_one_worker_load_bit_exact_into_a_fresh_one_in_any_order
     saver.shutdown()  # a fresh connector: its own link, nothing pending from the saver
     loader, loaded = worker(config)  # zeros
     assert loader.link.stats.offloaded_blocks == 0
-    assert _load(loader, "r1", keys, [2, 30, 5, 11, 1]) == set()
+    assert _load(loader, "r1", keys, [2, 30, 5, 11, 1], tier="dram") == set()
     for got, want in zip(_bits(loaded, [2, 30, 5, 11, 1]), _bits(saved, [9, 3, 17, 4, 40]),
                          strict=True):
         assert torch.equal(got, want)
@@ -68,6 +68,11 @@ def test_blocks_saved_by_one_worker_load_bit_exact_into_a_fresh_one_in_any_order
     assert stats is not None and stats.data["loaded_blocks"] == 5
     assert stats.data["loaded_bytes"] == 5 * loader.paged.block_bytes
     assert "lookups" not in stats.data  # the scheduler side reports those
+    # The whole load, timed for the scheduler side's rates (it may live in another process).
+    [(origin, tier, nbytes, seconds)] = stats.data["loads"]
+    assert (origin, tier, nbytes) == (loader._origin, "dram", 5 * loader.paged.block_bytes)
+    assert 0 < seconds < 10.0
+    assert loader.link.rates.estimate("dram", 1) is not None  # its own link learnt it too
     assert loader.get_kv_connector_stats() is None
 
 
@@ -79,10 +84,12 @@ def test_a_gap_in_the_chain_reports_it_and_every_block_after_it(
     _save(saver, keys[:2], [1, 2])  # blocks 2 and 3 never stored
     saver.shutdown()
     loader, loaded = worker(config)
-    assert _load(loader, "r2", keys, [10, 11, 12, 13]) == {12, 13}
+    assert _load(loader, "r2", keys, [10, 11, 12, 13], tier="dram") == {12, 13}
     for got, want in zip(_bits(loaded, [10, 11]), _bits(saved, [1, 2]), strict=True):
         assert torch.equal(got, want)
     assert loader.link.stats.load_failures == 1
+    stats = loader.get_kv_connector_stats()
+    assert stats is not None and "loads" not in stats.data  # a partial load teaches nothing
 
 
 def test_a_dead_store_fails_the_whole_load_and_still_finishes_the_request(
