@@ -1,8 +1,8 @@
 """`StoreLink`: the store-facing half every engine connector shares (this repository's engine,
 `engine/connector.py`, and vLLM's, `integrations/vllm.py`), so the rules below are written once.
 
-- Keys: kvstore's own chained keys from the token ids (`kvstore.keys.prefix_keys`), so a hit
-  never depends on an engine's hash settings or seeds.
+- Keys: kvstore's own chained keys (`kvstore.keys.chain_key`), which each connector computes
+  once per block and passes in, so a hit never depends on an engine's hash settings or seeds.
 - Lookup: how many of a chain's blocks the store holds (or an offload in flight here still
   holds), and a Prefetch up to L2 of the hit's blocks that lie lower (L3, L4), started in the
   background so they come up while the request waits for its load. `lookup_async` does the
@@ -45,7 +45,7 @@ from kvstore.client import TLS, KVStoreClient
 from kvstore.client.errors import KVStoreError
 from kvstore.client.retry import Retry
 from kvstore.integrations.cost import TierRates
-from kvstore.keys import BlockKey, namespace_root, prefix_keys
+from kvstore.keys import BlockKey, namespace_root
 
 logger = logging.getLogger("kvstore.integrations")
 
@@ -173,12 +173,7 @@ class StoreLink:
             self._up.set()
             return
 
-    # -- keys and lookup ------------------------------------------------------------------
-    def keys_for(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockKey]:
-        """The chained keys of token_ids' first num_blocks full blocks."""
-        return prefix_keys(token_ids[: num_blocks * self.block_size], self.block_size,
-                           self.namespace)
-
+    # -- lookup -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey], *, prefetch: bool = False) -> Hit:
         """How many leading keys the store (or an offload queued here) holds; none when the
         link is off or the Lookup fails. prefetch: bring the hit's L3/L4 blocks up to L2 in
