@@ -163,6 +163,23 @@ def test_forgets_steps_past_the_window_and_converges_to_a_new_speed() -> None:
     assert model.estimate(32_768, 0, STEP) == pytest.approx(2 * old, rel=1e-6)
 
 
+def test_a_long_spell_of_decodes_does_not_forget_what_a_prefill_costs() -> None:
+    model = fitted(steps=64)
+    want = chunked_truth(8_192, 0, STEP)
+    rng = random.Random(9)
+    for _ in range(1_000):  # decodes only: one new token per sequence
+        chunks = [(1, rng.randrange(16, 4_096)) for _ in range(rng.randrange(1, 33))]
+        model.observe(chunks, true_seconds(chunks))
+    assert 256 < model.steps <= 256 + 32  # the window, and up to window/8 prefill steps
+    got = model.estimate(8_192, 0, STEP)
+    assert got is not None and got == pytest.approx(want, rel=1e-6)
+    plain = PrefillModel(window=256)
+    for _ in range(300):
+        chunks = [(1, rng.randrange(16, 4_096)) for _ in range(8)]
+        plain.observe(chunks, true_seconds(chunks))
+    assert plain.estimate(8_192, 0, STEP) is None  # never saw a prefill: does not guess
+
+
 # TierRates
 
 
