@@ -10,8 +10,11 @@ scaled replay of the Mooncake trace with the store against without it.
   engine without a store and without prefix caching (full recompute). Median of `--reps`,
   each rep with other 32 suffix tokens and a fresh reader after a warm-up request. The
   figure's `store_tokens` is the fewest prompt tokens a rep loaded from the store (target of
-  ttft_l2: <= 0.2x the recompute TTFT, i.e. ratio >= 5x). The `#` lines also give the floor:
-  the same prompt served from the writer's own prefix cache (no load; the suffix computed).
+  ttft_l2: <= 0.2x the recompute TTFT, i.e. ratio >= 5x), `decisions` each rep's
+  load-or-recompute reason: the readers keep the default store_load_policy "auto", and one
+  that has timed no long prefill yet loads ("no estimate yet"; bench/engine_mixed.py measures
+  the rule). The `#` lines also give the floor: the same prompt served from the writer's own
+  prefix cache (no load; the suffix computed).
 - replay_prefill_saved, replay_throughput: `--replay-requests` requests of the Mooncake trace,
   one at a time in trace order, through an engine with a store and one without (the same small
   local KV cache: one long request's worth, so the local prefix cache cannot hold the working
@@ -84,11 +87,11 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
 
 def save_llama(folder: Path, hidden: int, layers: int, seed: int = 0) -> Path:
     """A random Llama of the given width and depth (64-wide heads, 4 query heads per KV head)."""
-    return save_random_llama(
+    return Path(save_random_llama(
         folder, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
         num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256),
         max_position_embeddings=8192, seed=seed,
-    )
+    ))
 
 
 def engine(model: Path, args: argparse.Namespace, store: str | None, num_blocks: int,
@@ -100,10 +103,11 @@ def engine(model: Path, args: argparse.Namespace, store: str | None, num_blocks:
     return llm
 
 
-def ttft_of(llm: LLM, prompt: list[int]) -> tuple[float, int]:
-    """(TTFT in ms, prompt tokens loaded from the store) of one request."""
+def ttft_of(llm: LLM, prompt: list[int]) -> tuple[float, int, str]:
+    """(TTFT in ms, prompt tokens loaded from the store, the store decision) of one request."""
     [out] = llm.generate([prompt], ONE)
-    return out.metrics.ttft_s * 1e3, out.metrics.store_prompt_tokens
+    m = out.metrics
+    return m.ttft_s * 1e3, m.store_prompt_tokens, m.store_decision
 
 
 def block_bytes_of(llm: LLM) -> int:
@@ -206,31 +210,36 @@ class Ttft:
         """An engine on target computes (and offloads) the prefix; its TTFT, and that of the
         prefix from its own prefix cache (the floor: no load, the suffix computed) are kept."""
         with engine(self.model, self.args, target, self.num_blocks) as llm:
-            self.floor["writer_ms"], _ = ttft_of(llm, self.prompt())
+            self.floor["writer_ms"] = ttft_of(llm, self.prompt())[0]
             if llm.connector is not None:  # its offloads would compete for the CPU
                 llm.connector.flush(timeout_s=60.0)
-            self.floor["local_hit_ms"], _ = ttft_of(llm, self.prompt())
+            self.floor["local_hit_ms"] = ttft_of(llm, self.prompt())[0]
 
     def daemon(self, stack: ExitStack, *settings: str) -> Daemon:
         return daemon(stack, self.workdir, self.block_bytes, self.l2_bytes, *settings)
 
-    def reps(self, target: str, prepare: Callable[[], None]) -> tuple[list[float], list[int]]:
-        """(TTFT per rep, store tokens per rep) of fresh engines on target."""
-        ms, loaded = [], []
+    def reps(self, target: str, prepare: Callable[[], None]
+             ) -> tuple[list[float], list[int], list[str]]:
+        """(TTFT, store tokens, store decision) per rep of fresh engines on target."""
+        ms, loaded, decisions = [], [], []
         for _ in range(self.args.reps):
             prepare()
             with engine(self.model, self.args, target, self.num_blocks) as llm:
-                one_ms, tokens = ttft_of(llm, self.prompt())
+                one_ms, tokens, decision = ttft_of(llm, self.prompt())
             ms.append(one_ms)
             loaded.append(tokens)
-        return ms, loaded
+            decisions.append(decision)
+        return ms, loaded, decisions
 
-    def figure(self, name: str, ms: list[float], loaded: list[int], **extra: Any) -> Figure:
-        info(f"{name}: TTFT {[round(m) for m in ms]} ms, store tokens {loaded}")
+    def figure(self, name: str, ms: list[float], loaded: list[int], decisions: list[str],
+               **extra: Any) -> Figure:
+        info(f"{name}: TTFT {[round(m) for m in ms]} ms, store tokens {loaded}, decisions "
+             f"{dict(Counter(decisions))}")
         return shown(Figure(name, statistics.median(ms), "recompute",
                             statistics.median(self.base_ms), "ms", lower_is_better=True,
                             target=">= 5x" if name == "ttft_l2" else "",
                             extra={"store_tokens": min(loaded), "store_tokens_reps": loaded,
+                                   "decisions": decisions,
                                    "ms_reps": ms, "recompute_ms_reps": self.base_ms,
                                    "prefix_tokens": len(self.prefix),
                                    "suffix_tokens": SUFFIX_TOKENS, **self.floor, **extra}))
@@ -275,8 +284,8 @@ def l4_figure(run: Ttft, stack: ExitStack) -> Figure:
         evict_all(kv_b)
         wait_tiers(kv_b, keys, "remote")
 
-    ms, loaded = run.reps(b.target, from_redis)
-    return run.figure("ttft_l4", ms, loaded, remote_hits=remote_hits(kv_b) - hits)
+    ms, loaded, decisions = run.reps(b.target, from_redis)
+    return run.figure("ttft_l4", ms, loaded, decisions, remote_hits=remote_hits(kv_b) - hits)
 
 
 def ttft_figures(args: argparse.Namespace, workdir: Path) -> list[Figure]:

@@ -52,6 +52,7 @@ SUITE = (
     Script("l4_bench", timeout_s=180),
     Script("engine_bench", ("--baseline-requests", "2", "--ttft-reps", "2"), timeout_s=420),
     Script("engine_ttft", ("--reps", "3"), timeout_s=300),
+    Script("engine_mixed", timeout_s=900),
     # Every trace family (bench/trace_families.py), the public synthetic trace among them,
     # at 1-40% of each one's distinct blocks: about a minute, the synthetic half of it.
     Script("trace_sim", ("--family", "all"), quick_args=("--family", "all", "--requests", "600"),

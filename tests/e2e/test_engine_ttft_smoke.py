@@ -1,8 +1,8 @@
 """bench/engine_ttft.py runs end to end: `--quick --json PATH` serves a tiny random Llama with
 its prefix recomputed and loaded from L2, L3 and (with redis-server) L4 of real daemons, replays
 a slice of the Mooncake trace with and without a store, prints one `bench <name>: ... =
-<ratio>x` line per figure and writes the same figures as JSON. Speed is not asserted here; the
-targets live in the bench."""
+<ratio>x` line per figure and writes the same figures as JSON, with each rep's store decision.
+Speed is not asserted here; the targets live in the bench."""
 
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ def test_engine_ttft_quick_json(tmp_path: Path) -> None:
         # Every rep loaded exactly the prefix from the store: no suffix block, nothing less.
         assert figures[name]["store_tokens_reps"] == [prefix_tokens] * report["setup"]["reps"]
         assert figures[name]["store_tokens"] == prefix_tokens
+        # The readers keep the default policy ("auto"); each rep's reason is recorded.
+        decisions = figures[name]["decisions"]
+        assert len(decisions) == report["setup"]["reps"]
+        assert all(d and not d.startswith("recompute") for d in decisions), decisions
     assert figures["ttft_l2"]["target"] == ">= 5x"
     if "ttft_l4" in expected:
         assert figures["ttft_l4"]["remote_hits"] >= prefix_tokens // 16
