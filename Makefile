@@ -126,10 +126,12 @@ bench: $(TEST_STAMP) $(VLLM_STAMP) redis
 
 ## bench-engine: the engine against transformers on SmolLM2-135M (throughput, TTFT with prefix
 ## caching on vs off; the decode kernel vs SDPA when a GPU is present), and TTFT with the
-## prefix from L2/L3/L4 vs recompute plus a Mooncake trace replay with and without the store
+## prefix from L2/L3/L4 vs recompute plus a Mooncake trace replay with and without the store,
+## and decode TPOT with loads in flight plus the load-or-recompute rule against a slowed L4
 bench-engine: $(TEST_STAMP) redis
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/engine_ttft.py
+	$(BIN)/python bench/engine_mixed.py
 
 ## bench-vllm: vLLM (CPU) TTFT with a 2k-token prompt's prefix in kvstore L2 and L3 vs
 ## recomputing it (bench/vllm_ttft.py, in .venv-vllm)
