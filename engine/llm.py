@@ -10,6 +10,7 @@ to come back. Every forward pass is timed into the prefill model the decision us
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,7 @@ from kvstore.integrations.cost import PrefillModel
 from kvstore.kernels import ops_for
 from kvstore.units import parse_size
 
+logger = logging.getLogger("kvstore.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -381,8 +383,8 @@ class LLM:
             while (connector is not None and self.scheduler.waiting_on_store
                    and time.monotonic() < deadline):
                 self._collect(connector, wait_s=0.1)
-        except Exception:  # the abort goes on: what failed is already being raised
-            pass
+        except Exception:  # the abort goes on: what failed first is already being raised
+            logger.exception("kvstore: collecting the store's answers during an abort failed")
         for request in requests:
             for seq in request.seqs:
                 if not seq.is_finished:

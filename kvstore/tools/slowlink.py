@@ -13,6 +13,7 @@ Used by tests and bench/; not imported by the daemon or the client.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
@@ -253,10 +254,8 @@ def _copy(source: socket.socket, sink: socket.socket) -> None:
 
 def _shut(sock: socket.socket) -> None:
     """shutdown() both ways: wakes a thread blocked in recv or accept on it, unlike close()."""
-    try:
+    with contextlib.suppress(OSError):  # not connected, or already shut: nothing to wake
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # not connected, or already shut: nothing is left to wake
 
 
 def _checked(delay_s: float) -> float:
