@@ -1,5 +1,6 @@
-"""The vLLM connector's options (`kv_connector_extra_config`) and its namespace, checked without
-vLLM so that a bad value fails at start naming its key, and so both are tested anywhere.
+"""The vLLM connector's options (`kv_connector_extra_config`), its namespace and each request's
+chain root, worked out without importing vLLM (its objects are read by attribute) so that a bad
+value fails at start naming its key, and so all of it is tested anywhere.
 
     {"target": "10.0.0.5:50051", "namespace_prefix": "team-a/", "token_file": "/run/kv/token",
      "shared_memory": "auto", "offload": true, "timeout_s": 1.0, "load_policy": "auto"}
@@ -22,7 +23,7 @@ from kvstore.client import TLS
 from kvstore.client.credentials import read_token_file
 from kvstore.client.errors import KVStoreError
 from kvstore.integrations.cost import POLICIES
-from kvstore.keys import MAX_NAMESPACE_BYTES
+from kvstore.keys import MAX_NAMESPACE_BYTES, BlockKey, namespace_root
 
 ENV_TARGET = "KVSTORE_TARGET"
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -179,3 +180,38 @@ def namespace_for(settings: Settings, shape: ModelShape) -> str:
         raise SettingsError(f"{_FIELD}.namespace_prefix / namespace_salt: the namespace "
                             f"{namespace[:64]!r}... is over {MAX_NAMESPACE_BYTES} bytes")
     return namespace
+
+
+def model_shape(vllm_config: Any, tp_rank: int) -> ModelShape:
+    """What a block's bytes depend on, read from vLLM's config (a VllmConfig)."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    kv_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix(
+        "torch.")
+    layout = getattr(cc, "kv_cache_layout", None)
+    return ModelShape(
+        model=str(mc.model), revision=mc.revision, kv_dtype=kv_dtype,
+        num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(), block_size=cc.block_size,
+        kv_layout=str(getattr(layout, "name", layout) or "default"),
+        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size)
+
+
+def chain_root(namespace: str, request: Any) -> BlockKey:
+    """A chain's root: the namespace's, or one derived from what else the request's K/V depend
+    on: its LoRA adapter, and vLLM's `cache_salt` (which keeps vLLM's own prefix cache apart
+    per salt). Requests share store blocks only when all of these match."""
+    root = namespace_root(namespace)
+    lora = request.lora_request
+    # An adapter by name and path (its id is a per-server number): a miss across servers that
+    # keep one adapter at different paths, never a hit across two adapters of one name.
+    extra = [f"lora:{lora.lora_name}:{lora.lora_path}" if lora is not None else "",
+             f"cache_salt:{request.cache_salt}" if request.cache_salt else ""]
+    if not any(extra):
+        return root
+    return BlockKey(hashlib.sha256(root + "\0".join(extra).encode()).digest())
+
+
+def cacheable(request: Any) -> bool:
+    """Whether token ids alone name the request's K/V: not with images or audio (their
+    placeholder tokens are the same for every image) or prompt embeddings."""
+    return not request.mm_features and request.prompt_embeds is None

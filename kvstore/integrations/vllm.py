@@ -16,16 +16,12 @@ compute) arrives asynchronously, so the request waits for its blocks while the b
 Each step's metadata carries the loads to start, the newly full blocks to save, keys
 included (the worker needs no token ids), and what the step computes.
 
-Worker side: `register_kv_caches` learns the layout (`PagedKV`); loads read the blocks on a
-loader thread (through shared memory when co-located) into a staging buffer and scatter them
-into the paged tensors, or straight into the cache when a block's layers lie contiguous; saves
-copy the newly full blocks out after the forward pass (`wait_for_save`) and put them from a
-writer thread. Blocks that did not arrive are reported by `get_block_ids_with_load_errors`,
-and vLLM recomputes them. Because a save copies its blocks before the step ends, vLLM may free
-a finished request's blocks at once (`request_finished` returns False): nothing it frees is
-still being read. The worker times each forward pass (bind -> wait_for_save) and each whole
-load, and reports both in its stats; the scheduler side feeds them to its `PrefillModel` and
-its link's `TierRates` (a load its own link already saw, in one process, is not counted twice).
+Worker side (`vllm_worker.WorkerSide`): loads into the paged tensors on loader threads, saves
+copied out after the forward pass, the blocks that did not arrive (vLLM recomputes them), and
+the timings of each forward pass and whole load, which its stats carry to the scheduler side's
+`PrefillModel` and `TierRates` (a load its own link already saw is not counted twice). A save
+copies its blocks before the step ends, so vLLM may free a finished request's blocks at once
+(`request_finished` returns False).
 
 Roles: kv_both loads and saves; kv_producer (a prefill instance) only saves; kv_consumer (a
 decode instance) only loads. The store-facing half (keys, lookup, prefetch, loads, the offload
@@ -35,11 +31,9 @@ one link per process serves both sides, so an outage is logged once per process.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +50,13 @@ from kvstore.client.errors import KVStoreError
 from kvstore.integrations.cost import Decision, PrefillModel, decide, slowest
 from kvstore.integrations.link import Hit, release_link, shared_link
 from kvstore.integrations.paged import PagedKV
-from kvstore.integrations.settings import ModelShape, namespace_for, parse_settings
+from kvstore.integrations.settings import (
+    cacheable,
+    chain_root,
+    model_shape,
+    namespace_for,
+    parse_settings,
+)
 from kvstore.integrations.vllm_steps import (
     SCHEDULER_FIELDS,
     WORKER_FIELDS,
@@ -64,9 +64,9 @@ from kvstore.integrations.vllm_steps import (
     KVStoreStats,
     LoadSpec,
     SaveSpec,
-    StepTimer,
 )
-from kvstore.keys import BlockKey, chain_key, namespace_root
+from kvstore.integrations.vllm_worker import IDLE_WAIT_S, WorkerSide
+from kvstore.keys import BlockKey, chain_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,8 +112,6 @@ class _Match:
     decision: Decision | None = None
 
 
-_IDLE_WAIT_S = 0.01
-"""An empty step waits at most this long for a lookup or a load to come back."""
 
 
 def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
@@ -122,40 +120,6 @@ def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
     if not groups:
         return 0
     return int(groups[0].kv_cache_spec.page_size_bytes) * len(groups[0].layer_names)
-
-
-def _model_shape(vllm_config: VllmConfig, tp_rank: int) -> ModelShape:
-    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    kv_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix(
-        "torch.")
-    layout = getattr(cc, "kv_cache_layout", None)
-    return ModelShape(
-        model=str(mc.model), revision=mc.revision, kv_dtype=kv_dtype,
-        num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
-        head_dim=mc.get_head_size(), block_size=cc.block_size,
-        kv_layout=str(getattr(layout, "name", layout) or "default"),
-        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size)
-
-
-def _root(namespace: str, request: Request) -> BlockKey:
-    """A chain's root: the namespace's, or one derived from what else the request's K/V depend
-    on: its LoRA adapter, and vLLM's `cache_salt` (which keeps vLLM's own prefix cache apart
-    per salt). Requests share store blocks only when all of these match."""
-    root = namespace_root(namespace)
-    lora = request.lora_request
-    # An adapter by name and path (its id is a per-server number): a miss across servers that
-    # keep one adapter at different paths, never a hit across two adapters of one name.
-    extra = [f"lora:{lora.lora_name}:{lora.lora_path}" if lora is not None else "",
-             f"cache_salt:{request.cache_salt}" if request.cache_salt else ""]
-    if not any(extra):
-        return root
-    return BlockKey(hashlib.sha256(root + "\0".join(extra).encode()).digest())
-
-
-def _cacheable(request: Request) -> bool:
-    """Whether token ids alone name the request's K/V: not with images or audio (their
-    placeholder tokens are the same for every image) or prompt embeddings."""
-    return not request.mm_features and request.prompt_embeds is None
 
 
 def _tp_rank() -> int:
@@ -195,7 +159,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         """vLLM's forward steps, as the workers time them (fed on the scheduler side)."""
         # The scheduler looks up under rank 0's namespace; every rank saves and loads its own.
         self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
-        self.namespace = namespace_for(self.settings, _model_shape(vllm_config, self._rank))
+        self.namespace = namespace_for(self.settings, model_shape(vllm_config, self._rank))
         opts = self.settings
         try:  # one link per process serves both sides when vLLM runs them in one
             self.link = shared_link(
@@ -219,15 +183,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._sources: dict[str, list[str]] = {}
         self._loads: list[LoadSpec] = []
         self._recomputed_by_choice_tokens = 0
-        # Worker side.
-        self.paged: PagedKV | None = None
-        self._timer: StepTimer | None = None
-        self._lock = threading.Lock()
-        self._load_done = threading.Condition(self._lock)
-        self._loads_in_flight = 0
-        self._finished_loads: set[str] = set()
-        self._load_errors: set[int] = set()
-        self._load_times: list[tuple[str, str, int, float]] = []
+        self.worker = WorkerSide(self.link, self._rank, self._origin)
         logger.info("kvstore: %s connector on %s, namespace %s (load %s, save %s, policy %s)",
                     role.name.lower(), self.settings.target, self.namespace, self.loads,
                     self.saves, self.policy)
@@ -242,7 +198,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         keys = self._keys.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         bs = self.block_size
-        parent = keys[-1] if keys else _root(self.namespace, request)
+        parent = keys[-1] if keys else chain_root(self.namespace, request)
         for i in range(len(keys), num_blocks):
             parent = chain_key(parent, tokens[i * bs:(i + 1) * bs])
             keys.append(parent)
@@ -266,7 +222,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._matched[req_id] = _Match(first)
         self._sources.pop(req_id, None)
         max_blocks = (request.num_tokens - 1) // self.block_size  # the last token is computed
-        if (not self.loads or max_blocks <= first or not _cacheable(request)
+        if (not self.loads or max_blocks <= first or not cacheable(request)
                 or request.skip_reading_prefix_cache):
             return 0, False
         with self._answered:
@@ -340,7 +296,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         idle = scheduler_output.total_num_scheduled_tokens == 0
-        self._await_lookup(_IDLE_WAIT_S if idle else 0.0)
+        self._await_lookup(IDLE_WAIT_S if idle else 0.0)
         meta = KVStoreMetadata(loads=self._loads, idle=idle)
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -368,7 +324,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         """In a step that computes nothing while lookups are out and none came back since the
         last step, wait for one (at most timeout_s) rather than let vLLM's loop spin through
         empty steps, which starves the loader threads of the GIL. Bounded, so a request
-        arriving now is scheduled at most _IDLE_WAIT_S late."""
+        arriving now is scheduled at most IDLE_WAIT_S late."""
         with self._answered:
             if timeout_s > 0 and not self._fresh_answers and any(
                     looked.hit is None for looked in self._lookups.values()):
@@ -379,7 +335,7 @@ class KVStoreConnector(KVConnectorBase_V1):
               scheduler_output: SchedulerOutput) -> None:
         """Schedule the blocks this step fills (their tokens all known) for saving."""
         request = tracked.request
-        if not self.saves or not _cacheable(request):
+        if not self.saves or not cacheable(request):
             return
         scheduled = scheduler_output.num_scheduled_tokens.get(request.request_id, 0)
         full = min(num_computed + scheduled, request.num_tokens) // self.block_size
@@ -429,61 +385,25 @@ class KVStoreConnector(KVConnectorBase_V1):
             if origin != self._origin:  # else this process's link timed it already
                 self.link.rates.observe_load(str(tier), int(nbytes), float(seconds))
 
-    # -- worker side ----------------------------------------------------------------------
+    # -- worker side (vllm_worker.WorkerSide) ---------------------------------------------
+    @property
+    def paged(self) -> PagedKV | None:
+        return self.worker.paged
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = [n for g in self._kv_cache_config.kv_cache_groups for n in g.layer_names
-                 if n in kv_caches]
-        self.paged = PagedKV([(n, kv_caches[n]) for n in names],
-                             self._kv_cache_config.num_blocks)
-        if self._rank == 0:  # every rank runs the same steps: one reports them
-            self._timer = StepTimer(cuda=self.paged.device.type == "cuda")
-        logger.info("kvstore: %d layers, %d-byte blocks, %s", len(names),
-                    self.paged.block_bytes,
-                    "loads straight into the cache" if self.paged.direct else "staged loads")
+        self.worker.register(kv_caches, self._kv_cache_config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """vLLM binds the step's metadata just before the forward pass: the step's clock
         starts here and stops at wait_for_save, right after it."""
         super().bind_connector_metadata(connector_metadata)
-        if (self._timer is not None and isinstance(connector_metadata, KVStoreMetadata)
-                and connector_metadata.chunks):
-            self._timer.start(connector_metadata.chunks)
+        self.worker.begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreMetadata)
         for spec in meta.loads:
-            self._start_load(spec)
-
-    def _start_load(self, spec: LoadSpec) -> None:
-        paged = self.paged
-        if paged is None:
-            raise RuntimeError("KVStoreConnector: a load before register_kv_caches")
-        staging = None if paged.direct else paged.staging(len(spec.keys))
-        rows = paged.direct_rows(spec.block_ids) if staging is None else paged.rows(staging)
-        begun = time.perf_counter()
-
-        def done(arrived: int) -> None:
-            # From the start of the load to its arrival, as the request waits for it.
-            seconds = time.perf_counter() - begun
-            try:
-                if staging is not None and arrived:
-                    paged.scatter(staging, spec.block_ids[:arrived])
-            except Exception:
-                logger.exception("kvstore: scattering %d loaded blocks failed", arrived)
-                arrived = 0
-            with self._lock:
-                if spec.tier and arrived == len(spec.keys):
-                    self._load_times.append((self._origin, spec.tier,
-                                             arrived * paged.block_bytes, seconds))
-                self._load_errors.update(spec.block_ids[arrived:])
-                self._finished_loads.add(spec.req_id)
-                self._loads_in_flight -= 1
-                self._load_done.notify_all()
-
-        with self._lock:
-            self._loads_in_flight += 1
-        self.link.read_async(spec.keys, rows, done, tier=spec.tier)
+            self.worker.start_load(spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish before their request is scheduled (they are asynchronous)
@@ -493,37 +413,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         return  # saved all layers at once, after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
-        if self._timer is not None:
-            self._timer.stop()
-        if not self.has_connector_metadata() or self.paged is None:
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStoreMetadata)
-        for spec in meta.saves:
-            if not self.link.available:
-                self.link.offload(spec.keys, [], spec.parent)  # counted as dropped
-                continue
-            staging = self.paged.gather(spec.block_ids)
-            self.link.offload(spec.keys, self.paged.rows(staging), spec.parent)
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        self.worker.save(meta if isinstance(meta, KVStoreMetadata) else None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
-        meta = self._connector_metadata
-        idle = isinstance(meta, KVStoreMetadata) and meta.idle
-        with self._lock:
-            if idle and self._loads_in_flight and not self._finished_loads:
-                # Nothing to compute until a load lands: wait for it here rather than let
-                # vLLM's loop spin through empty steps, which starves the loader thread of
-                # the GIL (measured: hits 2-5x slower). Bounded, so a request arriving now
-                # is scheduled at most _IDLE_WAIT_S late.
-                self._load_done.wait(_IDLE_WAIT_S)
-            done, self._finished_loads = self._finished_loads, set()
-        return None, done or None
+        return None, self.worker.finished(self._connector_metadata) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.worker.load_errors()
 
     # -- metrics and life -----------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -539,13 +437,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if "lookup_hit_blocks" in data:
             data["external_hit_tokens"] = data.pop("lookup_hit_blocks") * self.block_size
         if not scheduler:
-            steps = self._timer.take() if self._timer is not None else []
-            with self._lock:
-                loads, self._load_times = self._load_times, []
-            if steps:
-                data["steps"] = steps
-            if loads:
-                data["loads"] = loads
+            data |= self.worker.timings()
         return KVStoreStats(data=data) if any(data.values()) else None
 
     @classmethod

@@ -1,0 +1,129 @@
+"""The worker half of vLLM's kvstore connector (`kvstore.integrations.vllm`): the paged KV
+tensors (`PagedKV`), loads read on the link's loader threads into a staging buffer and
+scattered into the cache (or straight into it when a block's layers lie contiguous), saves
+copied out after the forward pass and put from the writer thread, the blocks that did not
+arrive (vLLM recomputes them), and the timings the scheduler side's cost model learns from:
+each forward pass (rank 0 only: every rank runs the same steps) and each whole load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvstore.integrations.link import StoreLink
+from kvstore.integrations.paged import PagedKV
+from kvstore.integrations.vllm_steps import KVStoreMetadata, LoadSpec, StepTimer
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("kvstore.integrations.vllm")
+
+IDLE_WAIT_S = 0.01
+"""An empty step waits at most this long for a lookup or a load to come back."""
+
+
+class WorkerSide:
+    def __init__(self, link: StoreLink, rank: int, origin: str) -> None:
+        """origin names the link that times the loads (see KVStoreConnector._learn)."""
+        self.link = link
+        self.paged: PagedKV | None = None
+        self._rank = rank
+        self._origin = origin
+        self._timer: StepTimer | None = None
+        self._lock = threading.Lock()
+        self._load_done = threading.Condition(self._lock)
+        self._loads_in_flight = 0
+        self._finished_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._load_times: list[tuple[str, str, int, float]] = []
+
+    def register(self, kv_caches: dict[str, torch.Tensor],
+                 kv_cache_config: KVCacheConfig) -> None:
+        names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names
+                 if n in kv_caches]
+        self.paged = PagedKV([(n, kv_caches[n]) for n in names], kv_cache_config.num_blocks)
+        if self._rank == 0:  # every rank runs the same steps: one reports them
+            self._timer = StepTimer(cuda=self.paged.device.type == "cuda")
+        logger.info("kvstore: %d layers, %d-byte blocks, %s", len(names),
+                    self.paged.block_bytes,
+                    "loads straight into the cache" if self.paged.direct else "staged loads")
+
+    def begin_step(self, meta: object) -> None:
+        """The forward pass is about to run: its clock starts."""
+        if self._timer is not None and isinstance(meta, KVStoreMetadata) and meta.chunks:
+            self._timer.start(meta.chunks)
+
+    def start_load(self, spec: LoadSpec) -> None:
+        paged = self.paged
+        if paged is None:
+            raise RuntimeError("KVStoreConnector: a load before register_kv_caches")
+        staging = None if paged.direct else paged.staging(len(spec.keys))
+        rows = paged.direct_rows(spec.block_ids) if staging is None else paged.rows(staging)
+        begun = time.perf_counter()
+
+        def done(arrived: int) -> None:
+            # From the start of the load to its arrival, as the request waits for it.
+            seconds = time.perf_counter() - begun
+            try:
+                if staging is not None and arrived:
+                    paged.scatter(staging, spec.block_ids[:arrived])
+            except Exception:
+                logger.exception("kvstore: scattering %d loaded blocks failed", arrived)
+                arrived = 0
+            with self._lock:
+                if spec.tier and arrived == len(spec.keys):
+                    self._load_times.append((self._origin, spec.tier,
+                                             arrived * paged.block_bytes, seconds))
+                self._load_errors.update(spec.block_ids[arrived:])
+                self._finished_loads.add(spec.req_id)
+                self._loads_in_flight -= 1
+                self._load_done.notify_all()
+
+        with self._lock:
+            self._loads_in_flight += 1
+        self.link.read_async(spec.keys, rows, done, tier=spec.tier)
+
+    def save(self, meta: KVStoreMetadata | None) -> None:
+        """After the forward pass (its clock stops): copy the blocks it filled out, and put
+        them from the writer thread."""
+        if self._timer is not None:
+            self._timer.stop()
+        if meta is None or self.paged is None:
+            return
+        for spec in meta.saves:
+            if not self.link.available:
+                self.link.offload(spec.keys, [], spec.parent)  # counted as dropped
+                continue
+            staging = self.paged.gather(spec.block_ids)
+            self.link.offload(spec.keys, self.paged.rows(staging), spec.parent)
+
+    def finished(self, meta: object) -> set[str]:
+        """The requests whose loads landed since the last call."""
+        idle = isinstance(meta, KVStoreMetadata) and meta.idle
+        with self._lock:
+            if idle and self._loads_in_flight and not self._finished_loads:
+                # Nothing to compute until a load lands: wait for it here rather than let
+                # vLLM's loop spin through empty steps, which starves the loader thread of
+                # the GIL (measured: hits 2-5x slower). Bounded, so a request arriving now
+                # is scheduled at most IDLE_WAIT_S late.
+                self._load_done.wait(IDLE_WAIT_S)
+            done, self._finished_loads = self._finished_loads, set()
+        return done
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def timings(self) -> dict[str, Any]:
+        """`steps` ([chunks, seconds]) and `loads` ([origin, tier, bytes, seconds]) timed since
+        the last call, for the connector stats; empty entries left out."""
+        steps = self._timer.take() if self._timer is not None else []
+        with self._lock:
+            loads, self._load_times = self._load_times, []
+        return {name: value for name, value in (("steps", steps), ("loads", loads)) if value}
