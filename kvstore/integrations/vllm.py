@@ -7,12 +7,11 @@
 Scheduler side (the engine core): at `get_num_new_matched_tokens` the keys of the request's
 full blocks past vLLM's own prefix-cache hit go out in one Lookup on a loader thread (with a
 background Prefetch to L2 of the hit's L3/L4 blocks), and vLLM hears "ask again later" (None)
-until the answer is back, so the rest of the batch runs meanwhile. The answer is kept per
-request, so vLLM's asks each step cost nothing. Then `cost.decide` picks how much of the hit
-to load (`load_policy`): the leading blocks whose load is estimated to beat computing them,
-from vLLM's own forward steps (timed by the worker, reported through the connector stats) and
-the link's learnt load rates per tier. What is loaded (always leaving the last token to
-compute) arrives asynchronously, so the request waits for its blocks while the batch runs.
+until the answer is back (kept per request: vLLM's asks each step cost nothing), so the rest
+of the batch runs meanwhile. Then `cost.decide` picks how much of the hit to load
+(`load_policy`): the leading blocks whose load is estimated to beat computing them, from
+vLLM's own forward steps (timed by the worker) and the link's load rates per tier. What is
+loaded (never the last token) arrives asynchronously while the batch runs.
 Each step's metadata carries the loads to start, the newly full blocks to save, keys
 included (the worker needs no token ids), and what the step computes.
 
