@@ -218,30 +218,27 @@ class Scheduler:
                 return
             if seq.status is SeqStatus.LOADING or seq.store_pending:
                 continue  # keeps its place; the sequences behind it may go first
-            hit = None
-            if seq.num_computed_tokens == 0:
-                hit = self.blocks.find_prefix(seq.block_keys, len(seq))
-                ask = self._ask_store(seq, hit, out)
-                if ask == "wait":
-                    continue
-                if ask == "full":
-                    return
-                seq.num_computed_tokens = hit.num_tokens
-            num_new = len(seq) - seq.num_computed_tokens
+            # A waiting sequence holds no blocks (a preemption or a finished load released
+            # them): what it has computed is its local hit.
+            hit = self.blocks.find_prefix(seq.block_keys, len(seq))
+            ask = self._ask_store(seq, hit, out)
+            if ask == "wait":
+                continue
+            if ask == "full":
+                return
+            num_new = len(seq) - hit.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
-                self._undo_hit(seq, hit)
                 return
             num_new = min(num_new, budget)
-            table = self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + num_new, hit)
+            table = self.blocks.allocate(seq.seq_id, hit.num_tokens + num_new, hit)
             if table is None:
-                self._undo_hit(seq, hit)
                 return
             self.waiting.remove(seq)
+            seq.num_computed_tokens = hit.num_tokens
             seq.store_answer = None  # readmitted after a preemption, it asks again
-            if hit is not None:
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = hit.num_tokens
-                seq.num_stored_blocks = seq.num_computed_tokens // self.block_size
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = hit.num_tokens
+            seq.num_stored_blocks = hit.num_tokens // self.block_size
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, table, self._samples(seq, num_new)))
@@ -313,11 +310,6 @@ class Scheduler:
         if seq.store_answer is not None:  # nothing more to load from here
             seq.store_answer = replace(seq.store_answer, first_block=plan.first_block,
                                        load_blocks=arrived)
-
-    @staticmethod
-    def _undo_hit(seq: Sequence, hit: object) -> None:
-        if hit is not None:
-            seq.num_computed_tokens = 0
 
     def _samples(self, seq: Sequence, num_new: int) -> int:
         if seq.num_computed_tokens + num_new < len(seq):
