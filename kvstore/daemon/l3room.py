@@ -2,7 +2,8 @@
 of nvme.capacity_bytes against the free space, and the switch that turns L3 admission off
 while the filesystem is short of room.
 
-- `reserve_bytes(size_bytes)`: what the daemon leaves free on a filesystem of that size.
+- `reserve_bytes(size_bytes, configured)`: what the daemon leaves free on a filesystem of that
+  size: nvme.reserve_bytes when set, else the automatic reserve (`RESERVE_*`).
 - `fitting_capacity_bytes` / `capacity_problem`: the preflight, run by
   `kvstore.daemon.tier_setup` before the L3 file is preallocated. The file and the most its
   manifest can grow to (`manifest_bytes`) may take the free space less the reserve, plus
@@ -91,8 +92,11 @@ def allocated_bytes(path: Path) -> int:
     return st.st_blocks * 512 if os.path.isfile(path) else 0
 
 
-def reserve_bytes(size_bytes: int) -> int:
-    """The bytes the daemon leaves free on a filesystem of size_bytes (see RESERVE_*)."""
+def reserve_bytes(size_bytes: int, configured: int = 0) -> int:
+    """The bytes the daemon leaves free on a filesystem of size_bytes: configured
+    (nvme.reserve_bytes) when set, else the automatic reserve (see RESERVE_*)."""
+    if configured:
+        return configured
     wanted = max(int(size_bytes * RESERVE_FRACTION), RESERVE_MIN_BYTES)
     return min(wanted, int(size_bytes * RESERVE_MAX_FRACTION))
 
@@ -105,12 +109,13 @@ def manifest_bytes(num_pages: int, journal_records: int) -> int:
 
 
 def fitting_capacity_bytes(space: Space, reusable_bytes: int, page_size_bytes: int,
-                           journal_records: int) -> int:
+                           journal_records: int, configured_reserve: int = 0) -> int:
     """The largest L3 capacity, in whole pages, whose file and manifest (`manifest_bytes`)
     leave the reserve free, counting what an existing L3 file holds as room; never less than
-    that file holds (reusing it takes nothing more)."""
-    room = (reusable_bytes + space.free_bytes - reserve_bytes(space.size_bytes)
-            - journal_records * MANIFEST_RECORD_BYTES)
+    that file holds (reusing it takes nothing more). configured_reserve: nvme.reserve_bytes
+    (0: the automatic reserve)."""
+    reserve = reserve_bytes(space.size_bytes, configured_reserve)
+    room = reusable_bytes + space.free_bytes - reserve - journal_records * MANIFEST_RECORD_BYTES
     num_pages = max(0, room) // (page_size_bytes + 2 * MANIFEST_RECORD_BYTES)
     return max(num_pages, reusable_bytes // page_size_bytes) * page_size_bytes
 
@@ -125,14 +130,18 @@ def setting_size(size_bytes: int) -> str:
 
 
 def capacity_problem(capacity_bytes: int, page_size_bytes: int, journal_records: int,
-                     space: Space, reusable_bytes: int, folder: Path) -> str:
+                     space: Space, reusable_bytes: int, folder: Path,
+                     configured_reserve: int = 0) -> str:
     """Why nvme.capacity_bytes does not fit in folder's filesystem, saying what does; ""
-    when it fits."""
+    when it fits. configured_reserve: nvme.reserve_bytes (0: the automatic reserve)."""
     capacity_bytes = capacity_bytes // page_size_bytes * page_size_bytes  # what NvmeTier uses
-    fits = fitting_capacity_bytes(space, reusable_bytes, page_size_bytes, journal_records)
+    fits = fitting_capacity_bytes(space, reusable_bytes, page_size_bytes, journal_records,
+                                  configured_reserve)
     if capacity_bytes <= fits:
         return ""
-    reserve = reserve_bytes(space.size_bytes)
+    reserve = reserve_bytes(space.size_bytes, configured_reserve)
+    why = ("nvme.reserve_bytes" if configured_reserve else
+           "10% of the filesystem, at least 1 GiB, at most a quarter; nvme.reserve_bytes sets it")
     manifest = manifest_bytes(capacity_bytes // page_size_bytes, journal_records)
     held = f", plus {format_size(reusable_bytes)} its L3 file holds" if reusable_bytes else ""
     if fits >= page_size_bytes:
@@ -143,9 +152,8 @@ def capacity_problem(capacity_bytes: int, page_size_bytes: int, journal_records:
             f"{format_size(manifest)} for its manifest) does not fit in {folder}: its "
             f"filesystem has {format_size(space.free_bytes)} free of "
             f"{format_size(space.size_bytes)}{held}, and the daemon leaves "
-            f"{format_size(reserve)} of it free (the L3 reserve: 10% of the filesystem, at "
-            f"least 1 GiB, at most a quarter); {fix}, or point nvme.dir at a volume with more "
-            "room (docs/operations.md, \"Sizing L3\")")
+            f"{format_size(reserve)} of it free (the L3 reserve: {why}); {fix}, or point "
+            "nvme.dir at a volume with more room (docs/operations.md, \"Sizing L3\")")
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +174,9 @@ class L3Admission:
     injected."""
 
     def __init__(self, folder: Path | None, placement: Placement,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, configured_reserve: int = 0) -> None:
         self.folder = folder  # the L3 folder, whose filesystem is checked; None: no L3
+        self._configured_reserve = configured_reserve  # nvme.reserve_bytes; 0: automatic
         self._placement = placement
         self._clock = clock
         self._lock = threading.Lock()
@@ -192,7 +201,7 @@ class L3Admission:
 
     def check(self, space: Space) -> None:
         """Switch admission by a free-space check of the L3 filesystem made now."""
-        now, reserve = self._clock(), reserve_bytes(space.size_bytes)
+        now, reserve = self._clock(), reserve_bytes(space.size_bytes, self._configured_reserve)
         with self._lock:
             self._next_check = now + CHECK_INTERVAL_S
             was = self._state

@@ -160,7 +160,7 @@ def _check_room(config: Config, folder: Path) -> None:
                     "nvme.capacity_bytes is not checked", folder)
         return
     problem = capacity_problem(n.capacity_bytes, n.page_size_bytes, n.compact_after_records,
-                               space, reusable_bytes, folder)
+                               space, reusable_bytes, folder, n.reserve_bytes)
     if problem:
         raise StartupError(problem + ("" if n.dir else _other_default_folders(folder)))
 

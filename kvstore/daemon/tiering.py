@@ -97,7 +97,8 @@ class Tiering:
         self._compact_at = config.nvme.compact_after_records  # journal records
         # whether L3 takes new blocks, by the room on its filesystem; inert without L3
         self.l3_admission = L3Admission(manifest.directory if manifest is not None else None,
-                                        self.placement)
+                                        self.placement,
+                                        configured_reserve=config.nvme.reserve_bytes)
         self.meter = IoMeter()
         # free pages each waiting put or load needs, by tier and arena
         self._waiting: dict[tuple[Tier, str], list[int]] = {}

@@ -107,6 +107,9 @@ def wait_serving(target: str, proc: subprocess.Popen[bytes], log_path: Path | No
     raise RuntimeError(f"kvstore-server not SERVING after {timeout_s}s:\n{log()}")
 
 
+#: The L3 reserve of test daemons (nvme.reserve_bytes): room for a test's logs beside them.
+#: Tests of the automatic reserve set nvme.reserve_bytes=0.
+TEST_L3_RESERVE = "256MiB"
 _BIND_RETRIES = 3  # a free port can be taken between free_port() and the child's bind
 
 
@@ -140,10 +143,11 @@ def _launch_daemon(workdir: Path, settings: tuple[str, ...],
     args = [sys.executable, "-m", "kvstore.daemon.server", "--port", str(port),
             "--metrics-port", str(metrics_port)]
     # L3 lives in workdir and is small unless settings say otherwise (later --set wins), and
-    # a stop skips the drain notice (a second per daemon, hundreds of daemons per suite);
-    # the drain test sets its own.
+    # its reserve is fixed: the automatic one (10% of the filesystem) refused daemons, or
+    # turned L3 admission off, on a CI host whose disk was 90% full. A stop skips the drain
+    # notice (a second per daemon, hundreds of daemons per suite); the drain test sets its own.
     defaults = (f"nvme.dir={workdir / f'l3-{port}'}", "nvme.capacity_bytes=64MiB",
-                "server.drain_notice_s=0")
+                f"nvme.reserve_bytes={TEST_L3_RESERVE}", "server.drain_notice_s=0")
     for setting in (*defaults, *settings):
         args += ["--set", setting]
     with log_path.open("w") as log:

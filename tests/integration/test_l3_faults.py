@@ -22,7 +22,7 @@ import pytest
 
 from kvstore.client import KVStoreClient, KVStoreError, Retry, TierStats
 from kvstore.daemon.manifest import HEADER_BYTES, JOURNAL_NAME
-from kvstore.tools.testing import Daemon, free_port
+from kvstore.tools.testing import TEST_L3_RESERVE, Daemon, free_port
 
 PAGE = 64 << 10
 NS = "l3faults"
@@ -30,6 +30,8 @@ NS = "l3faults"
 # No L1: these tests are about L2 <-> L3 (and probing CUDA costs each start seconds).
 SMALL = ("dram.capacity_bytes=4MiB", "dram.page_size_bytes=64KiB", "nvme.capacity_bytes=16MiB",
          "nvme.page_size_bytes=64KiB", "movers.interval_s=0.02", "hbm.mode=off")
+# On tiny_fs: the automatic L3 reserve (a quarter of the 64 MiB tmpfs), not the test default.
+TINY = (*SMALL, "nvme.reserve_bytes=0")
 Blocks = dict[bytes, bytes]
 Factory = Callable[..., Daemon]
 
@@ -244,7 +246,7 @@ def fill_through(kv: KVStoreClient, seed: int = 300) -> Blocks:
 def test_full_filesystem_refuses_admissions_and_keeps_serving(
         compact_after_records: int, tiny_fs: Path, daemon_factory: Factory,
         kv_to: Callable[[Daemon], KVStoreClient]) -> None:
-    daemon = daemon_factory(*SMALL, f"nvme.compact_after_records={compact_after_records}",
+    daemon = daemon_factory(*TINY, f"nvme.compact_after_records={compact_after_records}",
                             f"nvme.dir={tiny_fs}")
     kv = kv_to(daemon)
     blocks = make_blocks(60, seed=290)
@@ -269,7 +271,7 @@ def test_full_filesystem_refuses_admissions_and_keeps_serving(
 def test_restart_on_a_full_filesystem_readopts_its_blocks(
         tiny_fs: Path, daemon_factory: Factory,
         kv_to: Callable[[Daemon], KVStoreClient]) -> None:
-    first = daemon_factory(*SMALL, f"nvme.dir={tiny_fs}")
+    first = daemon_factory(*TINY, f"nvme.dir={tiny_fs}")
     kv = kv_to(first)
     blocks = fill_through(kv)
     held = in_l3(kv, blocks)
@@ -279,7 +281,7 @@ def test_restart_on_a_full_filesystem_readopts_its_blocks(
 
     # The L3 file it reuses needs no room (RuntimeError if it exited 2); the compaction at
     # start finds none, so L3 admission starts off.
-    second = daemon_factory(*SMALL, f"nvme.dir={tiny_fs}")
+    second = daemon_factory(*TINY, f"nvme.dir={tiny_fs}")
     kv = kv_to(second)
     assert readopted(second) == len(held)
     assert in_l3(kv, blocks) == held
@@ -406,7 +408,8 @@ def test_second_daemon_on_the_same_l3_folder_exits_2_naming_nvme_dir(
     # A different capacity: had it opened the file, it would have resized the first's.
     args = [sys.executable, "-m", "kvstore.daemon.server", "--port", str(free_port()),
             "--metrics-port", str(free_port())]
-    for setting in (*SMALL, "nvme.capacity_bytes=8MiB", f"nvme.dir={l3}"):
+    for setting in (*SMALL, "nvme.capacity_bytes=8MiB", f"nvme.dir={l3}",
+                    f"nvme.reserve_bytes={TEST_L3_RESERVE}"):
         args += ["--set", setting]
     second = subprocess.run(args, capture_output=True, text=True, timeout=60)
 

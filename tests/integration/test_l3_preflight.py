@@ -25,8 +25,9 @@ from kvstore.tools.testing import Daemon, free_port
 PAGE = 64 << 10
 NS = "l3preflight"
 # 64 pages of L2: 60 blocks pass the 0.9 watermark and the mover demotes some to L3.
+# nvme.reserve_bytes=0: the automatic reserve, not the test daemons' fixed one.
 SMALL = ("dram.capacity_bytes=4MiB", "dram.page_size_bytes=64KiB", "nvme.page_size_bytes=64KiB",
-         "movers.interval_s=0.02", "hbm.mode=off")
+         "movers.interval_s=0.02", "hbm.mode=off", "nvme.reserve_bytes=0")
 Blocks = dict[bytes, bytes]
 Mount = Callable[..., Path]
 
@@ -172,6 +173,24 @@ def test_the_l3_file_a_restart_reuses_counts_as_room(
     done = server(f"nvme.dir={fs / 'l3'}", "nvme.capacity_bytes=160MiB")
     assert done.returncode == 2 and "plus 100.0 MiB its L3 file holds" in done.stderr
     assert (fs / "l3" / "l3.data").stat().st_size == 100 << 20  # untouched
+
+
+def test_nvme_reserve_bytes_sets_the_reserve_at_start_and_while_running(
+        mount_tmpfs: Mount, daemon_factory: Callable[..., Daemon]) -> None:
+    fs = mount_tmpfs("size=200m")
+    folder = fs / "l3"
+    # A 120 MiB reserve on 200 MiB: 100 MiB of L3 fits beside the automatic 50 MiB, not this.
+    done = server(f"nvme.dir={folder}", "nvme.capacity_bytes=100MiB",
+                  "nvme.reserve_bytes=120MiB")
+    assert done.returncode == 2, done.stderr
+    assert "leaves 120.0 MiB of it free (the L3 reserve: nvme.reserve_bytes)" in done.stderr
+    assert not (folder / "l3.data").exists()
+    # A small one on a volume that holds L3 alone: 160 MiB and its manifest (up to 26 MiB)
+    # fit beside 8 MiB, not beside the automatic 50 MiB.
+    daemon = daemon_factory(*SMALL, f"nvme.dir={folder}", "nvme.capacity_bytes=160MiB",
+                            "nvme.reserve_bytes=8MiB")
+    assert admission(daemon) == "on"
+    assert scrape(daemon)["kvstore_l3_filesystem_reserve_bytes"] == 8 << 20
 
 
 def test_with_the_default_folder_the_refusal_names_what_other_ports_left_behind(

@@ -25,12 +25,12 @@ import pytest
 from kvstore.core.errors import StartupError
 from kvstore.daemon.config import load_config
 from kvstore.daemon.server import serve
-from kvstore.tools.testing import Daemon, free_port
+from kvstore.tools.testing import TEST_L3_RESERVE, Daemon, free_port
 from tests.conftest import REPO
 
 SHM = Path("/dev/shm")
 SMALL = ("dram.capacity_bytes=8MiB", "nvme.capacity_bytes=64MiB", "hbm.mode=off",
-         "server.drain_notice_s=0")
+         "server.drain_notice_s=0", f"nvme.reserve_bytes={TEST_L3_RESERVE}")
 C_CORE_LOG = re.compile(r"^[EWI]\d{4} .*\.cc:\d+\]", re.M)  # grpc's own log line
 
 

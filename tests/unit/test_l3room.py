@@ -51,6 +51,17 @@ def test_the_reserve_is_a_tenth_at_least_1_gib_at_most_a_quarter(size_bytes: int
     assert reserve_bytes(size_bytes) == reserve
 
 
+def test_a_configured_reserve_replaces_the_automatic_one() -> None:
+    assert reserve_bytes(252 * GiB, 256 * MiB) == 256 * MiB  # under the automatic 25 GiB
+    assert reserve_bytes(200 * MiB, 150 * MiB) == 150 * MiB  # over the automatic quarter
+    space = Space(252 * GiB, 25 * GiB)  # a disk 90% full: no L3 fits beside 25.2 GiB
+    assert fitting_capacity_bytes(space, 0, PAGE, 0) == 0
+    assert 24 * GiB < fitting_capacity_bytes(space, 0, PAGE, 0, 256 * MiB) < 25 * GiB
+    problem = capacity_problem(25 * GiB, PAGE, 0, space, 0, FOLDER, 256 * MiB)
+    assert "leaves 256.0 MiB of it free (the L3 reserve: nvme.reserve_bytes)" in problem
+    assert "nvme.reserve_bytes sets it" in capacity_problem(25 * GiB, PAGE, 0, space, 0, FOLDER)
+
+
 # --- what fits ------------------------------------------------------------------------------
 
 
@@ -172,6 +183,15 @@ def test_free_space_under_the_reserve_turns_admission_off_once_and_tells_the_pla
     assert not placement.admitting and placement.admit_min_seen == 2  # the rule stays
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "L3 admission off" in warnings[0].getMessage()
+
+
+def test_a_configured_reserve_is_what_the_switch_checks(placement: Placement,
+                                                        clock: Clock) -> None:
+    gate = L3Admission(FOLDER, placement, clock, configured_reserve=GiB)
+    gate.check(Space(FS, 2 * GiB))  # under the automatic 10 GiB, over the 1 GiB set
+    assert gate.enabled and gate.state.reserve_bytes == GiB
+    gate.check(Space(FS, GiB - 1))
+    assert not gate.enabled and gate.state.reason == LOW_SPACE
 
 
 def test_admission_comes_back_only_with_a_tenth_more_than_the_reserve_free(

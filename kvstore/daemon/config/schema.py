@@ -120,6 +120,8 @@ class NvmeConfig:
     admit_min_seen: int = 1  #: Demote to L3 only blocks put or read at least this often.
     sync: bool = False  #: fdatasync each manifest record (survives power loss, not only crashes).
     compact_after_records: int = 100_000  #: Snapshot the manifest after this many records.
+    #: Free space left on nvme.dir's filesystem; 0 = 10% of it, >= 1 GiB, <= a quarter.
+    reserve_bytes: int = 0
 
 
 @dataclass(frozen=True)
