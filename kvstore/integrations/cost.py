@@ -73,17 +73,18 @@ class PrefillModel:
     """Seconds of one forward step from what it computes, fitted on the engine's own steps:
     t = a*tokens + b*attention + c, where for each sequence in the step with n new tokens after
     c_ctx cached ones, tokens += n and attention += n*(c_ctx + n/2) (the attention work grows with
-    context). Least squares over the last `window` steps, and the last window/8 steps that
-    computed a prefill chunk (a sequence with more than one new token), so that a long spell of
-    decodes does not make it forget what a prefill costs; coefficients kept >= 0 (the best fit
-    on a subset of them when the plain fit comes out negative)."""
+    context). Least squares over the last `window` steps and, for step sizes (tokens, by power
+    of two) larger than any in that window, the last window/32 steps of each size: a long spell
+    of decodes or of short chunks does not make it forget what a long prefill costs (it did,
+    with only the last prefill steps kept, once short arrivals' chunks filled them). The
+    coefficients are kept >= 0 (the best fit on a subset of them when the plain one is not)."""
 
     def __init__(self, window: int = 256) -> None:
         if window < _MIN_FIT_STEPS:
             raise ValueError(f"window must be >= {_MIN_FIT_STEPS}, got {window!r}")
         self._rows: deque[tuple[int, tuple[float, float, float]]] = deque(maxlen=window)
-        self._prefills: deque[tuple[int, tuple[float, float, float]]] = deque(
-            maxlen=max(_MIN_FIT_STEPS, window // 8))
+        self._by_size: dict[int, deque[tuple[int, tuple[float, float, float]]]] = {}
+        self._per_size = max(_MIN_FIT_STEPS, window // 32)
         self._seen = 0
         self._coef: tuple[float, float, float] | None = None
         self._max_step_tokens = 0
@@ -94,30 +95,36 @@ class PrefillModel:
         computed, and the step's wall seconds. Steps of zero tokens or seconds <= 0 are ignored."""
         tokens = 0
         attention = 0.0
-        prefill = False
         for new, context in chunks:
             if new < 0 or context < 0:
                 raise ValueError(f"chunks: counts must be >= 0, got {(new, context)!r}")
             tokens += new
             attention += new * (context + new / 2)
-            prefill |= new > 1
         if tokens == 0 or not seconds > 0 or not math.isfinite(seconds):
             return
         row = (self._seen, (float(tokens), attention, float(seconds)))
         self._seen += 1
         self._rows.append(row)
-        if prefill:
-            self._prefills.append(row)
+        size = tokens.bit_length()
+        if size not in self._by_size:
+            self._by_size[size] = deque(maxlen=self._per_size)
+        self._by_size[size].append(row)
         self._dirty = True
 
     @property
     def steps(self) -> int:
-        """Observations held (at most `window`, plus prefill steps older than those)."""
+        """Observations held (at most `window`, plus older steps larger than those)."""
         return len(self._held())
 
     def _held(self) -> list[tuple[float, float, float]]:
-        oldest = self._rows[0][0] if self._rows else self._seen
-        return [row for i, row in self._prefills if i < oldest] + [row for _, row in self._rows]
+        if not self._rows:
+            return []
+        oldest = self._rows[0][0]
+        window = [row for _, row in self._rows]
+        top = max(int(tokens).bit_length() for tokens, _, _ in window)
+        older = [row for size, rows in self._by_size.items() if size > top
+                 for i, row in rows if i < oldest]
+        return older + window
 
     @property
     def coefficients(self) -> tuple[float, float, float] | None:

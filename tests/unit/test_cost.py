@@ -170,7 +170,9 @@ def test_a_long_spell_of_decodes_does_not_forget_what_a_prefill_costs() -> None:
     for _ in range(1_000):  # decodes only: one new token per sequence
         chunks = [(1, rng.randrange(16, 4_096)) for _ in range(rng.randrange(1, 33))]
         model.observe(chunks, true_seconds(chunks))
-    assert 256 < model.steps <= 256 + 32  # the window, and up to window/8 prefill steps
+    # The window, and up to window/32 = 8 older steps of each size (power of two) larger than
+    # its largest (decodes of up to 32 sequences: 2^5), up to the largest prefill (2^11 + 47).
+    assert 256 < model.steps <= 256 + 8 * (12 - 6 + 1)
     got = model.estimate(8_192, 0, STEP)
     assert got is not None and got == pytest.approx(want, rel=1e-6)
     plain = PrefillModel(window=256)
@@ -178,6 +180,24 @@ def test_a_long_spell_of_decodes_does_not_forget_what_a_prefill_costs() -> None:
         chunks = [(1, rng.randrange(16, 4_096)) for _ in range(8)]
         plain.observe(chunks, true_seconds(chunks))
     assert plain.estimate(8_192, 0, STEP) is None  # never saw a prefill: does not guess
+
+
+def test_short_chunks_beside_decodes_do_not_make_it_forget_a_long_prefill() -> None:
+    # The mixed benchmark's shape: after the long prefills, every step is 8 decodes and an
+    # arrival's 4 fresh tokens (a prefill chunk, but a short one). Keeping only the last
+    # prefill steps forgot the long ones after 32 arrivals: "no estimate yet" for 235 of 282.
+    model = PrefillModel()
+    for n in (256, 512, 1_024, 2_048):
+        model.observe([(n, 0)], true_seconds([(n, 0)]))
+    rng = random.Random(11)
+    for _ in range(1_000):
+        chunks = [(1, rng.randrange(16, 2_048)) for _ in range(8)] + [(4, 1_024)]
+        model.observe(chunks, true_seconds(chunks))
+    got = model.estimate(1_028, 0, STEP)
+    assert got is not None and got == pytest.approx(chunked_truth(1_028, 0, STEP), rel=1e-6)
+    assert model.steps == 256 + 4  # the window, and the four long steps it no longer holds
+    model.observe([(2_048, 0)], 2 * true_seconds([(2_048, 0)]))  # a size the window holds now
+    assert model.steps == 256
 
 
 # TierRates
