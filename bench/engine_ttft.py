@@ -117,11 +117,17 @@ def block_bytes_of(llm: LLM) -> int:
 
 def daemon(stack: ExitStack, workdir: Path, block_bytes: int, l2_bytes: int,
            *settings: str) -> Daemon:
-    """A daemon whose pages fit the engine's blocks; stopped on the way out."""
+    """A daemon whose pages fit the engine's blocks, with a Unix socket as a co-located
+    engine's daemon has (the Helm chart's): the engine's loads take the local path, not gRPC;
+    stopped on the way out."""
     page = max(4 * KiB, min(64 * KiB, 1 << (block_bytes.bit_length() - 1)))
+    sockets = workdir / "sockets"
+    sockets.mkdir(exist_ok=True)
+    socket = sockets / f"{len(list(sockets.iterdir()))}.sock"  # one per daemon started here
     started = start_daemon(workdir, "hbm.mode=off", "log_level=WARNING",
                            f"dram.capacity_bytes={l2_bytes}", f"dram.page_size_bytes={page}",
-                           f"nvme.page_size_bytes={page}", *settings)
+                           f"nvme.page_size_bytes={page}", f"server.unix_socket={socket}",
+                           *settings)
     stack.callback(started.stop)
     return started
 
