@@ -202,8 +202,12 @@ class StoreLink:
                     for key in below:
                         self._raising[key] = raised
                 self._loader.submit(self._prefetch, below, raised)
-        if time.monotonic() >= self._stats_due:
-            self._stats_due = time.monotonic() + STATS_EVERY_S
+        with self._lock:  # lookups run on several loader threads: one poll per period
+            now = time.monotonic()
+            poll = now >= self._stats_due
+            if poll:
+                self._stats_due = now + STATS_EVERY_S
+        if poll:
             self._loader.submit(self._read_stats)
         hit = max(found, pending)
         self._count(lookup_hit_blocks=hit)
