@@ -7,13 +7,12 @@
 Scheduler side (the engine core): at `get_num_new_matched_tokens` the keys of the request's
 full blocks past vLLM's own prefix-cache hit go out in one Lookup on a loader thread (with a
 background Prefetch to L2 of the hit's L3/L4 blocks), and vLLM hears "ask again later" (None)
-until the answer is back (kept per request: vLLM's asks each step cost nothing), so the rest
-of the batch runs meanwhile. Then `cost.decide` picks how much of the hit to load
-(`load_policy`): the leading blocks whose load is estimated to beat computing them, from
-vLLM's own forward steps (timed by the worker) and the link's load rates per tier. What is
-loaded (never the last token) arrives asynchronously while the batch runs.
-Each step's metadata carries the loads to start, the newly full blocks to save, keys
-included (the worker needs no token ids), and what the step computes.
+until the answer is back, so the rest of the batch runs meanwhile. Then `cost.decide` picks
+how much of the hit to load (`load_policy`): the leading blocks whose load is estimated to beat
+computing them, from vLLM's forward steps (timed by the worker) and the link's load rates per
+tier. Answer and decision are kept per request (vLLM asks each step). What is loaded (never
+the last token) arrives asynchronously while the batch runs. Each step's metadata carries the
+loads to start, the newly full blocks to save, keys included, and what the step computes.
 
 Worker side (`vllm_worker.WorkerSide`): loads into the paged tensors on loader threads, saves
 copied out after the forward pass, the blocks that did not arrive (vLLM recomputes them), and
@@ -89,16 +88,17 @@ _SOURCES = {"hbm": CacheHitSource.DEVICE, "dram": CacheHitSource.HOST,
 class _Tracked:
     request: Request
     block_ids: list[int] = field(default_factory=list)
-    saved: int = 0
-    """Leading blocks the store holds, or whose save is scheduled."""
+    saved: int = 0  # leading blocks the store holds, or whose save is scheduled
 
 
 @dataclass
 class _Lookup:
-    """One request's Lookup: blocks first.. of its chain; hit is None while it is out."""
+    """One request's Lookup: blocks first.. of its chain; hit is None while it is out.
+    decided: the answer made from it, kept for vLLM's later asks of the same first block."""
 
     first: int
     hit: Hit | None = None
+    decided: _Match | None = None
 
 
 @dataclass
@@ -106,11 +106,8 @@ class _Match:
     """What get_num_new_matched_tokens answered, for update_state_after_alloc."""
 
     first: int
-    tiers: list[str] = field(default_factory=list)
-    """The tier of each block chosen to load."""
+    tiers: list[str] = field(default_factory=list)  # of each block chosen to load
     decision: Decision | None = None
-
-
 
 
 def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
@@ -154,8 +151,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.policy = self.settings.load_policy
         self.block_bytes = _block_bytes(kv_cache_config)
         self.step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self.prefill = PrefillModel()
-        """vLLM's forward steps, as the workers time them (fed on the scheduler side)."""
+        self.prefill = PrefillModel()  # vLLM's forward steps, timed by the workers
         # The scheduler looks up under rank 0's namespace; every rank saves and loads its own.
         self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         self.namespace = namespace_for(self.settings, model_shape(vllm_config, self._rank))
@@ -234,14 +230,18 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None, False
         if hit is None:
             return None, False
-        tiers = hit.tiers[first - looked.first:hit.blocks]
-        choice = decide(tiers=tiers, block_bytes=self.block_bytes, block_size=self.block_size,
-                        first_block=first, num_tokens=request.num_tokens, policy=self.policy,
-                        prefill=self.prefill, rates=self.link.rates,
-                        step_tokens=self.step_tokens)
-        self._matched[req_id] = _Match(first, tiers[:choice.load_blocks], choice)
-        self._sources[req_id] = tiers[:choice.load_blocks]
-        return choice.load_blocks * self.block_size, choice.load_blocks > 0
+        match = looked.decided  # decided once: vLLM asks every step while the request waits
+        if match is None or match.first != first:
+            tiers = hit.tiers[first - looked.first:hit.blocks]
+            choice = decide(tiers=tiers, block_bytes=self.block_bytes,
+                            block_size=self.block_size, first_block=first,
+                            num_tokens=request.num_tokens, policy=self.policy,
+                            prefill=self.prefill, rates=self.link.rates,
+                            step_tokens=self.step_tokens)
+            match = looked.decided = _Match(first, tiers[:choice.load_blocks], choice)
+        self._matched[req_id] = match
+        self._sources[req_id] = match.tiers
+        return len(match.tiers) * self.block_size, bool(match.tiers)
 
     def _lookup(self, request: Request, first: int, max_blocks: int) -> None:
         """Start the Lookup of blocks first..max_blocks-1; its answer lands in _lookups."""

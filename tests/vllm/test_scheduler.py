@@ -422,6 +422,25 @@ def test_auto_loads_a_hit_whose_tier_is_faster_than_computing_it(
     assert matched(conn, request(tokens)) == (4 * BLOCK, True)
 
 
+def test_a_waiting_request_keeps_its_decision_until_its_first_block_moves(
+        store: Daemon, model_dir: Path) -> None:
+    # vLLM asks every step while a request waits: deciding again each time would cost
+    # O(hit blocks) per waiting request per step, and could flip the answer it gave.
+    config = vllm_config(model_dir, {"target": store.target})
+    conn = scheduler(config).connector
+    work, _ = make_worker(config)
+    tokens = _tokens(100, seed=20)
+    _put_blocks(store.target, conn.namespace, tokens, 4, work.paged.block_bytes)
+    _fed(conn, seconds_per_token=10e-3)
+    conn.link.rates.observe_load("dram", 1 << 30, 0.1)  # fast: load
+    req = request(tokens)
+    assert matched(conn, req) == (4 * BLOCK, True)
+    conn.link.rates.observe_load("dram", conn.block_bytes, 1e4)  # now slow
+    assert conn.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)  # kept
+    # A block came from vLLM's own prefix cache meanwhile: the rest is decided afresh.
+    assert conn.get_num_new_matched_tokens(req, BLOCK) == (0, False)
+
+
 def test_the_workers_forward_steps_and_loads_reach_the_schedulers_cost_model(
         store: Daemon, model_dir: Path) -> None:
     config = vllm_config(model_dir, {"target": store.target})
