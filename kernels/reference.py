@@ -128,7 +128,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    _group_size(num_heads, num_kv_heads)
+    group = _group_size(num_heads, num_kv_heads)
     starts = [int(x) for x in query_start_loc.tolist()]
     lens = [int(x) for x in context_lens.tolist()]
     if len(starts) != len(lens) + 1 or starts[0] != 0 or starts[-1] != num_tokens:
@@ -146,14 +146,24 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         blocks = block_tables[seq, :num_blocks].to(device=device, dtype=torch.long)
         k = torch.index_select(k_cache, 0, blocks).flatten(0, 1)[:ctx].to(query.dtype)
         v = torch.index_select(v_cache, 0, blocks).flatten(0, 1)[:ctx].to(query.dtype)
-        mask = None
-        if ctx != q_len:  # a cached prefix: the causal diagonal is bottom-right aligned
-            positions = torch.arange(ctx - q_len, ctx, device=device)
-            mask = torch.arange(ctx, device=device)[None, :] <= positions[:, None]
-        o = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        if ctx == q_len:  # no cached prefix: plain causal attention
+            o = F.scaled_dot_product_attention(
+                query[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True)
+            out[start:end] = o.transpose(0, 1)
+            continue
+        # A cached prefix: the causal diagonal is bottom-right aligned, so there is a mask
+        # anyway, and the `group` query heads of a KV head become its rows (token-major), as
+        # in decode_attention: SDPA's GQA path with a mask is several times slower on CPU
+        # (2.5x for 4 new tokens after 1k cached ones), and the result is the same.
+        rows = query[start:end].reshape(q_len, num_kv_heads, group, head_dim)
+        rows = rows.permute(1, 0, 2, 3).reshape(num_kv_heads, q_len * group, head_dim)
+        positions = torch.arange(ctx - q_len, ctx, device=device).repeat_interleave(group)
+        mask = torch.arange(ctx, device=device)[None, :] <= positions[:, None]
+        o = F.scaled_dot_product_attention(rows, k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=scale)
+        out[start:end] = o.reshape(num_kv_heads, q_len, group, head_dim).permute(
+            1, 0, 2, 3).reshape(q_len, num_heads, head_dim)
     return out
 
 
