@@ -139,20 +139,30 @@ class PrefillModel:
         say: fewer than 3 steps seen, or no step seen that computed at least
         min(tokens, step_tokens) // 4 new tokens (no extrapolating from decodes alone to a long
         prefill)."""
-        if step_tokens < 1:
-            raise ValueError(f"step_tokens must be >= 1, got {step_tokens!r}")
         if context < 0:
             raise ValueError(f"context must be >= 0, got {context!r}")
-        if tokens <= 0:
-            return 0.0
+        out = self.estimates(np.array([tokens]), np.array([context]), step_tokens)
+        return None if out is None else float(out[0])
+
+    def estimates(self, tokens: np.ndarray, contexts: np.ndarray,
+                  step_tokens: int) -> np.ndarray | None:
+        """`estimate` of every (tokens[i], contexts[i]) at once (int arrays; the same figures,
+        bit for bit); None when it cannot say for the largest of tokens."""
+        if step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {step_tokens!r}")
+        t = np.maximum(np.asarray(tokens, dtype=np.int64), 0)
+        most = int(t.max(initial=0))
+        if most == 0:
+            return np.zeros(t.shape)
         self._refit()
-        if self._coef is None or self._max_step_tokens < min(tokens, step_tokens) // 4:
+        if self._coef is None or self._max_step_tokens < min(most, step_tokens) // 4:
             return None
         a, b, c = self._coef
         # Summed over the chunks, n_i*(ctx_i + n_i/2) telescopes to tokens*(context + tokens/2)
         # however the prefill is split; only the per-step cost c sees the chunking.
-        attention = tokens * (context + tokens / 2)
-        return a * tokens + b * attention + c * -(-tokens // step_tokens)
+        attention = t * (np.asarray(contexts, dtype=np.int64) + t / 2)
+        out: np.ndarray = a * t + b * attention + c * -(-t // step_tokens)
+        return out
 
     def _refit(self) -> None:
         if not self._dirty:
@@ -267,17 +277,24 @@ class TierRates:
         held = self._rtt_s
         self._rtt_s = seconds if held is None else self._alpha * seconds + (1 - self._alpha) * held
 
-    @_locked
     def estimate(self, tier: str, nbytes: int) -> float | None:
         """Seconds to load `nbytes` from `tier` in one load; None when nothing current is known."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+        line = self.line(tier)
+        return None if line is None else line[0] + nbytes * line[1]
+
+    @_locked
+    def line(self, tier: str) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per byte) of one load from `tier` believed now, so that a
+        load of n bytes is fixed + n * per_byte (`estimate`); None when nothing current is
+        known. "pending" pays no round trip."""
         if tier == "pending":
-            return nbytes / PENDING_BYTES_PER_S
+            return 0.0, 1.0 / PENDING_BYTES_PER_S
         per_byte = self._per_byte(tier)
         if per_byte is None:
             return None
-        return (self._rtt_s or 0.0) + nbytes * per_byte
+        return self._rtt_s or 0.0, per_byte
 
     @_locked
     def snapshot(self) -> dict[str, float]:
@@ -376,53 +393,49 @@ def decide(*, tiers: Sequence[str], block_bytes: int, block_size: int, first_blo
             return Decision(0, n, f"policy never: recompute {n} blocks", 0.0, hit_s)
         all_s = rates.estimate(slowest(tiers), n * block_bytes)
         return Decision(n, 0, f"policy always: load {n} blocks ({slowest(tiers)})", all_s, hit_s)
-    return _auto(tiers, block_bytes, compute, rates)
+    contexts = (first_block + np.arange(n + 1)) * block_size
+    computes = prefill.estimates(num_tokens - contexts, contexts, step_tokens)
+    return _auto(tiers, block_bytes, computes, rates)
 
 
-def _auto(tiers: Sequence[str], block_bytes: int, compute: Callable[[int], float | None],
+def _auto(tiers: Sequence[str], block_bytes: int, computes: np.ndarray | None,
           rates: TierRates) -> Decision:
-    """decide's "auto": one compute and one load estimate per k, the slowest tier carried along."""
+    """decide's "auto", over every k at once: computes[k] is the compute after k loaded blocks
+    (None: not known), load(k) one line per slowest tier of tiers[:k], read once."""
     n = len(tiers)
-    missing: list[str] = []
-    computes: list[float] = []
-    for k in range(n + 1):
-        c = compute(k)
-        if c is None:
-            missing.append("prefill")
+    missing = [] if computes is not None else ["prefill"]
+    ranks = [_rank(t) for t in tiers]
+    worst = np.maximum.accumulate(ranks)  # worst[k-1]: the rank of the slowest of tiers[:k]
+    name: dict[int, str] = {}  # rank -> its first tier in the chain (the slowest's name)
+    for tier, rank in zip(tiers, ranks, strict=True):
+        name.setdefault(rank, tier)
+    loads = np.zeros(n + 1)
+    for rank in np.unique(worst).tolist():  # ascending = in chain order (worst only grows)
+        line = rates.line(name[rank])
+        if line is None:
+            missing.append(f"{name[rank]} rate")
             break
-        computes.append(c)
-    loads = [0.0]
-    tier_at = [""]  # tier_at[k]: slowest of tiers[:k]
-    worst, worst_rank = "pending", -1
-    for k in range(1, n + 1):
-        rank = _rank(tiers[k - 1])
-        if rank > worst_rank:
-            worst, worst_rank = tiers[k - 1], rank
-        load = rates.estimate(worst, k * block_bytes)
-        if load is None:
-            missing.append(f"{worst} rate")
-            break
-        loads.append(load)
-        tier_at.append(worst)
-    if missing:
+        ks = np.flatnonzero(worst == rank) + 1
+        loads[ks] = line[0] + (ks * block_bytes) * line[1]
+    if missing or computes is None:
         all_s = rates.estimate(slowest(tiers), n * block_bytes)
-        hit_s = computes[0] - computes[n] if len(computes) == n + 1 else None
+        hit_s = float(computes[0] - computes[n]) if computes is not None else None
         return Decision(n, 0, f"no estimate yet ({', '.join(missing)}): loading", all_s, hit_s)
 
-    best_k, best = 0, computes[0]
-    for k in range(1, n + 1):
-        cost = loads[k] + computes[k]
-        if cost <= best:  # ties: load more
-            best_k, best = k, cost
-    hit_s = computes[0] - computes[n]
+    def tier_at(k: int) -> str:
+        return name[int(worst[k - 1])]
+
+    costs = loads + computes
+    best_k = int(np.flatnonzero(costs == costs.min())[-1])  # ties: load more
+    load_s, hit_s = float(loads[best_k]), float(computes[0] - computes[n])
     if best_k == n:
-        reason = f"load {n} blocks ({tier_at[n]}) {_fmt(loads[n])} vs compute {_fmt(hit_s)}"
+        reason = f"load {n} blocks ({tier_at(n)}) {_fmt(load_s)} vs compute {_fmt(hit_s)}"
     elif best_k == 0:
-        reason = (f"recompute {n} blocks: loading ({tier_at[n]}) {_fmt(loads[n])} vs compute "
-                  f"{_fmt(hit_s)}")
+        reason = (f"recompute {n} blocks: loading ({tier_at(n)}) {_fmt(float(loads[n]))} vs "
+                  f"compute {_fmt(hit_s)}")
     else:
-        chosen = loads[best_k] + computes[best_k] - computes[n]
-        reason = (f"load {best_k} ({tier_at[best_k]}), recompute {n - best_k} "
-                  f"({slowest(tiers[best_k:])}): {_fmt(chosen)} vs load all {_fmt(loads[n])}, "
-                  f"compute all {_fmt(hit_s)}")
-    return Decision(best_k, n - best_k, reason, loads[best_k], hit_s)
+        chosen = float(loads[best_k] + computes[best_k] - computes[n])
+        reason = (f"load {best_k} ({tier_at(best_k)}), recompute {n - best_k} "
+                  f"({slowest(tiers[best_k:])}): {_fmt(chosen)} vs load all "
+                  f"{_fmt(float(loads[n]))}, compute all {_fmt(hit_s)}")
+    return Decision(best_k, n - best_k, reason, load_s, hit_s)
