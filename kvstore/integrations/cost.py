@@ -146,8 +146,8 @@ class PrefillModel:
 
     def estimates(self, tokens: np.ndarray, contexts: np.ndarray,
                   step_tokens: int) -> np.ndarray | None:
-        """`estimate` of every (tokens[i], contexts[i]) at once (int arrays; the same figures,
-        bit for bit); None when it cannot say for the largest of tokens."""
+        """`estimate` of every (tokens[i], contexts[i]) at once (int arrays, 0.0 where tokens
+        <= 0); None when it cannot say for the largest of tokens."""
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens!r}")
         t = np.maximum(np.asarray(tokens, dtype=np.int64), 0)
