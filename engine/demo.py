@@ -42,6 +42,7 @@ from kvstore.engine.errors import EngineError
 from kvstore.engine.llm import LLM
 from kvstore.engine.outputs import RequestOutput
 from kvstore.engine.sampling import SamplingParams
+from kvstore.integrations.cost import POLICIES
 from kvstore.keys import BlockKey, prefix_keys
 from kvstore.tools.demo import DEFAULT_METRICS_PORT, DEFAULT_PORT, pick_port
 from kvstore.tools.tables import stats_view
@@ -182,6 +183,17 @@ def turn_cells(turn: int, prompt_tokens: int, store_tokens: Sequence[int], row: 
             _ms_range(row.recompute_range_s)]
 
 
+def computed_held(console: Console, reps: Sequence[Sequence[RequestOutput]]) -> None:
+    """One dim line when a rep computed tokens the store held (the cost rule judged loading
+    slower, or blocks did not arrive): why its "from store" differs."""
+    outs = [o for rep in reps for o in rep if o.metrics.store_recomputed_tokens]
+    if outs:
+        m = outs[0].metrics
+        console.print(f"[dim]  {len(outs)} request(s) computed tokens the store held, e.g. "
+                      f"{m.store_recomputed_tokens}: {m.store_decision}[/]", soft_wrap=True,
+                      highlight=False)
+
+
 def same_tokens(runs: Sequence[Sequence[RequestOutput]]) -> bool:
     """Whether every run (one generate call's outputs each) gave the first run's token ids."""
     return all_equal([[o.outputs[0].token_ids for o in run] for run in runs])
@@ -305,6 +317,7 @@ def chat(console: Console, bench: Bench, params: SamplingParams) -> tuple[bool, 
                                   [r[0].metrics.store_prompt_tokens for r in with_store], row))
         answer = with_store[-1][0].outputs[0].text or ""
         console.print(f"[bold]user:[/] {question}\n[bold]assistant:[/] {answer.strip()}")
+        computed_held(console, with_store)
         messages.append({"role": "assistant", "content": answer})
     console.print(table)
     return same, noise
@@ -331,6 +344,7 @@ def batch(console: Console, bench: Bench, params: SamplingParams) -> tuple[bool,
         f"{_ms(row.recompute_s)} recomputing = {row.speedup:.1f}x (median of {bench.reps} "
         f"reps; ranges {_ms_range(row.store_range_s)} vs {_ms_range(row.recompute_range_s)})",
         soft_wrap=True)
+    computed_held(console, with_store)
     return same_tokens([*with_store, *without]), recompute_means
 
 
@@ -345,7 +359,8 @@ def run(console: Console, target: str, args: argparse.Namespace, load_avg: float
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     cpus = os.cpu_count() or 1
     with console.status("loading SmolLM2-135M-Instruct twice (with and without the store)") as st:
-        store = LLM(model, store=target, kv_cache_size="256MiB")
+        store = LLM(model, store=target, kv_cache_size="256MiB",
+                    store_load_policy=args.load_policy)
         recompute = LLM(model, kv_cache_size="256MiB", enable_prefix_caching=False)
         with store, recompute, KVStoreClient(target, store.namespace) as kv:
             rewind = Rewind(store, kv)
@@ -385,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=_reps, default=DEFAULT_REPS,
                         help="timed runs of each engine per figure; the tables show the median "
                         "(default %(default)s; 1 cannot tell a noisy machine)")
+    parser.add_argument("--load-policy", choices=POLICIES, default="auto",
+                        help="the store engine's store_load_policy: auto loads a hit when that "
+                        "is estimated faster than computing it (default %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
     args = parser.parse_args(argv)
