@@ -38,6 +38,7 @@ better), `#` info lines and, with `--json PATH`, JSON there.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import secrets
@@ -115,15 +116,16 @@ def block_bytes_of(llm: LLM) -> int:
     return int(kv.numel() // llm.block_manager.num_blocks * kv.element_size())
 
 
+_SOCKETS = itertools.count()
+
+
 def daemon(stack: ExitStack, workdir: Path, block_bytes: int, l2_bytes: int,
            *settings: str) -> Daemon:
     """A daemon whose pages fit the engine's blocks, with a Unix socket as a co-located
     engine's daemon has (the Helm chart's): the engine's loads take the local path, not gRPC;
     stopped on the way out."""
     page = max(4 * KiB, min(64 * KiB, 1 << (block_bytes.bit_length() - 1)))
-    sockets = workdir / "sockets"
-    sockets.mkdir(exist_ok=True)
-    socket = sockets / f"{len(list(sockets.iterdir()))}.sock"  # one per daemon started here
+    socket = workdir / f"kvstore-{next(_SOCKETS)}.sock"  # its own, even after others stopped
     started = start_daemon(workdir, "hbm.mode=off", "log_level=WARNING",
                            f"dram.capacity_bytes={l2_bytes}", f"dram.page_size_bytes={page}",
                            f"nvme.page_size_bytes={page}", f"server.unix_socket={socket}",

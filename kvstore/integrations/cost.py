@@ -382,19 +382,14 @@ def decide(*, tiers: Sequence[str], block_bytes: int, block_size: int, first_blo
     if n == 0:
         return Decision(0, 0, "no hit")
 
-    def compute(k: int) -> float | None:
-        context = (first_block + k) * block_size
-        return prefill.estimate(num_tokens - context, context, step_tokens)
-
+    contexts = (first_block + np.arange(n + 1)) * block_size  # after k = 0..n loaded blocks
+    computes = prefill.estimates(num_tokens - contexts, contexts, step_tokens)
     if policy != "auto":
-        whole, rest = compute(0), compute(n)
-        hit_s = None if whole is None or rest is None else whole - rest
+        hit_s = None if computes is None else float(computes[0] - computes[n])
         if policy == "never":
             return Decision(0, n, f"policy never: recompute {n} blocks", 0.0, hit_s)
         all_s = rates.estimate(slowest(tiers), n * block_bytes)
         return Decision(n, 0, f"policy always: load {n} blocks ({slowest(tiers)})", all_s, hit_s)
-    contexts = (first_block + np.arange(n + 1)) * block_size
-    computes = prefill.estimates(num_tokens - contexts, contexts, step_tokens)
     return _auto(tiers, block_bytes, computes, rates)
 
 
