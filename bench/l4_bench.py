@@ -47,7 +47,7 @@ import redis
 from figures import Figure, run_main
 
 from kvstore.client import KVStoreClient
-from kvstore.core.blockframe import HEADER_BYTES, decode, encode
+from kvstore.daemon.blockframe import HEADER_BYTES, decode, encode
 from kvstore.keys import BlockKey
 from kvstore.tiers.redis_pool import block_key
 from kvstore.tools.testing import Daemon, start_daemon, start_redis

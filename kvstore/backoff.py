@@ -3,7 +3,7 @@ wait before the next try, given how many tries have failed so far.
 
 The one place exponential backoff is written. The client's `Retry` sleeps
 `backoff.compute(failures)` between tries; the daemon's L4 circuit breaker
-(`kvstore.core.breaker`) waits `compute(consecutive failures)` before its next probe. Pure:
+(`kvstore.daemon.breaker`) waits `compute(consecutive failures)` before its next probe. Pure:
 no I/O, no clock; jitter draws from an injectable `random.Random`.
 """
 

@@ -1,5 +1,5 @@
 """L4 remote pool I/O: one Redis or Redis Cluster, through redis-py, behind a small batched
-interface. Values are opaque frames made elsewhere (kvstore.core.blockframe); which
+interface. Values are opaque frames made elsewhere (kvstore.daemon.blockframe); which
 blocks go to L4, when, and for how long is kvstore.daemon.remote's business, not this module's.
 
 Keys. A block is one string key, `kvs:v1:<namespace>:<hex key>`. There are no literal braces:
@@ -14,7 +14,7 @@ ClusterPipeline groups the commands by node. Failures: every redis-py error that
 is not there" (refused, timed out, TLS or auth failure, cluster down, loading, out of memory,
 read-only replica) becomes RemoteUnavailable, whose message names the host, never the password.
 redis-py's own retries are off: a retry loop inside a call would turn an outage into
-`attempts x timeout_s` stalls, and kvstore.core.breaker already decides when to try again.
+`attempts x timeout_s` stalls, and kvstore.daemon.breaker already decides when to try again.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Write-through: a committed block is offered to a queue bounded in bytes (`remote
 and a put never waits: past the bound the block is skipped and counted. A writer thread takes
 batches, asks Redis which blocks it already has (one pipelined EXISTS), and for the rest reads
 the bytes from their L2 pages (the entries are held busy meanwhile, so the pages stay put),
-frames them (kvstore.core.blockframe: checksummed, lz4 when it pays) and SETs them with the TTL.
+frames them (kvstore.daemon.blockframe: checksummed, lz4 when it pays) and SETs them with the TTL.
 
 Reads: the store asks `exists` (Lookup) and `fetch` (Get, Prefetch, pre-warm) for keys no local
 tier has; fetched blocks are verified (a bad frame is a miss, deleted from Redis) and the store
@@ -30,11 +30,11 @@ from dataclasses import replace
 from functools import partial
 from typing import TypeVar
 
-from kvstore.core.blockframe import FrameError, decode, encode
-from kvstore.core.breaker import Breaker
 from kvstore.core.errors import Reason, Unavailable
 from kvstore.core.index import Index
 from kvstore.core.records import Entry, PrewarmState
+from kvstore.daemon.blockframe import FrameError, decode, encode
+from kvstore.daemon.breaker import Breaker
 from kvstore.daemon.config import RemoteConfig
 from kvstore.daemon.iometer import IoMeter
 from kvstore.keys import BlockKey

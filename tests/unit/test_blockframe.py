@@ -11,8 +11,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.core import blockframe as bf
-from kvstore.core.blockframe import (
+from kvstore.daemon import blockframe as bf
+from kvstore.daemon.blockframe import (
     CODEC_LZ4,
     CODEC_LZ4_SHUFFLE2,
     CODEC_RAW,

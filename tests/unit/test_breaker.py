@@ -1,4 +1,4 @@
-"""kvstore.core.breaker: exact state sequences under a fake clock."""
+"""kvstore.daemon.breaker: exact state sequences under a fake clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvstore.core.breaker import Breaker
+from kvstore.daemon.breaker import Breaker
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""A circuit breaker for one remote dependency (L4 Redis): pure, the clock is passed in.
+"""A circuit breaker for one remote dependency (L4 Redis); its clock is passed in.
 
 closed    -- normal: every call is allowed.
 open      -- the dependency failed: calls are refused until `retry_at`; the wait starts at
