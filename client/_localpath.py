@@ -3,15 +3,11 @@ the daemon's Unix socket instead of gRPC, for a client on the daemon's host.
 
 A gRPC call costs more than the work of a batch that lives in shared memory; a Unix-socket
 round trip costs a few tens of microseconds. The messages are the contract's own
-(kvstore.v1), framed as the daemon's `kvstore.daemon.localpath` describes:
+(kvstore.v1), framed as `kvstore.proto.localframe` says (the daemon imports it too).
 
-    request   u32 length | u8 verb   | message
-    reply     u32 length | u8 status | u8 flags | message, or the error (flags bit 1: a
-                                                 google.rpc.Status; else its text)
-
-Sessions are pooled, one per thread in flight; each opens with `HOT <ticket> status` (a
-ticket from Attach, auth on; `status` asks for error replies as a google.rpc.Status, so an
-error raised here has the same class, reason and metadata as over gRPC). A session that
+Sessions are pooled, one per thread in flight; each opens with `HOT <ticket>` (a ticket
+from Attach, auth on). Error replies are a google.rpc.Status, so an error raised here has
+the same class, reason and metadata as over gRPC. A session that
 cannot be opened (no socket, a daemon without local sessions, a refusal) raises
 FailedPrecondition: the client then uses gRPC for good. A session that breaks mid-call
 raises Unavailable, and the call is retried whole.
@@ -23,13 +19,14 @@ import contextlib
 import json
 import logging
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
+
+from kvstore.proto.localframe import CLOSING, REPLY, REQUEST, hello
 
 from .errors import (
     FailedPrecondition,
@@ -41,11 +38,6 @@ from .errors import (
 
 logger = logging.getLogger("kvstore.client")
 
-LOOKUP, GET, RESERVE, COMMIT, RELEASE = 1, 2, 3, 4, 5
-REQUEST = struct.Struct("<IB")
-REPLY = struct.Struct("<IBB")
-CLOSING = 1  # flags bit 0: the daemon ends the session after this reply
-STATUS_BODY = 2  # flags bit 1: the error reply is a serialized google.rpc.Status
 MAX_IDLE_SESSIONS = 16  # kept open between calls; more threads at once open extra ones
 
 M = TypeVar("M")
@@ -64,7 +56,6 @@ class _Session:
         self.posted = 0  # requests sent whose replies nobody waits for
         self.closing = False
         self._head = bytearray(REPLY.size)
-        self._flags = 0  # of the last reply returned
 
     def send(self, verb: int, body: bytes) -> None:
         if len(body) > self.max_frame_bytes:
@@ -79,16 +70,11 @@ class _Session:
             body = self._read(length)
             self.closing = self.closing or bool(flags & CLOSING)
             if not self.posted:
-                self._flags = flags
                 return status, body
             self.posted -= 1
             if status:
                 logger.debug("kvstore: a posted local request failed: %s",
-                             _error(status, flags, body))
-
-    def error(self, status: int, body: bytes) -> KVStoreError:
-        """The client's error for the last reply received."""
-        return _error(status, self._flags, body)
+                             _error(status, body))
 
     def _read_into(self, buffer: bytearray) -> bytearray:
         view = memoryview(buffer)
@@ -139,7 +125,7 @@ class LocalPath:
             raise Unavailable(f"the local session broke: {exc}") from None
         self._give_back(session)
         if status:
-            raise session.error(status, reply)
+            raise _error(status, reply)
         response: M = response_type.FromString(reply)  # type: ignore[attr-defined]
         return response
 
@@ -178,11 +164,7 @@ class LocalPath:
     def _open(self) -> _Session:
         """A new session; FailedPrecondition when the daemon does not give one."""
         ticket = self._ticket()
-        reply, sock = self._handshake(f"HOT {ticket} status")
-        if "error" in reply and "reason" not in reply:
-            # A daemon from before error reasons read "<ticket> status" as the ticket and
-            # left the real one unredeemed: ask again the old way (text error replies).
-            reply, sock = self._handshake(f"HOT {ticket}")
+        reply, sock = self._handshake(hello(ticket))
         hot = reply.get("hot")
         if sock is None or not isinstance(hot, dict) or not isinstance(
                 hot.get("max_frame_bytes"), int):
@@ -193,14 +175,14 @@ class LocalPath:
                             f"{why or 'the daemon did not answer the handshake'}")
         return _Session(sock, hot["max_frame_bytes"])
 
-    def _handshake(self, line: str) -> tuple[dict[str, Any], socket.socket | None]:
+    def _handshake(self, line: bytes) -> tuple[dict[str, Any], socket.socket | None]:
         """The daemon's JSON answer to line on a new connection, and the connection when
         the answer opens a session (else it is closed); NoSession when it cannot be had."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self._timeout_s)
             sock.connect(self.path)
-            sock.sendall(f"{line}\n".encode())
+            sock.sendall(line)
             text = _read_line(sock)
             reply = json.loads(text) if text else {}
         except (OSError, ValueError) as exc:
@@ -225,16 +207,13 @@ class LocalPath:
             session.close()
 
 
-def _error(status: int, flags: int, body: bytes) -> KVStoreError:
-    """An error reply as the client's error: a google.rpc.Status (flags bit 1), or the
-    message alone (a daemon from before reasons)."""
-    parsed = None
-    if flags & STATUS_BODY:
-        with contextlib.suppress(DecodeError):  # not a Status after all: show its bytes
-            parsed = status_pb2.Status.FromString(body)
-    if parsed is None:
+def _error(status: int, body: bytes) -> KVStoreError:
+    """An error reply (a serialized google.rpc.Status) as the client's error; bytes that do
+    not parse as one are shown as its message."""
+    try:
+        return from_status_proto(status_pb2.Status.FromString(body))
+    except DecodeError:
         return from_status(status, body.decode(errors="replace"))
-    return from_status_proto(parsed)
 
 
 def _read_line(sock: socket.socket, limit: int = 4096) -> str:

@@ -20,12 +20,13 @@ from grpc_health.v1 import health_pb2
 
 from kvstore.keys import BlockKey
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.localframe import COMMIT, GET, LOOKUP, RELEASE, RESERVE
 
 from . import _requests as rq
 from . import results as res
 from ._base import ClientBase
 from ._buffers import ByteArray
-from ._localpath import COMMIT, GET, LOOKUP, RELEASE, RESERVE, NoSession
+from ._localpath import NoSession
 from ._segment import SharedSegment, only_header
 from ._wire import (
     HEALTH_SERVICE,

@@ -6,25 +6,11 @@ client on this host may send its hot verbs over the socket instead. Same message
 checks, same answers as over gRPC (the logic is `kvstore.daemon.verbs`, shared); gRPC stays
 the complete contract and every verb works over it alone.
 
-Handshake: the client's first line on the socket is `HOT <ticket>\\n` or
-`HOT <ticket> status\\n` (the ticket from an Attach call, auth on; `-` with auth off;
-`status`: error replies carry a google.rpc.Status). The daemon answers one JSON line:
-`{"hot": {"version": 1, "max_frame_bytes": N, "status_details": bool}}`, or
-`{"error": "...", "reason": "..."}` (an ErrorInfo reason) and closes.
-
-Frames, little-endian, one request answered before the next is read:
-
-    request   u32 length | u8 verb   | length bytes: the verb's request message
-    reply     u32 length | u8 status | u8 flags | length bytes
-
-verb: 1 Lookup, 2 Get (SHARED_MEMORY only), 3 Reserve, 4 Put (a commit: reservation_id),
-5 Release. status 0: the bytes are the verb's response message; else a gRPC status code and
-the bytes are the error: with flags bit 1 (a session opened with `status`) a serialized
-google.rpc.Status (code, message, one ErrorInfo: the same reason and metadata as over gRPC),
-else the message alone (UTF-8). flags bit 0: the daemon closes the session after
-this reply (it reached SESSION_MAX_S: the client opens a new one, with a fresh ticket, so a
-revoked tenant does not keep a session). A frame over max_frame_bytes or an unknown verb is
-answered with an error; a broken frame closes the session.
+The handshake and the frames are `kvstore.proto.localframe`'s, which the client imports
+too. A session is closed after the reply that passes SESSION_MAX_S (flags bit 0: the client
+opens a new one, with a fresh ticket, so a revoked tenant does not keep a session). A frame
+over max_frame_bytes or an unknown verb is answered with an error; a broken frame closes
+the session.
 """
 
 from __future__ import annotations
@@ -33,7 +19,6 @@ import contextlib
 import json
 import logging
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -53,14 +38,22 @@ from kvstore.daemon.faults import FaultLog, code_of, decoder, described, parsed
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.verbs import Verbs
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.localframe import (
+    CLOSING,
+    COMMIT,
+    GET,
+    LOOKUP,
+    RELEASE,
+    REPLY,
+    REQUEST,
+    RESERVE,
+    STATUS_BODY,
+    VERB_NAMES,
+    VERSION,
+)
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
-REQUEST = struct.Struct("<IB")  # length, verb
-REPLY = struct.Struct("<IBB")  # length, status, flags
-CLOSING = 1  #: flags bit 0: the session ends after this reply
-STATUS_BODY = 2  #: flags bit 1: the error reply's bytes are a google.rpc.Status
 MAX_SESSIONS = 256  #: local sessions open at once, all clients together
 MAX_SESSIONS_PER_CLIENT = 32  #: per tenant (auth on) or per host (auth off)
 SESSION_MAX_S = 300.0  #: a session is closed after the reply that passes this age
@@ -71,13 +64,14 @@ Handler = Callable[[Caller, Any], Any]
 
 
 def _verbs(v: Verbs) -> dict[int, tuple[str, Callable[[bytes], Any], Handler]]:
-    return {
-        1: ("Lookup", decoder(pb.LookupRequest), v.lookup),
-        2: ("Get", decoder(pb.GetRequest), v.get_shared),
-        3: ("Reserve", decoder(pb.ReserveRequest), v.reserve),
-        4: ("Put", decoder(pb.PutRequest), v.commit),
-        5: ("Release", decoder(pb.ReleaseRequest), v.release),
+    handlers: dict[int, tuple[Callable[[bytes], Any], Handler]] = {
+        LOOKUP: (decoder(pb.LookupRequest), v.lookup),
+        GET: (decoder(pb.GetRequest), v.get_shared),
+        RESERVE: (decoder(pb.ReserveRequest), v.reserve),
+        COMMIT: (decoder(pb.PutRequest), v.commit),
+        RELEASE: (decoder(pb.ReleaseRequest), v.release),
     }
+    return {verb: (VERB_NAMES[verb], *handler) for verb, handler in handlers.items()}
 
 
 class LocalSessions:
@@ -98,11 +92,9 @@ class LocalSessions:
         self._open: dict[socket.socket, str] = {}  # session -> client
 
     def open(self, conn: socket.socket, ticket: str) -> bool:
-        """Answer a `HOT <ticket> [status]` handshake; on success the session runs on its
-        own thread and owns conn (True). Else the refusal is sent and the caller closes
-        conn."""
-        ticket, *options = ticket.split() or ["-"]
-        details = "status" in options
+        """Answer a `HOT <ticket>` handshake; on success the session runs on its own thread
+        and owns conn (True). Else the refusal is sent and the caller closes conn."""
+        ticket = (ticket.split() or ["-"])[0]
         try:
             caller = self._caller(ticket)
         except Unauthenticated as exc:
@@ -122,12 +114,12 @@ class LocalSessions:
             _send_line(conn, {"error": refusal, "reason": Reason.TOO_MANY_SESSIONS})
             return False
         try:
-            _send_line(conn, {"hot": {"version": VERSION, "max_frame_bytes": self.max_frame_bytes,
-                                      "status_details": details}})
+            _send_line(conn, {"hot": {"version": VERSION,
+                                      "max_frame_bytes": self.max_frame_bytes}})
         except OSError:
             self._forget(conn)
             return False
-        threading.Thread(target=self._serve, args=(conn, caller, details), name="local-session",
+        threading.Thread(target=self._serve, args=(conn, caller), name="local-session",
                          daemon=True).start()
         return True
 
@@ -161,7 +153,7 @@ class LocalSessions:
             self._open.pop(conn, None)
             self._metrics.local_sessions.set(len(self._open))
 
-    def _serve(self, conn: socket.socket, caller: Caller, details: bool) -> None:
+    def _serve(self, conn: socket.socket, caller: Caller) -> None:
         born = self._clock()
         buffer = bytearray(64 * 1024)
         try:
@@ -172,9 +164,8 @@ class LocalSessions:
                         return
                     verb, body = frame
                     closing = self._clock() - born >= SESSION_MAX_S
-                    status, reply = self._answer(caller, verb, body, details)
-                    flags = (CLOSING if closing else 0) | (STATUS_BODY if status and details
-                                                           else 0)
+                    status, reply = self._answer(caller, verb, body)
+                    flags = (CLOSING if closing else 0) | (STATUS_BODY if status else 0)
                     conn.sendall(REPLY.pack(len(reply), status, flags) + reply)
                     if closing:
                         return
@@ -183,10 +174,9 @@ class LocalSessions:
         finally:
             self._forget(conn)
 
-    def _answer(self, caller: Caller, verb: int, body: memoryview | None,
-                details: bool = False) -> tuple[int, bytes]:
+    def _answer(self, caller: Caller, verb: int, body: memoryview | None) -> tuple[int, bytes]:
         """(status, reply bytes) of one request; an error's bytes are a serialized
-        google.rpc.Status with details, else its message."""
+        google.rpc.Status with its ErrorInfo."""
         started = time.perf_counter()
         entry = self._verbs.get(verb)
         method = entry[0] if entry else "Unknown"
@@ -210,7 +200,7 @@ class LocalSessions:
             code = code_of(status)
             self._metrics.observe_local(method, code.name, time.perf_counter() - started)
             self._faults.fault(method, LOCAL_CLIENT, code, status.message)
-            return status.code, status.SerializeToString() if details else status.message.encode()
+            return status.code, status.SerializeToString()
         self._metrics.observe_local(method, "OK", time.perf_counter() - started)
         return 0, response.SerializeToString()
 

@@ -40,10 +40,11 @@ from kvstore.client import (
     StreamIdle,
     Unauthenticated,
 )
-from kvstore.client._localpath import RELEASE, LocalPath
+from kvstore.client._localpath import LocalPath
 from kvstore.client.errors import from_rpc_error
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
+from kvstore.proto.localframe import RELEASE
 from kvstore.tools.testing import Daemon, start_daemon, start_redis_on
 from tests.integration.test_auth import TOKENS, md, tenants_doc, write_tenants
 
@@ -343,8 +344,8 @@ class RawSession:
 
 def test_local_path_errors_carry_the_same_status(daemon: Daemon, tmp_path: Path) -> None:
     sock = tmp_path / "kv.sock"
-    raw = RawSession(sock, "- status")
-    assert raw.hello["hot"]["status_details"] is True
+    raw = RawSession(sock, "-")
+    assert raw.hello["hot"]["version"] == 1
     status, flags, body = raw.call(1, pb.LookupRequest(namespace=NS, keys=[b"short"]))
     assert status == Code.INVALID_ARGUMENT.value[0] and flags & 2
     parsed = status_pb2.Status.FromString(body)
@@ -356,12 +357,6 @@ def test_local_path_errors_carry_the_same_status(daemon: Daemon, tmp_path: Path)
     status, flags, body = raw.call(4, pb.PutRequest(namespace=NS, reservation_id="nope"))
     assert info_of(status_pb2.Status.FromString(body)).reason == "RESERVATION_EXPIRED"
     raw.close()
-    old = RawSession(sock, "-")  # a client from before reasons: text replies, as they were
-    assert old.hello["hot"]["status_details"] is False
-    status, flags, body = old.call(RELEASE, pb.ReleaseRequest(ids=["gone"]))
-    assert status == Code.INVALID_ARGUMENT.value[0] and not flags & 2
-    assert body.decode().startswith("ids: ['gone'] unknown or expired")
-    old.close()
     # The client's local path raises what gRPC would.
     local = LocalPath(str(sock), lambda: "-", timeout_s=5)
     try:

@@ -21,11 +21,11 @@ import pytest
 from kvstore.client import KVStoreClient
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
+from kvstore.proto.localframe import COMMIT, GET, LOOKUP, RESERVE
 from kvstore.tools.testing import Daemon, start_daemon
 from tests.integration.test_auth import A_NS, B_NS, TOKENS, md, tenants_doc, write_tenants
 
 NS = "local"
-LOOKUP, GET, RESERVE, COMMIT, RELEASE = 1, 2, 3, 4, 5
 MiB = 1 << 20
 
 
