@@ -3,11 +3,14 @@ tests skip cleanly without CUDA."""
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kvstore.client import KVStoreClient
 from kvstore.tools.testing import Daemon, start_daemon
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +47,9 @@ def _l3_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
 
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """A factory of daemons of the test's own, stopped when it ends: for tests of start-up,
+    signals, drain, crashes or restarts, of settings no other test shares, and of daemon-wide
+    state (totals across namespaces, a full tier, metrics that cannot be read as a delta)."""
     started: list[Daemon] = []
 
     def make(*settings: str, env: dict[str, str] | None = None) -> Daemon:
@@ -56,9 +62,83 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
         d.stop()
 
 
+class SharedDaemons:
+    """The daemons a session shares, one per distinct list of settings, each started on first
+    use in a folder of its own and stopped at the session's end. A test that stops its daemon
+    or fills a tier must use daemon_factory instead: a shared daemon that has exited fails
+    the next test that asks for it, rather than being quietly replaced."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._started: dict[tuple[tuple[str, ...], bool], Daemon] = {}
+
+    def __call__(self, *settings: str, unix_socket: bool = False) -> Daemon:
+        """The shared daemon with these settings (their order counts: a later --set wins),
+        started now if none is yet. With unix_socket it also serves the local path, on a
+        socket in its folder (Daemon.unix_socket)."""
+        key = (settings, unix_socket)
+        found = self._started.get(key)
+        if found is None:
+            workdir = self._root / f"d{len(self._started)}"
+            workdir.mkdir()
+            extra = (f"server.unix_socket={workdir / 'kv.sock'}",) if unix_socket else ()
+            found = self._started[key] = start_daemon(workdir, *settings, *extra)
+        if found.proc.poll() is not None:
+            raise RuntimeError(
+                f"the shared daemon {settings} exited ({found.proc.returncode}): a test that "
+                f"stops its daemon must start its own (daemon_factory):\n{found.log()}")
+        return found
+
+    def evict_namespace(self, namespace: str) -> None:
+        """Evict everything in `namespace` from every running shared daemon that takes calls
+        without credentials (one with auth or TLS on is the test's to clean)."""
+        for settings, d in self._started.items():
+            if d.proc.poll() is None and not any(_needs_credentials(s) for s in settings[0]):
+                with KVStoreClient(d.target, namespace, shared_memory=False) as kv:
+                    kv.evict(all=True)
+
+    def stop_all(self) -> None:
+        for d in self._started.values():
+            d.stop()
+
+
+def _needs_credentials(setting: str) -> bool:
+    return (setting.startswith(("auth.mode=", "server.tls_"))
+            and setting != "auth.mode=off")
+
+
+@pytest.fixture(scope="session")
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDaemons]:
+    """`shared_daemon(*settings)`: a daemon shared by every test of the session (of the xdist
+    worker, under xdist) that asks for the same settings; each test works in a namespace of
+    its own (the `ns` fixture) and leaves nothing behind."""
+    daemons = SharedDaemons(tmp_path_factory.mktemp("shared-daemons"))
+    yield daemons
+    daemons.stop_all()
+
+
+#: The shared default daemon's settings: a small (32 MiB) L2 of 64 KiB pages and no L3, so
+#: blocks evicted from L2 are gone (tests of L3 start their own).
+DEFAULT_SETTINGS = ("dram.capacity_bytes=32MiB", "dram.page_size_bytes=64KiB",
+                    "nvme.enabled=false")
+
+
 @pytest.fixture
-def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
-    """A daemon with a small (32 MiB) L2 and 64 KiB pages, and no L3: blocks evicted from L2
-    are gone (tests of L3 start their own, see tests/integration/test_tiering.py)."""
-    return daemon_factory(
-        "dram.capacity_bytes=32MiB", "dram.page_size_bytes=64KiB", "nvme.enabled=false")
+def daemon(shared_daemon: SharedDaemons) -> Daemon:
+    """The session's shared default daemon (DEFAULT_SETTINGS). Other tests use it at the same
+    time or before: work in the test's namespace (`ns`), and read daemon-wide figures as
+    deltas or per namespace."""
+    return shared_daemon(*DEFAULT_SETTINGS)
+
+
+@pytest.fixture
+def ns(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace no other test uses ("t-<test name>-<random>"). When the test ends, whatever
+    it left in that namespace is evicted from every shared daemon (when the test used `daemon`
+    or `shared_daemon`; a daemon of its own is stopped anyway)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:80]
+    namespace = f"t-{name}-{secrets.token_hex(4)}"
+    yield namespace
+    if "shared_daemon" in request.fixturenames:
+        shared: SharedDaemons = request.getfixturevalue("shared_daemon")
+        shared.evict_namespace(namespace)

@@ -67,6 +67,8 @@ class Daemon:
     port: int
     metrics_port: int
     log_path: Path
+    #: The local path's socket (server.unix_socket), when its settings gave it one.
+    unix_socket: Path | None = None
 
     @property
     def target(self) -> str:
@@ -153,7 +155,9 @@ def _launch_daemon(workdir: Path, settings: tuple[str, ...],
     with log_path.open("w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})})
-    return Daemon(proc, port, metrics_port, log_path)
+    sockets = [s.split("=", 1)[1] for s in settings if s.startswith("server.unix_socket=")]
+    return Daemon(proc, port, metrics_port, log_path,
+                  Path(sockets[-1]) if sockets and sockets[-1] else None)
 
 
 @dataclass
