@@ -27,7 +27,7 @@ from kvstore.engine.model import CausalLM
 from kvstore.engine.outputs import Prompt, RequestOutput, build_output, stop_index
 from kvstore.engine.runner import ModelRunner, kv_cache_shape
 from kvstore.engine.sampling import SamplingParams
-from kvstore.engine.scheduler import Scheduler, SchedulerConfig
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.engine.sequence import Sequence as Seq
 from kvstore.integrations.cost import PrefillModel
 from kvstore.kernels import ops_for
@@ -299,17 +299,14 @@ class LLM:
             raise
 
     def _step_once(self) -> _Stepped:
+        """One scheduler step: the store's answers in, a forward pass, the outputs out."""
         connector = self.connector
         if connector is not None:
             self._collect(connector)
             self.scheduler.store_up = connector.available
         out = self.scheduler.schedule()
         if connector is not None:
-            for lookup in out.lookups:
-                connector.start_lookup(lookup)
-            for load in out.loads:
-                answer = load.seq.store_answer
-                connector.start_load(load, answer.tier if answer else "")
+            self._start_store_work(connector, out)
         if out.is_empty:
             if connector is not None and self.scheduler.waiting_on_store:
                 # Nothing to compute until a lookup or a load comes back: wait for it.
@@ -328,6 +325,26 @@ class LLM:
         if connector is not None:
             for run in out.filled:
                 connector.offload(run.keys, run.block_ids, run.parent)
+        self._record_tokens(stepped, finished, now)
+        for seq in finished:
+            self.runner.forget(seq.seq_id)
+        result = _Stepped(generated=len(stepped), batched_tokens=out.num_batched_tokens)
+        result.finished.extend(self._finished_outputs(finished))
+        return result
+
+    @staticmethod
+    def _start_store_work(connector: StoreConnector, out: SchedulerOutput) -> None:
+        """Start the lookups and loads the scheduler asked for (they run on loader threads)."""
+        for lookup in out.lookups:
+            connector.start_lookup(lookup)
+        for load in out.loads:
+            answer = load.seq.store_answer
+            connector.start_load(load, answer.tier if answer else "")
+
+    def _record_tokens(self, stepped: list[Seq], finished: list[Seq],
+                       now: float) -> None:
+        """Note the step's tokens on their sequences; a sequence that hit a stop string ends
+        (and joins finished)."""
         for seq in stepped:
             request = self._requests[seq.request_id]
             if seq.child_index and seq not in request.seqs:
@@ -337,17 +354,18 @@ class LLM:
             if seq.params.stop and not seq.is_finished and self._hit_stop(seq):
                 self.scheduler.finish(seq, "stop")
                 finished.append(seq)
-        for seq in finished:
-            self.runner.forget(seq.seq_id)
-        result = _Stepped(generated=len(stepped), batched_tokens=out.num_batched_tokens)
+
+    def _finished_outputs(self, finished: list[Seq]) -> list[RequestOutput]:
+        """The outputs of the requests whose every sequence has finished; they are forgotten."""
+        outputs = []
         for request_id in {seq.request_id for seq in finished}:
             request = self._requests[request_id]
             if len(request.seqs) == request.params.n and all(s.is_finished
                                                              for s in request.seqs):
                 del self._requests[request_id]
-                result.finished.append(build_output(request_id, request.prompt, request.seqs,
-                                                    request.arrival_s, self.tokenizer))
-        return result
+                outputs.append(build_output(request_id, request.prompt, request.seqs,
+                                            request.arrival_s, self.tokenizer))
+        return outputs
 
     def _collect(self, connector: StoreConnector, wait_s: float = 0.0) -> None:
         """Hand the lookups and loads that came back to the scheduler, deciding for each hit
