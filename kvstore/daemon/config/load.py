@@ -15,7 +15,7 @@ import argparse
 import difflib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,28 +57,42 @@ def _convert(path: str, raw: object) -> object:
             return parse_size(raw)  # type: ignore[arg-type]
         except (ValueError, TypeError):
             raise ValueError("not a size; use e.g. 64GiB, 512MiB or 4096") from None
-    if kind == "bool":
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
-            return raw.strip().lower() in _TRUE
-        raise ValueError("not a boolean; use true or false")
-    if kind == "int":
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and re.fullmatch(r"\s*[-+]?\d+\s*", raw):
-            return int(raw)
-        raise ValueError(f"not an integer; use e.g. {DEFAULTS[path]}")
-    if kind == "float":
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
-        try:
-            return float(raw)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise ValueError(f"not a number of seconds; use e.g. {DEFAULTS[path]}") from None
+    convert = _CONVERTERS.get(kind)
+    if convert is not None:
+        return convert(path, raw)
     if not isinstance(raw, str):
         raise ValueError("not a string; quote it")
     return raw.strip().upper() if path == "log_level" else raw
+
+
+def _to_bool(path: str, raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+        return raw.strip().lower() in _TRUE
+    raise ValueError("not a boolean; use true or false")
+
+
+def _to_int(path: str, raw: object) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and re.fullmatch(r"\s*[-+]?\d+\s*", raw):
+        return int(raw)
+    raise ValueError(f"not an integer; use e.g. {DEFAULTS[path]}")
+
+
+def _to_float(path: str, raw: object) -> float:
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return float(raw)
+    try:
+        return float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"not a number of seconds; use e.g. {DEFAULTS[path]}") from None
+
+
+#: A setting's kind (KINDS) -> how its raw value becomes that kind; strings stay strings.
+_CONVERTERS: dict[str, Callable[[str, object], object]] = {
+    "bool": _to_bool, "int": _to_int, "float": _to_float}
 
 
 # --- layers ------------------------------------------------------------------------------
