@@ -331,12 +331,14 @@ class StoreLink:
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
-            self._settle(batch.keys)
+            self._forget_pending(batch.keys)
             self._count(offload_dropped_blocks=len(keys))
             return False
         return True
 
-    def _settle(self, keys: list[BlockKey]) -> None:
+    def _forget_pending(self, keys: list[BlockKey]) -> None:
+        """Loads and lookups of this link stop finding these keys among the offloads in
+        flight: their put has reached the store, or they were dropped."""
         with self._lock:
             for key in keys:
                 self._pending.pop(key, None)
@@ -358,7 +360,7 @@ class StoreLink:
                 self._count(offload_dropped_blocks=len(keys))
                 self._failed("Put", exc)
             finally:
-                self._settle(keys)
+                self._forget_pending(keys)
                 self._queue.task_done()
 
     def flush(self, timeout_s: float | None = None) -> bool:
