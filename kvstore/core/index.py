@@ -3,8 +3,8 @@
 Pure: no I/O, no clock reads (deadlines are passed in). Two-phase stores, as in vLLM's offload
 LRU manager: `prepare_store` reserves pages (evicting if it must), `complete_store` commits or
 frees them. `touch` marks entries used without holding them; leases and pins, which hold them,
-live in `index.leases`; `expire` ends leases and plans past their deadline. Lookups of big
-namespaces go through a key table (`kvstore.core.keytable`).
+live in `index.leases` (`kvstore.core.leases`); `expire` ends the leases and plans past their
+deadline. Lookups of big namespaces go through a key table (`kvstore.core.keytable`).
 
 Eviction takes the lowest-ranked *leaf* of a tier: LRU, but a hot block (used again, or put
 again soon after its eviction: `kvstore.core.ghosts`) outlives a block used once by a head start
@@ -13,9 +13,16 @@ child (the next block of its prefix) goes only after that child, as in SGLang's 
 copy in tier t is a leaf there when no child is cached in t or a faster tier, so a parent can be
 demoted to L3 after its child. Pinned, leased, moving and uncommitted entries never go, nor the
 cached keys of a put while it makes room. An entry may have copies in several tiers
-(`Entry.copies`); the store's tiering changes them with `index.moves` (`kvstore.core.moves`:
-`pick` or `hold` .. `done` between tiers, `discard`, `adopt`), which calls the bookkeeping at
-the end of this module for every entry inserted or removed and every copy added or dropped.
+(`Entry.copies`); the store's tiering changes them with `index.moves` (`kvstore.core.moves`):
+it picks the copies to move to another tier, or holds an entry for a load, until they are
+done; it discards damaged blocks, and at start caches again what a previous run left in L3
+(`adopt`).
+
+The leases and the moves are parts of the Index kept in modules of their own: each is handed
+the Index itself (`Leases(index)`, `Moves(index)`) and works on its state directly. Every
+entry inserted or removed and every copy added or dropped, whether here or by them, goes
+through the bookkeeping at the end of this module, which keeps the entry map, the key tables,
+usage, child counts and the eviction order in step.
 
 Each tier may be split into arenas, one per tenant (`kvstore.core.pages.TierPages`):
 `arena_of(namespace)` names the arena a namespace's blocks are stored in (None: no tenant owns
@@ -77,15 +84,12 @@ class Index:
              for t, pages in self._pages.items()}, self.get, head_start)
         self._plans: dict[str, StorePlan] = {}
         self.holdings = Holdings()  # each client's leases, plans and pins
-        self.leases = Leases(self.holdings, self.touch, self.get, self._order.push)
-        self.moves = Moves(  # arena_of looked up at each call: it may be replaced
-            self._pages, self._order, get=self.get, arena_of=lambda ns: self.arena_of(ns),
-            pages_per_object=self.pages_per_object, insert=self._insert,
-            add_copy=self._add_copy, drop_copy=self._drop, remove=self.remove_tree)
         self._usage = UsageBook()
         self.evictions: dict[Tier, int] = {t: 0 for t in allocators}
         self._children = ChildCounts(self.get)
         self._ghosts = GhostFilter()  # keys removed lately: put again, they come back hot
+        self.leases = Leases(self)
+        self.moves = Moves(self)
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -119,7 +123,7 @@ class Index:
         """(objects, used_bytes, free_pages, num_pages) of arena in tier; an arena the tier
         does not have holds nothing and has no pages."""
         objects, used_bytes = self._usage.arena(tier, arena)
-        allocator = self._pages[tier].arenas.get(arena)
+        allocator = self._allocator(tier, arena)
         if allocator is None:
             return objects, used_bytes, 0, 0
         return objects, used_bytes, allocator.free_pages, allocator.num_pages
@@ -135,11 +139,24 @@ class Index:
         """Free pages of tier's arena (0 for one it does not have), or of the whole tier."""
         if arena is None:
             return self._pages[tier].free_pages
-        allocator = self._pages[tier].arenas.get(arena)
+        allocator = self._allocator(tier, arena)
         return allocator.free_pages if allocator is not None else 0
 
     def entries(self, tier: Tier | None = None) -> Iterator[Entry]:  # with a copy in tier
         return (e for e in self._all_entries() if tier is None or tier in e.copies)
+
+    def _allocator(self, tier: Tier, arena: str) -> PageAllocator | None:
+        """The pages of arena in tier; None when the tier has no such arena."""
+        return self._pages[tier].arenas.get(arena)
+
+    def _arena_pages(self, namespace: str, tier: Tier) -> tuple[str, PageAllocator] | None:
+        """The arena namespace's blocks are stored in now, and its pages in tier; None when
+        no tenant owns the namespace, or when tier has no such arena."""
+        arena = self.arena_of(namespace)
+        allocator = self._allocator(tier, arena) if arena is not None else None
+        if arena is None or allocator is None:
+            return None
+        return arena, allocator
 
     # --- two-phase store -------------------------------------------------------------------
 
@@ -154,10 +171,10 @@ class Index:
         pages, or when the namespace has no arena there."""
         if plan_id in self._plans:
             raise ValueError(f"plan {plan_id!r} exists")
-        arena = self.arena_of(namespace)
-        allocator = self._pages[tier].arenas.get(arena) if arena is not None else None
-        if arena is None or allocator is None:
+        found = self._arena_pages(namespace, tier)
+        if found is None:
             return None
+        arena, allocator = found
         blocks: list[PlannedBlock] = []
         existing: list[int] = []
         seen: set[BlockKey] = set()
@@ -347,7 +364,7 @@ class Index:
         """Evict copies in tier's arena, leaf first in eviction order, until needed_pages are
         free there, all or nothing; returns the entries whose copy in tier went (some keep
         one elsewhere). None when they cannot be freed, or the tier has no such arena."""
-        allocator = self._pages[tier].arenas.get(arena)
+        allocator = self._allocator(tier, arena)
         if allocator is None or needed_pages > allocator.num_pages:
             return None
         evicted: list[tuple[Entry, Pages, int, bool]] = []
@@ -375,6 +392,8 @@ class Index:
             self._order.push(entry)
 
     # --- bookkeeping -----------------------------------------------------------------------
+    # index.moves calls these too: every change of the entries and their copies goes through
+    # them, so that the map, the key tables, usage, child counts and eviction order agree.
 
     def _insert(self, entry: Entry) -> None:
         if (entry.namespace, entry.key) in self._ghosts:

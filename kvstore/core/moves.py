@@ -1,5 +1,6 @@
 """The index's moves: what the store's tiering does to cached entries between puts and
-evictions — copy them from tier to tier, drop a damaged one, re-adopt what L3 kept.
+evictions. It copies them from tier to tier, removes a damaged one, and caches again, at
+start, what a previous run left in L3.
 
     pick (a demotion) or hold (a load) -> alloc -> (copy the bytes) -> add_copy -> drop_copy
         -> done;  free instead of add_copy when the copy failed
@@ -12,23 +13,26 @@ done(), which queues it again in the eviction order. alloc takes free pages only
 arena the entry was stored in (`Entry.arena`); making room is the Index's (`make_room`, which
 the placement planner, `kvstore.core.placement`, calls first).
 
-The Index owns one (`index.moves`) and hands it only what it needs: its tiers' pages and its
-eviction order (shared, not copied); three reads (`Index.get`, `Index.arena_of`,
-`Index.pages_per_object`); and four changes of its own bookkeeping (an entry inserted or
-removed, a copy added or dropped), which keep the entry map, usage, child counts and the
-eviction order in step. Pure: no I/O, no clock.
+Moves is a part of the Index, kept in a module of its own because the tiering is a concept
+of its own: the Index makes one (`index.moves`) and hands it itself. Moves works on the
+Index's own state: its tiers' pages, its eviction order, and the bookkeeping at the end of
+`kvstore.core.index`, through which every entry inserted or removed and every copy added or
+dropped goes, so that the entry map, the key tables, usage, child counts and the eviction
+order stay in step. It asks the Index for a namespace's arena at each call, since
+`Index.arena_of` may be replaced at any time. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
-from kvstore.core.order import EvictionOrder
-from kvstore.core.pages import TierPages
 from kvstore.core.records import Entry
 from kvstore.extents import PageRun
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier
+
+if TYPE_CHECKING:
+    from kvstore.core.index import Index
 
 Pages = tuple[PageRun, ...]
 
@@ -36,49 +40,30 @@ Pages = tuple[PageRun, ...]
 class Moves:
     """The tiering verbs over the entries, pages and eviction order of one Index."""
 
-    def __init__(
-        self, pages: Mapping[Tier, TierPages], order: EvictionOrder, *,
-        get: Callable[[str, BlockKey], Entry | None], arena_of: Callable[[str], str | None],
-        pages_per_object: Callable[[Tier, int], int], insert: Callable[[Entry], None],
-        add_copy: Callable[[Entry, Tier, Pages], None],
-        drop_copy: Callable[[Entry, Tier, bool], bool],
-        remove: Callable[[Entry, bool], list[Entry]],
-    ) -> None:
-        """insert(entry): cache a new entry (its one copy's pages taken already);
-        add_copy(entry, tier, pages): record a new copy; drop_copy(entry, tier, counted):
-        free one (counted: as an eviction), removing an entry left with no copy (then True);
-        remove(entry, counted): free every copy and forget the entry, with its cached
-        descendants; what was removed."""
-        self._pages = pages
-        self._order = order
-        self._get = get
-        self._arena_of = arena_of
-        self._pages_per_object = pages_per_object
-        self._insert = insert
-        self._add_copy = add_copy
-        self._drop_copy = drop_copy
-        self._remove = remove
+    def __init__(self, index: Index) -> None:
+        self._index = index
 
     # --- moves between tiers (the store's movers and loads) --------------------------------
 
     def alloc(self, tier: Tier, size_bytes: int, arena: str = "") -> Pages | None:
-        """Free pages for an object in tier's arena, evicting nothing; None when they are not
-        free (or the tier has no such arena)."""
-        allocator = self._pages[tier].arenas.get(arena)
+        """Take free pages for an object of size_bytes in tier's arena, evicting nothing.
+        None when not enough pages are free there, or when the tier has no such arena."""
+        allocator = self._index._allocator(tier, arena)
         if allocator is None:
             return None
-        return allocator.alloc(self._pages_per_object(tier, size_bytes))
+        return allocator.alloc(self._index.pages_per_object(tier, size_bytes))
 
     def free(self, tier: Tier, pages: Pages) -> None:
         """Give back pages from alloc() that never became a copy (a failed move)."""
-        self._pages[tier].free(pages)
+        self._index._pages[tier].free(pages)
 
     def pick(self, tier: Tier, max_bytes: int, max_entries: int | None = None,
              arena: str | None = None) -> list[Entry]:
-        """Copies in tier's arena (None: any arena) to move elsewhere, leaf first in eviction
-        order, about max_bytes of them and at most max_entries (parents follow their picked
-        children); each is busy (stays put) until done()."""
-        picked = self._order.pick(tier, max_bytes, max_entries, arena)
+        """Pick the copies in tier's arena (in any arena of tier when arena is None) that
+        move elsewhere next: leaf first in eviction order, about max_bytes of them and at
+        most max_entries, each parent following its picked children. Every picked entry is
+        busy, so it stays where it is until done()."""
+        picked = self._index._order.pick(tier, max_bytes, max_entries, arena)
         for entry in picked:
             entry.busy += 1
         return picked
@@ -88,46 +73,51 @@ class Moves:
         entry.busy += 1
 
     def done(self, entry: Entry) -> None:
+        """The move or load of entry ended: it is no longer busy, and is queued for eviction
+        again."""
         entry.busy -= 1
-        self._order.push(entry)
+        self._index._order.push(entry)
 
     def add_copy(self, entry: Entry, tier: Tier, pages: Pages) -> None:
         """A copy of entry now lies on pages of tier (allocated by alloc() in entry.arena)."""
-        if not self._pages[tier].holds(entry.arena, pages):
+        if not self._index._pages[tier].holds(entry.arena, pages):
             raise ValueError(f"pages {pages} of {tier.label} lie outside arena {entry.arena!r}")
-        self._add_copy(entry, tier, pages)
-        self._order.push(entry)
+        self._index._add_copy(entry, tier, pages)
+        self._index._order.push(entry)
 
     def drop_copy(self, entry: Entry, tier: Tier, evicted: bool = False) -> bool:
-        """Free entry's copy in tier (moved, or evicted); True when that was its last copy."""
-        return self._drop_copy(entry, tier, evicted)
+        """Free entry's copy in tier, because it moved to another tier, or because it was
+        evicted (evicted=True: counted as an eviction of tier). True when that was its last
+        copy, so the entry was removed."""
+        return self._index._drop(entry, tier, evicted)
 
     # --- entries that go or come back outside puts and evictions ---------------------------
 
     def discard(self, entry: Entry) -> list[Entry]:
         """Remove every copy of entry (its bytes are damaged or unreadable), and its cached
         descendants with it (they would be stranded); what was removed."""
-        if self._get(entry.namespace, entry.key) is entry:
-            return self._remove(entry, False)
+        if self._index.get(entry.namespace, entry.key) is entry:
+            return self._index.remove_tree(entry, counted=False)
         return []
 
     def adopt(
         self, namespace: str, key: BlockKey, size_bytes: int, checksum: int,
         parent: BlockKey | None, tier: Tier, pages: Pages,
     ) -> Entry | None:
-        """Re-adopt an object a previous run left in tier (from the L3 manifest); None when
-        the key is cached already, its pages are not free, or they do not lie inside its
-        namespace's arena (tenants or their split changed across the restart)."""
-        if self._get(namespace, key) is not None:
+        """Cache again an object a previous run left on pages of tier (as the L3 manifest
+        says). None when the key is cached already, when its pages are not free, or when
+        they do not lie inside its namespace's arena (the tenants, or how the tier is split
+        between them, changed across the restart)."""
+        if self._index.get(namespace, key) is not None:
             return None
-        arena = self._arena_of(namespace)
-        allocator = self._pages[tier].arenas.get(arena) if arena is not None else None
-        if arena is None or allocator is None:
+        found = self._index._arena_pages(namespace, tier)
+        if found is None:
             return None
+        arena, allocator = found
         try:
             allocator.take(pages)
         except ValueError:
             return None
         entry = Entry(namespace, key, size_bytes, {tier: pages}, checksum, parent, arena)
-        self._insert(entry)
+        self._index._insert(entry)
         return entry
