@@ -28,6 +28,8 @@ from kvstore.client import TLS, AsyncKVStoreClient, KVStoreClient, PermissionDen
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.tools.testing import Daemon, free_port, start_daemon
+from tests import helpers
+from tests.helpers import open_stub, status_of
 from tests.integration.pki import Pki, make_pki
 
 TOKENS = {"team-a": "token-of-a-0123456789", "team-b": "token-of-b-0123456789",
@@ -66,40 +68,59 @@ def md(tenant: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {TOKENS[tenant]}"),) if tenant else ()
 
 
+#: The token daemon's settings, less its tenants file.
+AUTH = ("auth.mode=token", "dram.capacity_bytes=32MiB", "nvme.enabled=false")
+
+
+def auth_settings(tenants: Path) -> tuple[str, ...]:
+    return (AUTH[0], f"auth.tenants_file={tenants}", *AUTH[1:])
+
+
 @pytest.fixture
 def tenants_file(tmp_path: Path) -> Path:
+    """A tenants file of the test's own, which it may rewrite."""
     return write_tenants(tmp_path / "tenants.yaml", tenants_doc())
 
 
+@pytest.fixture(scope="module")
+def shared_tenants(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tenants file of the module's shared daemon, never rewritten."""
+    return write_tenants(tmp_path_factory.mktemp("tenants") / "tenants.yaml", tenants_doc())
+
+
 @pytest.fixture
-def daemon(tmp_path: Path, tenants_file: Path) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path, "auth.mode=token", f"auth.tenants_file={tenants_file}",
-                     "dram.capacity_bytes=32MiB", "nvme.enabled=false")
+def daemon(shared_daemon: Callable[..., Daemon], shared_tenants: Path) -> Iterator[Daemon]:
+    """The module's token daemon, shared by its tests: each leaves it empty (the admin
+    evicts every namespace), so the next one starts from an empty store. Tests that read
+    a tenant's counters or rewrite the tenants file start their own (`own_daemon`)."""
+    d = shared_daemon(*auth_settings(shared_tenants))
     yield d
-    d.stop()
+    with grpc.insecure_channel(d.target) as channel:
+        rpc.KVStoreStub(channel).Evict(pb.EvictRequest(all=True), metadata=md("root"),
+                                       timeout=10)
+
+
+@pytest.fixture
+def own_daemon(daemon_factory: Callable[..., Daemon], tenants_file: Path) -> Daemon:
+    """A token daemon of the test's own, on the test's own tenants file."""
+    return daemon_factory(*auth_settings(tenants_file))
 
 
 @pytest.fixture
 def stub(daemon: Daemon) -> Iterator[rpc.KVStoreStub]:
-    with grpc.insecure_channel(daemon.target) as channel:
-        yield rpc.KVStoreStub(channel)
+    with open_stub(daemon.target) as s:
+        yield s
+
+
+@pytest.fixture
+def own_stub(own_daemon: Daemon) -> Iterator[rpc.KVStoreStub]:
+    with open_stub(own_daemon.target) as s:
+        yield s
 
 
 def put(stub: rpc.KVStoreStub, tenant: str, namespace: str, key: bytes = KEY,
         data: bytes = BLOCK) -> pb.PutResponse:
-    request = pb.PutRequest(namespace=namespace, keys=[key], sizes=[len(data)], data=data)
-    response: pb.PutResponse = stub.Put(iter([request]), metadata=md(tenant), timeout=10)
-    return response
-
-
-def code_of(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
-    try:
-        result = call()
-        if hasattr(result, "__iter__") and not hasattr(result, "ListFields"):
-            list(result)
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.OK, ""
+    return helpers.put(stub, namespace, [key], [data], metadata=md(tenant))
 
 
 def data_calls(stub: rpc.KVStoreStub, tenant: str | None, namespace: str,
@@ -139,11 +160,11 @@ def data_calls(stub: rpc.KVStoreStub, tenant: str | None, namespace: str,
 def test_no_or_unknown_credentials_are_unauthenticated(stub: rpc.KVStoreStub) -> None:
     put(stub, "team-a", A_NS)
     for name, call in data_calls(stub, None, A_NS, KEY).items():
-        assert code_of(call)[0] == UNAUTHENTICATED, name
+        assert status_of(call)[0] == UNAUTHENTICATED, name
     for metadata in ((("authorization", "Bearer not-a-token"),),
                      (("authorization", TOKENS["team-a"]),),  # no "Bearer"
                      (("authorization", f"Basic {TOKENS['team-a']}"),)):
-        code, details = code_of(lambda m=metadata: stub.Lookup(
+        code, details = status_of(lambda m=metadata: stub.Lookup(
             pb.LookupRequest(namespace=A_NS, keys=[KEY]), metadata=m, timeout=5))
         assert code == UNAUTHENTICATED, metadata
         assert TOKENS["team-a"] not in details
@@ -151,7 +172,7 @@ def test_no_or_unknown_credentials_are_unauthenticated(stub: rpc.KVStoreStub) ->
                        "Attach": lambda: stub.Attach(pb.AttachRequest(), timeout=5),
                        "Release": lambda: stub.Release(pb.ReleaseRequest(ids=["x"]),
                                                        timeout=5)}.items():
-        assert code_of(call)[0] == UNAUTHENTICATED, name
+        assert status_of(call)[0] == UNAUTHENTICATED, name
 
 
 def test_a_cannot_touch_b_and_the_answer_never_depends_on_the_key(
@@ -160,7 +181,7 @@ def test_a_cannot_touch_b_and_the_answer_never_depends_on_the_key(
     present = data_calls(stub, "team-a", B_NS, KEY)
     absent = data_calls(stub, "team-a", B_NS, ABSENT)
     for name in present:
-        got, other = code_of(present[name]), code_of(absent[name])
+        got, other = status_of(present[name]), status_of(absent[name])
         assert got[0] == DENIED, (name, got)
         assert got == other, name  # same code, same words, key or no key
         assert "team-a/" in got[1] and "team-b/" not in got[1].replace(B_NS, ""), got[1]
@@ -169,7 +190,7 @@ def test_a_cannot_touch_b_and_the_answer_never_depends_on_the_key(
     for _ in range(40):
         for key in (KEY, ABSENT):
             started = time.perf_counter()
-            code_of(lambda k=key: stub.Lookup(pb.LookupRequest(namespace=B_NS, keys=[k]),
+            status_of(lambda k=key: stub.Lookup(pb.LookupRequest(namespace=B_NS, keys=[k]),
                                               metadata=md("team-a"), timeout=5))
             times[key].append(time.perf_counter() - started)
     gap = abs(statistics.median(times[KEY]) - statistics.median(times[ABSENT]))
@@ -194,14 +215,14 @@ def test_roles_client_may_not_destroy_admin_may(stub: rpc.KVStoreStub) -> None:
                                            metadata=md("team-a"), timeout=5),
     }
     for name, call in client_refused.items():
-        code, details = code_of(call)
+        code, details = status_of(call)
         assert code == DENIED, name
         assert "admin" in details, details
     # A client may evict within what it owns.
     own = stub.Evict(pb.EvictRequest(namespace=A_NS, keys=[KEY]), metadata=md("team-a"))
     assert own.evicted == 1
     # The admin reads nobody's blocks ...
-    assert code_of(data_calls(stub, "root", B_NS, KEY)["Get"])[0] == DENIED
+    assert status_of(data_calls(stub, "root", B_NS, KEY)["Get"])[0] == DENIED
     # ... but sees every tenant and may evict across namespaces.
     stats = stub.Stats(pb.StatsRequest(), metadata=md("root"))
     assert stats.tenant == "root" and stats.auth_mode == "token"
@@ -212,7 +233,9 @@ def test_roles_client_may_not_destroy_admin_may(stub: rpc.KVStoreStub) -> None:
                        metadata=md("team-b")).prefix_length == 0
 
 
-def test_stats_show_a_client_only_its_own_tenant(stub: rpc.KVStoreStub) -> None:
+def test_stats_show_a_client_only_its_own_tenant(own_stub: rpc.KVStoreStub) -> None:
+    """On a daemon of its own: a tenant's hits, misses and pins count from the start."""
+    stub = own_stub
     for i in range(3):
         put(stub, "team-b", B_NS, bytes([i]) * 32)
     put(stub, "team-a", A_NS)
@@ -233,15 +256,16 @@ def test_stats_show_a_client_only_its_own_tenant(stub: rpc.KVStoreStub) -> None:
     assert mine.shm_name == "" and theirs.shm_name == ""  # no segment opens by name
 
 
-def test_sighup_revokes_and_adds_tokens(daemon: Daemon, stub: rpc.KVStoreStub,
+def test_sighup_revokes_and_adds_tokens(own_daemon: Daemon, own_stub: rpc.KVStoreStub,
                                         tenants_file: Path) -> None:
+    daemon, stub = own_daemon, own_stub
     put(stub, "team-a", A_NS)
     fresh = {**TOKENS, "team-a": "rotated-token-of-a-987654321"}
     write_tenants(tenants_file, tenants_doc(fresh))
     os.kill(daemon.proc.pid, signal.SIGHUP)
     lookup = pb.LookupRequest(namespace=A_NS, keys=[KEY])
     deadline = time.monotonic() + 10
-    while code_of(lambda: stub.Lookup(lookup, metadata=md("team-a"), timeout=5))[0] \
+    while status_of(lambda: stub.Lookup(lookup, metadata=md("team-a"), timeout=5))[0] \
             != UNAUTHENTICATED:
         assert time.monotonic() < deadline, "the old token still works after SIGHUP"
         time.sleep(0.05)
@@ -254,11 +278,11 @@ def test_sighup_revokes_and_adds_tokens(daemon: Daemon, stub: rpc.KVStoreStub,
     write_tenants(tenants_file, doc)
     os.kill(daemon.proc.pid, signal.SIGHUP)
     c = (("authorization", "Bearer token-of-c"),)
-    while code_of(lambda: stub.Stats(pb.StatsRequest(), metadata=c, timeout=5))[0] \
+    while status_of(lambda: stub.Stats(pb.StatsRequest(), metadata=c, timeout=5))[0] \
             == UNAUTHENTICATED:
         assert time.monotonic() < deadline, "the added tenant is still unknown after SIGHUP"
         time.sleep(0.05)
-    code, details = code_of(lambda: stub.Put(iter([pb.PutRequest(
+    code, details = status_of(lambda: stub.Put(iter([pb.PutRequest(
         namespace="team-c/x", keys=[KEY], sizes=[3], data=b"abc")]), metadata=c, timeout=5))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "next restart" in details
     # A bad file keeps the tenants loaded before.
@@ -305,31 +329,46 @@ def test_quotas_that_do_not_fit_stop_the_start(tmp_path: Path) -> None:
 # --- TLS --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return make_pki(tmp_path, {"a": ("engine-a", "spiffe://cluster/ns/a/sa/engine"),
-                               "b": ("team-b-engine", None),
-                               "stranger": ("nobody", "spiffe://cluster/ns/x/sa/x")})
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"),
+                    {"a": ("engine-a", "spiffe://cluster/ns/a/sa/engine"),
+                     "b": ("team-b-engine", None),
+                     "stranger": ("nobody", "spiffe://cluster/ns/x/sa/x")})
 
 
-def test_token_over_tls(tmp_path: Path, tenants_file: Path, pki: Pki) -> None:
-    d = start_daemon(tmp_path, "auth.mode=token", f"auth.tenants_file={tenants_file}",
+@pytest.fixture(scope="module")
+def tls_daemon(tmp_path_factory: pytest.TempPathFactory, shared_tenants: Path,
+               pki: Pki) -> Iterator[Daemon]:
+    """A token daemon that speaks only TLS, shared by the module's TLS tests (a shared
+    daemon is waited for without TLS, so this one is the module's own)."""
+    d = start_daemon(tmp_path_factory.mktemp("tls"), *auth_settings(shared_tenants),
                      f"server.tls_cert_file={pki.server_cert}",
-                     f"server.tls_key_file={pki.server_key}", "nvme.enabled=false",
-                     credentials=pki.credentials())
-    try:
-        with grpc.secure_channel(d.target, pki.credentials()) as channel:
-            s = rpc.KVStoreStub(channel)
-            assert put(s, "team-a", A_NS).stored == 1
-            assert code_of(lambda: s.Lookup(pb.LookupRequest(namespace=A_NS, keys=[KEY]),
-                                            timeout=5))[0] == UNAUTHENTICATED
-        with grpc.insecure_channel(d.target) as plain:  # no TLS: no answer at all
-            code, _ = code_of(lambda: rpc.KVStoreStub(plain).Lookup(
-                pb.LookupRequest(namespace=A_NS, keys=[KEY]), metadata=md("team-a"),
-                timeout=3))
-            assert code == grpc.StatusCode.UNAVAILABLE
-    finally:
-        d.stop()
+                     f"server.tls_key_file={pki.server_key}", credentials=pki.credentials())
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def tls(tls_daemon: Daemon, pki: Pki) -> Iterator[Daemon]:
+    """The TLS daemon, emptied by the admin after the test."""
+    yield tls_daemon
+    with grpc.secure_channel(tls_daemon.target, pki.credentials()) as channel:
+        rpc.KVStoreStub(channel).Evict(pb.EvictRequest(all=True), metadata=md("root"),
+                                       timeout=10)
+
+
+def test_token_over_tls(tls: Daemon, pki: Pki) -> None:
+    with grpc.secure_channel(tls.target, pki.credentials()) as channel:
+        s = rpc.KVStoreStub(channel)
+        assert put(s, "team-a", A_NS).stored == 1
+        assert status_of(lambda: s.Lookup(pb.LookupRequest(namespace=A_NS, keys=[KEY]),
+                                          timeout=5))[0] == UNAUTHENTICATED
+    with grpc.insecure_channel(tls.target) as plain:  # no TLS: no answer at all
+        code, _ = status_of(lambda: rpc.KVStoreStub(plain).Lookup(
+            pb.LookupRequest(namespace=A_NS, keys=[KEY]), metadata=md("team-a"),
+            timeout=3))
+        assert code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_mtls_the_certificate_names_the_tenant(tmp_path: Path, pki: Pki) -> None:
@@ -348,21 +387,21 @@ def test_mtls_the_certificate_names_the_tenant(tmp_path: Path, pki: Pki) -> None
             assert put(b, "", B_NS).stored == 1  # no token: the certificate is the tenant
             assert a.Stats(pb.StatsRequest()).tenant == "team-a"  # by its SAN URI
             assert b.Stats(pb.StatsRequest()).tenant == "team-b"  # by its CN
-            assert code_of(data_calls(a, None, B_NS, KEY)["Get"])[0] == DENIED
+            assert status_of(data_calls(a, None, B_NS, KEY)["Get"])[0] == DENIED
         with grpc.secure_channel(d.target, pki.credentials("stranger")) as cs:
-            code, _ = code_of(lambda: rpc.KVStoreStub(cs).Stats(pb.StatsRequest(), timeout=5))
+            code, _ = status_of(lambda: rpc.KVStoreStub(cs).Stats(pb.StatsRequest(), timeout=5))
             assert code == UNAUTHENTICATED  # a good certificate naming no tenant
         for creds in (pki.credentials(), other.credentials("a")):  # none; another CA's
             # (the second trusts the other CA for the server too, so it fails either way)
             with grpc.secure_channel(d.target, creds) as cx:
-                code, _ = code_of(lambda c=cx: rpc.KVStoreStub(c).Stats(pb.StatsRequest(),
+                code, _ = status_of(lambda c=cx: rpc.KVStoreStub(c).Stats(pb.StatsRequest(),
                                                                          timeout=3))
                 assert code == grpc.StatusCode.UNAVAILABLE
         foreign = grpc.ssl_channel_credentials(
             pki.ca.read_bytes(), other.clients["a"][1].read_bytes(),
             other.clients["a"][0].read_bytes())  # trusts the server, its own cert from elsewhere
         with grpc.secure_channel(d.target, foreign) as cf:
-            code, _ = code_of(lambda: rpc.KVStoreStub(cf).Stats(pb.StatsRequest(), timeout=3))
+            code, _ = status_of(lambda: rpc.KVStoreStub(cf).Stats(pb.StatsRequest(), timeout=3))
             assert code == grpc.StatusCode.UNAVAILABLE
     finally:
         d.stop()
@@ -402,9 +441,9 @@ def test_a_reservation_is_committed_only_by_its_tenant(stub: rpc.KVStoreStub) ->
                             metadata=md("team-b"))
     for namespace, code in ((B_NS, DENIED), (A_NS, grpc.StatusCode.INVALID_ARGUMENT)):
         commit = pb.PutRequest(namespace=namespace, reservation_id=reserved.reservation_id)
-        assert code_of(lambda c=commit: stub.Put(iter([c]), metadata=md("team-a"),
+        assert status_of(lambda c=commit: stub.Put(iter([c]), metadata=md("team-a"),
                                                  timeout=5))[0] == code
-        assert code_of(lambda: stub.Release(pb.ReleaseRequest(
+        assert status_of(lambda: stub.Release(pb.ReleaseRequest(
             ids=[reserved.reservation_id]), metadata=md("team-a"), timeout=5))[0] == \
             grpc.StatusCode.INVALID_ARGUMENT
     assert stub.Put(iter([pb.PutRequest(namespace=B_NS,
@@ -412,8 +451,8 @@ def test_a_reservation_is_committed_only_by_its_tenant(stub: rpc.KVStoreStub) ->
                     metadata=md("team-b")).stored == 1
 
 
-def test_the_client_raises_the_errors_of_its_tree(daemon: Daemon, tmp_path: Path,
-                                                  tenants_file: Path, pki: Pki) -> None:
+def test_the_client_raises_the_errors_of_its_tree(daemon: Daemon, tls: Daemon,
+                                                  pki: Pki) -> None:
     with KVStoreClient(daemon.target, B_NS, token=TOKENS["team-a"]) as kv:
         with pytest.raises(PermissionDenied) as denied:
             kv.lookup([KEY])
@@ -428,15 +467,8 @@ def test_the_client_raises_the_errors_of_its_tree(daemon: Daemon, tmp_path: Path
             return (await akv.get([KEY]))[0]
 
     assert asyncio.run(async_round_trip()) == BLOCK
-    tls = start_daemon(tmp_path, "auth.mode=token", f"auth.tenants_file={tenants_file}",
-                       f"server.tls_cert_file={pki.server_cert}",
-                       f"server.tls_key_file={pki.server_key}", "nvme.enabled=false",
-                       credentials=pki.credentials())
-    try:
-        with KVStoreClient(tls.target, A_NS, token=TOKENS["team-a"],
-                           tls=TLS(ca_file=str(pki.ca))) as kv:
-            kv.put([KEY], [BLOCK])
-            assert kv.get([KEY]) == [BLOCK]
-            assert kv.stats().tenant == "team-a"
-    finally:
-        tls.stop()
+    with KVStoreClient(tls.target, A_NS, token=TOKENS["team-a"],
+                       tls=TLS(ca_file=str(pki.ca))) as kv:
+        kv.put([KEY], [BLOCK])
+        assert kv.get([KEY]) == [BLOCK]
+        assert kv.stats().tenant == "team-a"

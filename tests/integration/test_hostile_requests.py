@@ -8,8 +8,6 @@ with every block stored before intact."""
 from __future__ import annotations
 
 import threading
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -19,6 +17,7 @@ from kvstore.client import KVStoreClient
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.tools.testing import Daemon
+from tests.helpers import metric, scrape, wait_until
 
 NS = "hostile"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -27,16 +26,22 @@ KEYS = [bytes([i]) * 32 for i in range(1, 4)]
 VALUES = [bytes([i]) * BLOCK for i in range(1, 4)]
 
 
+#: One daemon for the whole module (tests/conftest.py's shared_daemon); each test starts by
+#: putting the blocks (again) and ends by checking them.
+SETTINGS = ("dram.capacity_bytes=16MiB", "server.max_object_bytes=1MiB",
+            "server.max_response_bytes=2MiB", "nvme.enabled=false")
+
+
 @pytest.fixture
-def daemon_with_blocks(daemon_factory: Callable[..., Daemon]) -> Iterator[Daemon]:
-    d = daemon_factory("dram.capacity_bytes=16MiB", "server.max_object_bytes=1MiB",
-                       "server.max_response_bytes=2MiB", "nvme.enabled=false")
+def daemon_with_blocks(shared_daemon: Callable[..., Daemon]) -> Iterator[Daemon]:
+    d = shared_daemon(*SETTINGS)
     with KVStoreClient(d.target, NS) as kv:
         kv.put(KEYS, VALUES, independent=True)
     yield d
     with KVStoreClient(d.target, NS) as kv:  # whatever the test did, nothing stored changed
         assert kv.get(KEYS[:2]) == VALUES[:2] and kv.get(KEYS[2:]) == VALUES[2:]
         assert kv.stats().leases == 0
+    # The log covers every test of the module so far: none may have logged a traceback.
     assert "Traceback" not in d.log() and " ERROR " not in d.log(), d.log()
 
 
@@ -119,15 +124,14 @@ def test_an_inline_get_over_max_response_bytes_is_refused(channel: grpc.Channel)
     assert sum(len(m.data) for m in messages) == 2 * BLOCK  # at the cap: served
 
 
-def _metric_lines(d: Daemon, needle: str) -> list[str]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics").read().decode()
-    return [line for line in text.splitlines() if needle in line]
-
-
 def test_a_put_the_client_cancels_counts_as_cancelled(daemon_with_blocks: Daemon,
                                                        channel: grpc.Channel) -> None:
     stub = rpc.KVStoreStub(channel)
     hold = threading.Event()
+    cancelled = metric(daemon_with_blocks, "kvstore_rpc_latency_seconds_count",
+                       code="CANCELLED", method="Put")
+    with KVStoreClient(daemon_with_blocks.target, NS) as kv:
+        reservations = kv.stats().reservations
 
     def messages() -> Iterator[pb.PutRequest]:
         yield pb.PutRequest(namespace=NS, keys=[b"\x43" * 32], sizes=[1000], independent=True)
@@ -137,20 +141,16 @@ def test_a_put_the_client_cancels_counts_as_cancelled(daemon_with_blocks: Daemon
     # Cancel only once the daemon has read the header and planned the put: a call cancelled
     # before its handler starts never reaches the servicer at all.
     with KVStoreClient(daemon_with_blocks.target, NS) as kv:
-        deadline = time.monotonic() + 10
-        while kv.stats().reservations != 1:
-            assert time.monotonic() < deadline, "the put never started"
-            time.sleep(0.05)
+        wait_until(lambda: kv.stats().reservations == reservations + 1, "the put to start")
     call.cancel()
     # Counted as CANCELLED, never as INTERNAL nor as a client fault: gRPC may deliver the
     # cancel as an early end of the stream before it marks the call cancelled (about 1 run
     # in 6), and the daemon waits a moment for the cancel before it calls the Put short.
-    deadline = time.monotonic() + 10
-    done = ('code="CANCELLED",method="Put"',)
-    while not any(_metric_lines(daemon_with_blocks, d) for d in done):
-        assert time.monotonic() < deadline, _metric_lines(daemon_with_blocks, "_count")
-        time.sleep(0.05)
+    wait_until(lambda: metric(daemon_with_blocks, "kvstore_rpc_latency_seconds_count",
+                              code="CANCELLED", method="Put") > cancelled,
+               "the cancelled Put to be counted")
     hold.set()
-    assert not _metric_lines(daemon_with_blocks, 'code="INTERNAL"')
+    assert not any(code == "INTERNAL" for (_, labels) in scrape(daemon_with_blocks)
+                   for name, code in labels if name == "code")
     with KVStoreClient(daemon_with_blocks.target, NS) as kv:
-        assert kv.stats().reservations == 0  # the cancelled put's pages went back
+        assert kv.stats().reservations == reservations  # the cancelled put's pages went back
