@@ -269,9 +269,10 @@ class StoreCollector(Collector):
             for arena, tier, *figures in arenas:
                 gauge.add_metric([arena, tier.label], float(figures[i]))
             yield gauge
-        if store.remote is not None:
+        remote = store.state.remote
+        if remote is not None:
             yield CounterMetricFamily(L4_QUEUE_DROPPED, self._dropped_doc,
-                                      value=float(store.remote.queue_dropped))
+                                      value=float(remote.queue_dropped))
 
 
 class L3AdmissionCollector(Collector):

@@ -269,7 +269,7 @@ def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
             set_health(NOT_SERVING)
 
         store.start(worker_failed)
-        if store.remote is not None and config.remote.prewarm_bytes:
+        if store.state.remote is not None and config.remote.prewarm_bytes:
             _prewarm(store, config.remote.prewarm_bytes, stop)
         set_health(SERVING)
         threads = [
@@ -280,7 +280,8 @@ def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
         ]
         for thread in threads:
             thread.start()
-        shm = (store.dram.shm_name or "per-tenant arenas") if store.dram else "off"
+        dram = store.state.dram
+        shm = (dram.shm_name or "per-tenant arenas") if dram else "off"
         print(f"kvstore-server {__version__} listening on {config.server.host}:{listener.port} "
               f"({'TLS' if listener.tls else 'plaintext'}, auth {config.auth.mode}, metrics "
               f"port {metrics_port or 'off'}, L2 shm {shm}"
@@ -315,12 +316,13 @@ def _attach_socket(config: Config, store: Store,
     path = config.server.unix_socket
     if not path:
         return None
-    if store.dram is None:
+    dram = store.state.dram
+    if dram is None:
         log.warning("server.unix_socket is unused: it serves shared-memory clients, and "
                     "dram.enabled is false")
         return None
     attach = AttachSocket(path, servicer.tickets,
-                          store.dram.arena_fds if store.auth.on else None,
+                          dram.arena_fds if store.auth.on else None,
                           servicer.local.open)
     attach.start()
     return attach

@@ -133,27 +133,27 @@ class KVStoreServicer:
                 raise InvalidArgument("checksums: only a commit (reservation_id) carries the "
                                       "writer's checksums; inline bytes are checksummed as "
                                       "they arrive", field="checksums")
-            session = self.store.begin_put(
+            session = self.store.writer.begin_put(
                 first.namespace, first.keys, first.sizes, first.parent_key,
                 first.independent, stream.client)
             if first.data:
-                self.store.write(session, memoryview(first.data))
+                self.store.writer.write(session, memoryview(first.data))
             for msg in map(parsed, messages):
                 if isinstance(msg, memoryview):  # a data-only frame, not copied
-                    self.store.write(session, msg)
+                    self.store.writer.write(session, msg)
                     continue
                 header = [f.name for f, _ in msg.ListFields() if f.name != "data"]
                 if header:
                     raise InvalidArgument(f"{header[0]}: only the first PutRequest carries "
                                           "a header; later ones carry data alone",
                                           field=header[0])
-                self.store.write(session, memoryview(msg.data))
+                self.store.writer.write(session, memoryview(msg.data))
             if session.received_bytes < session.total_bytes:
                 # Short of its bytes: gRPC may end the stream of a client that cancelled
                 # before it marks the call cancelled; give the cancel a moment to land,
                 # so it counts as CANCELLED and not as a client fault.
                 ended.wait(0.05)
-            result = self.store.commit(session)
+            result = self.store.writer.commit(session)
             session = None
             self._ok("Put", started)
             return pb.PutResponse(
@@ -164,7 +164,7 @@ class KVStoreServicer:
             raise
         finally:
             if session is not None:
-                self.store.abort(session.plan_id)
+                self.store.writer.abort(session.plan_id)
             slot.close()
             if stream is not None:
                 self.metrics.observe_stream("Put", stream.longest_wait_s, stream.aborted)
@@ -179,8 +179,8 @@ class KVStoreServicer:
             request = self._admit(request, "Get")
             caller.data(request.namespace)
             shared, timeout_s, leased = self.verbs.get_options(request)
-            result = self.store.read(request.namespace, request.keys, timeout_s, leased,
-                                     stream.client, inline=not shared)
+            result = self.store.reader.read(request.namespace, request.keys, timeout_s,
+                                            leased, stream.client, inline=not shared)
         except Exception as exc:
             slot.close()
             self._fail(context, "Get", exc, started)
@@ -216,14 +216,14 @@ class KVStoreServicer:
                 framed: bytes = data_frame(b"", views, size)
                 return framed
 
-            yield from self.store.chunks(result, self.config.server.chunk_bytes, frame)
+            yield from self.store.reader.chunks(result, self.config.server.chunk_bytes, frame)
             self._ok("Get", started)
         except Exception as exc:
             self._fail(context, "Get", exc, started)
         finally:
             if hits:
                 with contextlib.suppress(InvalidArgument):  # expired mid-stream: reported above
-                    self.store.release([result.lease_id])
+                    self.store.reader.release([result.lease_id])
 
     def _unary(self, method: str, context: grpc.ServicerContext,
                fn: Callable[[Caller], Any], request: Any) -> Any:
@@ -376,12 +376,13 @@ class KVStoreServicer:
             if not self.auth.on:
                 raise FailedPrecondition("auth.mode is off: attach the named segment "
                                          "(StatsResponse.shm_name) instead", setting="auth.mode")
-            if self.store.dram is None or not socket_path:
+            dram = self.store.state.dram
+            if dram is None or not socket_path:
                 raise FailedPrecondition("shared memory needs the dram tier and "
                                          "server.unix_socket; move data inline",
                                          setting="server.unix_socket"
-                                         if self.store.dram is not None else "dram.enabled")
-            if not self.store.dram.arena_fds(caller.tenant.name):
+                                         if dram is not None else "dram.enabled")
+            if not dram.arena_fds(caller.tenant.name):
                 raise FailedPrecondition(f"tenant {caller.tenant.name!r} owns no namespace, so "
                                          "it has no shared-memory arena",
                                          setting="auth.tenants_file")
@@ -396,6 +397,7 @@ class KVStoreServicer:
 
     def _stats_response(self, s: StoreStats, include_config: bool,
                         caller: Caller) -> pb.StatsResponse:
+        l2_on = self.store.state.dram is not None  # the Unix socket serves L2's clients
         tiers = [
             pb.TierStats(**{**dataclasses.asdict(t), "tier": Tier[t.tier.upper()].value})
             for t in s.tiers
@@ -412,7 +414,7 @@ class KVStoreServicer:
                      if caller.tenant.admin or client == caller.client],
             draining=self.draining.is_set(),
             auth_mode=self.auth.mode, tenant=caller.tenant.name,
-            unix_socket=self.config.server.unix_socket if self.store.dram is not None else "",
+            unix_socket=self.config.server.unix_socket if l2_on else "",
         )
 
     def _config_in_effect(self, s: StoreStats) -> dict[str, Any]:
@@ -425,8 +427,8 @@ class KVStoreServicer:
         data["hbm"]["mode"] = "on" if hbm.enabled else "off"
         if hbm.enabled:
             data["hbm"]["capacity_bytes"] = hbm.capacity_bytes
-        if self.store.dram is not None:
-            data["dram"]["shm_name"] = self.store.dram.shm_name
+        if self.store.state.dram is not None:
+            data["dram"]["shm_name"] = self.store.state.dram.shm_name
         if nvme.enabled:
             data["nvme"]["backend"] = nvme.backend
             data["nvme"]["dir"] = str(l3_dir(self.config))

@@ -44,6 +44,7 @@ class Verbs:
     def limits(self) -> pb.LimitsResponse:
         """What a client must respect and what the daemon offers (the Limits verb)."""
         c = self.config
+        l2_on = self.store.state.dram is not None
         return pb.LimitsResponse(
             contract="kvstore.v1",
             max_message_bytes=c.server.max_message_bytes,
@@ -59,8 +60,8 @@ class Verbs:
             max_pin_ms=_ms(c.clients.max_pin_s),
             stream_idle_ms=_ms(c.server.stream_idle_s),
             max_block_tokens=MAX_BLOCK_TOKENS,
-            shared_memory=self.store.dram is not None,
-            unix_socket=c.server.unix_socket if self.store.dram is not None else "",
+            shared_memory=l2_on,
+            unix_socket=c.server.unix_socket if l2_on else "",
             auth_mode=c.auth.mode,
         )
 
@@ -78,7 +79,7 @@ class Verbs:
         if request.mode not in (pb.GET_MODE_INLINE, pb.GET_MODE_SHARED_MEMORY):
             raise InvalidArgument(f"mode {request.mode} is not a GetMode", field="mode")
         shared = request.mode == pb.GET_MODE_SHARED_MEMORY
-        if shared and self.store.dram is None:
+        if shared and self.store.state.dram is None:
             raise FailedPrecondition("mode SHARED_MEMORY needs the dram tier (dram.enabled)",
                                      field="mode", setting="dram.enabled")
         timeout_s = (request.lease_timeout_ms / 1000) if request.lease_timeout_ms else (
@@ -97,8 +98,8 @@ class Verbs:
         if not shared:
             raise InvalidArgument("mode: the local socket serves SHARED_MEMORY Gets only; "
                                   "read inline over gRPC", field="mode")
-        result = self.store.read(request.namespace, request.keys, timeout_s, leased,
-                                 caller.client)
+        result = self.store.reader.read(request.namespace, request.keys, timeout_s, leased,
+                                        caller.client)
         return self.shared_reply(result, timeout_s, leased)
 
     def header(self, result: ReadResult) -> pb.GetResponse:
@@ -121,7 +122,7 @@ class Verbs:
 
     def shared(self, extents: Extents) -> tuple[str, str, Extents]:
         """(segment name, arena name, extents as the client maps them)."""
-        dram = self.store.dram
+        dram = self.store.state.dram
         return dram.client_extents(extents) if dram is not None else ("", "", extents)
 
     def reserve(self, caller: Caller, request: pb.ReserveRequest) -> pb.ReserveResponse:
@@ -130,9 +131,9 @@ class Verbs:
         if timeout_s is not None and timeout_s > MAX_LEASE_S:
             raise InvalidArgument(f"timeout_ms {request.timeout_ms} exceeds {MAX_LEASE_S * 1000}",
                                   field="timeout_ms", limit=MAX_LEASE_S * 1000)
-        r = self.store.reserve(request.namespace, request.keys, request.sizes,
-                               request.parent_key, request.independent, timeout_s,
-                               caller.client)
+        r = self.store.writer.reserve(request.namespace, request.keys, request.sizes,
+                                      request.parent_key, request.independent, timeout_s,
+                                      caller.client)
         shm_name, arena, extents = self.shared(r.extents)
         return pb.ReserveResponse(
             reservation_id=r.reservation_id, exists=r.exists, locations=locations(extents),
@@ -149,14 +150,15 @@ class Verbs:
             raise InvalidArgument(
                 "reservation_id: a commit carries no keys, sizes, data or parent_key "
                 "(they were given to Reserve)", field="reservation_id")
-        result = self.store.commit_reservation(request.namespace, request.reservation_id,
-                                               request.checksums)
+        result = self.store.writer.commit_reservation(request.namespace,
+                                                      request.reservation_id,
+                                                      request.checksums)
         return pb.PutResponse(stored=result.stored, existing=result.existing,
                               evicted=result.evicted)
 
     def release(self, caller: Caller, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         owner = caller.client if self.store.auth.on else None
-        return pb.ReleaseResponse(released=self.store.release(request.ids, owner))
+        return pb.ReleaseResponse(released=self.store.reader.release(request.ids, owner))
 
 
 def _ms(seconds: float) -> int:

@@ -7,30 +7,33 @@ clients that write shared memory themselves, and imports of blocks fetched from 
     import_blocks                                 L4 hits into L2, not offered back to L4
 
 Every put lands in L2. When L2 is full a put waits (at most movers.put_wait_s) for the mover
-to demote to L3, then evicts instead. The Store creates one Writer, shares its lock, index,
-tiering and counters with it, and delegates its put verbs to it.
+to demote to L3, then evicts instead. The Store builds one Writer over its StoreState
+(`kvstore.daemon.storestate`: the index, the lock, the tiering and the counters it shares with
+the store and the Reader) and exposes it as `store.writer`; the servicer and the hot verbs
+call it directly.
 """
 
 from __future__ import annotations
 
 import secrets
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import xxhash
 
 from kvstore.core import checks
-from kvstore.core.errors import Aborted, InvalidArgument, Reason, ResourceExhausted
-from kvstore.core.holdings import Caps
-from kvstore.core.index import Index
+from kvstore.core.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    Reason,
+    ResourceExhausted,
+)
 from kvstore.core.placement import RoomStep
 from kvstore.core.records import CommitResult, PutSession, Reservation, StorePlan
-from kvstore.daemon.config import Config
-from kvstore.daemon.remote import Remote
-from kvstore.daemon.tiering import Tiering
+from kvstore.daemon.storestate import StoreState
 from kvstore.extents import Extent
 from kvstore.keys import BlockKey
-from kvstore.tier import Tier, TierStats
+from kvstore.tier import Tier
 from kvstore.tiers.dram import DramTier
 from kvstore.units import format_size
 
@@ -47,24 +50,22 @@ def commits_to_verify(blocks: int, policy: str) -> range | list[int]:
 
 
 class Writer:
-    """Puts, reservations and imports into L2. Thread-safe: every index change holds lock."""
+    """Puts, reservations and imports from L4, all into L2. Thread-safe: every change to the
+    index is made with the store's lock held."""
 
-    def __init__(
-        self, config: Config, index: Index, lock: threading.RLock, tiering: Tiering,
-        stats: dict[Tier, TierStats], slot_tier: Callable[[], DramTier],
-        remote: Callable[[], Remote | None], clock: Callable[[], float], caps: Caps,
-    ) -> None:
-        """slot_tier() returns L2 or raises FailedPrecondition; remote() returns L4 or None.
-        Both are asked at each call: the store drops them when it closes."""
-        self._config = config
-        self._index = index
-        self._lock = lock
-        self._tiering = tiering
-        self._stats = stats
-        self._slot_tier = slot_tier
-        self._remote = remote
-        self._clock = clock
-        self._caps = caps
+    def __init__(self, state: StoreState) -> None:
+        """state: the store's, shared with its Reader; L2 and L4 are read from it at each
+        call, since the store drops them when it closes."""
+        self._state = state
+
+    def _l2(self) -> DramTier:
+        """L2, the tier every put lands in. Raises FailedPrecondition when L2 is off (or
+        the store has closed)."""
+        dram = self._state.dram
+        if dram is None:
+            raise FailedPrecondition("no slot tier is enabled (dram.enabled is false)",
+                                     setting="dram.enabled")
+        return dram
 
     # --- planning --------------------------------------------------------------------------
 
@@ -72,15 +73,15 @@ class Writer:
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes,
         independent: bool, timeout_s: float, client: str,
     ) -> tuple[str, list[BlockKey], list[int], list[list[Extent] | None]]:
-        server = self._config.server
+        server = self._state.config.server
         checked = checks.keys(namespace, keys, server.max_batch_keys)
         sizes = checks.sizes(checked, sizes, server.max_object_bytes)
         parents = checks.chain_parents(namespace, checked, parent, independent)
-        tier = self._slot_tier()
+        tier = self._l2()
         plan_id = secrets.token_hex(12)
-        with self._lock:
-            self._index.holdings.check(client, self._caps, reservations=1,
-                                       reserved_bytes=sum(sizes))
+        with self._state.lock:
+            self._state.index.holdings.check(client, self._state.caps, reservations=1,
+                                             reserved_bytes=sum(sizes))
             plan = self._prepare(plan_id, namespace, checked, sizes, parents, timeout_s, client)
             if plan is None:
                 raise self._no_room(namespace, sizes, tier.page_size_bytes,
@@ -92,18 +93,19 @@ class Writer:
 
     def _no_room(self, namespace: str, sizes: list[int], page_size: int,
                  capacity_bytes: int) -> ResourceExhausted:
-        need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
+        index = self._state.index
+        need = sum(index.pages_per_object(Tier.DRAM, s) for s in sizes)
         wanted = f"sizes need {need} pages ({format_size(need * page_size)})"
-        arena = self._index.arena_of(namespace)
+        arena = index.arena_of(namespace)
         if arena is None:
             return ResourceExhausted(f"namespace {namespace!r}: no tenant owns it, so it has "
                                      "no pages to store in", field="namespace")
-        if arena and arena not in self._index.arena_names(Tier.DRAM):
+        if arena and arena not in index.arena_names(Tier.DRAM):
             return ResourceExhausted(f"tenant {arena!r} has no arena yet: tenants added since "
                                      "the daemon started get theirs at its next restart",
                                      setting="auth.tenants_file")
         if arena:  # a tenant's arena: its quota, not the tier, is what is short
-            pages = self._index.arena_usage(Tier.DRAM, arena)[3]
+            pages = index.arena_usage(Tier.DRAM, arena)[3]
             return ResourceExhausted(
                 f"{wanted}; tenant {arena!r} cannot free that many in its dram arena "
                 f"({format_size(pages * page_size)}, its quota.dram; pinned and leased blocks "
@@ -118,26 +120,28 @@ class Writer:
         self, plan_id: str, namespace: str, keys: list[BlockKey], sizes: list[int],
         parents: list[BlockKey | None], timeout_s: float, client: str,
     ) -> StorePlan | None:
-        """With the lock held: L2 pages for a put, where the placement planner says: free
-        pages; else, when it says demote, the mover's (waited for at most movers.put_wait_s);
-        else pages made by eviction."""
-        movers = self._config.movers
-        deadline = self._clock() + timeout_s
+        """Plan L2 pages for a put; the caller holds the lock. The pages are free ones when
+        there are enough. Else, when the placement planner says to demote, they are the pages
+        the mover frees, waited for at most movers.put_wait_s; else they are freed by
+        eviction. None when no tenant owns the namespace or nothing can be freed."""
+        index, tiering = self._state.index, self._state.tiering
+        movers = self._state.config.movers
+        deadline = self._state.clock() + timeout_s
         args = (plan_id, namespace, keys, sizes, parents, Tier.DRAM, deadline)
-        arena = self._index.arena_of(namespace)  # the tenant's (None: nobody owns it)
+        arena = index.arena_of(namespace)  # the tenant's (None: nobody owns it)
         if arena is None:
             return None
-        plan = self._index.prepare_store(*args, evict=False, client=client)
+        plan = index.prepare_store(*args, evict=False, client=client)
         if plan is None:
-            need = sum(self._index.pages_per_object(Tier.DRAM, s) for s in sizes)
-            room = self._tiering.placement.room(Tier.DRAM, need, arena=arena)
-            if room.step is RoomStep.DEMOTE and self._tiering.wait_for_room(
+            need = sum(index.pages_per_object(Tier.DRAM, s) for s in sizes)
+            room = tiering.placement.room(Tier.DRAM, need, arena=arena)
+            if room.step is RoomStep.DEMOTE and tiering.wait_for_room(
                     Tier.DRAM, need, movers.put_wait_s, arena):
-                plan = self._index.prepare_store(*args, evict=False, client=client)
+                plan = index.prepare_store(*args, evict=False, client=client)
         if plan is None:
-            plan = self._index.prepare_store(*args, evict=True, client=client)
-        if self._tiering.fullness(Tier.DRAM, arena) >= movers.high_watermark:
-            self._tiering.wake.set()
+            plan = index.prepare_store(*args, evict=True, client=client)
+        if tiering.fullness(Tier.DRAM, arena) >= movers.high_watermark:
+            tiering.wake.set()
         return plan
 
     # --- inline puts -----------------------------------------------------------------------
@@ -146,23 +150,27 @@ class Writer:
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
         parent: bytes = b"", independent: bool = False, client: str = "",
     ) -> PutSession:
-        """Plan an inline put; feed its bytes with write(), then commit() or abort()."""
+        """Plan an inline put: L2 pages for each key not stored yet, held until
+        leases.reservation_timeout_s. Its bytes then come with write(), and commit() makes
+        them entries (or abort() gives the pages back)."""
         plan_id, _, sizes, targets = self._plan(
             namespace, keys, sizes, parent, independent,
-            self._config.leases.reservation_timeout_s, client,
+            self._state.config.leases.reservation_timeout_s, client,
         )
         hashers = [xxhash.xxh3_64() if t is not None else None for t in targets]
         return PutSession(plan_id, namespace, sizes, targets, hashers, sum(sizes))
 
     def write(self, session: PutSession, data: memoryview) -> None:
-        """Append a chunk of the concatenated payloads."""
+        """Write the next piece of the put's bytes (its values concatenated in key order)
+        into the planned pages, hashing each block's bytes as they arrive. The bytes of keys
+        already stored are skipped."""
         if session.received_bytes + len(data) > session.total_bytes:
             raise InvalidArgument(
                 f"data: more than the {session.total_bytes} bytes that sizes add up to",
                 field="data")
-        tier = self._slot_tier()
-        with self._lock:
-            if self._index.plan(session.plan_id) is None:
+        tier = self._l2()
+        with self._state.lock:
+            if self._state.index.plan(session.plan_id) is None:
                 raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned",
                               Reason.ENTRY_VANISHED, setting="leases.reservation_timeout_s")
             self._write_locked(tier, session, data)
@@ -186,7 +194,8 @@ class Writer:
         session.received_bytes += len(data)
 
     def commit(self, session: PutSession, to_remote: bool = True) -> CommitResult:
-        """Make the put's blocks entries; with to_remote they are also offered to L4."""
+        """Make the put's blocks entries, with the checksums hashed as they were written;
+        with to_remote they are also offered to L4. A put short of its bytes is aborted."""
         if session.received_bytes != session.total_bytes:
             self.abort(session.plan_id)
             raise InvalidArgument(
@@ -198,20 +207,20 @@ class Writer:
 
     def abort(self, plan_id: str) -> None:
         """Give back a plan's pages; a no-op for a plan already committed, aborted or expired."""
-        with self._lock:
-            if self._index.plan(plan_id) is not None:
-                self._index.complete_store(plan_id, None, success=False)
+        with self._state.lock:
+            if self._state.index.plan(plan_id) is not None:
+                self._state.index.complete_store(plan_id, None, success=False)
 
     def _complete(self, plan_id: str, checksums: list[int], size_bytes: int,
                   to_remote: bool = True) -> CommitResult:
-        with self._lock:
-            plan = self._index.plan(plan_id)
+        with self._state.lock:
+            plan = self._state.index.plan(plan_id)
             if plan is None:  # the sweeper expired it after the last write
                 raise Aborted("the put outlived leases.reservation_timeout_s and was abandoned",
                               Reason.ENTRY_VANISHED, setting="leases.reservation_timeout_s")
-            result = self._index.complete_store(plan_id, checksums, success=True)
-            self._stats[Tier.DRAM].bytes_in += size_bytes
-        remote = self._remote()
+            result = self._state.index.complete_store(plan_id, checksums, success=True)
+            self._state.stats[Tier.DRAM].bytes_in += size_bytes
+        remote = self._state.remote
         if to_remote and remote is not None and plan.blocks:
             remote.offer(plan.namespace, [(b.key, b.size_bytes) for b in plan.blocks])
         return result
@@ -229,7 +238,7 @@ class Writer:
             stored = self.commit(session, to_remote=False).stored
         finally:
             self.abort(session.plan_id)  # a no-op once committed
-        self._stats[Tier.DRAM].promotions += stored
+        self._state.stats[Tier.DRAM].promotions += stored
         return stored
 
     # --- reservations ----------------------------------------------------------------------
@@ -238,8 +247,10 @@ class Writer:
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes = b"",
         independent: bool = False, timeout_s: float | None = None, client: str = "",
     ) -> Reservation:
-        """Pages for the client to write itself; commit_reservation() makes them entries."""
-        timeout_s = timeout_s or self._config.leases.reservation_timeout_s
+        """Reserve L2 pages for the client to write itself, held for timeout_s (default
+        leases.reservation_timeout_s); keys already stored are marked as existing and get
+        none. commit_reservation() then makes the pages entries."""
+        timeout_s = timeout_s or self._state.config.leases.reservation_timeout_s
         plan_id, _, _, targets = self._plan(namespace, keys, sizes, parent, independent,
                                             timeout_s, client)
         return Reservation(
@@ -248,12 +259,13 @@ class Writer:
 
     def commit_reservation(self, namespace: str, reservation_id: str,
                            checksums: Sequence[int] = ()) -> CommitResult:
-        """Make a reservation's pages entries. checksums: the writer's, one per reserved key
-        (dram.verify_commits says how many are checked against the pages); none: the pages
-        are checksummed here, as the client wrote them."""
-        tier = self._slot_tier()
-        with self._lock:
-            plan = self._index.plan(reservation_id)
+        """Make a reservation's pages entries. checksums are the ones the client computed
+        while writing, one per reserved key; dram.verify_commits says how many blocks are
+        re-read to check them, and a mismatch frees the whole reservation. Without
+        checksums, the pages are checksummed here, as the client wrote them."""
+        tier = self._l2()
+        with self._state.lock:
+            plan = self._state.index.plan(reservation_id)
             if plan is None or plan.namespace != namespace:
                 raise InvalidArgument(
                     f"reservation_id {reservation_id!r} is unknown or expired in namespace "
@@ -271,7 +283,7 @@ class Writer:
                     f"reservation {reservation_id!r} was made for (one per key)",
                     field="checksums")
             sums = [checksums[b.index] for b in plan.blocks]
-            for j in commits_to_verify(len(plan.blocks), self._config.dram.verify_commits):
+            for j in commits_to_verify(len(plan.blocks), self._state.config.dram.verify_commits):
                 if tier.checksum(extents[j]) != sums[j]:
                     self.abort(reservation_id)
                     raise InvalidArgument(

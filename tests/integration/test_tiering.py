@@ -58,23 +58,24 @@ def make_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
 
 
 def put(store: Store, names: list[str], chain: bool = False, size: int = PAGE) -> None:
-    session = store.begin_put(NS, [key(n) for n in names], [size] * len(names),
-                              independent=not chain)
+    session = store.writer.begin_put(NS, [key(n) for n in names], [size] * len(names),
+                                     independent=not chain)
     for n in names:
-        store.write(session, memoryview(value(n, size)))
-    store.commit(session)
+        store.writer.write(session, memoryview(value(n, size)))
+    store.writer.commit(session)
 
 
 def get(store: Store, names: list[str]) -> list[bytes | None]:
     """Each block's bytes (None for a miss), copied out under a lease."""
-    result = store.read(NS, [key(n) for n in names], 5.0)
-    assert store.dram is not None
+    result = store.reader.read(NS, [key(n) for n in names], 5.0)
+    dram = store.state.dram
+    assert dram is not None
     extents = iter(result.extents)
     out: list[bytes | None] = []
     for entry in result.entries:
-        out.append(None if entry is None else b"".join(store.dram.views(next(extents))))
+        out.append(None if entry is None else b"".join(dram.views(next(extents))))
     if any(e is not None for e in result.entries):
-        store.release([result.lease_id])
+        store.reader.release([result.lease_id])
     return out
 
 
@@ -196,10 +197,10 @@ def test_pinned_and_leased_blocks_stay_in_l2(make_store: Callable[..., Store]) -
     store = make_store()
     names = fill(store)
     store.set_pinned(NS, [key("b00")], True)
-    lease = store.read(NS, [key("b01")], 5.0)
+    lease = store.reader.read(NS, [key("b01")], 5.0)
     store.tiering.step()
     assert tiers(store, names[:6]) == ["dram", "dram", "nvme", "nvme", "nvme", "nvme"]
-    store.release([lease.lease_id])
+    store.reader.release([lease.lease_id])
 
 
 # --- loads and prefetch ---------------------------------------------------------------------
@@ -209,7 +210,7 @@ def test_two_loads_of_one_block_share_one_read(make_store: Callable[..., Store])
     store = make_store()
     fill(store)
     store.tiering.step()
-    with store._lock:  # both ask before the load can start
+    with store.state.lock:  # both ask before the load can start
         entry = store.index.get(NS, key("b00"))
         assert entry is not None
         first = store.tiering.load(entry, Tier.DRAM)
