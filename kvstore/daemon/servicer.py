@@ -57,6 +57,18 @@ def _tier(value: int, field: str) -> Tier | None:
         raise InvalidArgument(f"{field} {value} is not a tier", field=field) from exc
 
 
+def _put_data(msg: pb.PutRequest | memoryview) -> memoryview:
+    """The bytes of a Put's later message: a data-only frame as it is (not copied), or a
+    PutRequest that carries data and no header field."""
+    if isinstance(msg, memoryview):
+        return msg
+    header = [f.name for f, _ in msg.ListFields() if f.name != "data"]
+    if header:
+        raise InvalidArgument(f"{header[0]}: only the first PutRequest carries a header; "
+                              "later ones carry data alone", field=header[0])
+    return memoryview(msg.data)
+
+
 class KVStoreServicer:
     def __init__(self, store: Store, metrics: Metrics,
                  drain: Callable[[], None] = lambda: None) -> None:
@@ -105,7 +117,6 @@ class KVStoreServicer:
     def Put(self, request_iterator: Iterator[pb.PutRequest | memoryview],
             context: grpc.ServicerContext) -> pb.PutResponse:
         started = time.perf_counter()
-        session = None
         stream = None
         slot = contextlib.ExitStack()
         ended = threading.Event()
@@ -114,12 +125,7 @@ class KVStoreServicer:
             caller = self.auth.caller(context)
             stream = slot.enter_context(self.slots.held(context.peer(), context, caller.client))
             messages = stream.receive(request_iterator)
-            first = self._admit(next(messages, None), "Put")
-            if first is None:
-                raise InvalidArgument("PutRequest: the stream carried no message")
-            if isinstance(first, memoryview):
-                raise InvalidArgument("PutRequest: the stream began with data and no header",
-                                      field="namespace")
+            first = self._put_header(next(messages, None))
             caller.data(first.namespace)
             if first.reservation_id:
                 if next(messages, None) is not None:
@@ -127,47 +133,57 @@ class KVStoreServicer:
                                           "message; the bytes are in shared memory",
                                           field="data")
                 response = self.verbs.commit(caller, first)
-                self._ok("Put", started)
-                return response
-            if first.checksums:
-                raise InvalidArgument("checksums: only a commit (reservation_id) carries the "
-                                      "writer's checksums; inline bytes are checksummed as "
-                                      "they arrive", field="checksums")
-            session = self.store.writer.begin_put(
-                first.namespace, first.keys, first.sizes, first.parent_key,
-                first.independent, stream.client)
+            else:
+                response = self._put_inline(first, messages, stream.client, ended)
+            self._ok("Put", started)
+            return response
+        except Exception as exc:
+            self._fail(context, "Put", exc, started, stream)
+            raise
+        finally:
+            slot.close()
+            if stream is not None:
+                self.metrics.observe_stream("Put", stream.longest_wait_s, stream.aborted)
+
+    def _put_header(self, first: pb.PutRequest | memoryview | None) -> pb.PutRequest:
+        """The first message of a Put, which must be a header (keys and sizes, or a
+        reservation id), once the daemon admits the call."""
+        first = self._admit(first, "Put")
+        if first is None:
+            raise InvalidArgument("PutRequest: the stream carried no message")
+        if isinstance(first, memoryview):
+            raise InvalidArgument("PutRequest: the stream began with data and no header",
+                                  field="namespace")
+        return first
+
+    def _put_inline(self, first: pb.PutRequest, messages: Iterator[pb.PutRequest | memoryview],
+                    client: str, ended: threading.Event) -> pb.PutResponse:
+        """A Put whose bytes come in the stream: planned from the header, written as each
+        message arrives, and committed once the stream ends. Any failure gives the planned
+        pages back."""
+        if first.checksums:
+            raise InvalidArgument("checksums: only a commit (reservation_id) carries the "
+                                  "writer's checksums; inline bytes are checksummed as "
+                                  "they arrive", field="checksums")
+        writer = self.store.writer
+        session = writer.begin_put(first.namespace, first.keys, first.sizes, first.parent_key,
+                                   first.independent, client)
+        try:
             if first.data:
-                self.store.writer.write(session, memoryview(first.data))
+                writer.write(session, memoryview(first.data))
             for msg in map(parsed, messages):
-                if isinstance(msg, memoryview):  # a data-only frame, not copied
-                    self.store.writer.write(session, msg)
-                    continue
-                header = [f.name for f, _ in msg.ListFields() if f.name != "data"]
-                if header:
-                    raise InvalidArgument(f"{header[0]}: only the first PutRequest carries "
-                                          "a header; later ones carry data alone",
-                                          field=header[0])
-                self.store.writer.write(session, memoryview(msg.data))
+                writer.write(session, _put_data(msg))
             if session.received_bytes < session.total_bytes:
                 # Short of its bytes: gRPC may end the stream of a client that cancelled
                 # before it marks the call cancelled; give the cancel a moment to land,
                 # so it counts as CANCELLED and not as a client fault.
                 ended.wait(0.05)
-            result = self.store.writer.commit(session)
-            session = None
-            self._ok("Put", started)
-            return pb.PutResponse(
-                stored=result.stored, existing=result.existing, evicted=result.evicted
-            )
-        except Exception as exc:
-            self._fail(context, "Put", exc, started, stream)
+            result = writer.commit(session)
+        except BaseException:
+            writer.abort(session.plan_id)
             raise
-        finally:
-            if session is not None:
-                self.store.writer.abort(session.plan_id)
-            slot.close()
-            if stream is not None:
-                self.metrics.observe_stream("Put", stream.longest_wait_s, stream.aborted)
+        return pb.PutResponse(stored=result.stored, existing=result.existing,
+                              evicted=result.evicted)
 
     def Get(self, request: pb.GetRequest,
             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
