@@ -175,19 +175,7 @@ class Index:
         if found is None:
             return None
         arena, allocator = found
-        blocks: list[PlannedBlock] = []
-        existing: list[int] = []
-        seen: set[BlockKey] = set()
-        cached: list[Entry] = []
-        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            stored = self.get(namespace, key)
-            if stored is not None:
-                cached.append(stored)
-            if key in seen or stored is not None:
-                existing.append(i)
-                continue
-            seen.add(key)
-            blocks.append(PlannedBlock(i, key, size, (), parents[i]))
+        blocks, existing, cached = self._split_keys(namespace, keys, sizes, parents)
         needed = sum(self.pages_per_object(tier, b.size_bytes) for b in blocks)
         if needed > allocator.num_pages:
             return None
@@ -215,6 +203,28 @@ class Index:
         self._plans[plan_id] = plan
         self.holdings.change(client, reservations=1, reserved_bytes=plan.size_bytes)
         return plan
+
+    def _split_keys(
+        self, namespace: str, keys: Sequence[BlockKey], sizes: Sequence[int],
+        parents: Sequence[BlockKey | None],
+    ) -> tuple[list[PlannedBlock], list[int], list[Entry]]:
+        """Split a put's keys into the blocks to store (each new key once), the positions
+        of the keys cached already or repeated in the put, and the entries of those cached
+        already."""
+        blocks: list[PlannedBlock] = []
+        existing: list[int] = []
+        seen: set[BlockKey] = set()
+        cached: list[Entry] = []
+        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            stored = self.get(namespace, key)
+            if stored is not None:
+                cached.append(stored)
+            if key in seen or stored is not None:
+                existing.append(i)
+                continue
+            seen.add(key)
+            blocks.append(PlannedBlock(i, key, size, (), parents[i]))
+        return blocks, existing, cached
 
     def plan(self, plan_id: str) -> StorePlan | None:
         return self._plans.get(plan_id)
