@@ -75,7 +75,8 @@ class Stream:
                                  {"setting": IDLE_SETTING})
 
     def receive(self, messages: Iterable[T]) -> Iterator[T]:
-        """messages (the request stream), each wait for the next one counted as idle."""
+        """The messages of the request stream, as they come; the time spent waiting for each
+        next one counts as idle."""
         source = iter(messages)
         while True:
             self._wait()
@@ -88,8 +89,8 @@ class Stream:
             yield message
 
     def send(self, messages: Iterable[T]) -> Iterator[T]:
-        """messages (the response stream), the wait for the client to take each counted
-        as idle: gRPC resumes the generator once the message before is sent."""
+        """The messages of the response stream; the time the client takes to accept each
+        one counts as idle (gRPC resumes the generator once the message before is sent)."""
         for message in messages:
             self._wait()
             yield message
@@ -141,13 +142,15 @@ class StreamSlots:
 
     @property
     def in_flight(self) -> int:
+        """How many streams run now."""
         return len(self._streams)
 
     @contextmanager
     def held(self, peer: str, context: grpc.ServicerContext,
              client: str | None = None) -> Iterator[Stream]:
-        """A slot for one stream of peer while the block runs; ResourceExhausted if none.
-        client: who the per-client cap counts it for (a tenant); default the peer host."""
+        """Hold a slot for one stream of peer while the with-block runs; ResourceExhausted,
+        naming the cap, when one of the caps is reached. client is whom the per-client cap
+        counts the stream for (a tenant); by default the peer's host."""
         with self._lock:
             if len(self._streams) >= self.limit:
                 raise ResourceExhausted(
@@ -179,7 +182,8 @@ class StreamSlots:
                 _count(self._by_client, client, -1)
 
     def reap_idle(self, now: float | None = None) -> int:
-        """Abort every stream that has waited on its client past idle_s; how many."""
+        """Abort every stream that has waited on its client for longer than idle_s, and
+        return how many were aborted."""
         now = time.monotonic() if now is None else now
         with self._lock:
             idle = [s for s in self._streams if not s.aborted and s.waiting_since is not None
@@ -190,7 +194,8 @@ class StreamSlots:
         return len(idle)
 
     def reap_forever(self, stop: threading.Event) -> None:
-        """reap_idle() several times per idle_s until stop is set (the reaper thread)."""
+        """Run reap_idle() several times per idle_s until stop is set; this is the reaper
+        thread's loop."""
         while not stop.wait(min(1.0, self.idle_s / 4)):
             self.reap_idle()
 

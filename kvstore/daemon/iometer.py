@@ -18,6 +18,9 @@ T = TypeVar("T")
 
 
 class IoMeter:
+    """Counts the queue depth and busy time of the tiers' I/O into their TierStats.
+    Thread-safe: batches of one tier may run on several threads at once."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._in_flight: dict[tuple[int, str], int] = {}  # (id of the stats, op) -> batches
@@ -26,7 +29,8 @@ class IoMeter:
     def run(self, stats: TierStats, op: str,
             move: Callable[[Sequence[Transfer]], list[OSError | None]],
             batch: Sequence[Transfer]) -> list[OSError | None]:
-        """move(batch), counted in stats (op is "read" or "write")."""
+        """Run move(batch) and return what it returns. The batch counts in stats' queue
+        depth while it runs, and its time in the busy seconds of op ("read" or "write")."""
         if not batch:
             return []
         with self._lock:
@@ -38,7 +42,9 @@ class IoMeter:
                 stats.queue_depth -= len(batch)
 
     def timed(self, stats: TierStats, op: str, call: Callable[[], T]) -> T:
-        """call(), its time counted in stats' busy seconds for op ("read" or "write")."""
+        """Run call() and return what it returns, its time counted in stats' busy seconds
+        for op ("read" or "write"); time when another call of the same op already runs is
+        counted once."""
         busy = (id(stats), op)
         with self._lock:
             if not self._in_flight.get(busy):

@@ -18,10 +18,14 @@ log = logging.getLogger(__name__)
 
 
 class Mover:
+    """The thread that runs the tiering's steps (see the module docstring)."""
+
     def __init__(self, tiering: Tiering, interval_s: float,
                  on_failure: Callable[[str], None],
                  settle: Callable[[], None] = lambda: None) -> None:
-        """settle(): the index's deferred bookkeeping, run after each round of steps."""
+        """settle runs the index's deferred bookkeeping; the mover calls it after each round
+        of steps, so that work stays off the requests' path. on_failure is called with the
+        reason when a step raises."""
         self._tiering = tiering
         self._settle = settle
         self._interval_s = interval_s
@@ -31,10 +35,13 @@ class Mover:
         self._thread = threading.Thread(target=self._run, name="mover", daemon=True)
 
     def start(self) -> None:
+        """Start the thread; from now on puts and loads may wait for it to make room."""
         self._tiering.mover_running = True
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and wait for its step in progress to end; puts and loads no
+        longer wait for it."""
         self._tiering.mover_running = False
         self._stop.set()
         self._tiering.wake.set()

@@ -25,10 +25,12 @@ _POLL_S = 0.05  # how often a wait looks at the deadline and the caller
 
 @dataclass(slots=True)
 class PrefetchProgress:
+    """How far a Prefetch has come, as each progress message reports it."""
+
     done: int = 0  # keys now in the target tier or above
     missing: int = 0  # keys in no tier
     failed: int = 0  # keys that could not be moved (no room, read error)
-    total: int = 0
+    total: int = 0  # keys asked for
     prefix_length: int = 0  # keys[0:prefix_length] are all in the target tier
     deadline_exceeded: bool = False
 
@@ -38,6 +40,10 @@ def prefetch(
     keys: Sequence[BlockKey], target: Tier, deadline: float | None,
     cancelled: Callable[[], bool], clock: Callable[[], float], window: int,
 ) -> Iterator[PrefetchProgress]:
+    """Bring keys up to target, in key order, with at most window loads in flight; yield
+    the progress whenever the next key is not there yet, and once at the end. Past deadline
+    (a clock() reading) the last progress says deadline_exceeded; once cancelled() is true
+    it returns without a last message. The caller has checked the keys."""
     progress = PrefetchProgress(total=len(keys))
     pending: deque[str | Load] = deque()  # per key, in order: "done", "missing" or a load
     started = 0
@@ -75,7 +81,9 @@ def prefetch(
 
 def _start(index: Index, tiering: Tiering, namespace: str, key: BlockKey,
            target: Tier) -> str | Load:
-    """With the lock held: what prefetching key takes."""
+    """Start prefetching key; the caller holds the lock. "missing" when no tier holds it,
+    "done" when it is in target or above (it is touched, as it is needed soon), else the
+    load that brings it up."""
     entry = index.get(namespace, key)
     if entry is None:
         return "missing"
@@ -86,6 +94,7 @@ def _start(index: Index, tiering: Tiering, namespace: str, key: BlockKey,
 
 
 def _wait_s(deadline: float | None, clock: Callable[[], float]) -> float:
+    """How long to wait for a load before looking at the deadline and the caller again."""
     if deadline is None:
         return _POLL_S
     return max(0.0, min(_POLL_S, deadline - clock()))

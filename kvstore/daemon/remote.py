@@ -83,6 +83,8 @@ class Remote:
         self.on_failure: Callable[[str], None] = lambda reason: None
 
     def start(self, on_failure: Callable[[str], None]) -> None:
+        """Start the workers (write-through, popularity, census); a worker that fails calls
+        on_failure with the reason."""
         self.on_failure = on_failure
         self._guard(self.pool.ping, None)
         for t in self._threads:
@@ -105,6 +107,8 @@ class Remote:
 
     @property
     def state(self) -> str:
+        """The circuit breaker's state: "closed" while Redis answers, "open" while calls
+        skip it, "half-open" while one call tries it again."""
         return self.breaker.state
 
     def _count(self, **deltas: int) -> None:
@@ -240,6 +244,7 @@ class Remote:
     # --- reads ---------------------------------------------------------------------------------
 
     def exists(self, namespace: str, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether L4 holds each key; all False while Redis is down."""
         if not keys:
             return []
         return self._guard(lambda: self.pool.exists([(namespace, k) for k in keys]),
@@ -315,11 +320,13 @@ class Remote:
 
     def prewarm(
         self, target_bytes: int, missing: Callable[[str, Sequence[BlockKey]], list[BlockKey]],
-        store: Callable[[str, Sequence[BlockKey], Sequence[bytes]], int],
+        import_blocks: Callable[[str, Sequence[BlockKey], Sequence[bytes]], int],
         namespaces: Sequence[str] = (),
     ) -> Iterator[PrewarmState]:
-        """Fetch the hottest blocks (across namespaces, by score) that are not local yet and
-        store() them, until target_bytes arrived; progress after every batch, and logged."""
+        """Fetch the hottest blocks of namespaces (all of them when none are named; ranked
+        across namespaces by score) that missing() says no local tier holds, and hand them
+        to import_blocks (the store's writer), until target_bytes have arrived. The progress
+        is yielded, and logged, after every batch."""
         ranked = sorted(((score, ns, BlockKey(key)) for ns in namespaces or self.namespaces()
                          for key, score in self.hot(ns, HOT_MAX_MEMBERS)), reverse=True)
         # Past here Redis may go down mid-way: what arrived stays, the rest is a miss.
@@ -335,7 +342,8 @@ class Remote:
                 found = [(k, p) for k, p in zip(wanted, self.fetch(ns, wanted), strict=True)
                          if p is not None]
                 for group in _groups(found, IMPORT_BYTES):  # each put must fit in L2
-                    progress.blocks += store(ns, [k for k, _ in group], [p for _, p in group])
+                    progress.blocks += import_blocks(ns, [k for k, _ in group],
+                                                     [p for _, p in group])
                     progress.bytes += sum(len(p) for _, p in group)
             log.info("pre-warm: %d blocks, %d of %d bytes", progress.blocks, progress.bytes,
                      target_bytes)
@@ -344,9 +352,13 @@ class Remote:
         yield progress
 
     def hot(self, namespace: str, limit: int) -> list[tuple[bytes, float]]:
+        """The namespace's most popular keys with their scores, highest first (at most
+        limit); Unavailable while Redis is down."""
         return self._required(lambda: self.pool.hot(namespace, limit), "hot")
 
     def namespaces(self) -> list[str]:
+        """Every namespace whose reads were counted in L4's popularity; Unavailable while
+        Redis is down."""
         return self._required(self.pool.namespaces, "the namespaces of L4's popularity")
 
     # --- census --------------------------------------------------------------------------------
@@ -379,7 +391,8 @@ class Remote:
 
 def _groups(items: list[tuple[BlockKey, bytes]],
             max_bytes: int) -> Iterator[list[tuple[BlockKey, bytes]]]:
-    """items in order, cut into runs of at most max_bytes (a larger item goes alone)."""
+    """The items in order, cut into runs of at most max_bytes of payload; an item larger
+    than that goes alone."""
     group: list[tuple[BlockKey, bytes]] = []
     size = 0
     for item in items:

@@ -209,8 +209,8 @@ def _sweep_forever(store: Store, interval_s: float, stop: threading.Event,
 
 
 def _prewarm(store: Store, target_bytes: int, stop: threading.Event) -> None:
-    """remote.prewarm_bytes before SERVING; with L4 down the daemon serves cold instead of
-    not at all."""
+    """Pull target_bytes (remote.prewarm_bytes) of L4's hottest blocks in before the daemon
+    turns SERVING; with L4 down the daemon serves cold instead of not at all."""
     try:
         for _ in store.prewarm(target_bytes):  # logs its progress
             if stop.is_set():

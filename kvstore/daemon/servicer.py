@@ -1,12 +1,15 @@
-"""The KVStore servicer: decode each request, call the store, encode the reply.
+"""The KVStore servicer: the gRPC face of the daemon. It decodes each request, calls the
+store (its reader for Get and Release, its writer for Put, the store itself for the rest),
+and encodes the reply.
 
-Thin on purpose: who is calling and what it may touch is decided first
-(`kvstore.daemon.auth`: a Caller's tenant owns the namespace, or its role allows the verb),
-every error is mapped to a status code and its ErrorInfo reason in one function,
-`kvstore.daemon.faults.described`,
-and Put and Get move their bulk bytes as raw frames (kvstore.proto.frames), registered
-through `kvstore.daemon.methods.handlers()` instead of the generated
-add_KVStoreServicer_to_server.
+It is thin on purpose. Who is calling and what it may touch is decided first
+(`kvstore.daemon.auth`: a Caller's tenant owns the namespace, or its role allows the verb).
+Every error is mapped to a status code and its ErrorInfo reason in one function,
+`kvstore.daemon.faults.described`. Put and Get move their bulk bytes as raw frames
+(`kvstore.proto.frames`), so the servicer is registered through
+`kvstore.daemon.methods.handlers()` instead of the generated add_KVStoreServicer_to_server.
+The hot verbs' logic is shared with the local socket (`kvstore.daemon.verbs`); the servicer
+also owns the streams' admission caps, the drain, and the Attach tickets.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def _put_data(msg: pb.PutRequest | memoryview) -> memoryview:
 
 
 class KVStoreServicer:
+    """Every verb of kvstore.v1.KVStore over one store, called by gRPC from its worker
+    threads, many at once."""
+
     def __init__(self, store: Store, metrics: Metrics,
                  drain: Callable[[], None] = lambda: None) -> None:
         """drain() begins a graceful stop (the Drain verb), as SIGTERM does."""

@@ -38,6 +38,8 @@ NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 
 @dataclass
 class OpenTiers:
+    """The tiers a daemon opened, with the L3 manifest and folder; close() closes them all."""
+
     tiers: dict[Tier, SlotTier] = field(default_factory=dict)
     manifest: Manifest | None = None
     remote: RedisPool | None = None  # L4
@@ -45,6 +47,7 @@ class OpenTiers:
     _stack: ExitStack = field(default_factory=ExitStack)
 
     def close(self) -> None:
+        """Close what was opened (the tiers and the lock on the L3 folder), in reverse order."""
         self._stack.close()
 
 

@@ -64,20 +64,24 @@ class Load:
         self.ok = False
 
     def finish(self, ok: bool) -> None:
+        """End the load: ok says whether the block is now in the target tier."""
         self.ok = ok
         self._done.set()
 
     @property
     def done(self) -> bool:
+        """Whether the load has finished, well or not."""
         return self._done.is_set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """True once finished (then `ok` says whether the block is in place)."""
+        """Wait up to timeout_s (None: for as long as it takes) for the load to finish;
+        True once it has, and then `ok` says whether the block is in place."""
         return self._done.wait(timeout_s)
 
 
 class Tiering:
-    """The movers and loads of one store (see the module docstring)."""
+    """The demotions, loads and L3 manifest of one store (see the module docstring). It
+    shares the store's lock, index and counters."""
 
     def __init__(self, config: Config, index: Index, lock: threading.RLock,
                  tiers: dict[Tier, SlotTier], manifest: Manifest | None,
@@ -108,10 +112,12 @@ class Tiering:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="load")
 
     def close(self) -> None:
+        """Let the loads queued or in flight finish, then stop their threads."""
         self._pool.shutdown(wait=True, cancel_futures=False)
 
     @property
     def dram(self) -> DramTier:
+        """L2, as the DramTier it is: loads from L3 read into its pages."""
         tier = self.tiers[Tier.DRAM]
         assert isinstance(tier, DramTier)
         return tier
@@ -119,8 +125,9 @@ class Tiering:
     # --- start-up --------------------------------------------------------------------------
 
     def adopt(self) -> int:
-        """Re-adopt what the L3 manifest lists (a block whose pages lie outside its tenant's
-        arena now is dropped); then compact it. Returns blocks adopted."""
+        """Re-adopt the blocks the L3 manifest lists, as a restarted daemon does, then
+        compact the manifest; return how many were adopted. A block whose pages now lie
+        outside its tenant's arena is dropped."""
         if self.manifest is None:
             return 0
         try:
@@ -168,9 +175,10 @@ class Tiering:
 
     def wait_for_room(self, tier: Tier, num_pages: int, timeout_s: float,
                       arena: str = "") -> bool:
-        """With the lock held: ask the mover for room and wait up to timeout_s for
-        num_pages free pages in tier's arena. False at once when no mover can free pages
-        there, or the arena could never hold them."""
+        """Ask the mover for room and wait up to timeout_s for num_pages free pages in
+        tier's arena; the caller holds the lock, which the wait releases. Returns False at
+        once when no mover can free pages there, or when the arena could never hold that
+        many."""
         if (not self.mover_running or not self.placement.can_demote(tier)
                 or num_pages > self._arena_pages[tier].get(arena, 0)):
             return False
@@ -258,8 +266,9 @@ class Tiering:
         return sum(e.size_bytes for e in picked)
 
     def _plan_demotion(self, entry: Entry, tier: Tier) -> Demotion:
-        """With the lock held: the planner's move for entry, counted; L3 victims journaled
-        before their pages are written."""
+        """The planner's move for entry, counted in the tiers' figures; the caller holds the
+        lock. The blocks it evicts from L3 are journaled as freed before their pages are
+        written."""
         demotion = self.placement.demote(entry, tier)
         if demotion.move is Move.DROP:
             if demotion.left:
@@ -271,6 +280,8 @@ class Tiering:
         return demotion
 
     def _finish_demotion(self, demotion: Demotion, error: OSError | None) -> None:
+        """Commit a demotion's L3 copy to the manifest, or count why it failed (error is
+        the L3 write's), and let the planner finish the move; the caller holds the lock."""
         entry = demotion.entry
         if error is None:
             try:
@@ -292,8 +303,8 @@ class Tiering:
     # --- loads (promotion) -------------------------------------------------------------------
 
     def load(self, entry: Entry, target: Tier) -> Load:
-        """With the lock held: bring entry up to target (DRAM or HBM), or join the load
-        already doing so. The entry stays busy until the load finishes."""
+        """Bring entry up to target (DRAM or HBM), or join the load already doing so; the
+        caller holds the lock. The entry stays busy until the load finishes."""
         key = (entry.namespace, entry.key, target)
         load = self._loads.get(key)
         if load is not None:
@@ -321,8 +332,9 @@ class Tiering:
             load.finish(ok)
 
     def _room(self, tier: Tier, size_bytes: int, arena: str = "") -> Pages | None:
-        """Pages in tier's arena for a load, as the planner places them: free ones, else the
-        mover's (waited for), else evicted ones."""
+        """Pages in tier's arena for a load, where the planner says: free pages; else, when
+        it says demote, the pages the mover frees (waited for at most movers.put_wait_s);
+        else pages freed by eviction. None when none can be had."""
         with self.room:
             got = self.placement.alloc(tier, size_bytes, arena=arena)
             if got.room.step is RoomStep.DEMOTE:
@@ -332,7 +344,8 @@ class Tiering:
             return got.pages
 
     def _load_l3(self, entry: Entry) -> bool:
-        """L3 -> L2, straight into the new L2 pages, checked against the block's checksum."""
+        """Load a block from L3 into L2, reading straight into its new L2 pages, and check
+        the bytes against the block's checksum."""
         if Tier.NVME not in entry.copies:
             return False
         pages = self._room(Tier.DRAM, entry.size_bytes, entry.arena)
@@ -367,7 +380,8 @@ class Tiering:
         self.journal_free(e for e in removed if Tier.NVME in e.copies)
 
     def _load_l1(self, entry: Entry) -> bool:
-        """L2 -> L1 through the pinned L2 pages (the entry is busy: they stay put)."""
+        """Load a block from L2 into L1 through its pinned L2 pages, which stay put because
+        the entry is busy meanwhile."""
         pages = self._room(Tier.HBM, entry.size_bytes, entry.arena)
         if pages is None:
             return False
@@ -395,9 +409,9 @@ class Tiering:
             self.manifest.commit(_record(entry, pages))
 
     def journal_free(self, entries: Iterable[Entry]) -> None:
-        """Before the entries' L3 pages can be reused. A FREE that cannot be written is
-        logged: a stale COMMIT then points at reused pages, which the checksum turns into a
-        miss."""
+        """Journal the entries' L3 pages as freed, before they can be reused. A FREE that
+        cannot be written is logged: a stale COMMIT then points at reused pages, which the
+        checksum turns into a miss."""
         if self.manifest is None:
             return
         for entry in entries:

@@ -9,7 +9,9 @@
 
 Each takes the authenticated Caller and the decoded request message and returns the reply
 message, raising the daemon's errors (kvstore.core.errors); mapping them to a status is the
-transport's part (`kvstore.daemon.faults.status_for`).
+transport's part (`kvstore.daemon.faults.status_for`). Lookup is answered by the store itself,
+Get and Release by its reader (`store.reader`), Reserve and its commit by its writer
+(`store.writer`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ Extents = list[list[tuple[int, int]]]
 
 
 def locations(extents: Extents) -> list[pb.BlockLocation]:
+    """Each block's extents, (offset, length) pairs, as the reply messages carry them."""
     return [
         pb.BlockLocation(extents=[pb.Extent(offset=o, length=n) for o, n in block])
         for block in extents
@@ -35,7 +38,8 @@ def locations(extents: Extents) -> list[pb.BlockLocation]:
 
 
 class Verbs:
-    """The hot verbs over one store. Stateless beyond the store: thread-safe as it is."""
+    """The hot verbs over one store. It keeps nothing of its own beyond the store, so it is
+    as thread-safe as the store is."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -66,6 +70,7 @@ class Verbs:
         )
 
     def lookup(self, caller: Caller, request: pb.LookupRequest) -> pb.LookupResponse:
+        """The longest cached prefix of the keys and each key's tier (the Lookup verb)."""
         caller.data(request.namespace)
         if request.block_tokens > MAX_BLOCK_TOKENS:
             raise InvalidArgument(f"block_tokens {request.block_tokens} exceeds "
@@ -103,7 +108,8 @@ class Verbs:
         return self.shared_reply(result, timeout_s, leased)
 
     def header(self, result: ReadResult) -> pb.GetResponse:
-        """The first GetResponse of either mode: found, sizes and checksums."""
+        """The first GetResponse of either mode: which keys were found, and the size and
+        checksum of each found block."""
         hits = [e for e in result.entries if e is not None]
         return pb.GetResponse(
             found=[e is not None for e in result.entries],
@@ -113,6 +119,8 @@ class Verbs:
 
     def shared_reply(self, result: ReadResult, timeout_s: float,
                      leased: bool) -> pb.GetResponse:
+        """The whole reply to a SHARED_MEMORY Get: the header, where each found block lies
+        in the client's mapping of shared memory, and the lease that holds them."""
         head = self.header(result)
         head.lease_id = result.lease_id if head.sizes and leased else ""
         head.shm_name, head.arena, extents = self.shared(result.extents)
@@ -121,11 +129,15 @@ class Verbs:
         return head
 
     def shared(self, extents: Extents) -> tuple[str, str, Extents]:
-        """(segment name, arena name, extents as the client maps them)."""
+        """Where the client finds the blocks: the name of the shared-memory segment (auth
+        off) or of the tenant's arena (auth on), the other one "", and the blocks' extents
+        as offsets in that segment or arena. Without L2, the extents as they are."""
         dram = self.store.state.dram
         return dram.client_extents(extents) if dram is not None else ("", "", extents)
 
     def reserve(self, caller: Caller, request: pb.ReserveRequest) -> pb.ReserveResponse:
+        """L2 pages for the client to write itself, as extents of its shared memory (the
+        Reserve verb)."""
         caller.data(request.namespace)
         timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
         if timeout_s is not None and timeout_s > MAX_LEASE_S:
@@ -157,6 +169,8 @@ class Verbs:
                               evicted=result.evicted)
 
     def release(self, caller: Caller, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        """End leases and abandon reservations (the Release verb). With auth on, a client
+        may release only its own."""
         owner = caller.client if self.store.auth.on else None
         return pb.ReleaseResponse(released=self.store.reader.release(request.ids, owner))
 
