@@ -65,10 +65,17 @@ class Index:
                  arenas: Mapping[Tier, Sequence[Arena]] | None = None,
                  arena_of: Callable[[str], str | None] | None = None,
                  head_start: HeadStart | None = None) -> None:
-        """arenas: every tier's split (its allocator's pages into those arenas), or None
-        for one arena "" per tier that is its allocator. arena_of: a namespace's arena
-        (default: ""); it may be replaced at any time (`index.arena_of = ...`): an entry
-        keeps the arena it was stored in. head_start: see EvictionOrder."""
+        """allocators: the pages of each slot tier; page_size_bytes: each tier's page size.
+
+        arenas: how each tier's pages are split between arenas, one per tenant; a split
+        must cover every tier or none. None: each tier is one arena "", its whole allocator.
+
+        arena_of: the arena a namespace's blocks are stored in (by default "" for every
+        namespace). It may be replaced at any time (`index.arena_of = ...`); an entry keeps
+        the arena it was stored in.
+
+        head_start: how hot blocks are ranked in the eviction order (see EvictionOrder); by
+        default the workload chooses it."""
         if arenas and set(arenas) != set(allocators):
             raise ValueError(f"arenas split tiers {sorted(t.label for t in arenas)}; split "
                              f"every tier ({sorted(t.label for t in allocators)}) or none")
@@ -94,6 +101,7 @@ class Index:
     # --- queries ---------------------------------------------------------------------------
 
     def __len__(self) -> int:
+        """How many entries are cached."""
         return self._num_entries
 
     @property
@@ -102,6 +110,7 @@ class Index:
         return self._order.head_start.turnovers
 
     def get(self, namespace: str, key: BlockKey) -> Entry | None:
+        """The entry of key in namespace; None when it is not cached."""
         return self._entries.get(namespace, {}).get(key)
 
     def lookup(self, namespace: str, keys: Sequence[BlockKey]) -> tuple[int, list[Tier | None]]:
@@ -117,10 +126,11 @@ class Index:
         return self._pages[tier].stats()
 
     def arena_names(self, tier: Tier) -> list[str]:
+        """The names of tier's arenas (the one arena "" when tiers are not split)."""
         return list(self._pages[tier].arenas)
 
     def arena_usage(self, tier: Tier, arena: str) -> tuple[int, int, int, int]:
-        """(objects, used_bytes, free_pages, num_pages) of arena in tier; an arena the tier
+        """(objects, used_bytes, free_pages, num_pages) of arena in tier. An arena the tier
         does not have holds nothing and has no pages."""
         objects, used_bytes = self._usage.arena(tier, arena)
         allocator = self._allocator(tier, arena)
@@ -130,19 +140,23 @@ class Index:
 
     @property
     def num_plans(self) -> int:
+        """How many put plans hold reserved pages, not yet committed or abandoned."""
         return len(self._plans)
 
     def pages_per_object(self, tier: Tier, size_bytes: int) -> int:
+        """How many pages of tier an object of size_bytes takes (at least one)."""
         return max(1, -(-size_bytes // self._page_size[tier]))
 
     def free_pages(self, tier: Tier, arena: str | None = None) -> int:
-        """Free pages of tier's arena (0 for one it does not have), or of the whole tier."""
+        """Free pages of tier's arena (0 for an arena the tier does not have), or of the
+        whole tier when arena is None."""
         if arena is None:
             return self._pages[tier].free_pages
         allocator = self._allocator(tier, arena)
         return allocator.free_pages if allocator is not None else 0
 
-    def entries(self, tier: Tier | None = None) -> Iterator[Entry]:  # with a copy in tier
+    def entries(self, tier: Tier | None = None) -> Iterator[Entry]:
+        """Every entry with a copy in tier, or every entry when tier is None."""
         return (e for e in self._all_entries() if tier is None or tier in e.copies)
 
     def _allocator(self, tier: Tier, arena: str) -> PageAllocator | None:
@@ -165,10 +179,15 @@ class Index:
         parents: Sequence[BlockKey | None], tier: Tier, deadline: float, evict: bool = True,
         client: str = "",
     ) -> StorePlan | None:
-        """Reserve pages for the keys not yet stored, in the namespace's arena of tier; None
-        when they cannot fit even after evicting every evictable entry of that arena (then
-        nothing is reserved or evicted), with evict=False when they do not fit in its free
-        pages, or when the namespace has no arena there."""
+        """Reserve pages for the keys not stored yet in the namespace's arena of tier, and
+        charge them to client's reservations. To make room it evicts from that arena, or
+        takes only its free pages when evict is False. The plan holds its pages until
+        complete_store commits or abandons it by plan_id, or expire abandons it past
+        deadline.
+
+        Returns None, and then reserves and evicts nothing, when the namespace has no arena
+        in tier, or when the new keys do not fit even after evicting every evictable entry
+        of the arena (with evict=False: when they do not fit in its free pages)."""
         if plan_id in self._plans:
             raise ValueError(f"plan {plan_id!r} exists")
         found = self._arena_pages(namespace, tier)
@@ -227,13 +246,17 @@ class Index:
         return blocks, existing, cached
 
     def plan(self, plan_id: str) -> StorePlan | None:
+        """The plan of this id while it holds its pages; None once it was committed or
+        abandoned, or when there never was one."""
         return self._plans.get(plan_id)
 
     def complete_store(
         self, plan_id: str, checksums: Sequence[int] | None, success: bool
     ) -> CommitResult:
-        """Commit (checksums[i] for plan.blocks[i]) or abandon a plan; its pages either
-        become entries or are freed. A key stored meanwhile by another plan wins."""
+        """Commit a plan when success is True, or abandon it. Committed, each planned block
+        becomes an entry with checksums[i] as the checksum of plan.blocks[i]; abandoned, its
+        pages are freed. A key that another plan stored meanwhile keeps that plan's entry,
+        and this plan's pages for it are freed."""
         plan = self._plans.pop(plan_id, None)
         if plan is None:
             raise KeyError(f"unknown or expired plan {plan_id!r}")
@@ -262,6 +285,7 @@ class Index:
         )
 
     def _release(self, held: list[Entry]) -> None:
+        """A put no longer holds these entries: each is queued for eviction again."""
         for entry in held:
             entry.busy -= 1
             self._order.push(entry)
@@ -293,6 +317,7 @@ class Index:
         return found
 
     def _use(self, entry: Entry) -> None:
+        """Count a use of entry, and make it the most recent in the eviction order."""
         entry.seen += 1
         self._order.touch(entry, self._num_entries)
 
@@ -300,9 +325,10 @@ class Index:
 
     def evict_keys(self, namespace: str,
                    keys: Iterable[BlockKey]) -> tuple[list[Entry], Skipped]:
-        """Remove these, every copy, with their cached descendants (leaves first), so no
-        cached block is left without its prefix; skip a key whose tree holds a pinned,
-        leased or moving block, by that block's reason. (evicted, skipped)"""
+        """Remove the entries of these keys, every copy of each, together with their cached
+        descendants (leaves first), so that no cached block is left without its prefix. A
+        key whose tree holds a pinned, leased or moving block is skipped, and counted under
+        that block's reason. Returns the entries removed and the skips."""
         evicted: list[Entry] = []
         skipped = Skipped()
         for key in keys:
@@ -335,10 +361,11 @@ class Index:
                 for gone in self.remove_tree(e, counted=False)]
 
     def evict_in_order(self, tier: Tier, min_bytes: int | None,
-                  namespace: str | None = None) -> list[Entry]:
-        """Evict copies in tier, leaf first in eviction order (of one namespace, or all; in
-        every arena of tier) until min_bytes are freed, or everything evictable when
-        min_bytes is None."""
+                       namespace: str | None = None) -> list[Entry]:
+        """Evict copies in tier, leaf first in eviction order across every arena of tier,
+        until min_bytes are freed, or every evictable copy when min_bytes is None. Only the
+        copies of namespace's entries go, or those of every namespace when it is None.
+        Returns the entries whose copy in tier went."""
         evicted: list[Entry] = []
         freed = 0
         others: list[Entry] = []
@@ -357,9 +384,10 @@ class Index:
         return evicted
 
     def unevictable(self, namespace: str | None = None, tier: Tier | None = None) -> Skipped:
-        """Entries (with a copy in tier; None: any) that cannot be dropped now, by reason;
-        right after a full eviction of every tier, exactly the pinned and leased ones and
-        their ancestors."""
+        """Count, by reason, the entries of namespace (of every namespace when it is None)
+        that cannot be dropped now: those with a copy in tier whose copy cannot go, or, when
+        tier is None, those that are not evictable. Right after a full eviction of every
+        tier, these are exactly the pinned and leased entries and their ancestors."""
         skipped = Skipped()
         for e in self._all_entries():
             if namespace is not None and e.namespace != namespace:
@@ -372,8 +400,9 @@ class Index:
 
     def make_room(self, tier: Tier, needed_pages: int, arena: str = "") -> list[Entry] | None:
         """Evict copies in tier's arena, leaf first in eviction order, until needed_pages are
-        free there, all or nothing; returns the entries whose copy in tier went (some keep
-        one elsewhere). None when they cannot be freed, or the tier has no such arena."""
+        free there, all or nothing. Returns the entries whose copy in tier went (some keep a
+        copy in another tier); None, having evicted nothing, when that many pages cannot be
+        freed, or when the tier has no such arena."""
         allocator = self._allocator(tier, arena)
         if allocator is None or needed_pages > allocator.num_pages:
             return None
@@ -406,6 +435,8 @@ class Index:
     # them, so that the map, the key tables, usage, child counts and eviction order agree.
 
     def _insert(self, entry: Entry) -> None:
+        """Cache a new entry, whose one copy's pages are taken already, as the most recently
+        used; a key evicted lately comes back hot."""
         if (entry.namespace, entry.key) in self._ghosts:
             entry.seen = 2  # its second use came after its eviction
         self._link(entry)
@@ -421,6 +452,7 @@ class Index:
         self._children.link(entry)
 
     def _add_copy(self, entry: Entry, tier: Tier, pages: Pages) -> None:
+        """Record a new copy of entry on pages of tier (taken already)."""
         before = entry.tier
         entry.copies[tier] = pages
         entry.tier = min(entry.copies)
@@ -428,8 +460,9 @@ class Index:
         self._moved(entry, before)
 
     def _drop(self, entry: Entry, tier: Tier, counted: bool) -> bool:
-        """Free entry's copy in tier (and its L1 copy with its L2 one: L1 holds only blocks
-        that L2 holds); remove the entry when no copy is left. True when removed."""
+        """Free entry's copy in tier, counted as an eviction of tier when counted is True.
+        Its L1 copy goes with its L2 one, since L1 holds only blocks that L2 holds. The entry
+        is removed when no copy is left, and then the result is True."""
         if counted:
             self.evictions[tier] += 1
         if len(entry.copies) == 1:
@@ -449,12 +482,18 @@ class Index:
         return False
 
     def _moved(self, entry: Entry, before: Tier) -> None:
+        """A copy of entry was added or dropped, so its fastest tier may no longer be before:
+        the key tables and child counts follow, and when entry left a tier its cached parent
+        is queued again (a copy of the parent may have become a leaf)."""
         self._tiers.changed(entry, before)
         parent = self._children.moved(entry, before)
         if parent is not None:
-            self._order.push(parent)  # a copy of the parent may have become a leaf
+            self._order.push(parent)
 
     def _remove(self, entry: Entry, counted: bool) -> None:
+        """Forget entry and free every copy (each counted as an eviction when counted is
+        True). Its cached children stay cached: whoever must not strand them calls
+        remove_tree, which removes them first."""
         bucket = self._entries[entry.namespace]
         del bucket[entry.key]
         self._tiers.removed(entry)
