@@ -19,6 +19,8 @@ from kvstore.tier import Tier
 
 
 class ChildCounts:
+    """Every key's cached children: counted by the highest tier each is in, and by key."""
+
     def __init__(self, lookup: Callable[[str, BlockKey], Entry | None]) -> None:
         self._lookup = lookup
         self._counts: dict[tuple[str, BlockKey], list[int]] = {}

@@ -45,8 +45,8 @@ class Caps:
     @staticmethod
     def of_shares(leases: int, reservations: int, reserved_share: float, pinned_share: float,
                   l2_bytes: int) -> Caps:
-        """Caps with the byte caps as shares of L2's l2_bytes; a share of 1 (or no L2) is no
-        cap."""
+        """Caps whose byte caps are the given shares of L2's l2_bytes; a share of 1 or more,
+        or no L2 (l2_bytes 0), is no cap."""
         def share(value: float) -> float:
             return math.inf if value >= 1 or not l2_bytes else value * l2_bytes
         return Caps(leases, reservations, share(reserved_share), share(pinned_share))
@@ -77,6 +77,7 @@ class Holdings:
 
     def change(self, client: str, *, leases: int = 0, reservations: int = 0,
                reserved_bytes: int = 0) -> None:
+        """Add these to what client holds (negative figures: take them away)."""
         held = self._by_client.setdefault(client, Holding())
         held.leases += leases
         held.reservations += reservations
@@ -134,7 +135,7 @@ class Holdings:
         return old is None
 
     def unpin(self, namespace: str, key: BlockKey) -> bool:
-        """True when the key was pinned."""
+        """Unpin the key and refund its client; True when the key was pinned."""
         old = self.pins.pop((namespace, key), None)
         if old is None:
             return False
@@ -142,9 +143,11 @@ class Holdings:
         return True
 
     def expired_pins(self, now: float) -> list[tuple[str, BlockKey]]:
+        """The (namespace, key) of every pin past its deadline."""
         return [nk for nk, pin in self.pins.items() if pin.deadline <= now]
 
     def pinned_by(self, namespace: str, key: BlockKey) -> str | None:
+        """The client that pinned the key; None when it is not pinned."""
         pin = self.pins.get((namespace, key))
         return pin.client if pin is not None else None
 

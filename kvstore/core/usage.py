@@ -20,6 +20,8 @@ class _Usage:
 
 
 class UsageBook:
+    """Objects and bytes of the copies in each tier, by namespace and arena."""
+
     def __init__(self) -> None:
         # (namespace, arena, tier): a namespace's blocks keep the arena they were stored in,
         # so one namespace has two arenas only after its tenant changed
