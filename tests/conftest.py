@@ -98,8 +98,10 @@ class SharedDaemons:
                     kv.evict(all=True)
 
     def stop_all(self) -> None:
-        for d in self._started.values():
-            d.stop()
+        """Stop every shared daemon; each must exit 0 (a clean drain), or the session fails
+        with the logs of those that did not."""
+        failed = [d.log() for d in self._started.values() if d.stop() != 0]
+        assert not failed, "a shared daemon did not exit 0:\n" + "\n".join(failed)
 
 
 def _needs_credentials(setting: str) -> bool:

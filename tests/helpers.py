@@ -75,6 +75,12 @@ def blocks(n: int, size: int = PAGE, seed: int | None = None) -> tuple[list[byte
     return keys(n, seed), values([size] * n, seed)
 
 
+def sized_blocks(sizes: Sequence[int], seed: int | None = None
+                 ) -> tuple[list[bytes], list[bytes]]:
+    """A key and a block of random bytes for each size, made by `keys` and `values`."""
+    return keys(len(sizes), seed), values(sizes, seed)
+
+
 # --- raw gRPC -----------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import pytest
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.tools.testing import Daemon
+from tests.helpers import open_stub
 
 NS = "bad-input"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -20,14 +21,11 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @pytest.fixture
-def stub(daemon_factory: Callable[..., Daemon]) -> Iterator[rpc.KVStoreStub]:
-    d = daemon_factory("dram.capacity_bytes=8MiB", "server.max_object_bytes=1MiB",
-                       "server.max_batch_keys=64", "leases.reservation_timeout_s=60")
-    with grpc.insecure_channel(d.target, options=[
-        ("grpc.max_send_message_length", 32 << 20),
-        ("grpc.max_receive_message_length", 32 << 20),
-    ]) as channel:
-        yield rpc.KVStoreStub(channel)
+def stub(shared_daemon: Callable[..., Daemon]) -> Iterator[rpc.KVStoreStub]:
+    d = shared_daemon("dram.capacity_bytes=8MiB", "server.max_object_bytes=1MiB",
+                      "server.max_batch_keys=64", "leases.reservation_timeout_s=60")
+    with open_stub(d.target, max_message_bytes=32 << 20) as s:
+        yield s
 
 
 def put_request(keys: list[bytes], values: list[bytes], **fields: object) -> pb.PutRequest:
@@ -126,6 +124,7 @@ def test_barrage_of_bad_requests_leaves_stored_data_intact(stub: rpc.KVStoreStub
     assert read_all(stub, keys) == values
     assert stub.Lookup(pb.LookupRequest(namespace=NS, keys=[k])).prefix_length == 0
     stats = stub.Stats(pb.StatsRequest())
-    dram = next(t for t in stats.tiers if t.tier == pb.TIER_DRAM)
+    mine = stub.Stats(pb.StatsRequest(namespace=NS))
+    dram = next(t for t in mine.tiers if t.tier == pb.TIER_DRAM)
     assert dram.objects == 8
     assert stats.reservations == 0 and stats.leases == 0

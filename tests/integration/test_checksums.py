@@ -16,15 +16,14 @@ from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.shm import attach_segment
 from kvstore.tools.testing import Daemon
 
-NS = "checksums"
 SIZE = 100_000
 
 
-def damage(target: str, key: bytes) -> None:
+def damage(target: str, ns: str, key: bytes) -> None:
     """Flip one byte of key's block inside the daemon's segment (found with a leased read)."""
     with grpc.insecure_channel(target) as channel:
         stub = rpc.KVStoreStub(channel)
-        head = list(stub.Get(pb.GetRequest(namespace=NS, keys=[key],
+        head = list(stub.Get(pb.GetRequest(namespace=ns, keys=[key],
                                            mode=pb.GET_MODE_SHARED_MEMORY)))[0]
         offset = head.locations[0].extents[0].offset + 12_345
         with attach_segment(head.shm_name) as segment:
@@ -33,13 +32,13 @@ def damage(target: str, key: bytes) -> None:
 
 
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["inline", "shm"])
-def test_damaged_block_reads_as_a_miss_and_is_evicted(daemon: Daemon,
+def test_damaged_block_reads_as_a_miss_and_is_evicted(daemon: Daemon, ns: str,
                                                       shared_memory: bool) -> None:
     keys = [os.urandom(32) for _ in range(3)]
     values = [os.urandom(SIZE) for _ in keys]
-    with KVStoreClient(daemon.target, NS, shared_memory=shared_memory) as kv:
+    with KVStoreClient(daemon.target, ns, shared_memory=shared_memory) as kv:
         kv.put(keys, values, independent=True)
-        damage(daemon.target, keys[1])
+        damage(daemon.target, ns, keys[1])
         buffers = [np.zeros(SIZE, np.uint8) for _ in keys]
         assert kv.get_into(keys, buffers) == [SIZE, None, SIZE]
         assert bytes(buffers[0]) == values[0] and bytes(buffers[2]) == values[2]
@@ -48,23 +47,29 @@ def test_damaged_block_reads_as_a_miss_and_is_evicted(daemon: Daemon,
         assert kv.get(keys) == values
 
 
-def test_verifying_shm_reads_take_no_lease_and_others_do(daemon: Daemon) -> None:
+def test_verifying_shm_reads_take_no_lease_and_others_do(daemon: Daemon, ns: str) -> None:
+    """The daemon is shared: its lease count is read as a change from what it was."""
     key, value = os.urandom(32), os.urandom(SIZE)
-    with KVStoreClient(daemon.target, NS, shared_memory=True) as kv:
+    with KVStoreClient(daemon.target, ns, shared_memory=True) as kv:
         kv.put([key], [value])
     with grpc.insecure_channel(daemon.target) as channel:
         stub = rpc.KVStoreStub(channel)
-        unleased = list(stub.Get(pb.GetRequest(namespace=NS, keys=[key], no_lease=True,
+
+        def leases() -> int:
+            return int(stub.Stats(pb.StatsRequest()).leases)
+
+        before = leases()
+        unleased = list(stub.Get(pb.GetRequest(namespace=ns, keys=[key], no_lease=True,
                                                mode=pb.GET_MODE_SHARED_MEMORY)))[0]
         assert unleased.lease_id == "" and unleased.found == [True]
-        assert stub.Stats(pb.StatsRequest()).leases == 0
-        leased = list(stub.Get(pb.GetRequest(namespace=NS, keys=[key],
+        assert leases() == before
+        leased = list(stub.Get(pb.GetRequest(namespace=ns, keys=[key],
                                              mode=pb.GET_MODE_SHARED_MEMORY)))[0]
         assert leased.lease_id
-        assert stub.Stats(pb.StatsRequest()).leases == 1
+        assert leases() == before + 1
         stub.Release(pb.ReleaseRequest(ids=[leased.lease_id]))
-        assert stub.Stats(pb.StatsRequest()).leases == 0
+        assert leases() == before
     for verify in (True, False):
-        with KVStoreClient(daemon.target, NS, shared_memory=True, verify_checksums=verify) as kv:
+        with KVStoreClient(daemon.target, ns, shared_memory=True, verify_checksums=verify) as kv:
             assert kv.get([key]) == [value]
-            assert kv.stats().leases == 0  # released (or never taken)
+            assert kv.stats().leases == before  # released (or never taken)

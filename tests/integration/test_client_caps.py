@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -22,6 +21,7 @@ from kvstore.client import KVStoreClient
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.tools.testing import Daemon
+from tests.helpers import metric
 
 NS = "caps"
 MiB = 1 << 20
@@ -32,14 +32,19 @@ HOG = "ipv4:127.0.0.1"
 PIN_S = 2.0
 
 
+SETTINGS = ("server.host=[::]", "dram.capacity_bytes=64MiB", "nvme.enabled=false",
+            "clients.max_leases=32", "clients.max_reservations=8",
+            "clients.max_reserved_share=0.25", "clients.max_pinned_share=0.25",
+            f"clients.max_pin_s={PIN_S}")
+
+
 @pytest.fixture
-def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
+def daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
+    """The module's shared daemon, holding the victim's blocks (put again for each test: a
+    test may evict them). Each test lets go of all the hog held, and checks it did."""
     if not socket.has_ipv6:
         pytest.skip("no IPv6 loopback: the victim needs an address of its own")
-    d = daemon_factory("server.host=[::]", "dram.capacity_bytes=64MiB",
-                       "nvme.enabled=false", "clients.max_leases=32",
-                       "clients.max_reservations=8", "clients.max_reserved_share=0.25",
-                       "clients.max_pinned_share=0.25", f"clients.max_pin_s={PIN_S}")
+    d = shared_daemon(*SETTINGS)
     with KVStoreClient(victim(d), NS) as kv:
         for i, k in enumerate(KEYS, 1):  # one by one: one put may reserve a quarter of L2
             kv.put([k], [bytes([i]) * BLOCK], independent=True)
@@ -100,8 +105,7 @@ def test_a_lease_storm_stops_at_clients_max_leases(daemon: Daemon,
         refused(lease, "clients.max_leases")
     victim_served(daemon)
     assert holdings(daemon)[HOG].leases == 32
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics").read()
-    assert f'kvstore_client_leases{{client="{HOG}"}} 32.0' in metrics.decode()
+    assert metric(daemon, "kvstore_client_leases", client=HOG) == 32
     assert hog.Release(pb.ReleaseRequest(ids=ids), timeout=2).released == 32
     assert HOG not in holdings(daemon)
 

@@ -8,20 +8,20 @@ import hashlib
 import mmap
 import os
 import struct
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import xxhash
 
 from kvstore.core.prefixhits import MAX_BLOCK_TOKENS
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from kvstore.tools.testing import start_daemon
+from kvstore.tools.testing import Daemon, start_daemon
+from tests import helpers
+from tests.helpers import code_of, sized_blocks, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK = 128 * KiB
@@ -44,20 +44,29 @@ Served = tuple[grpc.Channel, rpc.KVStoreStub]
 
 @contextmanager
 def running(workdir: Path, *settings: str) -> Iterator[Served]:
-    """A daemon; a channel whose limits exceed the daemon's, so the daemon refuses first."""
+    """A daemon of the caller's own, stopped (exit 0) on leaving."""
     d = start_daemon(workdir, *settings)
     try:
-        with grpc.insecure_channel(d.target, options=[
-                ("grpc.max_send_message_length", 4 * MiB),
-                ("grpc.max_receive_message_length", 4 * MiB)]) as channel:
-            yield channel, rpc.KVStoreStub(channel)
+        with channel_to(d.target) as pair:
+            yield pair
     finally:
         assert d.stop() == 0, d.log()
 
 
+@contextmanager
+def channel_to(target: str) -> Iterator[Served]:
+    """A channel whose limits exceed the daemon's, so the daemon refuses first."""
+    with grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", 4 * MiB),
+            ("grpc.max_receive_message_length", 4 * MiB)]) as channel:
+        yield channel, rpc.KVStoreStub(channel)
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with running(tmp_path_factory.mktemp("contract"), *SETTINGS) as pair:
+def served(shared_daemon: Callable[..., Daemon]) -> Iterator[Served]:
+    """The module's daemon (shared_daemon: SETTINGS are this module's alone). Each test uses
+    namespaces of its own, and reads the daemon's lease count as a change."""
+    with channel_to(shared_daemon(*SETTINGS).target) as pair:
         yield pair
 
 
@@ -66,34 +75,15 @@ def stub(served: Served) -> rpc.KVStoreStub:
     return served[1]
 
 
-def blocks(seed: int, sizes: list[int]) -> tuple[list[bytes], list[bytes]]:
-    rng = np.random.default_rng(seed)
-    return [rng.bytes(32) for _ in sizes], [rng.bytes(n) for n in sizes]
-
-
 def put(stub: rpc.KVStoreStub, ns: str, keys: list[bytes], values: list[bytes],
         parent_key: bytes = b"", independent: bool = False) -> pb.PutResponse:
     """One Put: the header alone, then the data in chunk_bytes messages."""
-    data = b"".join(values)
-    first = pb.PutRequest(namespace=ns, keys=keys, sizes=[len(v) for v in values],
-                          parent_key=parent_key, independent=independent)
-    rest = [pb.PutRequest(data=data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
-    response: pb.PutResponse = stub.Put(iter([first, *rest]))
-    return response
-
-
-def code_of(call: Callable[..., object], *args: object) -> grpc.StatusCode:
-    """The status code call(*args) fails with (a streamed answer is read to its end)."""
-    with pytest.raises(grpc.RpcError) as info:
-        answer = call(*args)
-        if isinstance(answer, Iterator):
-            list(answer)
-    code: grpc.StatusCode = info.value.code()
-    return code
+    return helpers.put(stub, ns, keys, values, chunk_bytes=CHUNK, parent_key=parent_key,
+                       independent=independent)
 
 
 def put_code(stub: rpc.KVStoreStub, *messages: pb.PutRequest) -> grpc.StatusCode:
-    return code_of(stub.Put, iter(messages))
+    return code_of(lambda: stub.Put(iter(messages)))
 
 
 def tiers(stub: rpc.KVStoreStub, ns: str, keys: list[bytes]) -> list[int]:
@@ -111,9 +101,9 @@ def test_limits_are_the_daemons_settings_and_what_is_off_fails_precondition(
         max_block_tokens=MAX_BLOCK_TOKENS, shared_memory=True, unix_socket="",
         auth_mode="off")
     # No L4 (remote.url), no auth: the verbs that need them are FAILED_PRECONDITION.
-    assert code_of(stub.Hot, pb.HotRequest(namespace="c/off")) == OFF
-    assert code_of(stub.Prewarm, pb.PrewarmRequest()) == OFF
-    assert code_of(stub.Attach, pb.AttachRequest()) == OFF
+    assert code_of(lambda: stub.Hot(pb.HotRequest(namespace="c/off"))) == OFF
+    assert code_of(lambda: stub.Prewarm(pb.PrewarmRequest())) == OFF
+    assert code_of(lambda: stub.Attach(pb.AttachRequest())) == OFF
 
 
 def test_requests_past_the_limits_are_refused(stub: rpc.KVStoreStub) -> None:
@@ -121,22 +111,22 @@ def test_requests_past_the_limits_are_refused(stub: rpc.KVStoreStub) -> None:
     for bad in (pb.LookupRequest(namespace=ns, keys=[key] * (lim.max_batch_keys + 1)),
                 pb.LookupRequest(namespace=ns, keys=[key[:-1]]), pb.LookupRequest(),
                 pb.LookupRequest(namespace="x" * (lim.max_namespace_bytes + 1))):
-        assert code_of(stub.Lookup, bad) == INVALID
+        assert code_of(lambda b=bad: stub.Lookup(b)) == INVALID
     big = pb.PutRequest(namespace=ns, keys=[key], sizes=[lim.max_object_bytes + 1])
     assert put_code(stub, big) == INVALID
-    assert code_of(stub.Get, pb.GetRequest(namespace=ns, keys=[key], lease_timeout_ms=(
-        lim.max_lease_ms + 1), mode=pb.GET_MODE_SHARED_MEMORY)) == INVALID
+    assert code_of(lambda: stub.Get(pb.GetRequest(namespace=ns, keys=[key], lease_timeout_ms=(
+        lim.max_lease_ms + 1), mode=pb.GET_MODE_SHARED_MEMORY))) == INVALID
     # Four blocks at max_object_bytes are 2 MiB: one byte more is over max_response_bytes.
-    keys, values = blocks(3, [MAX_OBJECT] * 4 + [1])
+    keys, values = sized_blocks([MAX_OBJECT] * 4 + [1], 3)
     put(stub, ns, keys, values, independent=True)
     assert sum(len(m.data) for m in stub.Get(pb.GetRequest(namespace=ns, keys=keys[:4]))
                ) == lim.max_response_bytes
-    assert code_of(stub.Get, pb.GetRequest(namespace=ns, keys=keys)) == EXHAUSTED
+    assert code_of(lambda: stub.Get(pb.GetRequest(namespace=ns, keys=keys))) == EXHAUSTED
 
 
 def test_put_header_first_then_data_alone(stub: rpc.KVStoreStub) -> None:
     ns = "c/put-framing"
-    keys, values = blocks(1, [300 * KiB, 10, 5000])
+    keys, values = sized_blocks([300 * KiB, 10, 5000], 1)
     data = b"".join(values)
     # The first message may carry data after its header; every later one carries data alone.
     first = pb.PutRequest(namespace=ns, keys=keys, sizes=[len(v) for v in values],
@@ -147,7 +137,7 @@ def test_put_header_first_then_data_alone(stub: rpc.KVStoreStub) -> None:
 
     # A header field in a later message, data before any header, bytes short of the sizes,
     # sizes not one per key: INVALID_ARGUMENT, and nothing of that Put is stored.
-    more, payload = blocks(2, [100, 100])
+    more, payload = sized_blocks([100, 100], 2)
     head = pb.PutRequest(namespace=ns, keys=more, sizes=[100, 100], independent=True)
     assert put_code(stub, head, pb.PutRequest(data=payload[0]),
                     pb.PutRequest(keys=[os.urandom(32)], data=payload[1])) == INVALID
@@ -180,7 +170,7 @@ def test_zero_keys_are_ok_stored_keys_immutable_and_lookup_reports_prefix_and_ti
     assert stub.Put(iter([pb.PutRequest(namespace=ns)])) == pb.PutResponse()
     assert stub.Lookup(pb.LookupRequest(namespace=ns)) == pb.LookupResponse()
     assert [m.found for m in stub.Get(pb.GetRequest(namespace=ns))] == [[]]
-    keys, values = blocks(4, [64, 64, 64])
+    keys, values = sized_blocks([64, 64, 64], 4)
     assert put(stub, ns, keys, values, independent=True) == pb.PutResponse(stored=3)
     assert put(stub, ns, keys[:2], [b"\1" * 64, b"\2" * 64]) == pb.PutResponse(existing=2)
     assert b"".join(m.data for m in stub.Get(pb.GetRequest(namespace=ns, keys=keys))
@@ -192,7 +182,7 @@ def test_zero_keys_are_ok_stored_keys_immutable_and_lookup_reports_prefix_and_ti
 
 def test_inline_get_frames_and_orders_by_found_keys(stub: rpc.KVStoreStub) -> None:
     ns = "c/inline"
-    keys, values = blocks(6, [300 * KiB, 1, 200 * KiB])
+    keys, values = sized_blocks([300 * KiB, 1, 200 * KiB], 6)
     put(stub, ns, keys, values, independent=True)
     messages = list(stub.Get(pb.GetRequest(namespace=ns, keys=[
         os.urandom(32), keys[2], keys[0], os.urandom(32), keys[1]])))
@@ -210,14 +200,15 @@ def test_inline_get_frames_and_orders_by_found_keys(stub: rpc.KVStoreStub) -> No
     assert all(0 < len(m.data) <= CHUNK for m in data)
     assert b"".join(m.data for m in data) == values[2] + values[0] + values[1]
     # Each key at most once.
-    assert code_of(stub.Get, pb.GetRequest(namespace=ns, keys=[keys[0], keys[0]])) == INVALID
+    twice = pb.GetRequest(namespace=ns, keys=[keys[0], keys[0]])
+    assert code_of(lambda: stub.Get(twice)) == INVALID
 
 
 def test_checksums_are_xxh3_64_seed_0_as_fixed64(served: Served) -> None:
     """The digest's unsigned 64-bit value is the fixed64, so on the wire its 8 bytes are
     little-endian: the reverse of xxh3's canonical (big-endian) digest bytes."""
     (channel, stub), ns = served, "c/xxh3"
-    keys, values = blocks(7, [1, 4096, 100_000])
+    keys, values = sized_blocks([1, 4096, 100_000], 7)
     put(stub, ns, keys, values, independent=True)
     raw_get = channel.unary_stream("/kvstore.v1.KVStore/Get", response_deserializer=None,
                                    request_serializer=pb.GetRequest.SerializeToString)
@@ -242,7 +233,8 @@ def read_location(buf: mmap.mmap, location: pb.BlockLocation) -> bytes:
 
 def test_shared_memory_get_locations_follow_found_keys_leased_or_not(stub: rpc.KVStoreStub) -> None:
     ns = "c/shm-get"
-    keys, values = blocks(8, [5000, 9000, 1])
+    keys, values = sized_blocks([5000, 9000, 1], 8)
+    leases = stub.Stats(pb.StatsRequest()).leases  # the daemon's: read as a change
     put(stub, ns, keys, values, independent=True)
     [head] = stub.Get(pb.GetRequest(namespace=ns, keys=[keys[1], os.urandom(32), keys[0]],
                                     mode=pb.GET_MODE_SHARED_MEMORY))
@@ -253,16 +245,16 @@ def test_shared_memory_get_locations_follow_found_keys_leased_or_not(stub: rpc.K
         got = [read_location(buf, loc) for loc in head.locations]
     assert got == [values[1], values[0]]
     assert [xxhash.xxh3_64_intdigest(g) for g in got] == list(head.checksums)
-    assert stub.Stats(pb.StatsRequest()).leases == 1
+    assert stub.Stats(pb.StatsRequest()).leases == leases + 1
     # Unknown ids: INVALID_ARGUMENT, after every known one is released.
-    assert code_of(stub.Release, pb.ReleaseRequest(ids=[head.lease_id, "nope"])) == INVALID
-    assert stub.Stats(pb.StatsRequest()).leases == 0
+    assert code_of(lambda: stub.Release(pb.ReleaseRequest(ids=[head.lease_id, "nope"]))) == INVALID
+    assert stub.Stats(pb.StatsRequest()).leases == leases
     # no_lease: no lease taken, none to release; lease_expires_in_ms still says its length.
     for asked, reported in ((0, 7000), (1234, 1234)):
         [head] = stub.Get(pb.GetRequest(namespace=ns, keys=keys[:1], no_lease=True,
                                         lease_timeout_ms=asked, mode=pb.GET_MODE_SHARED_MEMORY))
         assert (head.lease_id, head.lease_expires_in_ms) == ("", reported)
-        assert stub.Stats(pb.StatsRequest()).leases == 0
+        assert stub.Stats(pb.StatsRequest()).leases == leases
         with segment(head.shm_name) as buf:
             assert read_location(buf, head.locations[0]) == values[0]
 
@@ -283,7 +275,7 @@ def reserve_and_write(stub: rpc.KVStoreStub, ns: str, keys: list[bytes],
 def test_a_commit_needs_the_namespace_is_one_message_and_checks_sums(
         stub: rpc.KVStoreStub) -> None:
     ns = "c/commit"
-    keys, values = blocks(10, [6000, 70])
+    keys, values = sized_blocks([6000, 70], 10)
     sums = [xxhash.xxh3_64_intdigest(v) for v in values]
     r = reserve_and_write(stub, ns, keys, values)
     assert list(r.exists) == [False, False] and r.expires_in_ms == 9000
@@ -299,26 +291,26 @@ def test_a_commit_needs_the_namespace_is_one_message_and_checks_sums(
     assert list(head.checksums) == sums
     assert b"".join(m.data for m in data) == b"".join(values)
     # A checksum that does not match the bytes written: refused, and the reservation freed.
-    keys, values = blocks(11, [5000])
+    keys, values = sized_blocks([5000], 11)
     r = reserve_and_write(stub, ns, keys, values)
     wrong = [xxhash.xxh3_64_intdigest(values[0]) ^ 1]
     assert put_code(stub, pb.PutRequest(namespace=ns, reservation_id=r.reservation_id,
                                         checksums=wrong)) == INVALID
     assert tiers(stub, ns, keys) == [MISS]
-    assert code_of(stub.Release, pb.ReleaseRequest(ids=[r.reservation_id])) == INVALID
+    assert code_of(lambda: stub.Release(pb.ReleaseRequest(ids=[r.reservation_id]))) == INVALID
 
 
 def test_a_parent_key_that_is_not_cached_is_accepted(stub: rpc.KVStoreStub) -> None:
-    ns, (keys, values) = "c/parent", blocks(12, [100, 100])
+    ns, (keys, values) = "c/parent", sized_blocks([100, 100], 12)
     assert put(stub, ns, keys, values, parent_key=os.urandom(32)).stored == 2
     assert tiers(stub, ns, keys) == [DRAM, DRAM]
     # A chain may not name a block twice, as a key or as parent_key.
-    assert code_of(put, stub, ns, keys, values, keys[1]) == INVALID
+    assert code_of(lambda: put(stub, ns, keys, values, keys[1])) == INVALID
 
 
 def test_a_prefetch_streams_until_done_and_its_end_means_done(stub: rpc.KVStoreStub) -> None:
     ns = "c/prefetch"
-    keys, values = blocks(13, [100, 100])
+    keys, values = sized_blocks([100, 100], 13)
     put(stub, ns, keys, values)
     miss = os.urandom(32)
     steps = list(stub.Prefetch(pb.PrefetchRequest(namespace=ns, keys=[*keys, miss],
@@ -328,14 +320,14 @@ def test_a_prefetch_streams_until_done_and_its_end_means_done(stub: rpc.KVStoreS
     assert (last.prefix_length, last.deadline_exceeded) == (2, False)
     assert [pb.PrefetchProgress(total=0)] == list(stub.Prefetch(pb.PrefetchRequest(
         namespace=ns)))
-    assert code_of(stub.Prefetch, pb.PrefetchRequest(namespace=ns, keys=keys,
-                                                     target_tier=pb.TIER_NVME)) == OFF
+    assert code_of(lambda: stub.Prefetch(pb.PrefetchRequest(namespace=ns, keys=keys,
+                                                     target_tier=pb.TIER_NVME))) == OFF
 
 
 def test_the_stats_namespace_filter_narrows_objects_and_used_bytes_only(
         stub: rpc.KVStoreStub) -> None:
-    put(stub, "c/stats-a", *blocks(14, [4096, 100]), independent=True)
-    put(stub, "c/stats-b", *blocks(15, [8192, 1, 1]), independent=True)
+    put(stub, "c/stats-a", *sized_blocks([4096, 100], 14), independent=True)
+    put(stub, "c/stats-b", *sized_blocks([8192, 1, 1], 15), independent=True)
     everything, only_a = stub.Stats(pb.StatsRequest()), stub.Stats(pb.StatsRequest(
         namespace="c/stats-a"))
     row, all_row = (next(t for t in s.tiers if t.tier == DRAM) for s in (only_a, everything))
@@ -350,10 +342,11 @@ def test_the_stats_namespace_filter_narrows_objects_and_used_bytes_only(
 
 def test_evict_takes_one_of_keys_bytes_or_all_and_spares_pins(stub: rpc.KVStoreStub) -> None:
     ns = "c/evict"
-    keys, values = blocks(16, [100, 100, 100])
+    keys, values = sized_blocks([100, 100, 100], 16)
     put(stub, ns, keys, values)  # one chain: keys[0] <- keys[1] <- keys[2]
-    assert code_of(stub.Evict, pb.EvictRequest(namespace=ns, keys=keys, all=True)) == INVALID
-    assert code_of(stub.Evict, pb.EvictRequest(keys=keys)) == INVALID
+    both = pb.EvictRequest(namespace=ns, keys=keys, all=True)
+    assert code_of(lambda: stub.Evict(both)) == INVALID
+    assert code_of(lambda: stub.Evict(pb.EvictRequest(keys=keys))) == INVALID
     pinned = stub.Pin(pb.PinRequest(namespace=ns, keys=[keys[0], os.urandom(32)]))
     assert pinned == pb.PinResponse(changed=1, missing=1)
     got = stub.Evict(pb.EvictRequest(namespace=ns, keys=[keys[0]]))  # its tree holds a pin
@@ -370,13 +363,6 @@ L3 = ("dram.capacity_bytes=2MiB", "dram.page_size_bytes=64KiB", "nvme.capacity_b
       "nvme.page_size_bytes=64KiB", "movers.interval_s=0.02")
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float = 15.0, pause_s: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(pause_s)
-
-
 def settled(stub: rpc.KVStoreStub, ns: str, keys: list[bytes]) -> list[int]:
     """The keys' tiers once the mover has stopped moving them."""
     seen = [tiers(stub, ns, keys)]
@@ -384,17 +370,17 @@ def settled(stub: rpc.KVStoreStub, ns: str, keys: list[bytes]) -> list[int]:
     def still() -> bool:
         seen.append(tiers(stub, ns, keys))
         return seen[-1] == seen[-2]
-    wait_for(still, pause_s=0.3)
+    wait_until(still, "the mover to settle", timeout_s=15, pause_s=0.3)
     return seen[-1]
 
 
 def test_evict_by_tier_removes_the_blocks_whose_only_copy_was_there(tmp_path: Path) -> None:
     with running(tmp_path, *L3) as (_, stub):
         ns = "c/evict-tier"
-        keys, values = blocks(18, [PAGE] * 48)  # 1.5 times L2: some go down to L3
+        keys, values = sized_blocks([PAGE] * 48, 18)  # 1.5 times L2: some go down to L3
         for i in range(0, 48, 8):
             put(stub, ns, keys[i : i + 8], values[i : i + 8], independent=True)
-        wait_for(lambda: pb.TIER_NVME in tiers(stub, ns, keys))
+        wait_until(lambda: pb.TIER_NVME in tiers(stub, ns, keys), "a block in L3", timeout_s=15)
         before = settled(stub, ns, keys)
         in_l3 = before.count(pb.TIER_NVME)
         assert in_l3 and before.count(DRAM) + in_l3 == 48
@@ -402,8 +388,8 @@ def test_evict_by_tier_removes_the_blocks_whose_only_copy_was_there(tmp_path: Pa
         assert (got.evicted, got.evicted_bytes, got.skipped) == (in_l3, in_l3 * PAGE, 0)
         assert tiers(stub, ns, keys) == [MISS if t == pb.TIER_NVME else t for t in before]
         # By bytes or all in a tier that is off: FAILED_PRECONDITION.
-        assert code_of(stub.Evict, pb.EvictRequest(namespace=ns, all=True,
-                                                   tier=pb.TIER_HBM)) == OFF
+        assert code_of(lambda: stub.Evict(pb.EvictRequest(namespace=ns, all=True,
+                                                   tier=pb.TIER_HBM))) == OFF
 
 
 def namespace_root(namespace: str) -> bytes:
@@ -420,16 +406,16 @@ def after_restart(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[in
     cached) after a restart on the same L3 folder."""
     work = tmp_path_factory.mktemp("restart")
     settings = (*L3, f"nvme.dir={work / 'l3'}")
-    chains = {name: blocks(20 + i, [PAGE] * 4)[0] for i, name in enumerate(PARENTS)}
+    chains = {name: sized_blocks([PAGE] * 4, 20 + i)[0] for i, name in enumerate(PARENTS)}
     with running(work, *settings) as (_, stub):
         for name, keys in chains.items():
             ns = f"c/restart-{name}"
             put(stub, ns, keys, [os.urandom(PAGE) for _ in keys], parent_key=PARENTS[name](ns))
-        filler, values = blocks(30, [PAGE] * 40)
+        filler, values = sized_blocks([PAGE] * 40, 30)
         for i in range(0, 40, 8):
             put(stub, "c/filler", filler[i : i + 8], values[i : i + 8], independent=True)
-        wait_for(lambda: all(tiers(stub, f"c/restart-{n}", k) == [pb.TIER_NVME] * 4
-                             for n, k in chains.items()))
+        wait_until(lambda: all(tiers(stub, f"c/restart-{n}", k) == [pb.TIER_NVME] * 4
+                               for n, k in chains.items()), "the chains in L3", timeout_s=15)
     with running(work, *settings) as (_, stub):
         return {n: tiers(stub, f"c/restart-{n}", k) for n, k in chains.items()}
 
