@@ -133,6 +133,32 @@ def daemon(shared_daemon: SharedDaemons) -> Daemon:
     return shared_daemon(*DEFAULT_SETTINGS)
 
 
+#: The settings of the daemon for tests that read the whole daemon's figures: an 8 MiB L2 of
+#: 64 KiB pages and a small L3.
+WHOLE_SETTINGS = ("dram.capacity_bytes=8MiB", "dram.page_size_bytes=64KiB")
+
+
+#: The settings of the daemon for tests that count pages: a 16-page L2 (1 MiB of 64 KiB
+#: pages) and no L3; leases of 2 s (short, yet long enough to observe a lease on a loaded
+#: 2-core machine), swept every 0.1 s, and reservations of 30 s; one client may pin the whole
+#: tier. The tests that use it empty it first, as whole_daemon does.
+SIXTEEN_PAGES = ("nvme.enabled=false", "dram.capacity_bytes=1MiB", "dram.page_size_bytes=64KiB",
+                 "clients.max_pinned_share=1", "leases.lease_timeout_s=2",
+                 "leases.sweep_interval_s=0.1", "leases.reservation_timeout_s=30")
+
+
+@pytest.fixture
+def whole_daemon(shared_daemon: SharedDaemons) -> Daemon:
+    """A shared daemon (WHOLE_SETTINGS) emptied for the test: every namespace is evicted
+    before it starts. For tests that read daemon-wide figures (objects, used bytes, the
+    admin's stats table): the tests of one session run one at a time, so each starts on an
+    empty store. What a test pins it must unpin, since eviction spares pinned blocks."""
+    d = shared_daemon(*WHOLE_SETTINGS)
+    with KVStoreClient(d.target, "whole-daemon", shared_memory=False) as kv:
+        kv.evict(all=True, namespace="")
+    return d
+
+
 @pytest.fixture
 def ns(request: pytest.FixtureRequest) -> Iterator[str]:
     """A namespace no other test uses ("t-<test name>-<random>"). When the test ends, whatever

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvstore.client import KVStoreClient, prefix_keys
-from kvstore.tools.testing import Daemon, free_port, start_daemon
+from kvstore.tools.testing import Daemon, free_port
 from tests.conftest import REPO
 
 CAPACITY = 8 << 20
@@ -27,18 +27,16 @@ PAGE = 64 << 10
 NS = "admin-ns"
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("admin"), f"dram.capacity_bytes={CAPACITY}",
-                     "dram.page_size_bytes=64KiB")
-    yield d
-    assert d.stop() == 0, d.log()
+@pytest.fixture
+def daemon(whole_daemon: Daemon) -> Daemon:
+    """The admin shows the whole daemon: the shared one for such tests (8 MiB of 64 KiB
+    pages, tests/conftest.py), emptied before each test."""
+    return whole_daemon
 
 
 @pytest.fixture
 def kv(daemon: Daemon) -> Iterator[KVStoreClient]:
     with KVStoreClient(daemon.target, NS, shared_memory=False) as client:
-        client.evict(all=True, namespace="")
         yield client
 
 

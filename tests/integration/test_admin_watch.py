@@ -15,12 +15,12 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from kvstore.client import KVStoreClient
-from kvstore.tools.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon
 from tests.conftest import REPO
 
 NS = "admin-watch"
@@ -77,12 +77,11 @@ class Terminal:
         return code
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("admin-watch"), "dram.capacity_bytes=8MiB",
-                     "nvme.enabled=false", "hbm.mode=off")
-    yield d
-    assert d.stop() == 0, d.log()
+@pytest.fixture
+def daemon(whole_daemon: Daemon) -> Daemon:
+    """The table shows the whole daemon: the shared one for such tests (an 8 MiB L2,
+    tests/conftest.py), emptied before each test."""
+    return whole_daemon
 
 
 def dram_objects(text: str) -> list[int]:

@@ -22,18 +22,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.client import InvalidArgument, KVStoreClient, prefix_keys
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from kvstore.tools.testing import Daemon, free_port, start_daemon
+from kvstore.tools.testing import Daemon, free_port
 from tests.conftest import REPO
+from tests.helpers import metric, scrape
 
 CAPACITY = 8 << 20
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("endpoints"), f"dram.capacity_bytes={CAPACITY}",
-                     "dram.page_size_bytes=64KiB")
-    yield d
-    assert d.stop() == 0, d.log()
+@pytest.fixture
+def daemon(whole_daemon: Daemon) -> Daemon:
+    """The metrics are the whole daemon's: the shared one for such tests (an 8 MiB L2,
+    tests/conftest.py), emptied before each test."""
+    return whole_daemon
 
 
 @pytest.fixture
@@ -68,25 +68,6 @@ def test_reflection_lists_and_describes_the_service(channel: grpc.Channel) -> No
     methods = {m.name for m in services["kvstore.v1.KVStore"].method}
     assert methods == {"Put", "Get", "Lookup", "Prefetch", "Reserve", "Release", "Evict",
                        "Pin", "Unpin", "Stats", "Hot", "Prewarm", "Drain", "Attach", "Limits"}
-
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(daemon: Daemon) -> Samples:
-    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def metric(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def test_prometheus_metrics_count_what_the_clients_did(daemon: Daemon,

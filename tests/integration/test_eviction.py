@@ -7,26 +7,24 @@ across tests would carry that over."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
 from kvstore.client import FailedPrecondition, KVStoreClient, ResourceExhausted
-from kvstore.tools.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon
+from tests.conftest import SIXTEEN_PAGES
 
 PAGE = 64 << 10
 NUM_PAGES = 16
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    # clients.max_pinned_share=1: the one client here pins the whole tier on purpose
-    d = start_daemon(tmp_path_factory.mktemp("eviction"), "nvme.enabled=false",
-                     "dram.capacity_bytes=1MiB", "dram.page_size_bytes=64KiB",
-                     "clients.max_pinned_share=1")
-    yield d
-    assert d.stop() == 0, d.log()
+@pytest.fixture
+def daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
+    """The shared 16-page daemon (clients.max_pinned_share=1: the one client here pins the
+    whole tier on purpose), emptied before each test by empty_store."""
+    return shared_daemon(*SIXTEEN_PAGES)
 
 
 @pytest.fixture(autouse=True)
@@ -37,11 +35,6 @@ def empty_store(daemon: Daemon) -> None:
         dram = s.tier("dram")
         assert dram is not None
         assert (dram.objects, dram.free_pages, s.pinned, s.leases) == (0, NUM_PAGES, 0, 0)
-
-
-@pytest.fixture
-def ns(request: pytest.FixtureRequest) -> str:
-    return f"evict-{request.node.name}"
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ blocks, checksums computed on the way, a corrupt block reported as bad."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -25,8 +25,9 @@ from kvstore.client._wire import (
 )
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.tools.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon
 from kvstore.units import KiB
+from tests import helpers
 
 CHUNK = 64 * KiB
 # Off by one around the message size, exactly one and three messages, several messages and a
@@ -34,33 +35,22 @@ CHUNK = 64 * KiB
 SIZES = [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK, 200_000, 7, 4096, 5 * CHUNK + 3, 2]
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("inline"), "dram.capacity_bytes=32MiB",
-                     "dram.page_size_bytes=4KiB", f"server.chunk_bytes={CHUNK}",
-                     "server.max_message_bytes=1MiB")
-    yield d
-    assert d.stop() == 0, d.log()
-
-
-def payloads(seed: int, sizes: list[int]) -> list[bytes]:
-    rng = np.random.default_rng(seed)
-    return [rng.bytes(size) for size in sizes]
-
-
-def random_keys(seed: int, n: int) -> list[bytes]:
-    rng = np.random.default_rng(seed + 1_000_000)
-    return [rng.bytes(32) for _ in range(n)]
+@pytest.fixture
+def daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
+    """A shared daemon whose messages are small (64 KiB chunks, 1 MiB messages), so blocks
+    cross message boundaries; each test reads and writes its own namespace (`ns`)."""
+    return shared_daemon("dram.capacity_bytes=32MiB", "dram.page_size_bytes=4KiB",
+                         f"server.chunk_bytes={CHUNK}", "server.max_message_bytes=1MiB")
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
-def test_get_and_get_into_are_bit_exact_across_message_boundaries(daemon: Daemon,
+def test_get_and_get_into_are_bit_exact_across_message_boundaries(daemon: Daemon, ns: str,
                                                                   verify: bool) -> None:
-    keys, values = random_keys(1, len(SIZES)), payloads(1, SIZES)
-    missing = random_keys(2, 2)
+    keys, values = helpers.keys(len(SIZES), 1), helpers.values(SIZES, 1)
+    missing = helpers.keys(2, 2)
     asked = [missing[0], *keys[:4], missing[1], *keys[4:]]
     expected = [None, *values[:4], None, *values[4:]]
-    with KVStoreClient(daemon.target, f"inline/{verify}", shared_memory=False,
+    with KVStoreClient(daemon.target, ns, shared_memory=False,
                        verify_checksums=verify) as kv:
         assert kv.put(keys, values, independent=True).stored == len(keys)
         got = kv.get(asked)
@@ -77,11 +67,11 @@ def test_get_and_get_into_are_bit_exact_across_message_boundaries(daemon: Daemon
         assert kv.uses_shared_memory is False
 
 
-def test_many_blocks_in_one_message_and_one_block_per_message(daemon: Daemon) -> None:
-    small = payloads(3, [1000] * 40)  # 40 KB: all in the first message
-    exact = payloads(4, [CHUNK] * 4)  # one message each, boundaries aligned
-    keys = random_keys(3, 44)
-    with KVStoreClient(daemon.target, "inline/shapes", shared_memory=False) as kv:
+def test_many_blocks_in_one_message_and_one_block_per_message(daemon: Daemon, ns: str) -> None:
+    small = helpers.values([1000] * 40, 3)  # 40 KB: all in the first message
+    exact = helpers.values([CHUNK] * 4, 4)  # one message each, boundaries aligned
+    keys = helpers.keys(44, 3)
+    with KVStoreClient(daemon.target, ns, shared_memory=False) as kv:
         kv.put(keys, small + exact, independent=True)
         assert kv.get(keys) == small + exact
         assert kv.get(keys[40:]) == exact  # each block is one whole message
@@ -92,14 +82,14 @@ def test_many_blocks_in_one_message_and_one_block_per_message(daemon: Daemon) ->
         assert kv.get_into(keys, arrays) == [len(v) for v in small + exact]
         assert [a.tobytes() for a in arrays] == small + exact
         # Only misses: a header and no data.
-        assert kv.get(random_keys(5, 3)) == [None, None, None]
+        assert kv.get(helpers.keys(3, 5)) == [None, None, None]
 
 
-def test_async_client_reassembles_the_same_stream(daemon: Daemon) -> None:
-    keys, values = random_keys(6, len(SIZES)), payloads(6, SIZES)
+def test_async_client_reassembles_the_same_stream(daemon: Daemon, ns: str) -> None:
+    keys, values = helpers.keys(len(SIZES), 6), helpers.values(SIZES, 6)
 
     async def run() -> None:
-        async with AsyncKVStoreClient(daemon.target, "inline/aio", shared_memory=False) as kv:
+        async with AsyncKVStoreClient(daemon.target, ns, shared_memory=False) as kv:
             await kv.put(keys, values, independent=True)
             assert await kv.get(keys) == values
             arrays = [np.zeros(len(v) + 1, np.uint8) for v in values]
@@ -109,15 +99,15 @@ def test_async_client_reassembles_the_same_stream(daemon: Daemon) -> None:
     asyncio.run(run())
 
 
-def test_a_plain_protobuf_client_reads_the_same_stream(daemon: Daemon) -> None:
+def test_a_plain_protobuf_client_reads_the_same_stream(daemon: Daemon, ns: str) -> None:
     """The frames the daemon writes by hand are GetResponses to any protobuf reader: the
     header first and alone, then the data in order."""
-    keys, values = random_keys(9, 3), payloads(9, [CHUNK + 5, 10, 2 * CHUNK])
-    with KVStoreClient(daemon.target, "inline/plain", shared_memory=False) as kv:
+    keys, values = helpers.keys(3, 9), helpers.values([CHUNK + 5, 10, 2 * CHUNK], 9)
+    with KVStoreClient(daemon.target, ns, shared_memory=False) as kv:
         kv.put(keys, values, independent=True)
     with grpc.insecure_channel(daemon.target) as channel:
         stub = pb_grpc.KVStoreStub(channel)
-        request = pb.GetRequest(namespace="inline/plain", keys=[keys[0], b"\0" * 32, *keys[1:]],
+        request = pb.GetRequest(namespace=ns, keys=[keys[0], b"\0" * 32, *keys[1:]],
                                 mode=pb.GET_MODE_INLINE)
         messages = list(stub.Get(request, timeout=10))
     first = messages[0]
@@ -150,7 +140,7 @@ def feed_in_pieces(assembler: InlineAssembler, stream: bytes, step: int) -> Fetc
 def test_zero_size_blocks_and_checksums_computed_on_the_way(step: int) -> None:
     blocks: list[bytes | None] = [b"", b"abc", None, b"", b"x" * 5000, b"", b"yz", b""]
     found = [b for b in blocks if b is not None]
-    keys = random_keys(7, len(blocks))
+    keys = helpers.keys(len(blocks), 7)
     stream = b"".join(found)
 
     fetched = feed_in_pieces(
@@ -174,7 +164,7 @@ def test_zero_size_blocks_and_checksums_computed_on_the_way(step: int) -> None:
 
 def test_a_block_that_fails_its_checksum_is_reported_bad_both_ways() -> None:
     blocks: list[bytes | None] = [b"a" * 100, b"b" * 70_000, b"c" * 3]
-    keys = random_keys(8, 3)
+    keys = helpers.keys(3, 8)
     stream = b"".join(b for b in blocks if b is not None)
     header = parse_get_header(header_of(blocks, corrupt=1), 3)
     fetched = feed_in_pieces(InlineAssembler(header, verify=True), stream, 4096)

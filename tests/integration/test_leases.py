@@ -16,22 +16,20 @@ import pytest
 from kvstore.client import KVStoreClient, Stats
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from kvstore.tools.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon
+from tests.conftest import SIXTEEN_PAGES
 
 PAGE = 64 << 10
 NUM_PAGES = 16
-LEASE_TIMEOUT_S = 2.0  # short, yet long enough to observe a lease on a loaded 2-core box
+LEASE_TIMEOUT_S = 2.0  # leases.lease_timeout_s in SIXTEEN_PAGES
 NS = "leases"
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("leases"), "nvme.enabled=false",
-                     "dram.capacity_bytes=1MiB", "dram.page_size_bytes=64KiB",
-                     f"leases.lease_timeout_s={LEASE_TIMEOUT_S}",
-                     "leases.sweep_interval_s=0.1", "leases.reservation_timeout_s=30")
-    yield d
-    assert d.stop() == 0, d.log()
+@pytest.fixture
+def daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
+    """The shared 16-page daemon (leases of LEASE_TIMEOUT_S), emptied before each test by
+    the kv fixture."""
+    return shared_daemon(*SIXTEEN_PAGES)
 
 
 @pytest.fixture

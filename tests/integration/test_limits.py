@@ -5,28 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
-from kvstore.tools.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon
 
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+@pytest.fixture
+def daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
     # Smaller messages than the client's defaults (16 MiB messages, 4 MiB chunks).
-    d = start_daemon(tmp_path_factory.mktemp("limits"), "dram.capacity_bytes=32MiB",
-                     "server.max_message_bytes=2MiB", "server.chunk_bytes=1MiB",
-                     "server.max_batch_keys=100", "leases.lease_timeout_s=7")
-    yield d
-    assert d.stop() == 0, d.log()
+    return shared_daemon("dram.capacity_bytes=32MiB", "server.max_message_bytes=2MiB",
+                         "server.chunk_bytes=1MiB", "server.max_batch_keys=100",
+                         "leases.lease_timeout_s=7")
 
 
-def test_both_clients_read_the_daemons_limits(daemon: Daemon) -> None:
-    with KVStoreClient(daemon.target, "limits") as kv:
+def test_both_clients_read_the_daemons_limits(daemon: Daemon, ns: str) -> None:
+    with KVStoreClient(daemon.target, ns) as kv:
         limits = kv.limits()
         assert kv.limits() is limits  # asked once
     assert (limits.contract, limits.max_message_bytes, limits.chunk_bytes) == (
@@ -35,23 +33,23 @@ def test_both_clients_read_the_daemons_limits(daemon: Daemon) -> None:
     assert limits.shared_memory and limits.auth_mode == "off"
 
     async def aio() -> None:
-        async with AsyncKVStoreClient(daemon.target, "limits") as kv:
+        async with AsyncKVStoreClient(daemon.target, ns) as kv:
             assert await kv.limits() == limits
     asyncio.run(aio())
 
 
-def test_an_inline_put_fits_its_messages_to_the_daemon(daemon: Daemon) -> None:
+def test_an_inline_put_fits_its_messages_to_the_daemon(daemon: Daemon, ns: str) -> None:
     # The client's 4 MiB chunks would be refused by a daemon taking 2 MiB messages.
     blocks = [os.urandom(3 * MiB + 17), os.urandom(100)]
     keys = [bytes([i]) * 32 for i in range(2)]
-    with KVStoreClient(daemon.target, "limits", shared_memory=False) as kv:
+    with KVStoreClient(daemon.target, ns, shared_memory=False) as kv:
         assert kv.chunk_bytes == 4 * MiB
         assert kv.put(keys, blocks, independent=True).stored == 2
         assert kv.get(keys) == blocks
 
     async def aio() -> None:
         more = [bytes([9 + i]) * 32 for i in range(2)]
-        async with AsyncKVStoreClient(daemon.target, "limits", shared_memory=False) as kv:
+        async with AsyncKVStoreClient(daemon.target, ns, shared_memory=False) as kv:
             assert (await kv.put(more, blocks, independent=True)).stored == 2
             assert await kv.get(more) == blocks
     asyncio.run(aio())
