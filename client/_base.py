@@ -1,29 +1,41 @@
-"""`ClientBase`: the state and the steps `KVStoreClient` and `AsyncKVStoreClient` share, so
-that each writes only its control flow (blocking calls, or awaited ones), as redis-py's
-`retry.py` and `asyncio/retry.py` share a base.
+"""`ClientBase`: what `KVStoreClient` and `AsyncKVStoreClient` share, which is everything but
+the transport. Each verb is written here once, as steps (`_effects`): its arguments checked,
+its request built, its path chosen (the local path, shared memory, or inline gRPC), its
+response converted. A client's public method only runs those steps with its transport, as
+redis-py writes each command once (`commands/core.py`) and only the I/O loop twice
+(`retry.py` and `asyncio/retry.py`).
 
-Shared here: the constructor and its checks (a target without a port gets 50051: `_target`),
+Also here: the constructor and its checks (a target without a port gets 50051: `_target`),
 the credentials (`credentials`: the token bound to every call's metadata, TLS for the
 channel), the stubs over the channel each subclass opens, the shared-memory decision
-(`ShmState`, one per client), the requests the data path builds, the warnings both log,
-`uses_shared_memory` and the repr. Verb arguments are checked and
-requests built in `_requests`, wire framing in `_wire`, results in `results`.
+(`ShmState`, one per client), the warnings both log, `uses_shared_memory` and the repr. Verb
+arguments are checked and requests built in `_requests`, wire framing in `_wire`, results in
+`results`.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
 
-from grpc_health.v1 import health_pb2_grpc
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.keys import BlockKey
 from kvstore.memory import keep_freed_buffers
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.proto.localframe import COMMIT, GET, LOOKUP, RELEASE, RESERVE
 
 from . import _requests as rq
 from . import results as res
+from ._buffers import ByteArray
+from ._effects import Call, Next, Offload, Open, Report, Retried, Steps, Upload, one
+from ._localpath import NoSession
+from ._segment import SharedSegment, only_header
 from ._shm import ShmState
 from ._target import with_default_port
 from ._wire import (
@@ -32,9 +44,16 @@ from ._wire import (
     FRAME_SLACK_BYTES,
     GET_METHOD,
     PUT_METHOD,
+    Fetched,
+    InlineAssembler,
     check_client_args,
+    check_keys,
+    chunk_of,
     decode_get_response,
+    finish_get,
+    finish_get_into,
     identity,
+    put_frames,
 )
 from .credentials import (
     TLS,
@@ -46,10 +65,13 @@ from .credentials import (
     resolve_unix_socket,
     with_metadata,
 )
-from .errors import KVStoreError
+from .errors import DataLoss, FailedPrecondition, KVStoreError
 from .retry import Retry
 
 logger = logging.getLogger("kvstore.client")
+
+T = TypeVar("T")
+M = TypeVar("M")  # a response message
 
 
 class ClientBase(ABC):
@@ -113,9 +135,11 @@ class ClientBase(ABC):
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._shm = ShmState(shared_memory, socket_path, timeout_s)
-        self._limits: res.Limits | None = None  # the daemon's, asked once (Limits)
+        self._daemon_limits: res.Limits | None = None  # the daemon's, asked once (Limits)
         self._no_limits = False  # the daemon predates the Limits verb
         self._closed = False
+
+    # --- the transport, which each subclass is ---------------------------------------------
 
     @staticmethod
     @abstractmethod
@@ -125,29 +149,336 @@ class ClientBase(ABC):
         """The channel the stubs run on: grpc's blocking one, or grpc.aio's; TLS with
         security, else plaintext."""
 
-    def _put_chunk(self, header: pb.PutRequest) -> int:
+    @abstractmethod
+    def _blocking(self, steps: Callable[[], Steps[T]]) -> Callable[[], T]:
+        """A function that runs the steps steps() makes to their end, blocking the thread
+        that calls it, and returns their value: what `ShmState` is handed for its Stats and
+        Attach calls, since it runs on the caller's thread (the blocking client) or in a
+        worker thread (the asyncio client, whose steps then run on its event loop)."""
+
+    # --- steps every verb takes -----------------------------------------------------------
+
+    def _unary(self, method: Callable[..., Any], request: Any,
+               timeout_s: float | None = None) -> Steps[Any]:
+        """One unary gRPC call, retried; its response."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        return (yield Retried(lambda: one(Call(method, request, timeout))))
+
+    def _progress(self, method: Callable[..., Any], request: Any, timeout_s: float,
+                  convert: Callable[[Any], T], first: T,
+                  on_progress: Callable[[T], object] | None) -> Steps[T]:
+        """A progress stream (Prefetch, Prewarm): each message converted and reported; the
+        last one returned (first when the stream is empty). Retried whole, as any call."""
+        def attempt() -> Steps[T]:
+            stream = yield Open(method, request, timeout_s)
+            last = first
+            try:
+                while (message := (yield Next(stream))) is not None:
+                    last = convert(message)
+                    if on_progress is not None:
+                        yield Report(on_progress, last)
+            except BaseException:
+                stream.cancel()
+                raise
+            return last
+
+        final: T = yield Retried(attempt)
+        return final
+
+    def _local_first(self, verb: int, request: Any, response_type: type[M],
+                     over_grpc: Callable[[], Steps[M]]) -> Steps[M]:
+        """A hot verb over the local path when it is open, else (or once it cannot be had)
+        over gRPC; not retried here (the caller retries the whole flow)."""
+        local = self._shm.local
+        if local is not None:
+            try:
+                response: M = yield Offload(partial(local.call, verb, request, response_type))
+                return response
+            except NoSession as exc:
+                self._shm.local_off(exc)
+        return (yield from over_grpc())
+
+    # --- the shared-memory path -----------------------------------------------------------
+
+    def _segment(self) -> Steps[SharedSegment | None]:
+        """The shared memory to use, None for inline: decided by the first data call (see
+        ShmState), off the event loop."""
+        shm = self._shm
+        if not shm.decided:
+            fetch_stats = self._blocking(self._fetch_stats)
+            fetch_attach = self._blocking(self._fetch_attach)
+            yield Offload(partial(shm.segment_for, fetch_stats, fetch_attach))
+        return shm.active
+
+    def _fetch_stats(self) -> Steps[pb.StatsResponse]:
+        """The Stats call the shared-memory decision is made from."""
+        return (yield from self._unary(self._stub.Stats, pb.StatsRequest(namespace=self.namespace)))
+
+    def _fetch_attach(self) -> Steps[pb.AttachResponse]:
+        return (yield from self._unary(self._stub.Attach, pb.AttachRequest()))
+
+    def _ensure_arena(self, name: str) -> Steps[None]:
+        """Before a response's arena is used: one re-Attach when it is not held (see
+        ShmState.ensure_arena)."""
+        if self._shm.needs_attach(name):
+            fetch_attach = self._blocking(self._fetch_attach)
+            yield Offload(partial(self._shm.ensure_arena, name, fetch_attach))
+
+    def _release_lease(self, lease_id: str) -> Steps[None]:
+        """End a Get's lease without waiting for the answer when the local path is open (the
+        answer is read before the session's next one); else a Release call."""
+        local = self._shm.local
+        if local is not None:
+            yield Offload(partial(local.post, RELEASE, pb.ReleaseRequest(ids=[lease_id])))
+        else:
+            yield from self._release_quietly([lease_id])
+
+    def _release_quietly(self, ids: list[str]) -> Steps[None]:
+        """Release, once; a failure is logged (the daemon expires what it holds)."""
+        try:
+            yield Call(self._stub.Release, pb.ReleaseRequest(ids=ids), self.timeout_s)
+        except KVStoreError as exc:
+            logger.warning("kvstore: Release(%s) failed, the daemon will expire it: %s",
+                           ids, exc)
+
+    def _drop_corrupt(self, bad: list[bytes]) -> Steps[None]:
+        """Evict each block that failed its checksum (now a miss), logging it."""
+        for key in bad:
+            logger.warning(
+                "kvstore: checksum mismatch for key %s in namespace %r; treating it as a miss "
+                "and evicting it",
+                key.hex(),
+                self.namespace,
+            )
+            request = pb.EvictRequest(namespace=self.namespace, keys=[key])
+            try:
+                yield Call(self._stub.Evict, request, self.timeout_s)
+            except KVStoreError as exc:
+                logger.warning("kvstore: evicting corrupt key %s failed: %s", key.hex(), exc)
+
+    # --- put ------------------------------------------------------------------------------
+
+    def _put_steps(self, keys: Sequence[BlockKey], values: Sequence[object],
+                   parent: BlockKey | None, independent: bool) -> Steps[res.PutResult]:
+        plan = rq.put_plan(self.namespace, keys, values, parent, independent)
+        if not plan.keys:
+            return res.PutResult(stored=0, existing=0, evicted=0)
+        if (yield from self._segment()) is not None:
+            try:
+                return res.put_result((yield Retried(lambda: self._put_shm(plan))))
+            except FailedPrecondition as exc:
+                self._shm.fall_back(exc)
+        header = plan.inline_header()
+        chunk = self._put_chunk(header, (yield from self._limits_or_none()))
+        response = yield Retried(lambda: one(Upload(
+            self._put, put_frames(header, plan.payloads, chunk), self.timeout_s)))
+        return res.put_result(response)
+
+    def _put_shm(self, plan: rq.PutPlan) -> Steps[pb.PutResponse]:
+        """Reserve, write into the reserved pages, commit; a reservation not committed is
+        released."""
+        request = plan.reserve_request()
+        reserved = yield from self._local_first(
+            RESERVE, request, pb.ReserveResponse,
+            lambda: one(Call(self._stub.Reserve, request, self.timeout_s)))
+        committed = False
+        try:
+            yield from self._ensure_arena(reserved.arena)
+            checksums = yield Offload(
+                partial(self._shm.write_reservation, reserved, plan.payloads))
+            commit = plan.commit_request(reserved.reservation_id, checksums)
+            response = yield from self._local_first(
+                COMMIT, commit, pb.PutResponse,
+                lambda: one(Upload(self._put, iter([commit.SerializeToString()]),
+                                   self.timeout_s)))
+            committed = True
+            return response
+        finally:
+            if not committed and reserved.reservation_id:
+                yield from self._release_quietly([reserved.reservation_id])
+
+    def _put_chunk(self, header: pb.PutRequest, limits: res.Limits | None) -> int:
         """Data bytes per inline Put message: chunk_bytes, at most the daemon's chunk_bytes,
         and small enough that the first message (header and data) fits its
         max_message_bytes (from Limits once asked; a daemon without the verb: chunk_bytes)."""
-        limits = self._limits
         if limits is None or not limits.chunk_bytes:
             return self.chunk_bytes
         room = limits.max_message_bytes - header.ByteSize() - FRAME_SLACK_BYTES
         return max(1, min(self.chunk_bytes, limits.chunk_bytes, int(room)))
 
-    def _keep_limits(self, response: pb.LimitsResponse | None) -> res.Limits | None:
-        """Cache the daemon's limits (None: it predates the verb) and check this client can
-        receive its inline Get messages."""
-        if response is None:
-            return None
-        limits = res.limits_result(response)
-        if limits.chunk_bytes + FRAME_SLACK_BYTES > self.max_message_bytes:
-            logger.warning(
-                "the daemon sends inline Get messages of up to %d bytes, over this client's "
-                "max_message_bytes %d: pass max_message_bytes=%d or more",
-                limits.chunk_bytes, self.max_message_bytes, limits.max_message_bytes)
-        self._limits = limits
-        return limits
+    # --- get ------------------------------------------------------------------------------
+
+    def _get_steps(self, keys: Sequence[BlockKey]) -> Steps[list[bytes | None]]:
+        key_list = check_keys(keys)
+        if not key_list:
+            return []
+        fetched = yield from self._fetch(key_list, None)
+        out, bad = finish_get(key_list, fetched, self.verify_checksums)
+        yield from self._drop_corrupt(bad)
+        return out
+
+    def _get_into_steps(self, keys: Sequence[BlockKey],
+                        buffers: Sequence[object]) -> Steps[list[int | None]]:
+        key_list = check_keys(keys)
+        arrays = rq.into_arrays(key_list, buffers)
+        if not key_list:
+            return []
+        fetched = yield from self._fetch(key_list, arrays)
+        out, bad = finish_get_into(key_list, fetched, arrays, self.verify_checksums)
+        yield from self._drop_corrupt(bad)
+        return out
+
+    def _fetch(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Steps[Fetched]:
+        """The blocks through shared memory when it is in use, else inline."""
+        if (yield from self._segment()) is not None:
+            try:
+                through_shm: Fetched = yield Retried(lambda: self._get_shm(keys, arrays))
+                return through_shm
+            except FailedPrecondition as exc:
+                self._shm.fall_back(exc)
+        inline: Fetched = yield Retried(lambda: self._get_inline(keys, arrays))
+        return inline
+
+    def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Steps[Fetched]:
+        request = self._get_request(keys, True)
+        response = yield from self._local_first(
+            GET, request, pb.GetResponse, lambda: self._get_header(request))
+        try:
+            yield from self._ensure_arena(response.arena)
+            fetched: Fetched = yield Offload(partial(
+                self._shm.read_get, response, len(keys), arrays, self.verify_checksums))
+            return fetched
+        finally:
+            if response.lease_id:
+                yield from self._release_lease(response.lease_id)
+
+    def _get_request(self, keys: list[bytes], shared_memory: bool) -> pb.GetRequest:
+        return rq.get_request(self.namespace, keys, shared_memory, self.verify_checksums)
+
+    def _get_header(self, request: pb.GetRequest) -> Steps[pb.GetResponse]:
+        """A shared-memory Get over gRPC: the one message it answers."""
+        stream = yield Open(self._get, request, self.timeout_s)
+        messages = []
+        while (message := (yield Next(stream))) is not None:
+            messages.append(message)
+        return only_header(messages)
+
+    def _get_inline(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Steps[Fetched]:
+        request = self._get_request(keys, False)
+        stream = yield Open(self._get, request, self.timeout_s)
+        try:
+            first = yield Next(stream)
+            if first is None:
+                raise DataLoss("Get stream ended without a header")
+            assembler: InlineAssembler = yield Offload(partial(
+                InlineAssembler.start, first, len(keys), arrays, self.verify_checksums))
+            while (message := (yield Next(stream))) is not None:
+                yield Offload(partial(assembler.feed, chunk_of(message)))
+            return assembler.fetched()
+        except BaseException:
+            stream.cancel()
+            raise
+
+    # --- control verbs --------------------------------------------------------------------
+
+    def _lookup_steps(self, keys: Sequence[BlockKey],
+                      block_tokens: int) -> Steps[res.LookupResult]:
+        key_list = check_keys(keys)
+        if not key_list:
+            return res.LookupResult(prefix_length=0, tiers=[])
+        request = rq.lookup_request(self.namespace, key_list, block_tokens)
+        # Over the local path once a data call has opened it (with the shared memory).
+        response = yield Retried(lambda: self._local_first(
+            LOOKUP, request, pb.LookupResponse,
+            lambda: one(Call(self._stub.Lookup, request, self.timeout_s))))
+        return res.lookup_result(response)
+
+    def _prefetch_steps(
+        self, keys: Sequence[BlockKey], tier: str | None, deadline_s: float | None,
+        on_progress: Callable[[res.PrefetchResult], object] | None,
+    ) -> Steps[res.PrefetchResult]:
+        key_list = check_keys(keys)
+        request = rq.prefetch_request(self.namespace, key_list, tier, deadline_s)
+        timeout_s = rq.prefetch_timeout_s(self.timeout_s, deadline_s)
+        if not key_list:
+            return res.PrefetchResult(done=0, missing=0, failed=0, total=0)
+        return (yield from self._progress(
+            self._stub.Prefetch, request, timeout_s, res.prefetch_result,
+            res.PrefetchResult(done=0, missing=0, failed=0, total=len(key_list)), on_progress))
+
+    def _evict_steps(self, keys: Sequence[BlockKey] | None, size_bytes: int, evict_all: bool,
+                     tier: str | None, namespace: str | None) -> Steps[res.EvictResult]:
+        request = rq.evict_request(self.namespace, keys, size_bytes, evict_all, tier, namespace)
+        return res.evict_result((yield from self._unary(self._stub.Evict, request)))
+
+    def _pin_steps(self, method: Callable[..., Any],
+                   keys: Sequence[BlockKey]) -> Steps[res.PinResult]:
+        """Pin or Unpin (the method) these keys."""
+        key_list = check_keys(keys)
+        if not key_list:
+            return res.PinResult(changed=0, missing=0)
+        request = pb.PinRequest(namespace=self.namespace, keys=key_list)
+        return res.pin_result((yield from self._unary(method, request)))
+
+    def _limits_steps(self) -> Steps[res.Limits]:
+        """The daemon's limits, asked once and kept; a warning when this client cannot
+        receive the inline Get messages it sends."""
+        if self._daemon_limits is None:
+            response = yield from self._unary(self._stub.Limits, pb.LimitsRequest())
+            limits = res.limits_result(response)
+            if limits.chunk_bytes + FRAME_SLACK_BYTES > self.max_message_bytes:
+                logger.warning(
+                    "the daemon sends inline Get messages of up to %d bytes, over this "
+                    "client's max_message_bytes %d: pass max_message_bytes=%d or more",
+                    limits.chunk_bytes, self.max_message_bytes, limits.max_message_bytes)
+            self._daemon_limits = limits
+        return self._daemon_limits
+
+    def _limits_or_none(self) -> Steps[res.Limits | None]:
+        """The daemon's limits, or None from a daemon that predates the verb (UNIMPLEMENTED)."""
+        if self._daemon_limits is None and not self._no_limits:
+            try:
+                yield from self._limits_steps()
+            except KVStoreError as exc:
+                if exc.code is not grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._no_limits = True
+        return self._daemon_limits
+
+    def _stats_steps(self, include_config: bool, namespace: str | None) -> Steps[res.Stats]:
+        request = rq.stats_request(include_config, namespace)
+        return res.stats_result((yield from self._unary(self._stub.Stats, request)))
+
+    def _drain_steps(self) -> Steps[res.DrainResult]:
+        return res.drain_result((yield from self._unary(self._stub.Drain, pb.DrainRequest())))
+
+    def _hot_steps(self, limit: int) -> Steps[res.HotResult]:
+        request = rq.hot_request(self.namespace, limit)
+        return res.hot_result((yield from self._unary(self._stub.Hot, request)))
+
+    def _prewarm_steps(
+        self, size_bytes: int, namespaces: Sequence[str],
+        on_progress: Callable[[res.PrewarmResult], object] | None, timeout_s: float | None,
+    ) -> Steps[res.PrewarmResult]:
+        request = rq.prewarm_request(size_bytes, namespaces)
+        call_timeout_s = rq.call_timeout_s(self.timeout_s, timeout_s)
+        return (yield from self._progress(
+            self._stub.Prewarm, request, call_timeout_s, res.prewarm_result,
+            res.PrewarmResult(blocks=0, bytes=0, target_bytes=request.bytes, done=False),
+            on_progress))
+
+    def _health_steps(self, service: str) -> Steps[str]:
+        request = health_pb2.HealthCheckRequest(service=service)
+        response = yield from self._unary(self._health.Check, request)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+    def _release_steps(self, ids: Sequence[str]) -> Steps[res.ReleaseResult]:
+        request = rq.release_request(ids)
+        if not request.ids:
+            return res.ReleaseResult(released=0)
+        return res.release_result((yield from self._unary(self._stub.Release, request)))
+
+    # --- state ----------------------------------------------------------------------------
 
     @property
     def uses_shared_memory(self) -> bool | None:
@@ -161,31 +492,6 @@ class ClientBase(ABC):
         self._closed = True
         self._shm.close()
         return True
-
-    def _stats_request(self) -> pb.StatsRequest:
-        """The Stats call the shared-memory decision is made from."""
-        return pb.StatsRequest(namespace=self.namespace)
-
-    def _get_request(self, keys: list[bytes], shared_memory: bool) -> pb.GetRequest:
-        return rq.get_request(self.namespace, keys, shared_memory, self.verify_checksums)
-
-    def _corrupt(self, key: bytes) -> pb.EvictRequest:
-        """Log a block that failed its checksum; the request that evicts it."""
-        logger.warning(
-            "kvstore: checksum mismatch for key %s in namespace %r; treating it as a miss "
-            "and evicting it",
-            key.hex(),
-            self.namespace,
-        )
-        return pb.EvictRequest(namespace=self.namespace, keys=[key])
-
-    @staticmethod
-    def _evict_failed(key: bytes, exc: KVStoreError) -> None:
-        logger.warning("kvstore: evicting corrupt key %s failed: %s", key.hex(), exc)
-
-    @staticmethod
-    def _release_failed(ids: list[str], exc: KVStoreError) -> None:
-        logger.warning("kvstore: Release(%s) failed, the daemon will expire it: %s", ids, exc)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(target={self.target!r}, namespace={self.namespace!r})"

@@ -7,10 +7,11 @@ round trip costs a few tens of microseconds. The messages are the contract's own
 
 Sessions are pooled, one per thread in flight; each opens with `HOT <ticket>` (a ticket
 from Attach, auth on). Error replies are a google.rpc.Status, so an error raised here has
-the same class, reason and metadata as over gRPC. A session that
-cannot be opened (no socket, a daemon without local sessions, a refusal) raises
-FailedPrecondition: the client then uses gRPC for good. A session that breaks mid-call
-raises Unavailable, and the call is retried whole.
+the same class, reason and metadata as over gRPC. A session that cannot be opened (no
+socket, a refusal, an answer that opens no session) raises FailedPrecondition: the client
+then uses gRPC for good. A session that breaks mid-call raises Unavailable, and the call is
+retried whole. Every call blocks the thread that makes it: the asyncio client makes them in
+worker threads.
 """
 
 from __future__ import annotations

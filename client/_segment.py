@@ -150,20 +150,23 @@ def read_shm_get(
     arrays: Sequence[ByteArray] | None,
     verify_checksums: bool,
 ) -> Fetched:
-    """Copy the found blocks out of shared memory: into arrays[request index] when given
-    (with their checksums computed on the way), else as bytes per found block."""
+    """Copy the found blocks out of shared memory: into arrays[request index] when given,
+    else as bytes per found block; with verify_checksums, each block's checksum computed on
+    the way (from what the caller gets, while it is still in cache)."""
     locations = resp.locations
     if len(locations) != len(header.sizes):
         raise DataLoss(
             f"Get response has {len(locations)} locations for {len(header.sizes)} found keys"
         )
-    if arrays is None:
-        payloads = [
-            segment.read_bytes(segment.spans(locations[j], size, f"locations[{j}]"))
-            for j, size in enumerate(header.sizes)
-        ]
-        return Fetched(header, payloads)
     digests: list[int] = []
+    if arrays is None:
+        payloads: list[bytes] = []
+        for j, size in enumerate(header.sizes):
+            payload = segment.read_bytes(segment.spans(locations[j], size, f"locations[{j}]"))
+            payloads.append(payload)
+            if verify_checksums:
+                digests.append(xxhash.xxh3_64_intdigest(payload))
+        return Fetched(header, payloads, digests if verify_checksums else None)
     for j, size in enumerate(header.sizes):
         spans = segment.spans(locations[j], size, f"locations[{j}]")
         digest = segment.read_into(spans, arrays[header.found_index[j]], digest=verify_checksums)

@@ -1,7 +1,8 @@
 """The same-host fast path: whether to use the daemon's shared memory, and which.
 
 `ShmState` owns the decision for both clients (made once, from one Stats call and on the
-arena path one Attach; undone for good by a fall-back), its one lock, and what is attached.
+arena path one Attach; undone for good by a fall-back), its one lock, what is attached, and
+the local path (`_localpath`: the hot verbs over the daemon's Unix socket) opened with it.
 Two ways in:
 
     named segment   auth.mode off: Stats names /dev/shm/<shm_name>; same host id: attach it
@@ -16,12 +17,9 @@ The copies themselves are `_segment`'s.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from kvstore import shm
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
@@ -45,7 +43,6 @@ __all__ = [
 logger = logging.getLogger("kvstore.client")
 
 FetchAttach = Callable[[], pb.AttachResponse]
-FetchAttachAsync = Callable[[], Awaitable[pb.AttachResponse]]
 
 
 def same_kernel(theirs: str, mine: str) -> bool:
@@ -62,6 +59,11 @@ class ShmState:
     the daemon is on another host or its memory cannot be attached). unix_socket overrides
     the socket path the daemon reports (its folder may be mounted elsewhere here).
 
+    Every method blocks the thread it runs on (RPCs through the functions it is handed,
+    socket exchanges, mapping memory): the blocking client calls them on the caller's thread,
+    the asyncio client in a worker thread, handing it functions that run their RPCs on its
+    event loop and wait for them.
+
     The decision is made once, from one Stats call (and an Attach on the arena path), however
     many threads or tasks make their first data call together: the first claims it, the
     others wait for its outcome. A Stats or Attach that fails with UNAVAILABLE (or a required
@@ -75,8 +77,8 @@ class ShmState:
         self.mode = mode
         self.unix_socket = unix_socket
         self.timeout_s = timeout_s
-        # The hot verbs over the daemon's Unix socket (the blocking client's, opened with
-        # the shared memory when the daemon has a socket); None: they go over gRPC.
+        # The hot verbs over the daemon's Unix socket (opened with the shared memory when the
+        # daemon has a socket); None: they go over gRPC.
         self.local: LocalPath | None = None
         self.decided = mode is False
         self.segment: SharedSegment | None = None
@@ -84,11 +86,11 @@ class ShmState:
         # (None on the named-segment path).
         self.arenas: dict[str, SharedSegment] = {}
         self._socket_path: str | None = None
-        # Guards the decision, re-attaching and closing; never held across an RPC or an
-        # await, which is what lets one lock serve both clients.
+        # Guards the decision, re-attaching and closing; never held across an RPC, so a
+        # caller waiting on it never waits for the daemon.
         self._lock = threading.Lock()
-        # The decision in flight, which late callers wait on (blocking or awaited).
-        self._deciding: Future[None] | None = None
+        # Set once the decision in flight is made (or has failed): what late callers wait on.
+        self._deciding: threading.Event | None = None
 
     @property
     def required(self) -> bool:
@@ -112,59 +114,41 @@ class ShmState:
         fetch_attach: FetchAttach | None = None,
     ) -> SharedSegment | None:
         """The segment (or first arena) to use, or None for inline; decides first when
-        undecided (fetch_stats is the one Stats call, fetch_attach the Attach RPC). The
-        blocking client's way in."""
+        undecided (fetch_stats is the one Stats call, fetch_attach the Attach RPC)."""
         while not self.decided:
-            mine, turn = self._claim()
-            if not mine:
-                turn.result()
+            turn = self._claim()
+            if turn is not None:
+                turn.wait()
                 continue
             try:
                 self.adopt(fetch_stats(), fetch_attach)
             finally:
-                self._settle(turn)
+                self._settle()
         return self.active
 
-    async def segment_for_async(
-        self,
-        fetch_stats: Callable[[], Awaitable[pb.StatsResponse]],
-        fetch_attach: FetchAttachAsync | None = None,
-    ) -> SharedSegment | None:
-        """segment_for, awaiting the calls and the decision: the asyncio client's way in."""
-        while not self.decided:
-            mine, turn = self._claim()
-            if not mine:
-                await asyncio.wrap_future(turn)
-                continue
-            try:
-                await self.adopt_async(await fetch_stats(), fetch_attach)
-            finally:
-                self._settle(turn)
-        return self.active
-
-    def _claim(self) -> tuple[bool, Future[None]]:
-        """(True, turn) when the caller is to decide now; else (False, what to wait for)."""
+    def _claim(self) -> threading.Event | None:
+        """None when the caller is to decide now (the turn is its own until `_settle`); else
+        the turn to wait for, after which the caller looks at `decided` again."""
         with self._lock:
             if self._deciding is not None:
-                return False, self._deciding
-            turn: Future[None] = Future()
-            # A running future cannot be cancelled, so a waiter that is cancelled (an asyncio
-            # task) cannot cancel the turn the other waiters share.
-            turn.set_running_or_notify_cancel()
-            if self.decided:  # decided between the caller's check and now
-                turn.set_result(None)
-                return False, turn
-            self._deciding = turn
-            return True, turn
+                return self._deciding
+            if self.decided:  # decided between the caller's look and now
+                return _DONE
+            self._deciding = threading.Event()
+            return None
 
-    def _settle(self, turn: Future[None]) -> None:
+    def _settle(self) -> None:
         """The decision is made, or failed: wake the waiters either way."""
         with self._lock:
-            self._deciding = None
-        turn.set_result(None)
+            turn, self._deciding = self._deciding, None
+        if turn is not None:
+            turn.set()
 
     def adopt(self, stats: pb.StatsResponse, fetch_attach: FetchAttach | None = None) -> None:
-        """Decide from the daemon's Stats; attach when co-located."""
+        """Decide from the daemon's Stats; attach when co-located, and open the local path
+        when the daemon has a Unix socket. On the arena path the local path keeps
+        fetch_attach, for a fresh ticket per session it opens, from whichever thread opens
+        one."""
         try:
             path = self._route(stats)
             if path is None:
@@ -203,25 +187,6 @@ class ShmState:
             logger.info("kvstore: local path off, hot verbs use gRPC: %s", exc)
             local.close()
 
-    async def adopt_async(
-        self, stats: pb.StatsResponse, fetch_attach: FetchAttachAsync | None = None
-    ) -> None:
-        """adopt, awaiting Attach; the socket exchange (one-time, blocking) runs in a thread."""
-        try:
-            path = self._route(stats)
-            if path is None:
-                self.segment = attach(stats.shm_name)
-            else:
-                reply = await self._attach_reply(fetch_attach)
-                path = self._path_for(reply, path)
-                self._adopt_arenas(
-                    path, await asyncio.to_thread(receive_arenas, path, reply.ticket)
-                )
-        except KVStoreError as exc:
-            self._refuse(exc)
-            return
-        self.decided = True
-
     def _route(self, stats: pb.StatsResponse) -> str | None:
         """None: attach stats.shm_name by name; else the Unix socket to Attach through.
         FailedPrecondition (why) when neither can work."""
@@ -243,8 +208,8 @@ class ShmState:
         return path
 
     @staticmethod
-    def _attach_reply(fetch_attach: Any) -> Any:
-        """fetch_attach() (an AttachResponse, or its awaitable); none: FailedPrecondition."""
+    def _attach_reply(fetch_attach: FetchAttach | None) -> pb.AttachResponse:
+        """fetch_attach(); FailedPrecondition when there is none to call."""
         if fetch_attach is None:
             raise FailedPrecondition("the daemon's memory is reached only through Attach")
         return fetch_attach()
@@ -285,17 +250,6 @@ class ShmState:
             reply = fetch_attach()
             path = self._path_for(reply, self._socket_path or "")
             self._adopt_arenas(path, receive_arenas(path, reply.ticket))
-        except KVStoreError as exc:
-            raise _reattach_failed(name, exc) from None
-
-    async def ensure_arena_async(self, name: str, fetch_attach: FetchAttachAsync) -> None:
-        """ensure_arena, awaiting Attach and running the socket exchange in a thread."""
-        if not self.needs_attach(name):
-            return
-        try:
-            reply = await fetch_attach()
-            path = self._path_for(reply, self._socket_path or "")
-            self._adopt_arenas(path, await asyncio.to_thread(receive_arenas, path, reply.ticket))
         except KVStoreError as exc:
             raise _reattach_failed(name, exc) from None
 
@@ -373,6 +327,10 @@ class ShmState:
         for held in [segment, *arenas.values()]:
             if held is not None:
                 held.close()
+
+
+_DONE = threading.Event()
+_DONE.set()  # the turn of a decision already made: nothing to wait for
 
 
 def _reattach_failed(name: str, exc: KVStoreError) -> KVStoreError:

@@ -186,8 +186,8 @@ class Fetched:
     payloads: list[bytes]
     """get(): each found block's bytes. get_into(): empty (the blocks are in the buffers)."""
     digests: list[int] | None = None
-    """Checksums computed while copying (get_into() through shared memory; an INLINE Get
-    that verifies); None: finish_get/finish_get_into hash the payloads or buffers."""
+    """Checksums computed while copying, by a client that verifies (through shared memory or
+    an INLINE Get); None: finish_get/finish_get_into hash the payloads or buffers."""
 
 
 def identity(frame: bytes) -> bytes:

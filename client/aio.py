@@ -1,48 +1,36 @@
 """`AsyncKVStoreClient`: the asyncio twin of `KVStoreClient` over `grpc.aio`.
 
-Same verbs, arguments, results, errors, retry policy and shared-memory fast path as the
-blocking client: both inherit their state and every step that is not an RPC from `ClientBase`
-and call the same validation, framing and copying functions; only the calls are awaited here.
+Same verbs, arguments, results, errors, retry policy and paths as the blocking client (the
+local path, shared memory, inline gRPC): both run the steps `ClientBase` writes once for each
+verb, and only the transport is this module's. It awaits the gRPC calls on the event loop and
+runs blocking work in a worker thread, so the loop is never held: a local-path call on the
+Unix socket, a copy through shared memory or of an inline Get's data, the building of each
+Put frame, and the shared-memory decision (whose Stats and Attach it sends back to the loop).
 Create and use it inside one event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health_pb2
 
 from kvstore.keys import BlockKey
-from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
-from . import _requests as rq
 from . import results as res
 from ._base import ClientBase
-from ._buffers import ByteArray
-from ._segment import SharedSegment, only_header
-from ._wire import (
-    HEALTH_SERVICE,
-    Fetched,
-    InlineAssembler,
-    channel_options,
-    check_keys,
-    chunk_of,
-    finish_get,
-    finish_get_into,
-    put_frames,
-)
+from ._effects import Call, Effect, Next, Offload, Open, Report, Retried, Steps, Upload
+from ._wire import HEALTH_SERVICE, channel_options
 from .credentials import ChannelSecurity
-from .errors import DataLoss, FailedPrecondition, KVStoreError, from_rpc_error
+from .errors import from_rpc_error
 
 __all__ = ["AsyncKVStoreClient"]
 
 T = TypeVar("T")
-M = TypeVar("M")  # a response message
 
 
 class AsyncKVStoreClient(ClientBase):
@@ -59,63 +47,54 @@ class AsyncKVStoreClient(ClientBase):
             target, security.credentials, options=[*options, *security.options]
         )
 
-    # --- plumbing -------------------------------------------------------------------------
+    # --- the transport: gRPC awaited on the loop, blocking work in a worker thread ---------
 
-    async def _streamed(self, call: Callable[[], AsyncIterable[M]], convert: Callable[[M], T],
-                        first: T, on_progress: Callable[[T], object] | None) -> T:
-        """See KVStoreClient._streamed; on_progress may be a function or a coroutine one."""
-        async def attempt() -> T:
-            last = first
-            async for message in call():
-                last = convert(message)
-                if on_progress is not None:
-                    outcome = on_progress(last)
-                    if asyncio.iscoroutine(outcome):
-                        await outcome
-            return last
-
-        return await self._rpc(attempt)
-
-    async def _rpc(self, fn: Callable[[], Awaitable[T]]) -> T:
-        async def attempt() -> T:
+    async def _run(self, steps: Steps[T]) -> T:
+        """Run a verb's steps to their end; their value."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
             try:
-                return await fn()
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from exc
-
-        return await self.retry.call_async(attempt)
-
-    async def _segment(self) -> SharedSegment | None:
-        return await self._shm.segment_for_async(self._fetch_stats, self._fetch_attach)
-
-    async def _fetch_stats(self) -> pb.StatsResponse:
-        request = self._stats_request()
-        response: pb.StatsResponse = await self._rpc(
-            lambda: self._stub.Stats(request, timeout=self.timeout_s)
-        )
-        return response
-
-    async def _fetch_attach(self) -> pb.AttachResponse:
-        response: pb.AttachResponse = await self._rpc(
-            lambda: self._stub.Attach(pb.AttachRequest(), timeout=self.timeout_s)
-        )
-        return response
-
-    async def _release_quietly(self, ids: list[str]) -> None:
-        try:
-            await self._stub.Release(pb.ReleaseRequest(ids=ids), timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            self._release_failed(ids, from_rpc_error(exc))
-
-    async def _drop_corrupt(self, bad: list[bytes]) -> None:
-        for key in bad:
-            request = self._corrupt(key)
+                effect = steps.send(value) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return cast(T, done.value)
             try:
-                await self._stub.Evict(request, timeout=self.timeout_s)
-            except grpc.RpcError as exc:
-                self._evict_failed(key, from_rpc_error(exc))
+                value, error = await self._perform(effect), None
+            except BaseException as exc:  # thrown into the steps, which may handle it
+                value, error = None, exc
 
-    # --- put ------------------------------------------------------------------------------
+    async def _perform(self, effect: Effect) -> Any:
+        match effect:
+            case Call(method, request, timeout_s):
+                return await _mapped(method(request, timeout=timeout_s))
+            case Upload(method, frames, timeout_s):
+                return await _mapped(method(_built_off_loop(frames), timeout=timeout_s))
+            case Open(method, request, timeout_s):
+                return _Stream(method(request, timeout=timeout_s))
+            case Next(stream):
+                return await cast(_Stream, stream).next()
+            case Offload(fn):
+                return await asyncio.to_thread(fn)
+            case Retried(steps):
+                return await self.retry.call_async(lambda: self._run(steps()))
+            case Report(on_progress, value):
+                outcome = on_progress(value)
+                if asyncio.iscoroutine(outcome):
+                    await outcome
+                return None
+        raise TypeError(f"not an effect: {effect!r}")
+
+    def _blocking(self, steps: Callable[[], Steps[T]]) -> Callable[[], T]:
+        loop = asyncio.get_running_loop()
+
+        def run() -> T:
+            if _running_loop() is loop:  # it would wait on the very loop that must run it
+                raise RuntimeError("a blocking call of the asyncio client on its own loop")
+            return asyncio.run_coroutine_threadsafe(self._run(steps()), loop).result()
+
+        return run
+
+    # --- put, get -------------------------------------------------------------------------
 
     async def put(
         self,
@@ -126,109 +105,24 @@ class AsyncKVStoreClient(ClientBase):
         independent: bool = False,
     ) -> res.PutResult:
         """See KVStoreClient.put."""
-        plan = rq.put_plan(self.namespace, keys, values, parent, independent)
-        if not plan.keys:
-            return res.PutResult(stored=0, existing=0, evicted=0)
-        if await self._segment() is not None:
-            try:
-                return res.put_result(await self._rpc(lambda: self._put_shm(plan)))
-            except FailedPrecondition as exc:
-                self._shm.fall_back(exc)
-        header = plan.inline_header()
-        chunk = self._put_chunk(header) if await self._limits_or_none() else self.chunk_bytes
-        response: pb.PutResponse = await self._rpc(
-            lambda: self._put(put_frames(header, plan.payloads, chunk), timeout=self.timeout_s)
-        )
-        return res.put_result(response)
-
-    async def _put_shm(self, plan: rq.PutPlan) -> pb.PutResponse:
-        reserved: pb.ReserveResponse = await self._stub.Reserve(
-            plan.reserve_request(), timeout=self.timeout_s
-        )
-        committed = False
-        try:
-            await self._shm.ensure_arena_async(reserved.arena, self._fetch_attach)
-            checksums = self._shm.write_reservation(reserved, plan.payloads)
-            frame = plan.commit_request(reserved.reservation_id, checksums).SerializeToString()
-            response: pb.PutResponse = await self._put(iter([frame]), timeout=self.timeout_s)
-            committed = True
-            return response
-        finally:
-            if not committed and reserved.reservation_id:
-                await self._release_quietly([reserved.reservation_id])
-
-    # --- get ------------------------------------------------------------------------------
+        return await self._run(self._put_steps(keys, values, parent, independent))
 
     async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """See KVStoreClient.get."""
-        key_list = check_keys(keys)
-        if not key_list:
-            return []
-        fetched = await self._fetch(key_list, None)
-        out, bad = finish_get(key_list, fetched, self.verify_checksums)
-        await self._drop_corrupt(bad)
-        return out
+        return await self._run(self._get_steps(keys))
 
     async def get_into(
         self, keys: Sequence[BlockKey], buffers: Sequence[object]
     ) -> list[int | None]:
         """See KVStoreClient.get_into."""
-        key_list = check_keys(keys)
-        arrays = rq.into_arrays(key_list, buffers)
-        if not key_list:
-            return []
-        fetched = await self._fetch(key_list, arrays)
-        out, bad = finish_get_into(key_list, fetched, arrays, self.verify_checksums)
-        await self._drop_corrupt(bad)
-        return out
-
-    async def _fetch(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
-        if await self._segment() is not None:
-            try:
-                return await self._rpc(lambda: self._get_shm(keys, arrays))
-            except FailedPrecondition as exc:
-                self._shm.fall_back(exc)
-        return await self._rpc(lambda: self._get_inline(keys, arrays))
-
-    async def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
-        call = self._get(self._get_request(keys, True), timeout=self.timeout_s)
-        response = only_header([message async for message in call])
-        try:
-            await self._shm.ensure_arena_async(response.arena, self._fetch_attach)
-            return self._shm.read_get(response, len(keys), arrays, self.verify_checksums)
-        finally:
-            if response.lease_id:
-                await self._release_quietly([response.lease_id])
-
-    async def _get_inline(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Fetched:
-        call = self._get(self._get_request(keys, False), timeout=self.timeout_s)
-        try:
-            stream = call.__aiter__()
-            try:
-                first = await stream.__anext__()
-            except StopAsyncIteration:
-                raise DataLoss("Get stream ended without a header") from None
-            assembler = InlineAssembler.start(first, len(keys), arrays, self.verify_checksums)
-            async for message in stream:
-                assembler.feed(chunk_of(message))
-            return assembler.fetched()
-        except BaseException:
-            call.cancel()
-            raise
+        return await self._run(self._get_into_steps(keys, buffers))
 
     # --- control verbs --------------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[BlockKey], *,
                      block_tokens: int = 0) -> res.LookupResult:
         """See KVStoreClient.lookup."""
-        key_list = check_keys(keys)
-        if not key_list:
-            return res.LookupResult(prefix_length=0, tiers=[])
-        request = rq.lookup_request(self.namespace, key_list, block_tokens)
-        response: pb.LookupResponse = await self._rpc(
-            lambda: self._stub.Lookup(request, timeout=self.timeout_s)
-        )
-        return res.lookup_result(response)
+        return await self._run(self._lookup_steps(keys, block_tokens))
 
     async def prefetch(
         self,
@@ -240,15 +134,7 @@ class AsyncKVStoreClient(ClientBase):
     ) -> res.PrefetchResult:
         """See KVStoreClient.prefetch; on_progress may be a plain function or a coroutine
         function."""
-        key_list = check_keys(keys)
-        request = rq.prefetch_request(self.namespace, key_list, tier, deadline_s)
-        timeout_s = rq.prefetch_timeout_s(self.timeout_s, deadline_s)
-        if not key_list:
-            return res.PrefetchResult(done=0, missing=0, failed=0, total=0)
-
-        return await self._streamed(
-            lambda: self._stub.Prefetch(request, timeout=timeout_s), res.prefetch_result,
-            res.PrefetchResult(done=0, missing=0, failed=0, total=len(key_list)), on_progress)
+        return await self._run(self._prefetch_steps(keys, tier, deadline_s, on_progress))
 
     async def evict(
         self,
@@ -260,74 +146,33 @@ class AsyncKVStoreClient(ClientBase):
         namespace: str | None = None,
     ) -> res.EvictResult:
         """See KVStoreClient.evict."""
-        request = rq.evict_request(self.namespace, keys, bytes, all, tier, namespace)
-        response: pb.EvictResponse = await self._rpc(
-            lambda: self._stub.Evict(request, timeout=self.timeout_s)
-        )
-        return res.evict_result(response)
+        return await self._run(self._evict_steps(keys, bytes, all, tier, namespace))
 
     async def pin(self, keys: Sequence[BlockKey]) -> res.PinResult:
         """See KVStoreClient.pin."""
-        return await self._pin(self._stub.Pin, keys)
+        return await self._run(self._pin_steps(self._stub.Pin, keys))
 
     async def unpin(self, keys: Sequence[BlockKey]) -> res.PinResult:
         """See KVStoreClient.unpin."""
-        return await self._pin(self._stub.Unpin, keys)
-
-    async def _pin(
-        self, method: Callable[..., Awaitable[pb.PinResponse]], keys: Sequence[BlockKey]
-    ) -> res.PinResult:
-        key_list = check_keys(keys)
-        if not key_list:
-            return res.PinResult(changed=0, missing=0)
-        request = pb.PinRequest(namespace=self.namespace, keys=key_list)
-        return res.pin_result(await self._rpc(lambda: method(request, timeout=self.timeout_s)))
+        return await self._run(self._pin_steps(self._stub.Unpin, keys))
 
     async def limits(self) -> res.Limits:
         """See KVStoreClient.limits."""
-        if self._limits is None:
-            request = pb.LimitsRequest()
-            response: pb.LimitsResponse = await self._rpc(
-                lambda: self._stub.Limits(request, timeout=self.timeout_s))
-            self._keep_limits(response)
-        assert self._limits is not None
-        return self._limits
-
-    async def _limits_or_none(self) -> res.Limits | None:
-        """See KVStoreClient._limits_or_none."""
-        if self._limits is None and not self._no_limits:
-            try:
-                await self.limits()
-            except KVStoreError as exc:
-                if exc.code is not grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                self._no_limits = True
-        return self._limits
+        return await self._run(self._limits_steps())
 
     async def stats(
         self, *, include_config: bool = False, namespace: str | None = None
     ) -> res.Stats:
         """See KVStoreClient.stats."""
-        request = rq.stats_request(include_config, namespace)
-        response: pb.StatsResponse = await self._rpc(
-            lambda: self._stub.Stats(request, timeout=self.timeout_s)
-        )
-        return res.stats_result(response)
+        return await self._run(self._stats_steps(include_config, namespace))
 
     async def drain(self) -> res.DrainResult:
         """See KVStoreClient.drain."""
-        response: pb.DrainResponse = await self._rpc(
-            lambda: self._stub.Drain(pb.DrainRequest(), timeout=self.timeout_s)
-        )
-        return res.drain_result(response)
+        return await self._run(self._drain_steps())
 
     async def hot(self, limit: int = 100) -> res.HotResult:
         """See KVStoreClient.hot."""
-        request = rq.hot_request(self.namespace, limit)
-        response: pb.HotResponse = await self._rpc(
-            lambda: self._stub.Hot(request, timeout=self.timeout_s)
-        )
-        return res.hot_result(response)
+        return await self._run(self._hot_steps(limit))
 
     async def prewarm(
         self,
@@ -339,29 +184,15 @@ class AsyncKVStoreClient(ClientBase):
     ) -> res.PrewarmResult:
         """See KVStoreClient.prewarm; on_progress may be a plain function or a coroutine
         function."""
-        request = rq.prewarm_request(bytes, namespaces)
-        call_timeout_s = rq.call_timeout_s(self.timeout_s, timeout_s)
-
-        return await self._streamed(
-            lambda: self._stub.Prewarm(request, timeout=call_timeout_s), res.prewarm_result,
-            res.PrewarmResult(blocks=0, bytes=0, target_bytes=request.bytes, done=False),
-            on_progress)
+        return await self._run(self._prewarm_steps(bytes, namespaces, on_progress, timeout_s))
 
     async def health(self, service: str = HEALTH_SERVICE) -> str:
         """See KVStoreClient.health."""
-        request = health_pb2.HealthCheckRequest(service=service)
-        response = await self._rpc(lambda: self._health.Check(request, timeout=self.timeout_s))
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+        return await self._run(self._health_steps(service))
 
     async def release(self, ids: Sequence[str]) -> res.ReleaseResult:
         """See KVStoreClient.release."""
-        request = rq.release_request(ids)
-        if not request.ids:
-            return res.ReleaseResult(released=0)
-        response: pb.ReleaseResponse = await self._rpc(
-            lambda: self._stub.Release(request, timeout=self.timeout_s)
-        )
-        return res.release_result(response)
+        return await self._run(self._release_steps(ids))
 
     async def close(self) -> None:
         """See KVStoreClient.close."""
@@ -378,3 +209,45 @@ class AsyncKVStoreClient(ClientBase):
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+class _Stream:
+    """A server-streaming grpc.aio call, read on the event loop."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self._messages: AsyncIterator[Any] = call.__aiter__()
+
+    async def next(self) -> Any:
+        """The next message, None at the end; an RpcError raised as the client's error."""
+        try:
+            return await self._messages.__anext__()
+        except StopAsyncIteration:
+            return None
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+async def _mapped(call: Any) -> Any:
+    """The awaited call's response; an RpcError raised as the client's error."""
+    try:
+        return await call
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from exc
+
+
+async def _built_off_loop(frames: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """The frames, each built (the caller's bytes copied into it) in a worker thread."""
+    end = object()
+    while (frame := await asyncio.to_thread(next, frames, end)) is not end:
+        yield cast(bytes, frame)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -3,7 +3,8 @@ same parameters (names, kinds, defaults, annotations as strings) and returns, a 
 every one, and the same public attributes once built. Only control flow may differ: every
 public method of the async twin is a coroutine function, and none of the blocking one's is.
 Both decide the shared-memory path through one `ShmState`: one Stats call however many first
-calls race, blocking or awaited, and no lock of their own.
+calls race, blocking or awaited, and no lock of their own. That the same calls take the same
+path and give the same results against a real daemon is tests/integration/test_client_parity.py.
 """
 
 from __future__ import annotations
@@ -228,49 +229,72 @@ def test_required_elsewhere_refuses_every_call_and_stays_undecided() -> None:
     assert state.in_use is None
 
 
+class HeldStats:
+    """The asyncio client's stub, as far as the decision goes: each Stats call is counted and
+    answers ELSEWHERE once `answer` is set."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.answer = asyncio.Event()
+
+    async def Stats(self, request: pb.StatsRequest, timeout: float) -> pb.StatsResponse:
+        self.calls += 1
+        await self.answer.wait()
+        return ELSEWHERE
+
+
+async def deciding(stub: HeldStats) -> None:
+    """Until the decider's Stats call is in flight."""
+    while not stub.calls:
+        await asyncio.sleep(0.01)
+
+
 def test_racing_awaited_first_calls_make_one_stats_call_and_survive_a_cancel() -> None:
     async def scenario() -> tuple[int, list[object], bool | None]:
-        state = ShmState(None)
-        calls: list[int] = []
-        release = asyncio.Event()
-
-        async def fetch() -> pb.StatsResponse:
-            calls.append(1)
-            await release.wait()
-            return ELSEWHERE
-
-        tasks = [asyncio.create_task(state.segment_for_async(fetch)) for _ in range(8)]
-        await asyncio.sleep(0)  # every task is now deciding or waiting
-        tasks[-1].cancel()  # a cancelled waiter must not cancel the others' wait
-        await asyncio.sleep(0)
-        release.set()
-        results = await asyncio.gather(*tasks[:-1])
-        return len(calls), list(results), state.in_use
+        client, stub = AsyncKVStoreClient("127.0.0.1:1", "parity"), HeldStats()
+        client._stub = stub
+        try:
+            tasks = [asyncio.create_task(client._run(client._segment())) for _ in range(8)]
+            await deciding(stub)
+            tasks[-1].cancel()  # a cancelled caller must not cancel the others' decision
+            stub.answer.set()
+            results = await asyncio.wait_for(asyncio.gather(*tasks[:-1]), 5.0)
+            return stub.calls, list(results), client.uses_shared_memory
+        finally:
+            await client.close()
 
     assert asyncio.run(scenario()) == (1, [None] * 7, False)
 
 
-def test_a_cancelled_awaited_decider_hands_the_decision_on() -> None:
-    async def scenario() -> tuple[int, object]:
-        state = ShmState(None)
-        calls: list[int] = []
-        never = asyncio.Event()
+def test_a_cancelled_awaited_decider_still_decides_for_the_others() -> None:
+    # The decision runs in a worker thread, which a cancelled task does not stop: the
+    # callers waiting for it get its outcome, and no second Stats call is made.
+    async def scenario() -> tuple[int, object, bool, bool | None]:
+        client, stub = AsyncKVStoreClient("127.0.0.1:1", "parity"), HeldStats()
+        client._stub = stub
+        try:
+            first = asyncio.create_task(client._run(client._segment()))
+            await deciding(stub)
+            second = asyncio.create_task(client._run(client._segment()))
+            await asyncio.sleep(0.05)
+            first.cancel()
+            stub.answer.set()
+            segment = await asyncio.wait_for(second, 5.0)
+            await asyncio.gather(first, return_exceptions=True)
+            return stub.calls, segment, first.cancelled(), client.uses_shared_memory
+        finally:
+            await client.close()
 
-        async def stuck() -> pb.StatsResponse:
-            calls.append(1)
-            await never.wait()
-            return ELSEWHERE
+    assert asyncio.run(scenario()) == (1, None, True, False)
 
-        async def quick() -> pb.StatsResponse:
-            calls.append(1)
-            return ELSEWHERE
 
-        first = asyncio.create_task(state.segment_for_async(stuck))
-        await asyncio.sleep(0)
-        second = asyncio.create_task(state.segment_for_async(quick))
-        await asyncio.sleep(0)
-        first.cancel()
-        segment = await asyncio.wait_for(second, 5.0)
-        return len(calls), segment
+def test_the_asyncio_client_never_waits_on_its_own_loop() -> None:
+    # What the decision is handed runs the client's calls on its loop and waits for them:
+    # called on that loop, it would wait forever, so it refuses.
+    async def scenario() -> None:
+        async with AsyncKVStoreClient("127.0.0.1:1", "parity") as client:
+            fetch_stats = client._blocking(client._fetch_stats)
+            with pytest.raises(RuntimeError, match="its own loop"):
+                fetch_stats()
 
-    assert asyncio.run(scenario()) == (2, None)
+    asyncio.run(scenario())
