@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.keys import BlockKey
@@ -136,7 +135,6 @@ class ClientBase(ABC):
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._shm = ShmState(shared_memory, socket_path, timeout_s)
         self._daemon_limits: res.Limits | None = None  # the daemon's, asked once (Limits)
-        self._no_limits = False  # the daemon predates the Limits verb
         self._closed = False
 
     # --- the transport, which each subclass is ---------------------------------------------
@@ -269,7 +267,7 @@ class ClientBase(ABC):
             except FailedPrecondition as exc:
                 self._shm.fall_back(exc)
         header = plan.inline_header()
-        chunk = self._put_chunk(header, (yield from self._limits_or_none()))
+        chunk = self._put_chunk(header, (yield from self._limits_steps()))
         response = yield Retried(lambda: one(Upload(
             self._put, put_frames(header, plan.payloads, chunk), self.timeout_s)))
         return res.put_result(response)
@@ -297,12 +295,10 @@ class ClientBase(ABC):
             if not committed and reserved.reservation_id:
                 yield from self._release_quietly([reserved.reservation_id])
 
-    def _put_chunk(self, header: pb.PutRequest, limits: res.Limits | None) -> int:
+    def _put_chunk(self, header: pb.PutRequest, limits: res.Limits) -> int:
         """Data bytes per inline Put message: chunk_bytes, at most the daemon's chunk_bytes,
         and small enough that the first message (header and data) fits its
-        max_message_bytes (from Limits once asked; a daemon without the verb: chunk_bytes)."""
-        if limits is None or not limits.chunk_bytes:
-            return self.chunk_bytes
+        max_message_bytes."""
         room = limits.max_message_bytes - header.ByteSize() - FRAME_SLACK_BYTES
         return max(1, min(self.chunk_bytes, limits.chunk_bytes, int(room)))
 
@@ -432,17 +428,6 @@ class ClientBase(ABC):
                     "client's max_message_bytes %d: pass max_message_bytes=%d or more",
                     limits.chunk_bytes, self.max_message_bytes, limits.max_message_bytes)
             self._daemon_limits = limits
-        return self._daemon_limits
-
-    def _limits_or_none(self) -> Steps[res.Limits | None]:
-        """The daemon's limits, or None from a daemon that predates the verb (UNIMPLEMENTED)."""
-        if self._daemon_limits is None and not self._no_limits:
-            try:
-                yield from self._limits_steps()
-            except KVStoreError as exc:
-                if exc.code is not grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                self._no_limits = True
         return self._daemon_limits
 
     def _stats_steps(self, include_config: bool, namespace: str | None) -> Steps[res.Stats]:

@@ -157,7 +157,7 @@ class Stats:
     draining: bool = False
     """The daemon is stopping (SIGTERM or Drain) and refuses new data calls."""
     auth_mode: str = ""
-    """"off", "token" or "mtls" ("" from a daemon that predates auth: off)."""
+    """The daemon's auth.mode: "off", "token" or "mtls"."""
     tenant: str = ""
     """The caller's tenant ("" with auth off); a client role sees only its own tenant's
     figures in tiers, hits, misses and clients."""

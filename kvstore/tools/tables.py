@@ -125,8 +125,8 @@ def stats_view(stats: Stats, target: str) -> Group:
 
 
 def _auth_rows(stats: Stats) -> list[tuple[str, str]]:
-    """The auth mode and the caller's tenant; a daemon that reports no mode predates auth."""
-    if stats.auth_mode in ("", "off"):
+    """The auth mode, and with auth on the caller's tenant."""
+    if stats.auth_mode == "off":
         return [("auth", f"[bold red]{AUTH_OFF_WARNING}[/]")]
     return [("auth", stats.auth_mode), ("tenant", stats.tenant or "-")]
 
