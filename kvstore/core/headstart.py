@@ -19,7 +19,7 @@ the store follows LRU wherever LRU would do better, and keeps the head start whe
 Pure and deterministic: sampling is by a hash of the key, nothing reads a clock. A sampled
 use costs about 30 us (four shadows), too much for the request that makes it: the daemon's
 HeadStart is `deferred`, so a use only queues the sampled key (a hash and an append) and the
-mover thread runs the shadows later (`settle`), a few at a time under the index lock. The
+mover thread runs the shadows later (`run_deferred`), a few at a time under the index lock. The
 head start then follows the workload a fraction of a second late, which changes nothing:
 it moves over thousands of uses.
 """
@@ -96,8 +96,8 @@ class HeadStart:
     def __init__(self, candidates: tuple[float, ...] = CANDIDATES,
                  start: float = START, deferred: bool = False) -> None:
         """candidates: the head starts to choose from (one: a fixed head start, no
-        shadows); start: the one used first, one of them; deferred: uses wait for settle()
-        instead of running the shadows at once."""
+        shadows); start: the one used first, one of them; deferred: uses wait for
+        run_deferred() instead of running the shadows at once."""
         if start not in candidates:
             raise ValueError(f"start {start} is not one of the candidates {candidates}")
         self._shadows = [_Shadow(t) for t in candidates] if len(candidates) > 1 else []
@@ -128,7 +128,7 @@ class HeadStart:
         """Deferred uses not yet run."""
         return len(self._pending)
 
-    def settle(self, limit: int) -> int:
+    def run_deferred(self, limit: int) -> int:
         """Run up to `limit` deferred uses through the shadows; how many still wait."""
         pending = self._pending
         for _ in range(min(limit, len(pending))):

@@ -22,12 +22,12 @@ class Mover:
 
     def __init__(self, tiering: Tiering, interval_s: float,
                  on_failure: Callable[[str], None],
-                 settle: Callable[[], None] = lambda: None) -> None:
-        """settle runs the index's deferred bookkeeping; the mover calls it after each round
+                 after_round: Callable[[], None] = lambda: None) -> None:
+        """after_round runs the index's deferred bookkeeping; the mover calls it after each round
         of steps, so that work stays off the requests' path. on_failure is called with the
         reason when a step raises."""
         self._tiering = tiering
-        self._settle = settle
+        self._after_round = after_round
         self._interval_s = interval_s
         self._on_failure = on_failure
         self._stop = threading.Event()
@@ -56,7 +56,7 @@ class Mover:
             try:
                 while not self._stop.is_set() and self._tiering.step():
                     pass
-                self._settle()
+                self._after_round()
             except Exception as exc:
                 self._tiering.mover_running = False
                 self.failure = f"{type(exc).__name__}: {exc}"

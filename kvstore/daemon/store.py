@@ -53,7 +53,7 @@ from kvstore.units import format_size
 log = logging.getLogger(__name__)
 
 
-SETTLE_CHUNK = 32  # deferred head-start uses per hold of the lock: about 1 ms
+DEFERRED_CHUNK = 32  # deferred head-start uses per hold of the lock: about 1 ms
 
 
 class Store:
@@ -142,17 +142,17 @@ class Store:
         """Start the background mover and the L4 workers; a worker that fails calls
         on_failure with the reason."""
         self._mover = Mover(self.tiering, self.config.movers.interval_s, on_failure,
-                            self.settle_head_start)
+                            self.run_deferred_head_start)
         self._mover.start()
         if self.state.remote is not None:
             self.state.remote.start(on_failure)
 
-    def settle_head_start(self) -> None:
-        """Run the head start's deferred uses (kvstore.core.headstart), SETTLE_CHUNK at a
+    def run_deferred_head_start(self) -> None:
+        """Run the head start's deferred uses (kvstore.core.headstart), DEFERRED_CHUNK at a
         time under the lock, so no request waits long behind them."""
         while True:
             with self.state.lock:
-                if not self._head_start.settle(SETTLE_CHUNK):
+                if not self._head_start.run_deferred(DEFERRED_CHUNK):
                     return
             time.sleep(0)  # and the GIL: a request waiting for it runs now, not in 5 ms
 

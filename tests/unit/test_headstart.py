@@ -72,9 +72,9 @@ def test_the_choice_is_deterministic() -> None:
     assert run() == run()
 
 
-def test_deferred_uses_wait_for_settle_and_choose_as_at_once() -> None:
+def test_deferred_uses_wait_for_run_deferred_and_choose_as_at_once() -> None:
     """The daemon's HeadStart queues sampled uses (off the request's path) and runs them on
-    settle(): the same uses reach the same choice, only later."""
+    run_deferred(): the same uses reach the same choice, only later."""
     def uses() -> list[BlockKey]:
         rng = random.Random(3)
         return [_key(rng.randrange(3000) if i % 2 else 10**6 + i) for i in range(8000)]
@@ -84,7 +84,7 @@ def test_deferred_uses_wait_for_settle_and_choose_as_at_once() -> None:
         now.access(key, 800)
         later.access(key, 800)
     assert later.turnovers == START and later.pending > 0  # nothing ran yet
-    while later.settle(100):
+    while later.run_deferred(100):
         pass
     assert later.pending == 0 and later.turnovers == now.turnovers
 
@@ -95,7 +95,7 @@ def test_a_deferred_backlog_is_bounded() -> None:
     for n in range(MAX_PENDING + 500):
         head.access(_key(n), 100)  # a 100-entry cache: every key is sampled
     assert head.pending == MAX_PENDING
-    assert head.settle(10) == MAX_PENDING - 10
+    assert head.run_deferred(10) == MAX_PENDING - 10
 
 
 def _bench(name: str) -> ModuleType:
