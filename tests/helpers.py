@@ -75,6 +75,11 @@ def blocks(n: int, size: int = PAGE, seed: int | None = None) -> tuple[list[byte
     return keys(n, seed), values([size] * n, seed)
 
 
+def block_map(n: int, size: int = PAGE, seed: int | None = None) -> dict[bytes, bytes]:
+    """n blocks of `size` random bytes by their keys, made by `blocks`."""
+    return dict(zip(*blocks(n, size, seed), strict=True))
+
+
 def sized_blocks(sizes: Sequence[int], seed: int | None = None
                  ) -> tuple[list[bytes], list[bytes]]:
     """A key and a block of random bytes for each size, made by `keys` and `values`."""

@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvstore.client import KVStoreClient
 from kvstore.tools.testing import Daemon, RedisServer, start_daemon, start_redis
+from tests.helpers import wait_until
 from tests.integration.test_admin_cli import admin, admin_all, failed, ok
 from tests.integration.test_admin_watch import Terminal
 
@@ -28,13 +28,6 @@ LOCAL = ("dram.capacity_bytes=16MiB", "dram.page_size_bytes=64KiB", "hbm.mode=of
 def l4(url: str) -> tuple[str, ...]:
     return (*LOCAL, f"remote.url={url}", "remote.breaker_backoff_s=0.2", "remote.timeout_s=1",
             "remote.popularity_flush_s=0.1")
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +54,8 @@ def hot_keys(daemon: Daemon) -> list[bytes]:
         for reads, key in zip((4, 3, 2, 1), keys, strict=True):
             for _ in range(reads):
                 kv.get([key])
-        wait_until(lambda: kv.hot(10).keys == keys, "the four reads ranked in Redis")
+        wait_until(lambda: kv.hot(10).keys == keys, "the four reads ranked in Redis",
+                   timeout_s=15, pause_s=0.05)
     return keys
 
 

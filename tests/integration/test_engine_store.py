@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import secrets
 import subprocess
 import sys
 import time
@@ -42,7 +43,24 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def engines() -> Iterator[Callable[..., LLM]]:
+def model(tiny: Path, tmp_path: Path) -> Path:
+    """The module's model under a folder name of the test's own (a link): the engine names
+    its store namespace after the folder, so engines of different tests never share blocks
+    on a shared daemon."""
+    link = tmp_path / f"llama-{secrets.token_hex(4)}"
+    link.symlink_to(tiny, target_is_directory=True)
+    return link
+
+
+@pytest.fixture
+def local(shared_daemon: Make) -> Daemon:
+    """The shared daemon with LOCAL settings, for tests that neither stop it nor need it
+    empty: each test's engines use namespaces of their own (`model`)."""
+    return shared_daemon(*LOCAL)
+
+
+@pytest.fixture
+def engines(request: pytest.FixtureRequest) -> Iterator[Callable[..., LLM]]:
     made: list[LLM] = []
 
     def make(path: Path, **kw: Any) -> LLM:
@@ -54,6 +72,11 @@ def engines() -> Iterator[Callable[..., LLM]]:
     yield make
     for llm in made:
         llm.close()
+    if "local" in request.fixturenames:  # the shared daemon: take this test's blocks out
+        d: Daemon = request.getfixturevalue("local")
+        for namespace in {llm.namespace for llm in made}:
+            with KVStoreClient(d.target, namespace, shared_memory=False) as kv:
+                kv.evict(all=True)
 
 
 def _prompts(count: int = 3, length: int = 70, seed: int = 0) -> list[list[int]]:
@@ -90,13 +113,21 @@ def _drain_l4(target: str, namespace: str) -> None:
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("tier", ["dram", "nvme", "remote"])
+def test_a_prefix_from_dram_equals_recompute(
+    model: Path, local: Daemon, daemon_factory: Make, engines: Callable[..., LLM]
+) -> None:
+    _prefix_from_tier(model, local, daemon_factory, engines, "dram", LOCAL)
+
+
+@pytest.mark.parametrize("tier", ["nvme", "remote"])
 def test_prefix_from_the_store_equals_recompute(
     tiny: Path, daemon_factory: Make, engines: Callable[..., LLM], tmp_path: Path, tier: str
 ) -> None:
+    """On daemons of their own: the nvme case floods L2 to push the blocks down, the remote
+    case reads them from a fresh daemon."""
     redis = start_redis_on(tmp_path) if tier == "remote" else None
     try:
-        settings = L3 if tier == "nvme" else LOCAL
+        settings = L3
         if redis is not None:
             settings = (*LOCAL, f"remote.url={redis.url}", "remote.timeout_s=1")
         d = daemon_factory(*settings)
@@ -157,13 +188,13 @@ print(json.dumps({"tokens": out.outputs[0].token_ids,
 
 
 def test_a_second_engine_process_hits_what_the_first_wrote(
-    tiny: Path, daemon_factory: Make
+    model: Path, local: Daemon
 ) -> None:
-    d = daemon_factory(*LOCAL)
+    d = local
     prompt = _prompts(1, length=100)[0]
 
     def run() -> dict[str, Any]:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny), d.target,
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(model), d.target,
                                json.dumps(prompt)], capture_output=True, text=True,
                               timeout=120, cwd=REPO)
         assert proc.returncode == 0, proc.stderr
@@ -177,15 +208,15 @@ def test_a_second_engine_process_hits_what_the_first_wrote(
 
 
 def test_preemption_by_swap_matches_no_preemption(
-    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM]
+    model: Path, local: Daemon, engines: Callable[..., LLM]
 ) -> None:
-    d = daemon_factory(*LOCAL)
+    d = local
     prompts = _prompts(6, length=40, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    want = _tokens(engines(tiny).generate(prompts, params))
+    want = _tokens(engines(model).generate(prompts, params))
     # 16 blocks: the local cache evicts a preempted sequence's blocks before it resumes, so
     # they come back from the store.
-    swap = engines(tiny, store=d.target, num_blocks=16, preemption_mode="swap",
+    swap = engines(model, store=d.target, num_blocks=16, preemption_mode="swap",
                    enable_prefix_caching=True)
     outs = swap.generate(prompts, params)
     assert _tokens(outs) == want
@@ -195,14 +226,14 @@ def test_preemption_by_swap_matches_no_preemption(
 
 
 def test_a_block_lost_before_its_load_is_recomputed(
-    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM]
+    model: Path, local: Daemon, engines: Callable[..., LLM]
 ) -> None:
-    d = daemon_factory(*LOCAL)
+    d = local
     [prompt] = _prompts(1, length=100, seed=5)
-    writer = engines(tiny, store=d.target)
+    writer = engines(model, store=d.target)
     want = _tokens(writer.generate([prompt], GREEDY))
     writer.close()
-    reader = engines(tiny, store=d.target)
+    reader = engines(model, store=d.target)
     assert reader.connector is not None
     keys = prefix_keys(prompt, 16, reader.namespace)
     start_load = reader.connector.start_load
@@ -351,19 +382,19 @@ def _cost_rule(wide: Path, daemon_factory: Make, engines: Callable[..., LLM], di
 
 
 def test_store_load_policy_never_looks_up_but_computes(
-    tiny: Path, daemon_factory: Make, engines: Callable[..., LLM]
+    model: Path, local: Daemon, engines: Callable[..., LLM]
 ) -> None:
-    d = daemon_factory(*LOCAL)
+    d = local
     [prompt] = _prompts(1, length=100, seed=13)
-    writer = engines(tiny, store=d.target)
+    writer = engines(model, store=d.target)
     want = _tokens(writer.generate([prompt], GREEDY))
     writer.close()
-    never = engines(tiny, store=d.target, store_load_policy="never")
+    never = engines(model, store=d.target, store_load_policy="never")
     [out] = never.generate([prompt], GREEDY)
     assert out.outputs[0].token_ids == want[0]
     assert (out.metrics.store_prompt_tokens, out.metrics.store_recomputed_tokens) == (0, 96)
     assert out.metrics.store_decision.startswith("policy never")
     with pytest.raises(InvalidRequestError, match="store_load_policy"):
-        engines(tiny, store=d.target, store_load_policy="sometimes")
+        engines(model, store=d.target, store_load_policy="sometimes")
     with pytest.raises(InvalidRequestError, match="enable_prefix_caching"):
-        engines(tiny, store=d.target, enable_prefix_caching=False)
+        engines(model, store=d.target, enable_prefix_caching=False)

@@ -34,25 +34,13 @@ from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.tiers.redis_pool import block_key
 from kvstore.tools.testing import Daemon, start_redis_on
+from tests.helpers import blocks, wait_until
 
 PAGE = 64 << 10
 NS = "faults"
 Make = Callable[..., Daemon]
 # No L1 (probing CUDA costs each start seconds), no L3 unless a test says so.
 LOCAL = ("dram.page_size_bytes=64KiB", "hbm.mode=off", "nvme.enabled=false")
-
-
-def blocks(n: int, size: int = PAGE) -> tuple[list[bytes], list[bytes]]:
-    return [secrets.token_bytes(32) for _ in range(n)], [os.urandom(size) for _ in range(n)]
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> float:
-    """Poll check() until it holds; the monotonic time it first did."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        time.sleep(0.02)
-    return time.monotonic()
 
 
 def tier(stats: Stats, name: str) -> TierStats:
@@ -124,8 +112,8 @@ def test_redis_killed_under_a_serving_daemon_never_reaches_clients_and_heals_by_
         kv = clients(a, timeout_s=DEADLINE_S)
         written: dict[bytes, bytes] = dict(zip(*blocks(2), strict=True))
         assert kv.put(list(written), list(written.values()), independent=True).stored == 2
-        wait_until("the write-through to reach Redis", lambda: tier(kv.stats(), "remote")
-                   .bytes_in == 2 * PAGE)
+        wait_until(lambda: tier(kv.stats(), "remote")
+                   .bytes_in == 2 * PAGE, "the write-through to reach Redis")
         first.proc.send_signal(signal.SIGKILL)
         assert first.proc.wait(10) == -signal.SIGKILL
     finally:
@@ -155,20 +143,22 @@ def test_redis_killed_under_a_serving_daemon_never_reaches_clients_and_heals_by_
     assert down.state in ("open", "half-open")
     assert down.io_errors > 0
     queued = list(written)[2:]  # put while Redis was gone: they wait for it
-    wait_until("the blocks put meanwhile queued for Redis",  # (not while a batch is tried)
-               lambda: tier(kv.stats(), "remote").queue_depth == len(queued), timeout_s=2)
+    # (not while a batch is tried)
+    wait_until(lambda: tier(kv.stats(), "remote").queue_depth == len(queued),
+               "the blocks put meanwhile queued for Redis", timeout_s=2)
 
     second = start_redis_on(tmp_path, redis_port)  # back where the daemon expects it
     r = redis.Redis(port=second.port, socket_timeout=5)
     try:
-        wait_until("the breaker to close by itself",  # Stats never calls Redis
-                   lambda: tier(kv.stats(), "remote").state == "closed")
-        wait_until("the queued blocks in the new Redis",
-                   lambda: in_redis(r, queued) == len(queued))
+        # Stats never calls Redis
+        wait_until(lambda: tier(kv.stats(), "remote").state == "closed",
+                   "the breaker to close by itself")
+        wait_until(lambda: in_redis(r, queued) == len(queued),
+                   "the queued blocks in the new Redis")
         after_keys, after_values = blocks(3)
         assert kv.put(after_keys, after_values, independent=True).stored == 3
-        wait_until("the blocks put after the restart in Redis",
-                   lambda: in_redis(r, after_keys) == 3)
+        wait_until(lambda: in_redis(r, after_keys) == 3,
+                   "the blocks put after the restart in Redis")
         assert tier(kv.stats(), "remote").state == "closed"
 
         b = clients(daemon_factory(*l4(second.url)))
@@ -287,7 +277,7 @@ def test_a_client_killed_holding_leases_and_reservations_gives_everything_back(
         stats = kv.stats()
         return (stats.leases, stats.reservations) == (0, 0)
 
-    gone = wait_until("the orphaned leases and reservations to expire", all_expired)
+    gone = wait_until(all_expired, "the orphaned leases and reservations to expire")
     assert gone - started >= min(LEASE_TIMEOUT_S, RESERVATION_TIMEOUT_S)  # expired, not dropped
     after = kv.stats()
     assert tier(after, "dram").free_pages == free_before
@@ -386,7 +376,7 @@ def test_sigterm_lets_put_and_get_streams_in_flight_finish_then_exits_zero(
                 return True
             return False
 
-        wait_until("a new Lookup to be refused", refused, timeout_s=NOTICE_S + 2)
+        wait_until(refused, "a new Lookup to be refused", timeout_s=NOTICE_S + 2)
         new_key, new_value = blocks(1)
         with pytest.raises(grpc.RpcError) as new_put:
             stub.Put(iter([pb.PutRequest(namespace=NS, keys=new_key, sizes=[PAGE],
@@ -422,7 +412,7 @@ def test_sigterm_taken_by_any_daemon_thread_starts_the_drain(daemon_factory: Mak
     assert others, "the daemon runs no thread besides its main one"
     sigterm_thread(d, others[0])
     try:
-        wait_until("the daemon to start draining", lambda: "shutting down" in d.log(),
+        wait_until(lambda: "shutting down" in d.log(), "the daemon to start draining",
                    timeout_s=3)
         assert d.proc.wait(GRACE_S) == 0, d.log()
     finally:

@@ -13,16 +13,15 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient, KVStoreError, Retry, TierStats
 from kvstore.daemon.manifest import HEADER_BYTES, JOURNAL_NAME
 from kvstore.tools.testing import TEST_L3_RESERVE, Daemon, free_port
+from tests.helpers import block_map, wait_until
 
 PAGE = 64 << 10
 NS = "l3faults"
@@ -34,20 +33,6 @@ SMALL = ("dram.capacity_bytes=4MiB", "dram.page_size_bytes=64KiB", "nvme.capacit
 TINY = (*SMALL, "nvme.reserve_bytes=0")
 Blocks = dict[bytes, bytes]
 Factory = Callable[..., Daemon]
-
-
-def make_blocks(n: int, seed: int) -> Blocks:
-    """n random page-sized blocks under random keys (a 64-byte slice of one is unique)."""
-    rng = np.random.default_rng(seed)
-    return {rng.bytes(32): rng.bytes(PAGE) for _ in range(n)}
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        time.sleep(0.01)
 
 
 def nvme(kv: KVStoreClient) -> TierStats:
@@ -72,7 +57,7 @@ def in_l3(kv: KVStoreClient, blocks: Blocks) -> list[bytes]:
 def push_to_l3(kv: KVStoreClient, blocks: Blocks) -> list[bytes]:
     """Put the blocks (60 fill L2 past its high watermark); the keys the mover demoted."""
     put(kv, blocks)
-    wait_for("a demotion to L3", lambda: nvme(kv).objects > 0)
+    wait_until(lambda: nvme(kv).objects > 0, "a demotion to L3")
     demoted = in_l3(kv, blocks)
     assert len(demoted) == nvme(kv).objects > 0
     return demoted
@@ -91,7 +76,7 @@ def assert_exact(kv: KVStoreClient, blocks: Blocks, keys: list[bytes], batch: in
 def assert_serving(kv: KVStoreClient, seed: int) -> None:
     """Health is SERVING and fresh blocks still round-trip through L2."""
     assert kv.health() == "SERVING"
-    fresh = make_blocks(3, seed)
+    fresh = block_map(3, seed=seed)
     put(kv, fresh)
     assert kv.get(list(fresh)) == list(fresh.values())
 
@@ -148,7 +133,7 @@ def test_flipped_bytes_in_l3_are_a_miss_never_wrong_bytes(
         tmp_path: Path) -> None:
     l3 = tmp_path / "l3"
     kv = kv_to(daemon_factory(*SMALL, f"nvme.dir={l3}"))
-    blocks = make_blocks(60, seed=1)
+    blocks = block_map(60, seed=1)
     demoted = push_to_l3(kv, blocks)
     damaged, intact = demoted[:2], demoted[2:]
     with (l3 / "l3.data").open("r+b") as f:
@@ -175,7 +160,7 @@ def test_truncated_l3_file_is_an_io_error_and_the_daemon_keeps_serving(
         tmp_path: Path) -> None:
     l3 = tmp_path / "l3"
     kv = kv_to(daemon_factory(*SMALL, f"nvme.dir={l3}"))
-    blocks = make_blocks(60, seed=2)
+    blocks = block_map(60, seed=2)
     demoted = push_to_l3(kv, blocks)
     os.truncate(l3 / "l3.data", 0)
     before = nvme(kv)
@@ -227,7 +212,7 @@ def fill_through(kv: KVStoreClient, seed: int = 300) -> Blocks:
     """Put 160 blocks (10 MiB, more than L2 holds); wait for the mover."""
     blocks: Blocks = {}
     for i in range(10):
-        batch = make_blocks(16, seed=seed + i)
+        batch = block_map(16, seed=seed + i)
         put(kv, batch)
         blocks.update(batch)
 
@@ -236,7 +221,7 @@ def fill_through(kv: KVStoreClient, seed: int = 300) -> Blocks:
         assert dram is not None
         return bool(dram.used_bytes < 0.9 * dram.capacity_bytes or kv.health() != "SERVING")
 
-    wait_for("the mover to settle", settled)
+    wait_until(settled, "the mover to settle")
     return blocks
 
 
@@ -249,7 +234,7 @@ def test_full_filesystem_refuses_admissions_and_keeps_serving(
     daemon = daemon_factory(*TINY, f"nvme.compact_after_records={compact_after_records}",
                             f"nvme.dir={tiny_fs}")
     kv = kv_to(daemon)
-    blocks = make_blocks(60, seed=290)
+    blocks = block_map(60, seed=290)
     push_to_l3(kv, blocks)
     fill_disk(tiny_fs)  # another program takes the rest of the disk
     blocks.update(fill_through(kv))  # every put succeeded
@@ -313,12 +298,12 @@ def test_kill_9_mid_burst_then_restart_reads_back_only_exact_blocks(
         kv_to: Callable[[Daemon], KVStoreClient], tmp_path: Path) -> None:
     l3 = f"nvme.dir={tmp_path / 'l3'}"
     first = daemon_factory(*KILL_SETTINGS, l3)
-    batches = [make_blocks(BURST_BATCH, seed=400 + i) for i in range(BURST_BATCHES)]
+    batches = [block_map(BURST_BATCH, seed=400 + i) for i in range(BURST_BATCHES)]
     acked: list[int] = []
     putter = threading.Thread(target=burst, args=(first.target, batches, acked))
     putter.start()
     try:
-        wait_for(f"{kill_after_batches} batches put", lambda: len(acked) >= kill_after_batches)
+        wait_until(lambda: len(acked) >= kill_after_batches, f"{kill_after_batches} batches put")
         os.kill(first.proc.pid, signal.SIGKILL)
     finally:
         first.proc.wait(10)
@@ -336,7 +321,7 @@ def test_kill_9_mid_burst_then_restart_reads_back_only_exact_blocks(
     present = [k for k, t in found.items() if t is not None]
     assert len(present) == adopted and {found[k] for k in present} == {"nvme"}
     assert_exact(kv, written, present)
-    assert set(tiers(kv, [*never, *make_blocks(5, seed=499)]).values()) == {None}
+    assert set(tiers(kv, [*never, *block_map(5, seed=499)]).values()) == {None}
     assert nvme(kv).checksum_failures == 0
 
 
@@ -345,7 +330,7 @@ def test_clean_restart_readopts_exactly_what_l3_held(
         tmp_path: Path) -> None:
     l3 = f"nvme.dir={tmp_path / 'l3'}"
     first = daemon_factory(*SMALL, l3)
-    blocks = make_blocks(60, seed=5)
+    blocks = block_map(60, seed=5)
     demoted = push_to_l3(kv_to(first), blocks)
     assert first.stop() == 0, first.log()
 
@@ -366,7 +351,7 @@ def test_torn_journal_tail_is_cut_and_intact_blocks_read_back(
         tmp_path: Path) -> None:
     l3 = tmp_path / "l3"
     first = daemon_factory(*SMALL, f"nvme.dir={l3}")
-    blocks = make_blocks(60, seed=6)
+    blocks = block_map(60, seed=6)
     demoted = push_to_l3(kv_to(first), blocks)
     assert first.stop() == 0, first.log()
     journal = l3 / JOURNAL_NAME
@@ -401,7 +386,7 @@ def test_second_daemon_on_the_same_l3_folder_exits_2_naming_nvme_dir(
         tmp_path: Path) -> None:
     l3 = tmp_path / "l3"
     kv = kv_to(daemon_factory(*SMALL, f"nvme.dir={l3}"))
-    blocks = make_blocks(60, seed=7)
+    blocks = block_map(60, seed=7)
     demoted = push_to_l3(kv, blocks)
     size_bytes = (l3 / "l3.data").stat().st_size
 

@@ -11,16 +11,14 @@ import os
 import re
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient, TierStats
 from kvstore.tools.testing import Daemon, free_port
+from tests.helpers import block_map, scrape, wait_until
 
 PAGE = 64 << 10
 NS = "l3preflight"
@@ -73,36 +71,19 @@ def server(*settings: str, port: int = 0,
                           env={**os.environ, **(env or {})})
 
 
-def scrape(daemon: Daemon) -> dict[str, float]:
-    """The daemon's kvstore_l3_* samples, by name and labels as exposed."""
-    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        text = resp.read().decode()
-    return {name: float(value) for name, value in
-            re.findall(r"^(kvstore_l3_\S+) (\S+)$", text, re.M)}
+def reserve_bytes(daemon: Daemon) -> float:
+    """The L3 reserve the daemon's metrics expose (a KeyError when they expose none)."""
+    return scrape(daemon)[("kvstore_l3_filesystem_reserve_bytes", ())]
 
 
 def admission(daemon: Daemon) -> str:
     """"on", or the reason it is off, as the metrics say."""
     samples = scrape(daemon)
-    if samples["kvstore_l3_admission_enabled"] == 1:
+    if samples[("kvstore_l3_admission_enabled", ())] == 1:
         return "on"
     (reason,) = [r for r in ("low_space", "no_room")
-                 if samples[f'kvstore_l3_admission_off{{reason="{r}"}}'] == 1]
+                 if samples[("kvstore_l3_admission_off", (("reason", r),))] == 1]
     return reason
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        time.sleep(0.05)
-
-
-def make_blocks(n: int, seed: int) -> Blocks:
-    rng = np.random.default_rng(seed)
-    return {rng.bytes(32): rng.bytes(PAGE) for _ in range(n)}
 
 
 def nvme(kv: KVStoreClient) -> TierStats:
@@ -122,7 +103,7 @@ def put_settled(kv: KVStoreClient, blocks: Blocks) -> None:
         assert dram is not None
         return bool(dram.used_bytes < 0.9 * dram.capacity_bytes)
 
-    wait_for("the mover to settle", settled)
+    wait_until(settled, "the mover to settle", timeout_s=15)
 
 
 def assert_exact(kv: KVStoreClient, blocks: Blocks, keys: list[bytes]) -> None:
@@ -155,7 +136,7 @@ def test_an_l3_larger_than_the_filesystem_exits_2_naming_a_value_that_fits_and_l
     daemon = daemon_factory(*SMALL, f"nvme.dir={folder}", f"nvme.capacity_bytes={fits[1]}")
     assert f"{fits[1][:-3]}.0 MiB" in daemon.log()  # "L3 posix in ..., 124.0 MiB"
     assert admission(daemon) == "on"  # the value that fits leaves the reserve free
-    assert free_bytes(fs) >= scrape(daemon)["kvstore_l3_filesystem_reserve_bytes"]
+    assert free_bytes(fs) >= reserve_bytes(daemon)
 
 
 def test_the_l3_file_a_restart_reuses_counts_as_room(
@@ -190,7 +171,7 @@ def test_nvme_reserve_bytes_sets_the_reserve_at_start_and_while_running(
     daemon = daemon_factory(*SMALL, f"nvme.dir={folder}", "nvme.capacity_bytes=160MiB",
                             "nvme.reserve_bytes=8MiB")
     assert admission(daemon) == "on"
-    assert scrape(daemon)["kvstore_l3_filesystem_reserve_bytes"] == 8 << 20
+    assert reserve_bytes(daemon) == 8 << 20
 
 
 def test_with_the_default_folder_the_refusal_names_what_other_ports_left_behind(
@@ -217,20 +198,20 @@ def test_free_space_under_the_reserve_turns_l3_admission_off_and_back_on(
     fs = mount_tmpfs("size=200m")
     daemon = daemon_factory(*SMALL, f"nvme.dir={fs / 'l3'}", "nvme.capacity_bytes=32MiB")
     with KVStoreClient(daemon.target, NS) as kv:
-        first = make_blocks(60, seed=1)
+        first = block_map(60, seed=1)
         put_settled(kv, first)
         held = [k for k, t in tiers(kv, first).items() if t == "nvme"]
         assert held and admission(daemon) == "on"
 
         # Someone else fills the disk to half the reserve (50 MiB on 200 MiB).
-        reserve = int(scrape(daemon)["kvstore_l3_filesystem_reserve_bytes"])
+        reserve = int(reserve_bytes(daemon))
         filler = fs / "filler"
         with filler.open("wb") as f:
             os.posix_fallocate(f.fileno(), 0, free_bytes(fs) - reserve // 2)
-        wait_for("admission off", lambda: admission(daemon) == "low_space")
+        wait_until(lambda: admission(daemon) == "low_space", "admission off", timeout_s=15)
         written, refused = nvme(kv).bytes_in, nvme(kv).admissions_refused
 
-        second = make_blocks(60, seed=2)
+        second = block_map(60, seed=2)
         put_settled(kv, second)  # L2 keeps taking puts: the mover drops blocks, unwritten
         assert nvme(kv).bytes_in == written
         assert nvme(kv).admissions_refused > refused
@@ -242,8 +223,8 @@ def test_free_space_under_the_reserve_turns_l3_admission_off_and_back_on(
         assert daemon.log().count("L3 admission off") == 1
 
         filler.unlink()
-        wait_for("admission on", lambda: admission(daemon) == "on")
-        put_settled(kv, make_blocks(60, seed=3))
+        wait_until(lambda: admission(daemon) == "on", "admission on", timeout_s=15)
+        put_settled(kv, block_map(60, seed=3))
         assert nvme(kv).bytes_in > written
     assert "L3 admission back on" in daemon.log()
 
@@ -257,12 +238,12 @@ def test_an_l3_write_that_finds_no_room_turns_admission_off(
     daemon = daemon_factory(*SMALL, f"nvme.dir={fs / 'l3'}", "nvme.capacity_bytes=32MiB",
                             "nvme.compact_after_records=1")
     with KVStoreClient(daemon.target, NS) as kv:
-        blocks = make_blocks(60, seed=4)
+        blocks = block_map(60, seed=4)
         put_settled(kv, blocks)
-        wait_for("admission off", lambda: admission(daemon) == "no_room")
-        assert free_bytes(fs) > scrape(daemon)["kvstore_l3_filesystem_reserve_bytes"]
+        wait_until(lambda: admission(daemon) == "no_room", "admission off", timeout_s=15)
+        assert free_bytes(fs) > reserve_bytes(daemon)
         refused = nvme(kv).admissions_refused
-        more = make_blocks(60, seed=5)
+        more = block_map(60, seed=5)
         put_settled(kv, more)
         assert nvme(kv).admissions_refused > refused
         # L2 blocks first: reading L3 ones promotes them, and the mover then drops the
