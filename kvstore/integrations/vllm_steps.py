@@ -1,16 +1,23 @@
-"""What travels between vLLM's scheduler side and its workers each step, for the kvstore
-connector (`kvstore.integrations.vllm`): the step's metadata, scheduler to workers (the loads
-to start, the blocks to save, keys included, and what the step computes), and the connector
-stats, workers to scheduler (counters, and the worker's timings of its forward passes and
-loads, which the scheduler's load-or-recompute rule learns from); and the worker's step timer.
+"""What travels between the two halves of vLLM's kvstore connector (`kvstore.integrations.vllm`)
+each step, and how each half reports its counters.
+
+- The step's metadata goes from the scheduler side to the workers: the loads to start, the
+  newly full blocks to save (with their keys, so the workers need no token ids), and what the
+  step computes.
+- The connector stats go from the workers to the scheduler side: each interval's counters,
+  and the worker's timings of its forward passes and of its loads, which the scheduler side's
+  load-or-recompute rule learns from.
+- The worker's step timer measures those forward passes.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -18,9 +25,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvstore.keys import BlockKey
 
+if TYPE_CHECKING:
+    from kvstore.integrations.link import StoreLink
+
+IDLE_WAIT_S = 0.01
+"""A step that computes nothing waits at most this long for a Lookup (on the scheduler side)
+or a load (on a worker) to come back, rather than let vLLM's loop spin through empty steps."""
+
 
 @dataclass
 class LoadSpec:
+    """One request's load: the workers read these keys' blocks into these blocks of vLLM's
+    KV cache, and report the request as finished loading when they have arrived or failed."""
+
     req_id: str
     keys: list[BlockKey]
     block_ids: list[int]
@@ -30,25 +47,31 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
+    """Blocks of vLLM's KV cache that the step fills: the workers copy them out after the
+    forward pass and put them under these keys."""
+
     keys: list[BlockKey]
     block_ids: list[int]
     parent: BlockKey | None
+    """The key before keys[0] in its chain; None when keys[0] is the chain's first block."""
 
 
 @dataclass
 class KVStoreMetadata(KVConnectorMetadata):
+    """One step's work for the workers, built by the scheduler side."""
+
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     idle: bool = False
-    """The step computes nothing (every request waits, for its load say)."""
+    """The step computes nothing: every request is waiting, for its load for example."""
     chunks: list[tuple[int, int]] = field(default_factory=list)
     """What the step computes: (scheduled tokens, tokens computed before them) per request."""
 
 
 class KVStoreStats(KVConnectorStats):
-    """Counters of one interval, summed across workers and the scheduler; list-valued entries
-    (the worker's timings, `steps` and `loads`) are concatenated, and taken out by the
-    scheduler side before vLLM logs the rest."""
+    """One interval's counters, summed across the workers and the scheduler side. The
+    list-valued entries (the worker's timings, `steps` and `loads`) are concatenated instead;
+    the scheduler side takes them out before vLLM logs the rest."""
 
     def reset(self) -> None:
         self.data = dict[str, Any]()
@@ -69,17 +92,41 @@ class KVStoreStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-# What each side reports (one link may serve both in one process: no field twice).
+# The counters each side reports: the link's, and the scheduler side's own count of the hit
+# tokens it chose to compute. One link may serve both sides in one process, so no counter is
+# reported by both.
 SCHEDULER_FIELDS = ("lookups", "lookup_hit_blocks", "prefetched_blocks",
                      "recomputed_by_choice_tokens")
 WORKER_FIELDS = ("loaded_blocks", "loaded_bytes", "load_failures", "offloaded_blocks",
                   "offloaded_bytes", "offload_dropped_blocks", "errors")
 
 
+class CounterDeltas:
+    """What a set of cumulative counters grew by since the last report: each side's connector
+    stats carry one interval's counts, while the link counts from the moment it opened."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._names = names
+        self._reported: dict[str, int] = {}
+
+    def take(self, now: Mapping[str, int]) -> dict[str, int]:
+        """The named counters' growth since the last take (since zero, the first time)."""
+        grown = {name: now[name] - self._reported.get(name, 0) for name in self._names}
+        self._reported.update({name: now[name] for name in self._names})
+        return grown
+
+
+def load_origin(link: StoreLink) -> str:
+    """Names the link that timed a load, in the `loads` a worker reports. When vLLM runs both
+    sides in one process they share one link, which learnt the load's cost already: the
+    scheduler side takes a reported load into its rates only when it came from another link."""
+    return f"{os.getpid()}:{id(link)}"
+
+
 class StepTimer:
-    """The worker's forward passes, timed with what each computed: perf_counter on the CPU; on
-    CUDA a pair of events per step, read back once the end event has passed (never a
-    synchronize, so the forward pass is not held up)."""
+    """Times the worker's forward passes, each with what it computed. On the CPU it reads
+    perf_counter. On CUDA it records a pair of events per step and reads them back once the
+    end event has passed: it never synchronizes, so the forward pass is not held up."""
 
     def __init__(self, cuda: bool) -> None:
         self._cuda = cuda

@@ -1,9 +1,16 @@
-"""The worker half of vLLM's kvstore connector (`kvstore.integrations.vllm`): the paged KV
-tensors (`PagedKV`), loads read on the link's loader threads into a staging buffer and
-scattered into the cache (or straight into it when a block's layers lie contiguous), saves
-copied out after the forward pass and put from the writer thread, the blocks that did not
-arrive (vLLM recomputes them), and the timings the scheduler side's cost model learns from:
-each forward pass (rank 0 only: every rank runs the same steps) and each whole load.
+"""The worker half of vLLM's kvstore connector (`kvstore.integrations.vllm`), one per GPU (per
+tensor-parallel rank). It owns:
+
+- the paged KV tensors vLLM registers (`PagedKV`);
+- loads: a load reads its blocks on one of the link's loader threads into a staging buffer and
+  scatters them into the cache, or reads them straight into the cache when a block's layers
+  lie next to each other in one buffer. The blocks that did not arrive are reported, and vLLM
+  recomputes them;
+- saves: after the forward pass the blocks it filled are copied out, and the link's writer
+  thread puts them, so vLLM may reuse the blocks at once;
+- the timings the scheduler side's cost model learns from: each forward pass (on rank 0 only,
+  since every rank runs the same steps) and each whole load, reported in its connector stats
+  with the link's counters.
 """
 
 from __future__ import annotations
@@ -15,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.integrations.link import StoreLink
 from kvstore.integrations.paged import PagedKV
-from kvstore.integrations.vllm_steps import KVStoreMetadata, LoadSpec, StepTimer
+from kvstore.integrations.vllm_steps import (
+    IDLE_WAIT_S,
+    WORKER_FIELDS,
+    CounterDeltas,
+    KVStoreMetadata,
+    KVStoreStats,
+    LoadSpec,
+    StepTimer,
+    load_origin,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -23,17 +39,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvstore.integrations.vllm")
 
-IDLE_WAIT_S = 0.01
-"""An empty step waits at most this long for a lookup or a load to come back."""
-
-
 class WorkerSide:
-    def __init__(self, link: StoreLink, rank: int, origin: str) -> None:
-        """origin names the link that times the loads (see KVStoreConnector._learn)."""
+    """What one worker's connector does and keeps: its loads, saves and timings."""
+
+    def __init__(self, link: StoreLink, rank: int) -> None:
         self.link = link
         self.paged: PagedKV | None = None
+        self.origin = load_origin(link)
+        """Names this worker's link in the loads it reports (`vllm_steps.load_origin`)."""
         self._rank = rank
-        self._origin = origin
+        self._reported = CounterDeltas(WORKER_FIELDS)
         self._timer: StepTimer | None = None
         self._lock = threading.Lock()
         self._load_done = threading.Condition(self._lock)
@@ -44,6 +59,8 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor],
                  kv_cache_config: KVCacheConfig) -> None:
+        """Learn the layout of vLLM's KV cache: one paged tensor per layer of the cache's one
+        group."""
         names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names
                  if n in kv_caches]
         self.paged = PagedKV([(n, kv_caches[n]) for n in names], kv_cache_config.num_blocks)
@@ -59,6 +76,8 @@ class WorkerSide:
             self._timer.start(meta.chunks)
 
     def start_load(self, spec: LoadSpec) -> None:
+        """Start one request's load on a loader thread; `finished` reports it once it is
+        done, and `load_errors` the blocks that did not arrive."""
         paged = self.paged
         if paged is None:
             raise RuntimeError("KVStoreConnector: a load before register_kv_caches")
@@ -77,7 +96,7 @@ class WorkerSide:
                 arrived = 0
             with self._lock:
                 if spec.tier and arrived == len(spec.keys):
-                    self._load_times.append((self._origin, spec.tier,
+                    self._load_times.append((self.origin, spec.tier,
                                              arrived * paged.block_bytes, seconds))
                 self._load_errors.update(spec.block_ids[arrived:])
                 self._finished_loads.add(spec.req_id)
@@ -116,13 +135,23 @@ class WorkerSide:
         return done
 
     def load_errors(self) -> set[int]:
+        """The blocks that failed to load since the last call: vLLM recomputes them."""
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def timings(self) -> dict[str, Any]:
-        """`steps` ([chunks, seconds]) and `loads` ([origin, tier, bytes, seconds]) timed since
-        the last call, for the connector stats; empty entries left out."""
+    def stats(self) -> KVStoreStats | None:
+        """The worker's connector stats for the interval since the last call: the link's
+        counters that the worker reports, and its timings (`_timings`); None when all are
+        empty."""
+        data: dict[str, Any] = {**self._reported.take(self.link.stats.as_dict()),
+                                **self._timings()}
+        return KVStoreStats(data=data) if any(data.values()) else None
+
+    def _timings(self) -> dict[str, Any]:
+        """The forward passes (`steps`: [chunks, seconds]) and whole loads (`loads`: [origin,
+        tier, bytes, seconds]) timed since the last call. An entry with nothing in it is left
+        out."""
         steps = self._timer.take() if self._timer is not None else []
         with self._lock:
             loads, self._load_times = self._load_times, []

@@ -115,9 +115,10 @@ def matched(connector: KVStoreConnector, req: Request, computed: int = 0,
 def wait_lookups(connector: KVStoreConnector, timeout_s: float = 10.0) -> None:
     """Until every Lookup the connector started has come back."""
     deadline = time.monotonic() + timeout_s
-    while connector.pending_lookups:
+    while connector.scheduler.pending_lookups:
         if time.monotonic() > deadline:
-            raise AssertionError(f"{connector.pending_lookups} lookups never came back")
+            raise AssertionError(
+                f"{connector.scheduler.pending_lookups} lookups never came back")
         time.sleep(0.005)
 
 

@@ -58,7 +58,7 @@ def main() -> None:
         result["namespace"] = connector.namespace
         result["shared_memory"] = connector.link.client.uses_shared_memory
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
-        result["prefill_steps"] = scheduler.connector.prefill.steps
+        result["prefill_steps"] = scheduler.connector.scheduler.prefill.steps
     if args.get("dump_kv"):
         import torch
         from vllm.distributed.kv_transfer import get_kv_transfer_group

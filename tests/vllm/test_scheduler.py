@@ -19,7 +19,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvstore.client import KVStoreClient
-from kvstore.integrations.vllm import KVStoreConnector, KVStoreMetadata, KVStoreStats
+from kvstore.integrations.vllm import KVStoreConnector
+from kvstore.integrations.vllm_scheduler import RequestState
+from kvstore.integrations.vllm_steps import KVStoreMetadata, KVStoreStats
 from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
 from tests.vllm.harness import (
@@ -294,7 +296,7 @@ def test_each_lora_adapter_roots_its_own_chains(store: Daemon, model_dir: Path) 
     tokens = _tokens(40, seed=13)
 
     def first_key(lora: LoRARequest | None) -> bytes:
-        return conn._keys_of(request(tokens, lora=lora), 1)[0]
+        return conn.scheduler._keys_of(RequestState(request(tokens, lora=lora)), 1)[0]
 
     roots = {first_key(None), first_key(LoRARequest("sql", 1, "/adapters/sql")),
              first_key(LoRARequest("sql", 1, "/adapters/sql-v2")),
@@ -351,7 +353,7 @@ def test_a_hit_waits_for_its_lookup_while_a_short_request_runs_then_loads_and_ru
 def _fed(conn: KVStoreConnector, seconds_per_token: float = 2e-3) -> None:
     """Teach the connector's prefill model a few steps of a fixed cost per token."""
     for tokens in (64, 128, 256):
-        conn.prefill.observe([(tokens, 0)], tokens * seconds_per_token)
+        conn.scheduler.prefill.observe([(tokens, 0)], tokens * seconds_per_token)
 
 
 def test_policy_never_looks_the_hit_up_loads_nothing_and_counts_it(
@@ -383,7 +385,7 @@ def test_policy_always_loads_even_from_a_tier_believed_slow(
     tokens = _tokens(100, seed=17)
     _put_blocks(store.target, conn.namespace, tokens, 4, work.paged.block_bytes)
     _fed(conn)
-    conn.link.rates.observe_load("dram", conn.block_bytes, 1e4)
+    conn.link.rates.observe_load("dram", conn.scheduler.block_bytes, 1e4)
     assert matched(conn, request(tokens)) == (4 * BLOCK, True)
 
 
@@ -393,11 +395,12 @@ def test_auto_recomputes_a_hit_whose_tier_is_slower_than_computing_it(
     sched = scheduler(config)
     conn = sched.connector
     work, _ = make_worker(config)
-    assert conn.block_bytes == work.paged.block_bytes  # the scheduler's figure of a block
+    # The scheduler's figure of a block is the worker's.
+    assert conn.scheduler.block_bytes == work.paged.block_bytes
     tokens = _tokens(100, seed=18)
     _put_blocks(store.target, conn.namespace, tokens, 4, work.paged.block_bytes)
     _fed(conn)
-    conn.link.rates.observe_load("dram", conn.block_bytes, 1e4)  # 10^4 s a block
+    conn.link.rates.observe_load("dram", conn.scheduler.block_bytes, 1e4)  # 10^4 s a block
     caplog.set_level(logging.DEBUG, logger="kvstore.integrations.vllm")
     req = request(tokens)
     sched.add_request(req)
@@ -435,7 +438,7 @@ def test_a_waiting_request_keeps_its_decision_until_its_first_block_moves(
     conn.link.rates.observe_load("dram", 1 << 30, 0.1)  # fast: load
     req = request(tokens)
     assert matched(conn, req) == (4 * BLOCK, True)
-    conn.link.rates.observe_load("dram", conn.block_bytes, 1e4)  # now slow
+    conn.link.rates.observe_load("dram", conn.scheduler.block_bytes, 1e4)  # now slow
     assert conn.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)  # kept
     # A block came from vLLM's own prefix cache meanwhile: the rest is decided afresh.
     assert conn.get_num_new_matched_tokens(req, BLOCK) == (0, False)
@@ -463,10 +466,10 @@ def test_the_workers_forward_steps_and_loads_reach_the_schedulers_cost_model(
     # A load timed by another process's link teaches this one; one timed by this process's
     # own link (the scheduler shares it here) was learnt already.
     stats.data["loads"] = [("elsewhere:1", "nvme", 1 << 20, 0.5),
-                           (work._origin, "remote", 1 << 20, 0.5)]
-    assert conn.prefill.steps == 0
+                           (work.worker.origin, "remote", 1 << 20, 0.5)]
+    assert conn.scheduler.prefill.steps == 0
     sched.update_from_output(out, runner_output([req], stats=stats))
-    assert conn.prefill.steps == 1
+    assert conn.scheduler.prefill.steps == 1
     nvme = conn.link.rates.estimate("nvme", 1 << 20)
     assert nvme is not None and 0.4 < nvme <= 0.5
     assert conn.link.rates.estimate("remote", 1 << 20) is None

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from kvstore.integrations.vllm import KVStoreConnector, KVStoreMetadata, LoadSpec, SaveSpec
+from kvstore.integrations.vllm import KVStoreConnector
+from kvstore.integrations.vllm_steps import KVStoreMetadata, LoadSpec, SaveSpec
 from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
 from tests.vllm.harness import BLOCK, LAYERS, vllm_config, worker
@@ -70,7 +71,7 @@ def test_blocks_saved_by_one_worker_load_bit_exact_into_a_fresh_one_in_any_order
     assert "lookups" not in stats.data  # the scheduler side reports those
     # The whole load, timed for the scheduler side's rates (it may live in another process).
     [(origin, tier, nbytes, seconds)] = stats.data["loads"]
-    assert (origin, tier, nbytes) == (loader._origin, "dram", 5 * loader.paged.block_bytes)
+    assert (origin, tier, nbytes) == (loader.worker.origin, "dram", 5 * loader.paged.block_bytes)
     assert 0 < seconds < 10.0
     assert loader.link.rates.estimate("dram", 1) is not None  # its own link learnt it too
     assert loader.get_kv_connector_stats() is None
