@@ -56,8 +56,8 @@ from figures import Figure, Op, gbps_figure, paired, percentile, run_main
 from grpc_floor import GrpcFloor
 
 from kvstore.client import KVStoreClient
-from kvstore.client import _localpath as lp  # the client's own steps, timed one by one
 from kvstore.client import _requests as rq
+from kvstore.proto import localframe as lp  # the local path's verbs, timed one by one
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.tools.testing import start_daemon, start_redis
 from kvstore.units import KiB, MiB, parse_size
