@@ -121,13 +121,13 @@ class ShmState:
                 turn.wait()
                 continue
             try:
-                self.adopt(fetch_stats(), fetch_attach)
+                self.decide(fetch_stats(), fetch_attach)
             finally:
-                self._settle()
+                self._end_turn()
         return self.active
 
     def _claim(self) -> threading.Event | None:
-        """None when the caller is to decide now (the turn is its own until `_settle`); else
+        """None when the caller is to decide now (the turn is its own until `_end_turn`); else
         the turn to wait for, after which the caller looks at `decided` again."""
         with self._lock:
             if self._deciding is not None:
@@ -137,14 +137,14 @@ class ShmState:
             self._deciding = threading.Event()
             return None
 
-    def _settle(self) -> None:
+    def _end_turn(self) -> None:
         """The decision is made, or failed: wake the waiters either way."""
         with self._lock:
             turn, self._deciding = self._deciding, None
         if turn is not None:
             turn.set()
 
-    def adopt(self, stats: pb.StatsResponse, fetch_attach: FetchAttach | None = None) -> None:
+    def decide(self, stats: pb.StatsResponse, fetch_attach: FetchAttach | None = None) -> None:
         """Decide from the daemon's Stats; attach when co-located, and open the local path
         when the daemon has a Unix socket. On the arena path the local path keeps
         fetch_attach, for a fresh ticket per session it opens, from whichever thread opens
@@ -157,7 +157,7 @@ class ShmState:
             else:
                 reply = self._attach_reply(fetch_attach)
                 path = self._path_for(reply, path)
-                self._adopt_arenas(path, receive_arenas(path, reply.ticket))
+                self._take_arenas(path, receive_arenas(path, reply.ticket))
                 assert fetch_attach is not None  # _attach_reply raised otherwise
                 self._open_local(path, lambda: fetch_attach().ticket)
         except KVStoreError as exc:
@@ -218,7 +218,7 @@ class ShmState:
         """The socket to trade the ticket on: ours, else the one Attach names."""
         return self.unix_socket or reply.unix_socket or reported
 
-    def _adopt_arenas(self, path: str, arenas: list[Arena]) -> None:
+    def _take_arenas(self, path: str, arenas: list[Arena]) -> None:
         fresh = {arena.name: SharedSegment(arena) for arena in arenas}
         with self._lock:
             old, self.arenas = self.arenas, fresh
@@ -249,7 +249,7 @@ class ShmState:
         try:
             reply = fetch_attach()
             path = self._path_for(reply, self._socket_path or "")
-            self._adopt_arenas(path, receive_arenas(path, reply.ticket))
+            self._take_arenas(path, receive_arenas(path, reply.ticket))
         except KVStoreError as exc:
             raise _reattach_failed(name, exc) from None
 

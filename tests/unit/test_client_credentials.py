@@ -584,7 +584,7 @@ def test_a_named_segment_is_attached_by_name_and_attach_never_called() -> None:
     calls: list[int] = []
     stats = pb.StatsResponse(shm_name="kvstore-no-such-segment", unix_socket="/run/kv.sock",
                              host_id=shm.host_id())
-    state.adopt(stats, lambda: calls.append(1) or pb.AttachResponse())
+    state.decide(stats, lambda: calls.append(1) or pb.AttachResponse())
     assert calls == [] and state.in_use is False  # tried by name (absent here), no Attach
 
 
@@ -598,7 +598,7 @@ def test_an_unknown_arena_reattaches_once_then_is_data_loss(fake: Any) -> None:
         attaches.append(reply.ticket)
         return reply
 
-    state.adopt(daemon.Stats(None, None), fetch_attach)
+    state.decide(daemon.Stats(None, None), fetch_attach)
     assert state.in_use and list(state.arenas) == ["tenant-a.0"]
     # Attaches: the arenas', the local path's (this fake socket serves no local sessions, so
     # the blocking client's hot verbs stay on gRPC), then the one re-Attach.

@@ -370,10 +370,10 @@ def test_extents_outside_the_segment_or_too_short_are_data_loss() -> None:
 def test_shm_is_off_when_the_daemon_is_elsewhere_and_an_error_when_required() -> None:
     stats = pb.StatsResponse(shm_name="kvstore-x", host_id="some-other-host")
     auto = ShmState(None)
-    auto.adopt(stats)
+    auto.decide(stats)
     assert auto.decided and auto.segment is None
     with pytest.raises(FailedPrecondition, match="another host"):
-        ShmState(True).adopt(stats)
+        ShmState(True).decide(stats)
     never = ShmState(False)
     assert never.decided and never.segment is None
 
