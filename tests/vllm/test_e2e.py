@@ -16,6 +16,7 @@ from kvstore.client import KVStoreClient
 from kvstore.integrations.paged import PagedKV
 from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
+from tests.vllm.conftest import StoreView
 
 BLOCK = 128  # vLLM's CPU default
 PROMPT = [3 + (i * 7 + i // 5) % 500 for i in range(700)]  # 5 full blocks and 60 tokens
@@ -40,10 +41,11 @@ def _rows(dump: Path) -> set[bytes]:
 
 
 def test_a_fresh_engine_loads_the_bytes_another_computed_and_generates_the_same(
-        store: Daemon, model_dir: Path, baseline: list[list[int]], llm_run: Run,
+        store: StoreView, model_dir: Path, baseline: list[list[int]], llm_run: Run,
         tmp_path: Path) -> None:
-    args = {"model": str(model_dir), "prompts": [PROMPT], "connector": {"target": store.target}}
+    args = {"model": str(model_dir), "prompts": [PROMPT], "connector": store.options()}
     first, _ = llm_run({**args, "dump_kv": str(tmp_path / "first.pt")})
+    store.evict_at_end(first["namespace"])
     assert first["tokens"] == baseline
     assert first["stats"]["offloaded_blocks"] == STORED
     assert first["prefill_steps"] > 0  # the worker's timed forward passes reached the scheduler
@@ -68,13 +70,13 @@ def test_a_fresh_engine_loads_the_bytes_another_computed_and_generates_the_same(
 
 
 def test_with_the_daemon_killed_between_the_runs_the_output_is_unchanged_after_one_warning(
-        store: Daemon, model_dir: Path, baseline: list[list[int]], llm_run: Run) -> None:
+        own_store: Daemon, model_dir: Path, baseline: list[list[int]], llm_run: Run) -> None:
     args = {"model": str(model_dir), "prompts": [PROMPT],
-            "connector": {"target": store.target, "timeout_s": 0.5}}
+            "connector": {"target": own_store.target, "timeout_s": 0.5}}
     first, _ = llm_run(args)
     assert first["stats"]["offloaded_blocks"] == STORED
-    store.proc.kill()
-    store.proc.wait()
+    own_store.proc.kill()
+    own_store.proc.wait()
     second, stderr = llm_run(args)
     assert second["tokens"] == baseline
     assert second["cached_tokens"] == [0]
@@ -84,12 +86,13 @@ def test_with_the_daemon_killed_between_the_runs_the_output_is_unchanged_after_o
 
 
 def test_disaggregated_prefill_hands_the_kv_from_a_producer_to_a_consumer(
-        store: Daemon, model_dir: Path, baseline: list[list[int]], llm_run: Run) -> None:
+        store: StoreView, model_dir: Path, baseline: list[list[int]], llm_run: Run) -> None:
     """A prefill engine that only saves, and a decode engine that only loads, run as vLLM
     runs them for users: an engine-core process and a worker process each."""
-    connector = {"target": store.target}
+    connector = store.options()
     prefill, _ = llm_run({"model": str(model_dir), "prompts": [PROMPT], "max_tokens": 1,
                           "connector": connector, "role": "kv_producer"})
+    store.evict_at_end(prefill["namespace"])  # the decode engine's too
     assert prefill["stats"]["offloaded_blocks"] == STORED
     assert prefill["stats"]["lookups"] == 0  # a producer never loads
     decode, _ = llm_run({"model": str(model_dir), "prompts": [PROMPT], "connector": connector,

@@ -24,6 +24,7 @@ from kvstore.integrations.vllm_scheduler import RequestState
 from kvstore.integrations.vllm_steps import KVStoreMetadata, KVStoreStats
 from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
+from tests.vllm.conftest import StoreView
 from tests.vllm.harness import (
     BLOCK,
     LAYERS,
@@ -77,8 +78,8 @@ def _looked_up(sched: Scheduler) -> SchedulerOutput:
 
 
 def test_a_stored_prefix_is_loaded_asynchronously_then_the_request_runs(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options())
     sched = scheduler(config)
     conn = sched.connector
     assert isinstance(conn, KVStoreConnector)
@@ -127,8 +128,8 @@ def test_a_stored_prefix_is_loaded_asynchronously_then_the_request_runs(
 @pytest.mark.parametrize(("prompt_len", "stored", "external"),
                          [(97, 6, 6 * BLOCK), (96, 6, 5 * BLOCK), (40, 1, BLOCK)])
 def test_the_hit_always_leaves_the_last_prompt_token_to_compute(
-        store: Daemon, model_dir: Path, prompt_len: int, stored: int, external: int) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path, prompt_len: int, stored: int, external: int) -> None:
+    config = vllm_config(model_dir, store.options())
     sched = scheduler(config)
     work, _ = make_worker(config)
     tokens = _tokens(prompt_len, seed=prompt_len)
@@ -144,8 +145,8 @@ def test_the_hit_always_leaves_the_last_prompt_token_to_compute(
 
 
 def test_a_miss_gets_zero_and_the_request_runs_once_answered(
-        store: Daemon, model_dir: Path) -> None:
-    sched = scheduler(vllm_config(model_dir, {"target": store.target}))
+        store: StoreView, model_dir: Path) -> None:
+    sched = scheduler(vllm_config(model_dir, store.options()))
     req = request(_tokens(100, seed=9))
     sched.add_request(req)
     out = _looked_up(sched)
@@ -156,9 +157,9 @@ def test_a_miss_gets_zero_and_the_request_runs_once_answered(
 
 
 def test_a_lookup_error_gets_zero_and_one_warning(
-        store: Daemon, model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    sched = scheduler(vllm_config(model_dir, {"target": store.target, "timeout_s": 0.5}))
-    store.stop()
+        own_store: Daemon, model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    sched = scheduler(vllm_config(model_dir, {"target": own_store.target, "timeout_s": 0.5}))
+    own_store.stop()
     caplog.set_level(logging.WARNING, logger="kvstore")
     reqs = [request(_tokens(100, seed=s)) for s in (1, 2, 3)]
     for req in reqs:
@@ -173,15 +174,15 @@ def test_a_lookup_error_gets_zero_and_one_warning(
 
 
 def test_a_frozen_store_costs_one_timeout_then_answers_zero_at_once(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target, "timeout_s": 0.5,
+        own_store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": own_store.target, "timeout_s": 0.5,
                                      "reconnect_s": 0.2})
     sched = scheduler(config)
     conn = sched.connector
     work, _ = make_worker(config)
     tokens = _tokens(64, seed=4)
-    _put_blocks(store.target, conn.namespace, tokens, 3, work.paged.block_bytes)
-    os.kill(store.proc.pid, signal.SIGSTOP)
+    _put_blocks(own_store.target, conn.namespace, tokens, 3, work.paged.block_bytes)
+    os.kill(own_store.proc.pid, signal.SIGSTOP)
     try:
         req = request(tokens)
         started = time.monotonic()
@@ -193,7 +194,7 @@ def test_a_frozen_store_costs_one_timeout_then_answers_zero_at_once(
         assert conn.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
         second = time.monotonic() - started
     finally:
-        os.kill(store.proc.pid, signal.SIGCONT)
+        os.kill(own_store.proc.pid, signal.SIGCONT)
     assert asked < 0.05 and first < 3.0 and second < 0.05, (asked, first, second)
     deadline = time.monotonic() + 10.0
     while not conn.link.available and time.monotonic() < deadline:
@@ -202,8 +203,8 @@ def test_a_frozen_store_costs_one_timeout_then_answers_zero_at_once(
 
 
 def test_a_block_that_fails_to_load_is_recomputed_from_there(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options())
     sched = scheduler(config)
     work, _ = make_worker(config)
     tokens = _tokens(100, seed=6)
@@ -228,8 +229,8 @@ def test_a_block_that_fails_to_load_is_recomputed_from_there(
     assert [len(s.keys) for s in out.kv_connector_metadata.saves] == [4]
 
 
-def test_saves_follow_the_blocks_each_step_fills(store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target}, max_batched=64)
+def test_saves_follow_the_blocks_each_step_fills(store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options(), max_batched=64)
     sched = scheduler(config)
     work, caches = make_worker(config, seed=11)
     tokens = _tokens(100, seed=7)
@@ -259,14 +260,14 @@ def test_saves_follow_the_blocks_each_step_fills(store: Daemon, model_dir: Path)
 
 
 def test_roles_a_producer_never_loads_a_consumer_never_saves(
-        store: Daemon, model_dir: Path) -> None:
+        store: StoreView, model_dir: Path) -> None:
     tokens = _tokens(80, seed=8)
-    producer = scheduler(vllm_config(model_dir, {"target": store.target}, role="kv_producer"))
-    work, _ = make_worker(vllm_config(model_dir, {"target": store.target}))
+    producer = scheduler(vllm_config(model_dir, store.options(), role="kv_producer"))
+    work, _ = make_worker(vllm_config(model_dir, store.options()))
     _put_blocks(store.target, producer.connector.namespace, tokens, 4, work.paged.block_bytes)
     assert producer.connector.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
 
-    consumer = scheduler(vllm_config(model_dir, {"target": store.target}, role="kv_consumer"))
+    consumer = scheduler(vllm_config(model_dir, store.options(), role="kv_consumer"))
     req = request(_tokens(80, seed=10))
     consumer.add_request(req)
     out = consumer.schedule()
@@ -274,8 +275,8 @@ def test_roles_a_producer_never_loads_a_consumer_never_saves(
 
 
 def test_requests_with_different_cache_salts_share_no_blocks(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options())
     sched = scheduler(config)
     work, _ = make_worker(config, seed=3)
     tokens = _tokens(70, seed=12)
@@ -291,8 +292,8 @@ def test_requests_with_different_cache_salts_share_no_blocks(
     assert matched(conn, request(tokens)) == (0, False)
 
 
-def test_each_lora_adapter_roots_its_own_chains(store: Daemon, model_dir: Path) -> None:
-    conn = scheduler(vllm_config(model_dir, {"target": store.target})).connector
+def test_each_lora_adapter_roots_its_own_chains(store: StoreView, model_dir: Path) -> None:
+    conn = scheduler(vllm_config(model_dir, store.options())).connector
     tokens = _tokens(40, seed=13)
 
     def first_key(lora: LoRARequest | None) -> bytes:
@@ -314,8 +315,8 @@ def test_a_bad_option_fails_at_start_naming_the_key(model_dir: Path) -> None:
 
 
 def test_a_hit_waits_for_its_lookup_while_a_short_request_runs_then_loads_and_runs(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options())
     sched = scheduler(config)
     conn = sched.connector
     work, _ = make_worker(config)
@@ -357,8 +358,8 @@ def _fed(conn: KVStoreConnector, seconds_per_token: float = 2e-3) -> None:
 
 
 def test_policy_never_looks_the_hit_up_loads_nothing_and_counts_it(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target, "load_policy": "never"})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options(load_policy="never"))
     sched = scheduler(config)
     conn = sched.connector
     work, _ = make_worker(config)
@@ -378,8 +379,8 @@ def test_policy_never_looks_the_hit_up_loads_nothing_and_counts_it(
 
 
 def test_policy_always_loads_even_from_a_tier_believed_slow(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target, "load_policy": "always"})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options(load_policy="always"))
     conn = scheduler(config).connector
     work, _ = make_worker(config)
     tokens = _tokens(100, seed=17)
@@ -390,8 +391,8 @@ def test_policy_always_loads_even_from_a_tier_believed_slow(
 
 
 def test_auto_recomputes_a_hit_whose_tier_is_slower_than_computing_it(
-        store: Daemon, model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = vllm_config(model_dir, store.options())
     sched = scheduler(config)
     conn = sched.connector
     work, _ = make_worker(config)
@@ -414,8 +415,8 @@ def test_auto_recomputes_a_hit_whose_tier_is_slower_than_computing_it(
 
 
 def test_auto_loads_a_hit_whose_tier_is_faster_than_computing_it(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options())
     conn = scheduler(config).connector
     work, _ = make_worker(config)
     tokens = _tokens(100, seed=19)
@@ -426,10 +427,10 @@ def test_auto_loads_a_hit_whose_tier_is_faster_than_computing_it(
 
 
 def test_a_waiting_request_keeps_its_decision_until_its_first_block_moves(
-        store: Daemon, model_dir: Path) -> None:
+        store: StoreView, model_dir: Path) -> None:
     # vLLM asks every step while a request waits: deciding again each time would cost
     # O(hit blocks) per waiting request per step, and could flip the answer it gave.
-    config = vllm_config(model_dir, {"target": store.target})
+    config = vllm_config(model_dir, store.options())
     conn = scheduler(config).connector
     work, _ = make_worker(config)
     tokens = _tokens(100, seed=20)
@@ -445,8 +446,8 @@ def test_a_waiting_request_keeps_its_decision_until_its_first_block_moves(
 
 
 def test_the_workers_forward_steps_and_loads_reach_the_schedulers_cost_model(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options())
     sched = scheduler(config)
     conn = sched.connector
     work, _ = make_worker(config)

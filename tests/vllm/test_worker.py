@@ -13,6 +13,7 @@ from kvstore.integrations.vllm import KVStoreConnector
 from kvstore.integrations.vllm_steps import KVStoreMetadata, LoadSpec, SaveSpec
 from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
+from tests.vllm.conftest import StoreView
 from tests.vllm.harness import BLOCK, LAYERS, vllm_config, worker
 
 
@@ -48,8 +49,8 @@ def _load(connector: KVStoreConnector, req_id: str, keys: list[bytes],
 
 
 def test_blocks_saved_by_one_worker_load_bit_exact_into_a_fresh_one_in_any_order(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options())
     saver, saved = worker(config, seed=21)  # random bits: NaNs and all
     keys = prefix_keys(list(range(3, 3 + 5 * BLOCK)), BLOCK, saver.namespace)
     _save(saver, keys, [9, 3, 17, 4, 40])
@@ -78,8 +79,8 @@ def test_blocks_saved_by_one_worker_load_bit_exact_into_a_fresh_one_in_any_order
 
 
 def test_a_gap_in_the_chain_reports_it_and_every_block_after_it(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target})
+        store: StoreView, model_dir: Path) -> None:
+    config = vllm_config(model_dir, store.options())
     saver, saved = worker(config, seed=22)
     keys = prefix_keys(list(range(7, 7 + 4 * BLOCK)), BLOCK, saver.namespace)
     _save(saver, keys[:2], [1, 2])  # blocks 2 and 3 never stored
@@ -94,10 +95,10 @@ def test_a_gap_in_the_chain_reports_it_and_every_block_after_it(
 
 
 def test_a_dead_store_fails_the_whole_load_and_still_finishes_the_request(
-        store: Daemon, model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"target": store.target, "timeout_s": 0.5})
+        own_store: Daemon, model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"target": own_store.target, "timeout_s": 0.5})
     loader, _ = worker(config)
     keys = prefix_keys(list(range(11, 11 + 3 * BLOCK)), BLOCK, loader.namespace)
-    store.stop()
+    own_store.stop()
     assert _load(loader, "r3", keys, [4, 5, 6]) == {4, 5, 6}
     assert not loader.link.available
