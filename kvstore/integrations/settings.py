@@ -96,7 +96,8 @@ def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
 
 def parse_settings(extra: Mapping[str, Any] | None,
                    env: Mapping[str, str] = os.environ) -> Settings:
-    """Settings from kv_connector_extra_config; SettingsError naming the first bad key."""
+    """Read the connector's options from kv_connector_extra_config. The first bad or unknown
+    option raises SettingsError, which names its key."""
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(_KEYS))
     if unknown:
@@ -160,9 +161,10 @@ class ModelShape:
 
 
 def namespace_for(settings: Settings, shape: ModelShape) -> str:
-    """prefix + vllm/<model>@<revision>/<dtype>/<layers>x<kv heads>x<head dim>/bs<n>/<layout>/
-    tp<rank>of<size>[/<salt>]. A model name too long for the namespace limit is replaced by
-    its SHA-256 (the rest stays readable)."""
+    """The namespace of the blocks a connector saves and loads:
+    prefix + vllm/<model>@<revision>/<dtype>/<layers>x<kv heads>x<head dim>/bs<n>/<layout>/
+    tp<rank>of<size>[/<salt>]. When the model name would make it longer than the namespace
+    limit, the name is replaced by its SHA-256, and the rest stays readable."""
     model = f"{shape.model}@{shape.revision or 'main'}"
 
     def build(name: str) -> str:
