@@ -18,7 +18,7 @@ to it.
   with what the step computes (for the workers' step timings).
 
 The side keeps one `RequestState` per request: it is created when vLLM first asks about the
-request and dropped when the request finishes.
+request and forgotten when the request finishes.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class RequestState:
     """The keys of the request's chain from its first block on, as far as they were needed.
     They grow with the request, and none is computed twice."""
     lookup: Lookup | None = None
-    """The request's Lookup while it waits to be admitted, out or answered. Admission drops
+    """The request's Lookup while it waits to be admitted, out or answered. Admission clears
     it, so a request admitted again later (after a preemption) is looked up afresh."""
     match: Match | None = None
     """vLLM's latest answer about the request, until `update_state_after_alloc` takes it."""
@@ -121,8 +121,8 @@ class SchedulerSide:
 
     def __init__(self, link: StoreLink, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  *, loads: bool, saves: bool, policy: str) -> None:
-        """loads and saves: whether this connector's role and options load hits and save
-        blocks; policy: its `load_policy`."""
+        """`loads` and `saves` say whether this connector loads hits and saves blocks, as its
+        role and options allow; `policy` is its `load_policy`."""
         self.link = link
         self.loads = loads
         self.saves = saves
