@@ -164,10 +164,18 @@ def test_a_lookup_error_gets_zero_and_one_warning(
     reqs = [request(_tokens(100, seed=s)) for s in (1, 2, 3)]
     for req in reqs:
         sched.add_request(req)
-    out = _looked_up(sched)
-    assert sorted(r.req_id for r in out.scheduled_new_reqs) == sorted(
-        r.request_id for r in reqs)
-    assert all(r.num_computed_tokens == 0 for r in out.scheduled_new_reqs)
+    # The first request's Lookup goes out and fails at once (the connection is refused); a
+    # request asked after that failure gets 0 without a Lookup (the link is off) and runs in
+    # this step, one asked before it runs in the next.
+    out = sched.schedule()
+    assert reqs[0].request_id not in out.num_scheduled_tokens
+    admitted = list(out.scheduled_new_reqs)
+    wait_lookups(sched.connector)
+    sched.update_from_output(out, runner_output(
+        [r for r in reqs if r.request_id in out.num_scheduled_tokens]))
+    admitted += sched.schedule().scheduled_new_reqs
+    assert sorted(r.req_id for r in admitted) == sorted(r.request_id for r in reqs)
+    assert all(r.num_computed_tokens == 0 for r in admitted)
     warnings = [r for r in caplog.records if r.name.startswith("kvstore")]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "Lookup failed" in warnings[0].getMessage()
