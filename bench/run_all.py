@@ -9,6 +9,14 @@ bench/results/<date>-<plot>.png, and bench/results/<date>.md (the same as a shor
 report, the plots embedded, and what was left out of them and why). A script that fails or
 runs past its time limit is reported as such; the others still run.
 
+Each script's own output is kept too, in bench/results/<date>/: what it printed on stdout
+(<script>.out) and on stderr (<script>.err), and its own JSON report (<script>.json, asked for
+with --json), which holds more than its figure lines: its set-up and per-rep details. A script
+run twice gets <script>-2.* the second time. The report names these files for each script
+(stdout_file, stderr_file and json_file, relative to the report's folder; "" when there is
+none), so a failed script's whole output can be read, and the smoke tests
+(tests/e2e/conftest.py) read one quick run's files instead of running each script again.
+
     python bench/run_all.py [--only NAME ...] [--quick] [--out DIR]
 """
 
@@ -23,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import plots
 
@@ -44,14 +52,19 @@ class Script:
     gpu: bool = False
     python: str = ""
     """Another interpreter, relative to the repository (vLLM's virtualenv); "" is this one."""
+    json: Literal["path", "stdout"] = "path"
+    """How the script hands over its JSON report: "path" (`--json PATH` writes it there) or
+    "stdout" (a bare `--json` prints it as the last line of stdout)."""
 
 
 SUITE = (
-    Script("store_bench", timeout_s=180),
+    Script("store_bench", timeout_s=180, json="stdout"),
     Script("tier_bench", timeout_s=180),
     Script("l4_bench", timeout_s=180),
-    Script("engine_bench", ("--baseline-requests", "2", "--ttft-reps", "2"), timeout_s=420),
-    Script("engine_ttft", ("--reps", "3"), timeout_s=300),
+    # Their limits are the smoke tests' old ones: on a busy 2-core machine even --quick took
+    # 220 s (engine_bench) and 45 s (engine_ttft) with the rest of the suite beside it.
+    Script("engine_bench", ("--baseline-requests", "2", "--ttft-reps", "2"), timeout_s=900),
+    Script("engine_ttft", ("--reps", "3"), timeout_s=400),
     Script("engine_mixed", timeout_s=900),
     # Every trace family (bench/trace_families.py), the public synthetic trace among them,
     # at 1-40% of each one's distinct blocks: about a minute, the synthetic half of it.
@@ -64,7 +77,7 @@ SUITE = (
     Script("index_scaling", timeout_s=180),
     Script("soak", timeout_s=600),  # without --report: docs/RELIABILITY.md is left as it is
     Script("vllm_ttft", ("--reps", "5"), timeout_s=900, python=".venv-vllm/bin/python"),
-    Script("gpu_bench", quick_args=(), timeout_s=180, gpu=True),
+    Script("gpu_bench", quick_args=(), timeout_s=180, gpu=True, json="stdout"),
     Script("kernel_bench", timeout_s=90, gpu=True),
 )
 
@@ -77,6 +90,9 @@ class Outcome:
     figures: dict[str, dict[str, Any]] = field(default_factory=dict)
     info: list[str] = field(default_factory=list)
     plots: dict[str, Any] = field(default_factory=dict)
+    stdout_file: str = ""
+    stderr_file: str = ""
+    json_file: str = ""
 
 
 def parse(stdout: str) -> tuple[dict[str, dict[str, Any]], list[str], dict[str, Any]]:
@@ -104,28 +120,83 @@ def parse(stdout: str) -> tuple[dict[str, dict[str, Any]], list[str], dict[str, 
     return figures, info, plot_data
 
 
-def run_script(script: Script, quick: bool) -> Outcome:
+def run_script(script: Script, quick: bool, files: Path | None = None) -> Outcome:
+    """Run one script and parse what it printed. With `files` (a path without a suffix, such
+    as results/<date>/store_bench) the script is asked for its JSON report, and its stdout,
+    stderr and that report are kept as files.out, files.err and files.json; the outcome names
+    them relative to the report's folder (results/, two levels up from files)."""
     args = script.quick_args if quick else script.args
     python = str(BENCH.parent / script.python) if script.python else sys.executable
     if not Path(python).exists():
         return Outcome(script.name, f"skipped (no {script.python}; `make test-vllm` builds it)",
                        0.0)
-    command = [python, str(BENCH / f"{script.name}.py"), *args]
+    json_args: tuple[str, ...] = ()
+    if files is not None:
+        files.parent.mkdir(parents=True, exist_ok=True)
+        json_args = ("--json",) if script.json == "stdout" else ("--json", str(_json(files)))
+    command = [python, str(BENCH / f"{script.name}.py"), *args, *json_args]
     print(f"# == {script.name} {' '.join(args)}", flush=True)
     start = time.monotonic()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=script.timeout_s,
                               cwd=BENCH.parent)
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        figures, info, plot_data = parse(out)
-        return Outcome(script.name, f"timed out after {script.timeout_s} s",
-                       time.monotonic() - start, figures, info, plot_data)
-    figures, info, plot_data = parse(proc.stdout)
-    status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-    if proc.returncode != 0:
-        info.append(f"# stderr tail: {proc.stderr.strip().splitlines()[-1:]}")
-    return Outcome(script.name, status, time.monotonic() - start, figures, info, plot_data)
+        out, err = _text(exc.stdout), _text(exc.stderr)
+        outcome = Outcome(script.name, f"timed out after {script.timeout_s} s",
+                          time.monotonic() - start, *parse(out))
+    else:
+        out, err = proc.stdout, proc.stderr
+        status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+        outcome = Outcome(script.name, status, time.monotonic() - start, *parse(out))
+        if proc.returncode != 0:
+            outcome.info.append(f"# stderr tail: {err.strip().splitlines()[-1:]}")
+    if files is not None:
+        _keep(outcome, files, out, err, stdout_json=script.json == "stdout")
+    return outcome
+
+
+def _text(captured: str | bytes | None) -> str:
+    """What a timed-out run had printed (subprocess hands it over as bytes, or not at all)."""
+    return captured.decode(errors="replace") if isinstance(captured, bytes) else captured or ""
+
+
+def _json(files: Path) -> Path:
+    return files.with_name(files.name + ".json")
+
+
+def _keep(outcome: Outcome, files: Path, out: str, err: str, stdout_json: bool) -> None:
+    """Write a script's stdout and stderr beside the report, and its JSON report when it
+    printed one as its last stdout line; name in the outcome the files there are."""
+    written = {"stdout_file": files.with_name(files.name + ".out"),
+               "stderr_file": files.with_name(files.name + ".err")}
+    written["stdout_file"].write_text(out)
+    written["stderr_file"].write_text(err)
+    if stdout_json:
+        last = out.rstrip("\n").rpartition("\n")[2]
+        try:
+            report = json.loads(last)
+        except json.JSONDecodeError:
+            report = None
+        if isinstance(report, dict):
+            _json(files).write_text(json.dumps(report, indent=1) + "\n")
+        else:
+            outcome.info.append("# no JSON report: its last stdout line is not a JSON object")
+    if _json(files).exists():
+        written["json_file"] = _json(files)
+    for name, path in written.items():
+        setattr(outcome, name, str(path.relative_to(files.parent.parent)))
+
+
+def files_of(suite: list[Script], folder: Path) -> list[Path]:
+    """Where each script's own files go: folder/<script>, then folder/<script>-2 for a second
+    run of the same script, and so on."""
+    seen: dict[str, int] = {}
+    paths = []
+    for script in suite:
+        seen[script.name] = seen.get(script.name, 0) + 1
+        suffix = "" if seen[script.name] == 1 else f"-{seen[script.name]}"
+        paths.append(folder / f"{script.name}{suffix}")
+    return paths
 
 
 def markdown(outcomes: list[Outcome], stamp: str, total_s: float) -> str:
@@ -167,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%MZ")
     start = time.monotonic()
     outcomes = []
-    for script in suite:
-        outcome = run_script(script, args.quick)
+    for script, files in zip(suite, files_of(suite, args.out / stamp), strict=True):
+        outcome = run_script(script, args.quick, files)
         for figure in outcome.figures.values():
             print(figure["line"], flush=True)
         print(f"# {script.name}: {outcome.status} in {outcome.seconds:.0f} s", flush=True)
