@@ -1,45 +1,37 @@
-"""bench/engine_mixed.py runs end to end: `--quick --json PATH` steps decodes while requests
-with store hits arrive and load (real daemon), and asks engines of each store_load_policy for
-prefixes only a real redis-server holds, behind a SlowLink at three delays; it prints one
-`bench <name>: ... = <ratio>x` line per figure and writes the same figures as JSON. What is
-checked is what each figure claims to measure (the arrivals loaded, loads were in flight, each
-policy did what it says, auto decided by cost after its first load), never its speed: the
-targets live in the bench."""
+"""bench/engine_mixed.py runs end to end: `--quick --json PATH` (in the session's shared run of
+bench/run_all.py, tests/e2e/bench_run.py) steps decodes while requests with store hits arrive
+and load (real daemon), and asks engines of each store_load_policy for prefixes only a real
+redis-server holds, behind a SlowLink at three delays; it prints one `bench <name>: ... =
+<ratio>x` line per figure and writes the same figures as JSON. What is checked is what each
+figure claims to measure (the arrivals loaded, loads were in flight, each policy did what it
+says, auto decided by cost after its first load), never its speed: the targets live in the
+bench."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.e2e.bench_run import BenchRun
 from tests.e2e.house_format import check_report, printed_figures
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench("engine_mixed")]
 
-BENCH = REPO / "bench" / "engine_mixed.py"
 POLICY_FIGURES = {"policy_l4_fast", "policy_l4_mid", "policy_l4_slow"}
 
 
-def test_engine_mixed_quick_json(tmp_path: Path) -> None:
-    report_path = tmp_path / "engine_mixed.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--json", str(report_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    lines = proc.stdout.splitlines()
+def test_engine_mixed_quick_json(bench_run: BenchRun) -> None:
+    run = bench_run.script("engine_mixed")
+    run.assert_ok()
+    lines = run.lines
     for line in lines:
         assert line.startswith(("bench ", "#")), f"neither a figure nor an info line: {line!r}"
 
     expected = {"mixed_tpot"}
     if shutil.which("redis-server") is not None:
         expected |= POLICY_FIGURES
-    report = json.loads(report_path.read_text())
+    report = run.report
     figures = report["figures"]
     check_report(figures, printed_figures(lines), expected)
     setup = report["setup"]

@@ -1,42 +1,33 @@
-"""bench/engine_ttft.py runs end to end: `--quick --json PATH` serves a tiny random Llama with
-its prefix recomputed and loaded from L2, L3 and (with redis-server) L4 of real daemons, replays
-a slice of the Mooncake trace with and without a store, prints one `bench <name>: ... =
-<ratio>x` line per figure and writes the same figures as JSON, with each rep's store decision.
-Speed is not asserted here; the targets live in the bench."""
+"""bench/engine_ttft.py runs end to end: `--quick --json PATH` (in the session's shared run of
+bench/run_all.py, tests/e2e/bench_run.py) serves a tiny random Llama with its prefix recomputed
+and loaded from L2, L3 and (with redis-server) L4 of real daemons, replays a slice of the
+Mooncake trace with and without a store, prints one `bench <name>: ... = <ratio>x` line per
+figure and writes the same figures as JSON, with each rep's store decision. Speed is not
+asserted here; the targets live in the bench."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.e2e.bench_run import BenchRun
 from tests.e2e.house_format import check_report, printed_figures
 
-pytestmark = pytest.mark.slow
-
-BENCH = REPO / "bench" / "engine_ttft.py"
+pytestmark = [pytest.mark.slow, pytest.mark.bench("engine_ttft")]
 
 
-def test_engine_ttft_quick_json(tmp_path: Path) -> None:
-    report_path = tmp_path / "engine_ttft.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--json", str(report_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=400,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    lines = proc.stdout.splitlines()
+def test_engine_ttft_quick_json(bench_run: BenchRun) -> None:
+    run = bench_run.script("engine_ttft")
+    run.assert_ok()
+    lines = run.lines
     for line in lines:
         assert line.startswith(("bench ", "#")), f"neither a figure nor an info line: {line!r}"
 
     expected = {"ttft_l2", "ttft_l3", "replay_prefill_saved", "replay_throughput"}
     if shutil.which("redis-server") is not None:
         expected.add("ttft_l4")
-    report = json.loads(report_path.read_text())
+    report = run.report
     figures = report["figures"]
     check_report(figures, printed_figures(lines), expected)
 

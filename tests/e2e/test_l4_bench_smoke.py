@@ -1,41 +1,38 @@
-"""bench/l4_bench.py runs end to end: `--quick --json PATH` drives the frame codec against a
-numpy copy, two real daemons' L4 put and get and a third's pre-warm against redis-py on a
-real redis-server, prints one `bench <name>: ... = <ratio>x` line per figure, writes a JSON
-object of positive numbers, and leaves no shared-memory segment behind. Speed is not
-asserted here; the targets live in the bench."""
+"""bench/l4_bench.py runs end to end: `--quick --json PATH` (in the session's shared run of
+bench/run_all.py, tests/e2e/bench_run.py) drives the frame codec against a numpy copy, two real
+daemons' L4 put and get and a third's pre-warm against redis-py on a real redis-server, prints
+one `bench <name>: ... = <ratio>x` line per figure, writes a JSON object of positive numbers,
+and leaves no shared-memory segment behind. Speed is not asserted here; the targets live in the
+bench."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.e2e.bench_run import BenchRun
 from tests.e2e.house_format import check_report, printed_figures
 
-BENCH = REPO / "bench" / "l4_bench.py"
+pytestmark = pytest.mark.bench("l4_bench")
+
 DTYPES = ("fp16", "bf16")
 RATIO_FIGURES = {f"compress_{d}" for d in DTYPES}
 FIGURES = {f"{kind}_{d}" for kind in ("encode", "decode") for d in DTYPES} | {
     f"l4_{verb}_{size}" for verb in ("put", "get") for size in ("256KiB", "2MiB")
 } | {"prewarm_32MiB"}
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-def test_l4_bench_quick_json(tmp_path: Path) -> None:
-    report_path = tmp_path / "l4_bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--json", str(report_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
-    lines = proc.stdout.splitlines()
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_l4_bench_quick_json(bench_run: BenchRun) -> None:
+    run = bench_run.script("l4_bench")
+    run.assert_ok()
+
+    lines = run.lines
     for line in lines:
         assert line.startswith(("bench ", "#")), f"neither a figure nor an info line: {line!r}"
-    report = json.loads(report_path.read_text())
+    report = run.report
     figures = report["figures"]
     check_report(figures, printed_figures(lines), FIGURES | RATIO_FIGURES)
     for name in RATIO_FIGURES:

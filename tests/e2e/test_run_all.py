@@ -1,60 +1,44 @@
 """`make bench`'s runner (bench/run_all.py): it runs the chosen scripts, keeps every figure line
-and every `plot` line they print, and writes bench/results-style JSON, the plots as PNG beside
-it (bench/plots.py) and Markdown that embeds them; a failing script is reported and makes the
-run fail without stopping the others."""
+and every `plot` line they print, each script's whole output and its own JSON report, and writes
+bench/results-style JSON, the plots as PNG beside it (bench/plots.py) and Markdown that embeds
+them; a failing script is reported and makes the run fail without stopping the others.
+
+The run read here is the session's shared quick run (tests/e2e/bench_run.py): the quick trace
+simulation and store_bench (a real daemon and redis-server) at least, and whichever other
+scripts the session's selected smoke tests read."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.e2e.bench_run import BenchRun, run_all_module
 from tests.e2e.test_bench_plots import check_png
+
+pytestmark = pytest.mark.bench("store_bench", "trace_sim")
 
 FAMILIES = ("multiturn", "sysprompt", "rag", "agent", "synthetic")
 POLICIES = {"lru", "store", "freq_oracle", "belady"}
 
 
-@dataclass(frozen=True)
-class Run:
-    stdout: str
-    out: Path
-    report: dict[str, Any]
-    markdown: str
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """One real run of the quick trace simulation and store_bench (a real daemon and
-    redis-server), shared by the tests below."""
-    out = tmp_path_factory.mktemp("results")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "run_all.py"), "--only", "trace_sim",
-         "--only", "store_bench", "--quick", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    [report_path] = out.glob("*.json")
-    return Run(proc.stdout, out, json.loads(report_path.read_text()),
-               report_path.with_suffix(".md").read_text())
-
-
-def test_run_all_writes_the_figures_as_json_and_markdown(run: Run) -> None:
-    # store_bench first (the suite's order); trace_sim twice: every trace family with L2
-    # alone, and the public trace over an L3
-    store, families, with_l3 = run.report["scripts"]
-    assert store["script"] == "store_bench" and store["status"] == "ok"
+def test_run_all_writes_the_figures_as_json_and_markdown(bench_run: BenchRun) -> None:
+    scripts = bench_run.report["scripts"]
+    # In the suite's order; trace_sim twice: every trace family with L2 alone, and the public
+    # trace over an L3. The run fails exactly when a script did not end "ok".
+    ran = [s["script"] for s in scripts]
+    assert ran == [s.name for s in run_all_module().SUITE if s.name in ran]
+    assert ran.count("trace_sim") == 2
+    assert (bench_run.returncode == 0) == all(s["status"] == "ok" for s in scripts)
+    store = bench_run.script("store_bench").outcome
+    families, with_l3 = (bench_run.script("trace_sim", n).outcome for n in (1, 2))
+    assert store["status"] == "ok", store
     assert store["figures"]["shm_get_into_2MiB"]["unit"] == "GB/s"
     for script in (families, with_l3):
         assert script["script"] == "trace_sim" and script["status"] == "ok"
         for name, figure in script["figures"].items():
-            assert figure["line"] in run.stdout
+            assert figure["line"] in bench_run.stdout
             assert figure["ratio"] > 0 and figure["unit"] == "ratio", name
     for family in FAMILIES:
         assert {f"sim_vs_lru_{family}_{pct}pct" for pct in (2, 10, 40)} <= set(
@@ -62,11 +46,33 @@ def test_run_all_writes_the_figures_as_json_and_markdown(run: Run) -> None:
     assert families["figures"]["sim_vs_lru_synthetic_10pct"]["target"] == ">= 1.08x"
     assert families["figures"]["sim_vs_lru_rag_10pct"]["target"] == ">= 1.00x"
     assert set(with_l3["figures"]) == {"sim_tokens_10pct_l3x4", "sim_vs_lru_10pct_l3x4"}
-    assert "| trace_sim | ok |" in run.markdown and "sim_vs_lru_agent_5pct" in run.markdown
+    assert "| trace_sim | ok |" in bench_run.markdown
+    assert "sim_vs_lru_agent_5pct" in bench_run.markdown
 
 
-def test_the_plot_data_is_every_policy_at_every_capacity(run: Run) -> None:
-    _, families, with_l3 = run.report["scripts"]
+def test_each_scripts_output_and_json_report_are_kept_beside_the_report(
+        bench_run: BenchRun) -> None:
+    stamp = bench_run.report["date"]
+    for script in bench_run.report["scripts"]:
+        for key in ("stdout_file", "stderr_file", "json_file"):
+            path = Path(script[key])
+            assert path.parent == Path(stamp) and (bench_run.out / path).is_file(), (key, script)
+    # Every figure the runner parsed is a line of the kept stdout, and in the script's report.
+    first, second = (bench_run.script("trace_sim", n) for n in (1, 2))
+    assert Path(second.outcome["json_file"]).name == "trace_sim-2.json"
+    for run in (first, second):
+        for name, figure in run.outcome["figures"].items():
+            assert figure["line"] in run.lines
+            assert run.report["figures"][name]["ratio"] == pytest.approx(figure["ratio"],
+                                                                          abs=0.005)
+    # store_bench prints its report as its last stdout line; the runner keeps it as a file.
+    store = bench_run.script("store_bench")
+    assert store.report == json.loads(store.lines[-1])
+    assert set(store.report["figures"]) == set(store.outcome["figures"])
+
+
+def test_the_plot_data_is_every_policy_at_every_capacity(bench_run: BenchRun) -> None:
+    families, with_l3 = (bench_run.script("trace_sim", n).outcome for n in (1, 2))
     assert set(families["plots"]) == {f"hit_rate_{f}" for f in FAMILIES}
     assert set(with_l3["plots"]) == {"hit_rate_mooncake_synthetic_trace_l3x4"}
     for family in FAMILIES:
@@ -84,25 +90,38 @@ def test_the_plot_data_is_every_policy_at_every_capacity(run: Run) -> None:
                 assert figure["ratio"] == pytest.approx(rates["store"] / rates["lru"], abs=0.02)
 
 
-def test_run_all_draws_the_plots_beside_the_report_and_embeds_them(run: Run) -> None:
-    stamp = run.report["date"]
+def test_run_all_draws_the_plots_beside_the_report_and_embeds_them(bench_run: BenchRun) -> None:
+    stamp = bench_run.report["date"]
+    ran = {s["script"] for s in bench_run.report["scripts"] if s["status"] == "ok"}
     for name in ("hit_rate", "bandwidth"):
-        png = run.out / f"{stamp}-{name}.png"
+        png = bench_run.out / f"{stamp}-{name}.png"
         check_png(png)
-        assert f"]({png.name})" in run.markdown
-        assert f"# plot {name}: {png}" in run.stdout
-    assert not (run.out / f"{stamp}-ttft.png").exists()
-    assert ("- TTFT with the prefix from L2 / L3 / L4 vs recompute: no data: engine_ttft not "
-            "run; vllm_ttft not run") in run.markdown
-    assert "Not in it: tier_bench not run; l4_bench not run; gpu_bench not run" in run.markdown
+        assert f"]({png.name})" in bench_run.markdown
+        assert f"# plot {name}: {png}" in bench_run.stdout
+    ttft = bench_run.out / f"{stamp}-ttft.png"
+    if "engine_ttft" in ran:
+        check_png(ttft)
+        assert "Not in it: vllm_ttft not run" in bench_run.markdown
+    else:
+        assert not ttft.exists()
+        assert ("- TTFT with the prefix from L2 / L3 / L4 vs recompute: no data: engine_ttft "
+                "not run; vllm_ttft not run") in bench_run.markdown
+    # What the bandwidth plot lacks, and why: the scripts that were not run.
+    [lacks] = [line for line in bench_run.markdown.splitlines()
+               if line.startswith("Not in it:") and "gpu_bench" in line]
+    for name in ("tier_bench", "l4_bench", "gpu_bench"):
+        assert (f"{name} not run" in lacks) == (name not in ran), (name, lacks)
 
 
-def test_a_failing_script_is_reported_not_fatal() -> None:
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import run_all
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+def test_a_failing_script_is_reported_not_fatal(tmp_path: Path) -> None:
+    run_all = run_all_module()
     outcome = run_all.run_script(run_all.Script("no_such_bench", timeout_s=60), quick=False)
     assert outcome.status == "failed (exit 2)" and outcome.figures == {}
     assert any("no_such_bench" in line for line in outcome.info)
+    # With files, its whole stderr is kept; it wrote no JSON report, and none is named.
+    files = tmp_path / "stamp" / "no_such_bench"
+    outcome = run_all.run_script(run_all.Script("no_such_bench", timeout_s=60), quick=False,
+                                 files=files)
+    assert outcome.status == "failed (exit 2)" and outcome.json_file == ""
+    assert outcome.stderr_file == "stamp/no_such_bench.err"
+    assert "no_such_bench.py" in (tmp_path / outcome.stderr_file).read_text()

@@ -1,7 +1,8 @@
 """bench/trace_replay.py end to end: `live` replays the public trace through a real daemon and
 a real redis-server and prints house-format figures, its token hit rate that of the simulated
-store policy at the same capacity; bad input ends with one line naming what to fix; and
-`simulate` is bench/trace_sim.py."""
+store policy at the same capacity (its `live --quick` run is the one in the session's shared
+run of bench/run_all.py, tests/e2e/bench_run.py); bad input ends with one line naming what to
+fix; and `simulate` is bench/trace_sim.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from kvstore.tools.testing import free_port
 from tests.conftest import REPO
+from tests.e2e.bench_run import BenchRun
 from tests.e2e.house_format import check_report, printed_figures
 
 SCRIPT = REPO / "bench" / "trace_replay.py"
@@ -41,15 +43,18 @@ def small_trace(tmp_path: Path, rows: list[dict[str, object]] | None = None) -> 
     return path
 
 
-def test_live_quick_matches_the_simulation_and_reports_in_house_format(tmp_path: Path) -> None:
-    report_path = tmp_path / "replay.json"
-    proc = replay("live", "--quick", "--trace", str(TRACE), "--json", str(report_path))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
+@pytest.mark.bench("trace_replay")
+def test_live_quick_matches_the_simulation_and_reports_in_house_format(
+        bench_run: BenchRun) -> None:
+    run = bench_run.script("trace_replay")
+    run.assert_ok()
+    # The runner gives no --trace: the default is the public trace.
+    assert run.report["setup"]["trace"] == str(TRACE)
+    lines = run.lines
     assert all(line.startswith(("bench ", "#")) for line in lines), lines
     expected = {"live_tokens_vs_sim_10pct", "live_tokens_vs_redis_10pct",
                 "live_throughput", "live_latency_p50", "live_latency_p99"}
-    report = json.loads(report_path.read_text())
+    report = run.report
     check_report(report["figures"], printed_figures(lines), expected)
     vs_sim = report["figures"]["live_tokens_vs_sim_10pct"]
     assert vs_sim["ours"] == pytest.approx(vs_sim["baseline"], rel=SIM_TOLERANCE), vs_sim
@@ -59,7 +64,7 @@ def test_live_quick_matches_the_simulation_and_reports_in_house_format(tmp_path:
     assert setup["kvstore_blocks_at_end"] == setup["capacity_blocks"]
     assert setup["kvstore_evictions"] > 0 and setup["redis_evicted_keys"] > 0
     assert setup["lost_blocks"] == 0
-    assert "trace_replay: 300/300 requests (100%)" in proc.stderr
+    assert "trace_replay: 300/300 requests (100%)" in run.stderr
 
 
 def test_live_on_a_tiny_trace_hits_what_the_simulation_hits(tmp_path: Path) -> None:
