@@ -346,7 +346,8 @@ class StoreLink:
     def _write_loop(self) -> None:
         while True:
             batch = self._queue.get()
-            if batch is None:
+            if batch is None:  # close(): counted done, so a later flush finds nothing queued
+                self._queue.task_done()
                 return
             keys = batch.keys
             try:
@@ -388,7 +389,10 @@ class StoreLink:
         return int(result.blocks)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Finish queued offloads (up to timeout_s), stop the threads, disconnect."""
+        """Finish queued offloads (up to timeout_s), stop the threads, disconnect. A second
+        call does nothing."""
+        if self._closing.is_set():
+            return
         self._closing.set()
         self.flush(timeout_s=timeout_s)
         self._queue.put(None)

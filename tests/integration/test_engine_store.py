@@ -137,6 +137,19 @@ def test_prefix_from_the_store_equals_recompute(
             redis.stop()
 
 
+def test_a_closed_engine_closes_again_at_once(
+        model: Path, local: Daemon, engines: Callable[..., LLM]) -> None:
+    """close() waits for the queued offloads; afterwards nothing is left to wait for, so a
+    second close (a `with` block, then its owner's) returns at once instead of waiting out
+    the flush timeout."""
+    llm = engines(model, store=local.target)
+    llm.generate(_prompts(count=1), GREEDY)
+    llm.close()
+    assert llm.connector is not None and llm.connector.stats.offloaded_blocks > 0
+    assert llm.connector.link.flush(timeout_s=0)  # nothing queued, the close's own included
+    llm.close()
+
+
 def _prefix_from_tier(tiny: Path, d: Daemon, daemon_factory: Make,
                       engines: Callable[..., LLM], tier: str, settings: tuple[str, ...]) -> None:
     prompts = _prompts()
