@@ -52,13 +52,13 @@ def _bits(layers: list[tuple[str, torch.Tensor]], paged: PagedKV, ids: list[int]
 @pytest.mark.parametrize(("layout", "direct"), [(per_layer, False), (kv_outer, False),
                                                  (cross_layer, True)])
 def test_blocks_round_trip_bit_exact_into_other_block_ids(
-        daemon: Daemon, layout: Callable[[int | None], list[tuple[str, torch.Tensor]]],
+        daemon: Daemon, ns: str, layout: Callable[[int | None], list[tuple[str, torch.Tensor]]],
         direct: bool) -> None:
     source = layout(7)
     paged = PagedKV(source, NUM_BLOCKS)
     assert paged.direct is direct
     keys = [bytes([i]) * 32 for i in range(1, 6)]
-    saver = StoreLink(daemon.target, f"paged-{layout.__name__}", 16)
+    saver = StoreLink(daemon.target, ns, 16)
     try:
         staged = paged.gather([9, 3, 17, 4, 20])
         assert saver.offload(keys, paged.rows(staged), None)
@@ -69,7 +69,7 @@ def test_blocks_round_trip_bit_exact_into_other_block_ids(
     target = layout(None)
     fresh = PagedKV(target, NUM_BLOCKS)
     into = [2, 23, 5, 11, 0]
-    loader = StoreLink(daemon.target, f"paged-{layout.__name__}", 16)
+    loader = StoreLink(daemon.target, ns, 16)
     try:
         if fresh.direct:
             assert loader.read(keys, fresh.direct_rows(into)) == 5

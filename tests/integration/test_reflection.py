@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
 from kvstore.proto.kvstore.v1 import kvstore_pb2
-from kvstore.tools.testing import Daemon, start_daemon
+from kvstore.tools.testing import Daemon
 from tests.conftest import REPO
 
 PROTO_ROOT = REPO / "proto"
@@ -28,15 +28,9 @@ V1ALPHA = "grpc.reflection.v1alpha.ServerReflection"
 SERVICES = {"kvstore.v1.KVStore", "grpc.health.v1.Health", V1, V1ALPHA}
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("reflection"), "dram.capacity_bytes=8MiB")
-    yield d
-    assert d.stop() == 0, d.log()
-
-
 @pytest.fixture
 def channel(daemon: Daemon) -> Iterator[grpc.Channel]:
+    """A channel to the session's shared default daemon: what it serves is what any serves."""
     with grpc.insecure_channel(daemon.target) as ch:
         yield ch
 
