@@ -13,7 +13,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -24,6 +23,7 @@ from kvstore.client import KVStoreClient
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.tools.testing import Daemon
+from tests.helpers import metric
 
 NS = "caps"
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -36,15 +36,21 @@ def connection(target: str) -> grpc.Channel:
     return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
-@pytest.fixture
-def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
-    # Every hog here is one client (127.0.0.1), so its cap is lifted to the server's.
-    d = daemon_factory("dram.capacity_bytes=128MiB", "server.workers=8",
-                       "server.max_streams_per_connection=4", "server.chunk_bytes=256KiB",
-                       "nvme.enabled=false", "clients.max_streams=6")
+def holding_the_block(d: Daemon) -> Daemon:
+    """d, once it holds KEY's block (put again for each test: a re-put changes nothing)."""
     with KVStoreClient(d.target, NS) as kv:
         kv.put([KEY], [bytes(BLOCK)])
     return d
+
+
+@pytest.fixture
+def daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
+    """The session's daemon for the caps on streams in flight, shared by the tests below:
+    each cancels every stream it opened and waits until streams are served again."""
+    # Every hog here is one client (127.0.0.1), so its cap is lifted to the server's.
+    return holding_the_block(shared_daemon(
+        "dram.capacity_bytes=128MiB", "server.workers=8", "server.max_streams_per_connection=4",
+        "server.chunk_bytes=256KiB", "nvme.enabled=false", "clients.max_streams=6"))
 
 
 class IdlePut:
@@ -154,22 +160,20 @@ def test_unread_inline_gets_hold_slots_until_they_end(daemon: Daemon) -> None:
 
 
 IDLE_S = 1.0
+#: The settings of the daemon that aborts idle streams (test_error_reasons.py's too).
+IDLE_SETTINGS = ("dram.capacity_bytes=128MiB", "server.chunk_bytes=256KiB",
+                 f"server.stream_idle_s={IDLE_S}", "nvme.enabled=false")
 
 
 @pytest.fixture
-def idle_daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
-    d = daemon_factory("dram.capacity_bytes=128MiB", "server.chunk_bytes=256KiB",
-                       f"server.stream_idle_s={IDLE_S}", "nvme.enabled=false")
-    with KVStoreClient(d.target, NS) as kv:
-        kv.put([KEY], [bytes(BLOCK)])
-    return d
+def idle_daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
+    """The session's daemon of IDLE_SETTINGS: tests read its count of aborted streams as a
+    delta, and each waits until every lease and reservation its streams held went back."""
+    return holding_the_block(shared_daemon(*IDLE_SETTINGS))
 
 
 def aborted_idle(d: Daemon, method: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics").read().decode()
-    prefix = f'kvstore_streams_aborted_idle_total{{method="{method}"}} '
-    return next((float(line.removeprefix(prefix)) for line in text.splitlines()
-                 if line.startswith(prefix)), 0.0)
+    return metric(d, "kvstore_streams_aborted_idle_total", method=method)
 
 
 def expect_idle_abort(call: Callable[[], object]) -> float:
@@ -182,6 +186,7 @@ def expect_idle_abort(call: Callable[[], object]) -> float:
 
 
 def test_an_idle_put_stream_is_aborted_and_its_pages_freed(idle_daemon: Daemon) -> None:
+    aborted = aborted_idle(idle_daemon, "Put")
     with connection(idle_daemon.target) as ch:
         idle = IdlePut(rpc.KVStoreStub(ch), 40)
         wait_for_plans(idle_daemon.target, 1)
@@ -189,13 +194,14 @@ def test_an_idle_put_stream_is_aborted_and_its_pages_freed(idle_daemon: Daemon) 
         idle.release.set()
     assert IDLE_S < waited + 0.5 < IDLE_S + 2.5, waited  # after stream_idle_s, not much later
     wait_for_plans(idle_daemon.target, 0)  # the plan's pages went back
-    assert aborted_idle(idle_daemon, "Put") == 1
+    assert aborted_idle(idle_daemon, "Put") == aborted + 1
     with KVStoreClient(idle_daemon.target, NS) as kv:
         assert kv.lookup([bytes([40]) * 32]).prefix_length == 0
     assert "Traceback" not in idle_daemon.log(), idle_daemon.log()
 
 
 def test_an_unread_inline_get_is_aborted_and_its_lease_released(idle_daemon: Daemon) -> None:
+    aborted = aborted_idle(idle_daemon, "Get")
     with connection(idle_daemon.target) as ch:
         stream = rpc.KVStoreStub(ch).Get(pb.GetRequest(namespace=NS, keys=[KEY]), timeout=30)
         assert list(next(stream).found) == [True]  # the header, then nothing read
@@ -211,13 +217,14 @@ def test_an_unread_inline_get_is_aborted_and_its_lease_released(idle_daemon: Dae
             assert time.monotonic() < deadline, "the aborted Get kept its lease"
             time.sleep(0.05)
         assert kv.get([KEY]) == [bytes(BLOCK)]
-    assert aborted_idle(idle_daemon, "Get") == 1
+    assert aborted_idle(idle_daemon, "Get") == aborted + 1
     assert "Traceback" not in idle_daemon.log(), idle_daemon.log()
 
 
 def test_a_slow_client_that_keeps_sending_is_not_idle(idle_daemon: Daemon) -> None:
     """Six gaps of 0.6 x stream_idle_s: 3.6 x stream_idle_s in all, never idle that long."""
     key, size = b"\x0c" * 32, 6 * 1000
+    aborted = aborted_idle(idle_daemon, "Put")
 
     def slow() -> Iterator[pb.PutRequest]:
         yield pb.PutRequest(namespace=NS, keys=[key], sizes=[size], independent=True)
@@ -229,7 +236,7 @@ def test_a_slow_client_that_keeps_sending_is_not_idle(idle_daemon: Daemon) -> No
         assert rpc.KVStoreStub(ch).Put(slow(), timeout=30).stored == 1
     with KVStoreClient(idle_daemon.target, NS) as kv:
         assert kv.get([key]) == [b"s" * size]
-    assert aborted_idle(idle_daemon, "Put") == 0
+    assert aborted_idle(idle_daemon, "Put") == aborted
 
 
 def test_64_idle_puts_and_64_unread_gets_at_once(idle_daemon: Daemon) -> None:
