@@ -10,32 +10,55 @@ import json
 import mmap
 import os
 import socket
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 import xxhash
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from kvstore.tools.testing import Daemon, start_daemon
-from tests.integration.test_auth import A_NS, B_NS, KEY, md, put, tenants_doc, write_tenants
+from kvstore.tools.testing import Daemon
+from tests.helpers import MiB, metric, scrape
+from tests.integration.test_auth import (
+    A_NS,
+    B_NS,
+    KEY,
+    auth_settings,
+    md,
+    put,
+    tenants_doc,
+    write_tenants,
+)
 
-MiB = 1 << 20
+
+def token_daemon(shared_daemon: Callable[..., Daemon],
+                 tmp_path_factory: pytest.TempPathFactory) -> Daemon:
+    """The session's token daemon with a Unix socket (test_auth.py's settings and tenants:
+    team-a, team-b and the admin root), shared by the tests of tenants here, in
+    test_local_path.py and in test_error_reasons.py. Its tenants file is one per session (per
+    xdist worker), so that every module names the same settings; none rewrites it."""
+    tenants = tmp_path_factory.getbasetemp() / "shared-tenants.yaml"
+    if not tenants.exists():
+        write_tenants(tenants, tenants_doc())
+    return shared_daemon(*auth_settings(tenants), unix_socket=True)
+
+
+def evict_everything(d: Daemon) -> None:
+    """Empty a token daemon, as its admin: the `ns` fixture cannot, lacking a token."""
+    with grpc.insecure_channel(d.target) as channel:
+        rpc.KVStoreStub(channel).Evict(pb.EvictRequest(all=True), metadata=md("root"),
+                                       timeout=10)
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    tenants = write_tenants(tmp_path / "tenants.yaml", tenants_doc())
-    sock = tmp_path / "kvstore.sock"
-    d = start_daemon(tmp_path, "auth.mode=token", f"auth.tenants_file={tenants}",
-                     f"server.unix_socket={sock}", "dram.capacity_bytes=32MiB",
-                     "nvme.enabled=false")
+def daemon(shared_daemon: Callable[..., Daemon],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The session's token daemon, emptied when each test ends: tests here put into the
+    tenants' own namespaces and read what each tenant uses."""
+    d = token_daemon(shared_daemon, tmp_path_factory)
     yield d
-    d.stop()
+    evict_everything(d)
 
 
 @pytest.fixture
@@ -140,26 +163,24 @@ def test_another_tenants_lease_cannot_be_released(stub: rpc.KVStoreStub) -> None
 
 def test_metrics_count_each_tenants_hits_and_arena_apart(daemon: Daemon,
                                                          stub: rpc.KVStoreStub) -> None:
+    before = scrape(daemon)  # the daemon is shared: its counters are read as deltas
     put(stub, "team-a", A_NS)
     missing = bytes(range(2, 34))
     stub.Lookup(pb.LookupRequest(namespace=A_NS, keys=[KEY, missing], block_tokens=16),
                 metadata=md("team-a"))
     stub.Lookup(pb.LookupRequest(namespace=B_NS, keys=[KEY]), metadata=md("team-b"))
-    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        families = list(text_string_to_metric_families(response.read().decode()))
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in families for s in f.samples}
+    after = scrape(daemon)
 
-    def of(name: str, **labels: str) -> float:
-        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    def counted(name: str, tenant: str) -> float:
+        return metric(after, name, tenant=tenant) - metric(before, name, tenant=tenant)
 
-    assert of("kvstore_lookup_blocks_total", tenant="team-a") == 2
-    assert of("kvstore_prefix_hit_blocks_total", tenant="team-a") == 1
-    assert of("kvstore_lookup_tokens_total", tenant="team-a") == 32
-    assert of("kvstore_prefix_hit_tokens_total", tenant="team-a") == 16
-    assert of("kvstore_lookup_blocks_total", tenant="team-b") == 1
-    assert of("kvstore_prefix_hit_blocks_total", tenant="team-b") == 0  # B's KEY: not A's
-    assert of("kvstore_tenant_capacity_bytes", tenant="team-a", tier="dram") == 8 * MiB
-    assert of("kvstore_tenant_used_bytes", tenant="team-a", tier="dram") == 1200
-    assert of("kvstore_tenant_used_bytes", tenant="team-b", tier="dram") == 0
+    assert counted("kvstore_lookup_blocks_total", "team-a") == 2
+    assert counted("kvstore_prefix_hit_blocks_total", "team-a") == 1
+    assert counted("kvstore_lookup_tokens_total", "team-a") == 32
+    assert counted("kvstore_prefix_hit_tokens_total", "team-a") == 16
+    assert counted("kvstore_lookup_blocks_total", "team-b") == 1
+    assert counted("kvstore_prefix_hit_blocks_total", "team-b") == 0  # B's KEY: not A's
+    # Gauges of what each holds now: every test before this one left the daemon empty.
+    assert metric(after, "kvstore_tenant_capacity_bytes", tenant="team-a", tier="dram") == 8 * MiB
+    assert metric(after, "kvstore_tenant_used_bytes", tenant="team-a", tier="dram") == 1200
+    assert metric(after, "kvstore_tenant_used_bytes", tenant="team-b", tier="dram") == 0
