@@ -7,9 +7,6 @@ carry the same Status; and the Python client raises the matching class of its tr
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,11 +43,13 @@ from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.proto.localframe import RELEASE
 from kvstore.tools.testing import Daemon, start_daemon, start_redis_on
-from tests.integration.test_auth import TOKENS, md, tenants_doc, write_tenants
+from tests.helpers import MiB, RawSession, put
+from tests.integration.test_auth import TOKENS, md
+from tests.integration.test_stream_caps import IDLE_SETTINGS
+from tests.integration.test_tenant_shm import token_daemon
 
 NS = "reasons"
 KEY = b"\x01" * 32
-MiB = 1 << 20
 Code = grpc.StatusCode
 
 
@@ -79,24 +78,21 @@ def expect(call: Callable[[], object], code: grpc.StatusCode, reason: str,
     return err
 
 
-def put(stub: rpc.KVStoreStub, keys: list[bytes], blocks: list[bytes], **kw: object) -> None:
-    stub.Put(iter([pb.PutRequest(namespace=NS, keys=keys, sizes=[len(b) for b in blocks],
-                                 data=b"".join(blocks), independent=True, **kw)]), timeout=10)
-
-
 def shared_get(stub: rpc.KVStoreStub, keys: list[bytes]) -> pb.GetResponse:
     return next(stub.Get(pb.GetRequest(namespace=NS, keys=keys,
                                        mode=pb.GET_MODE_SHARED_MEMORY), timeout=10))
 
 
 @pytest.fixture
-def daemon(daemon_factory: Callable[..., Daemon], tmp_path: Path) -> Daemon:
-    return daemon_factory(
+def daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
+    """The session's daemon of tight limits, one lease per client among them: a test that
+    takes that lease releases it."""
+    return shared_daemon(
         "dram.capacity_bytes=32MiB", "dram.page_size_bytes=64KiB", "nvme.enabled=false",
         "clients.max_leases=1", "server.max_streams_per_connection=1",
         "dram.verify_commits=all", "server.max_batch_keys=8", "server.max_object_bytes=2MiB",
         "server.max_response_bytes=2MiB", "server.chunk_bytes=1MiB",
-        "server.max_message_bytes=2MiB", f"server.unix_socket={tmp_path / 'kv.sock'}")
+        "server.max_message_bytes=2MiB", unix_socket=True)
 
 
 @pytest.fixture
@@ -115,8 +111,8 @@ def test_malformed_fields_are_invalid_field_naming_the_field(stub: rpc.KVStoreSt
            setting="server.max_batch_keys")
     expect(lambda: stub.Lookup(pb.LookupRequest(namespace="", keys=[KEY])),
            Code.INVALID_ARGUMENT, "INVALID_FIELD", field="namespace")
-    expect(lambda: put(stub, [KEY], [b""]), Code.INVALID_ARGUMENT, "INVALID_FIELD",
-           field="sizes[0]")
+    expect(lambda: put(stub, NS, [KEY], [b""], independent=True), Code.INVALID_ARGUMENT,
+           "INVALID_FIELD", field="sizes[0]")
     expect(lambda: stub.Put(iter([pb.PutRequest(namespace=NS, keys=[KEY], sizes=[3 * MiB],
                                                 independent=True)]), timeout=10),
            Code.INVALID_ARGUMENT, "INVALID_FIELD", field="sizes[0]", limit=str(2 * MiB),
@@ -127,11 +123,13 @@ def test_malformed_fields_are_invalid_field_naming_the_field(stub: rpc.KVStoreSt
            Code.INVALID_ARGUMENT, "INVALID_FIELD", field="mode")
 
 
-def test_no_room_and_too_large_answers(daemon_factory: Callable[..., Daemon],
+def test_no_room_and_too_large_answers(shared_daemon: Callable[..., Daemon],
                                        stub: rpc.KVStoreStub) -> None:
     blocks = [bytes([7]) * (MiB + MiB // 2), bytes([8]) * (MiB + MiB // 2)]
     keys = [b"\x07" * 32, b"\x08" * 32]
-    put_chunked(stub, keys, blocks)  # 3 MiB found: over server.max_response_bytes
+    # One Put whose bytes go in 1 MiB messages (server.chunk_bytes here). 3 MiB found: over
+    # server.max_response_bytes.
+    put(stub, NS, keys, blocks, chunk_bytes=MiB, independent=True)
     expect(lambda: next(stub.Get(pb.GetRequest(namespace=NS, keys=keys))),
            Code.RESOURCE_EXHAUSTED, "MESSAGE_TOO_LARGE", field="keys",
            setting="server.max_response_bytes", limit=str(2 * MiB))
@@ -143,8 +141,8 @@ def test_no_room_and_too_large_answers(daemon_factory: Callable[..., Daemon],
     assert rpc_status.from_call(caught.value) is None
     error = from_rpc_error(caught.value)
     assert isinstance(error, MessageTooLarge) and error.reason == "MESSAGE_TOO_LARGE"
-    # A put larger than all of L2, even after evicting everything.
-    small = daemon_factory("dram.capacity_bytes=8MiB", "nvme.enabled=false")
+    # A put larger than all of L2, even after evicting everything (it changes nothing).
+    small = shared_daemon("dram.capacity_bytes=8MiB", "nvme.enabled=false")
     header = pb.PutRequest(namespace=NS, keys=[bytes([i]) * 32 for i in range(3)],
                            sizes=[4 * MiB] * 3, independent=True)
     with grpc.insecure_channel(small.target) as channel:
@@ -155,21 +153,13 @@ def test_no_room_and_too_large_answers(daemon_factory: Callable[..., Daemon],
         kv.put(header.keys, [bytes(4 * MiB)] * 3, independent=True)
 
 
-def put_chunked(stub: rpc.KVStoreStub, keys: list[bytes], blocks: list[bytes]) -> None:
-    """One Put whose bytes go in 1 MiB messages (server.chunk_bytes here)."""
-    data = b"".join(blocks)
-    messages = [pb.PutRequest(namespace=NS, keys=keys, sizes=[len(b) for b in blocks],
-                              independent=True)]
-    messages += [pb.PutRequest(data=data[i:i + MiB]) for i in range(0, len(data), MiB)]
-    stub.Put(iter(messages), timeout=10)
-
-
 def test_leases_reservations_and_checksums(stub: rpc.KVStoreStub) -> None:
-    put(stub, [KEY], [b"block"])
+    put(stub, NS, [KEY], [b"block"], independent=True)
     expect(lambda: stub.Release(pb.ReleaseRequest(ids=["no-such-lease"])),
            Code.INVALID_ARGUMENT, "LEASE_EXPIRED", field="ids[0]")
     lease = shared_get(stub, [KEY]).lease_id
     assert lease
+    # The known id is released before the unknown one is refused.
     expect(lambda: stub.Release(pb.ReleaseRequest(ids=[lease, "gone"])),
            Code.INVALID_ARGUMENT, "LEASE_EXPIRED", field="ids[1]")
     expect(lambda: stub.Put(iter([pb.PutRequest(namespace=NS, reservation_id="nope")])),
@@ -187,10 +177,14 @@ def test_leases_reservations_and_checksums(stub: rpc.KVStoreStub) -> None:
 
 
 def test_client_caps_and_stream_caps(daemon: Daemon, stub: rpc.KVStoreStub) -> None:
-    put(stub, [KEY], [b"block"])
-    assert shared_get(stub, [KEY]).lease_id  # the one lease clients.max_leases allows
-    expect(lambda: shared_get(stub, [KEY]), Code.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED",
-           setting="clients.max_leases", limit="1")
+    put(stub, NS, [KEY], [b"block"], independent=True)
+    lease = shared_get(stub, [KEY]).lease_id
+    assert lease  # the one lease clients.max_leases allows
+    try:
+        expect(lambda: shared_get(stub, [KEY]), Code.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED",
+               setting="clients.max_leases", limit="1")
+    finally:
+        stub.Release(pb.ReleaseRequest(ids=[lease]), timeout=10)
     release = threading.Event()
 
     def idle() -> Iterator[pb.PutRequest]:
@@ -204,8 +198,9 @@ def test_client_caps_and_stream_caps(daemon: Daemon, stub: rpc.KVStoreStub) -> N
             while kv.stats().reservations != 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-        expect(lambda: put(stub, [b"\x04" * 32], [b"x"]), Code.RESOURCE_EXHAUSTED,
-               "TOO_MANY_STREAMS", setting="server.max_streams_per_connection", limit="1")
+        expect(lambda: put(stub, NS, [b"\x04" * 32], [b"x"], independent=True),
+               Code.RESOURCE_EXHAUSTED, "TOO_MANY_STREAMS",
+               setting="server.max_streams_per_connection", limit="1")
     finally:
         hog.cancel()
         release.set()
@@ -242,6 +237,7 @@ def test_draining_is_draining(daemon_factory: Callable[..., Daemon], tmp_path: P
                        "server.drain_notice_s=5", "server.grace_s=10",
                        f"server.unix_socket={tmp_path / 'kv.sock'}")
     raw = RawSession(tmp_path / "kv.sock", "- status")
+    assert raw.hello, "the daemon closed the session"
     with grpc.insecure_channel(d.target) as channel:
         stub = rpc.KVStoreStub(channel)
         stub.Drain(pb.DrainRequest(), timeout=10)
@@ -253,9 +249,8 @@ def test_draining_is_draining(daemon_factory: Callable[..., Daemon], tmp_path: P
     raw.close()
 
 
-def test_an_idle_stream_reads_as_stream_idle(daemon_factory: Callable[..., Daemon]) -> None:
-    d = daemon_factory("dram.capacity_bytes=32MiB", "nvme.enabled=false",
-                       "server.stream_idle_s=1")
+def test_an_idle_stream_reads_as_stream_idle(shared_daemon: Callable[..., Daemon]) -> None:
+    d = shared_daemon(*IDLE_SETTINGS)  # server.stream_idle_s=1.0
     release = threading.Event()
 
     def idle() -> Iterator[pb.PutRequest]:
@@ -280,70 +275,36 @@ def test_an_idle_stream_reads_as_stream_idle(daemon_factory: Callable[..., Daemo
 # --- auth ---------------------------------------------------------------------------------
 
 
-def test_auth_reasons(tmp_path: Path) -> None:
-    tenants = write_tenants(tmp_path / "tenants.yaml", tenants_doc())
-    d = start_daemon(tmp_path, "auth.mode=token", f"auth.tenants_file={tenants}",
-                     "dram.capacity_bytes=32MiB", "nvme.enabled=false")
-    try:
-        with grpc.insecure_channel(d.target) as channel:
-            stub = rpc.KVStoreStub(channel)
-            lookup = pb.LookupRequest(namespace="team-b/llama", keys=[KEY])
-            expect(lambda: stub.Lookup(lookup), Code.UNAUTHENTICATED, "UNAUTHENTICATED")
-            expect(lambda: stub.Lookup(lookup, metadata=md("team-a")),
-                   Code.PERMISSION_DENIED, "NOT_OWNER", field="namespace")
-            expect(lambda: stub.Drain(pb.DrainRequest(), metadata=md("team-a")),
-                   Code.PERMISSION_DENIED, "ROLE_DENIED")
-        with KVStoreClient(d.target, "team-b/llama", token=TOKENS["team-a"]) as kv:
-            with pytest.raises(NotOwner) as denied:
-                kv.lookup([KEY])
-            assert isinstance(denied.value, PermissionDenied)
-            assert denied.value.field == "namespace"
-            with pytest.raises(RoleDenied):
-                kv.drain()
-        with KVStoreClient(d.target, "team-a/x", token="not-a-token-0123456789") as kv, \
-                pytest.raises(Unauthenticated) as unknown:
+def test_auth_reasons(shared_daemon: Callable[..., Daemon],
+                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    d = token_daemon(shared_daemon, tmp_path_factory)  # refused calls change nothing in it
+    with grpc.insecure_channel(d.target) as channel:
+        stub = rpc.KVStoreStub(channel)
+        lookup = pb.LookupRequest(namespace="team-b/llama", keys=[KEY])
+        expect(lambda: stub.Lookup(lookup), Code.UNAUTHENTICATED, "UNAUTHENTICATED")
+        expect(lambda: stub.Lookup(lookup, metadata=md("team-a")),
+               Code.PERMISSION_DENIED, "NOT_OWNER", field="namespace")
+        expect(lambda: stub.Drain(pb.DrainRequest(), metadata=md("team-a")),
+               Code.PERMISSION_DENIED, "ROLE_DENIED")
+    with KVStoreClient(d.target, "team-b/llama", token=TOKENS["team-a"]) as kv:
+        with pytest.raises(NotOwner) as denied:
             kv.lookup([KEY])
-        assert unknown.value.reason == "UNAUTHENTICATED"
-    finally:
-        d.stop()
+        assert isinstance(denied.value, PermissionDenied)
+        assert denied.value.field == "namespace"
+        with pytest.raises(RoleDenied):
+            kv.drain()
+    with KVStoreClient(d.target, "team-a/x", token="not-a-token-0123456789") as kv, \
+            pytest.raises(Unauthenticated) as unknown:
+        kv.lookup([KEY])
+    assert unknown.value.reason == "UNAUTHENTICATED"
 
 
 # --- the local path -------------------------------------------------------------------------
 
 
-class RawSession:
-    """A local-path session by hand: `HOT <hello>`, then frames."""
-
-    def __init__(self, path: Path, hello: str) -> None:
-        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.s.settimeout(10)
-        self.s.connect(str(path))
-        self.s.sendall(f"HOT {hello}\n".encode())
-        line = b""
-        while not line.endswith(b"\n"):
-            line += self.s.recv(1)
-        self.hello = json.loads(line)
-
-    def call(self, verb: int, message: object) -> tuple[int, int, bytes]:
-        body = message.SerializeToString()  # type: ignore[attr-defined]
-        self.s.sendall(struct.pack("<IB", len(body), verb) + body)
-        length, status, flags = struct.unpack("<IBB", self._exactly(6))
-        return status, flags, self._exactly(length)
-
-    def _exactly(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.s.recv(n - len(data))
-            assert chunk, "the daemon closed the session"
-            data += chunk
-        return data
-
-    def close(self) -> None:
-        self.s.close()
-
-
-def test_local_path_errors_carry_the_same_status(daemon: Daemon, tmp_path: Path) -> None:
-    sock = tmp_path / "kv.sock"
+def test_local_path_errors_carry_the_same_status(daemon: Daemon) -> None:
+    assert daemon.unix_socket is not None
+    sock = daemon.unix_socket
     raw = RawSession(sock, "-")
     assert raw.hello["hot"]["version"] == 1
     status, flags, body = raw.call(1, pb.LookupRequest(namespace=NS, keys=[b"short"]))
@@ -389,10 +350,12 @@ def test_the_client_raises_the_reason_classes(daemon: Daemon, stub: rpc.KVStoreS
     with pytest.raises(LeaseExpired) as aio_lease:  # the asyncio client reads trailers too
         asyncio.run(release_async())
     assert aio_lease.value.field == "ids[0]"
-    put(stub, [KEY], [b"block"])
-    assert shared_get(stub, [KEY]).lease_id
+    put(stub, NS, [KEY], [b"block"], independent=True)
+    lease = shared_get(stub, [KEY]).lease_id
+    assert lease
     with pytest.raises(grpc.RpcError) as caught:
         shared_get(stub, [KEY])
+    stub.Release(pb.ReleaseRequest(ids=[lease]), timeout=10)  # the one lease, for the next test
     quota = from_rpc_error(caught.value)
     assert isinstance(quota, QuotaExceeded) and isinstance(quota, ResourceExhausted)
     assert quota.setting == "clients.max_leases" and quota.limit == "1"
