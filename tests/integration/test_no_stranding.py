@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,14 +66,14 @@ def settle(kv: KVStoreClient, keys: list[bytes], timeout_s: float = 20.0) -> lis
 
 
 @pytest.fixture
-def two_tiers(tmp_path: Path) -> Iterator[Daemon]:
-    daemon = start_daemon(tmp_path, *SETTINGS)
-    yield daemon
-    daemon.stop()
+def two_tiers(shared_daemon: Callable[..., Daemon]) -> Daemon:
+    """The session's daemon of SETTINGS: each test fills both tiers in a namespace of its own
+    (`ns`), which is evicted when it ends, and unpins what it pinned."""
+    return shared_daemon(*SETTINGS)
 
 
-def test_every_evict_form_leaves_the_150_block_chain_reachable(two_tiers: Daemon) -> None:
-    ns = "strand-150"
+def test_every_evict_form_leaves_the_150_block_chain_reachable(two_tiers: Daemon,
+                                                               ns: str) -> None:
     keys = chain(150, ns)
     block = b"\x5a" * MiB
     with KVStoreClient(two_tiers.target, ns) as kv:
@@ -104,8 +104,7 @@ def test_every_evict_form_leaves_the_150_block_chain_reachable(two_tiers: Daemon
         assert kv.lookup(keys).tiers == [None] * 150
 
 
-def test_evict_by_key_takes_the_descendants_in_every_tier(two_tiers: Daemon) -> None:
-    ns = "strand-keys"
+def test_evict_by_key_takes_the_descendants_in_every_tier(two_tiers: Daemon, ns: str) -> None:
     keys = chain(100, ns, seed=1)
     with KVStoreClient(two_tiers.target, ns) as kv:
         put_chain(kv, keys, b"\x11" * MiB)
@@ -116,27 +115,28 @@ def test_evict_by_key_takes_the_descendants_in_every_tier(two_tiers: Daemon) -> 
         assert assert_reachable(kv, keys) == 40
 
 
-def test_a_pinned_leaf_keeps_its_whole_prefix(two_tiers: Daemon) -> None:
-    ns = "strand-pin"
+def test_a_pinned_leaf_keeps_its_whole_prefix(two_tiers: Daemon, ns: str) -> None:
     keys = chain(20, ns, seed=2)
     with KVStoreClient(two_tiers.target, ns) as kv:
         put_chain(kv, keys, b"\x22" * MiB)
         assert kv.pin([keys[-1]]).changed == 1
-        assert kv.evict([keys[5]]).reasons == {"pinned": 1}  # its tree holds the pin
-        for round_ in range(4):  # 4 x 100 MiB of other chains: pressure on both tiers
-            other = chain(100, ns, seed=10 + round_)
-            put_chain(kv, other, b"\x33" * MiB)
-        deadline = time.monotonic() + 20.0
-        while (everything := kv.evict(all=True)).skipped > 20:  # moves still in flight
-            assert time.monotonic() < deadline, everything
-            time.sleep(0.1)
-        assert everything.reasons == {"pinned": 1, "has_children": 19}
-        assert assert_reachable(kv, keys) == 20
+        try:
+            assert kv.evict([keys[5]]).reasons == {"pinned": 1}  # its tree holds the pin
+            for round_ in range(4):  # 4 x 100 MiB of other chains: pressure on both tiers
+                other = chain(100, ns, seed=10 + round_)
+                put_chain(kv, other, b"\x33" * MiB)
+            deadline = time.monotonic() + 20.0
+            while (everything := kv.evict(all=True)).skipped > 20:  # moves still in flight
+                assert time.monotonic() < deadline, everything
+                time.sleep(0.1)
+            assert everything.reasons == {"pinned": 1, "has_children": 19}
+            assert assert_reachable(kv, keys) == 20
+        finally:
+            kv.unpin([keys[-1]])  # the `ns` fixture evicts what is left, but never a pin
 
 
 def test_a_restart_after_kill_9_drops_l3_blocks_whose_prefix_lived_in_l2(
-        tmp_path: Path) -> None:
-    ns = "strand-restart"
+        tmp_path: Path, ns: str) -> None:
     keys = chain(100, ns, seed=3)
     first = start_daemon(tmp_path, *SETTINGS)
     try:
