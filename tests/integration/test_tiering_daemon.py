@@ -15,57 +15,59 @@ import numpy as np
 import pytest
 
 from kvstore.client import FailedPrecondition, KVStoreClient
+from kvstore.client.results import TierStats
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.tools.testing import Daemon, free_port
+from tests.helpers import blocks, wait_until
 
-PAGE = 64 << 10
 SMALL = ("dram.capacity_bytes=2MiB", "dram.page_size_bytes=64KiB", "nvme.capacity_bytes=16MiB",
          "nvme.page_size_bytes=64KiB", "movers.interval_s=0.02")
 
 
-def blocks(n: int, seed: int) -> tuple[list[bytes], list[bytes]]:
-    rng = np.random.default_rng(seed)
-    return [rng.bytes(32) for _ in range(n)], [rng.bytes(PAGE) for _ in range(n)]
+@pytest.fixture
+def small(shared_daemon: Callable[..., Daemon]) -> Daemon:
+    """The session's daemon of SMALL tiers, emptied before each test: the tests here fill
+    both tiers and read what the tiers hold."""
+    d = shared_daemon(*SMALL)
+    with KVStoreClient(d.target, "tiering-daemon", shared_memory=False) as kv:
+        kv.evict(all=True, namespace="")
+        wait_until(lambda: all(t.objects == 0 for t in tiers(kv)), "an empty store")
+    return d
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+def tiers(kv: KVStoreClient) -> tuple[TierStats, TierStats]:
+    """The daemon's L2 and L3 rows."""
+    s = kv.stats()
+    dram, nvme = s.tier("dram"), s.tier("nvme")
+    assert dram is not None and nvme is not None
+    return dram, nvme
 
 
-def test_sustained_puts_demote_to_l3_instead_of_evicting(
-    daemon_factory: Callable[..., Daemon],
-) -> None:
-    d = daemon_factory(*SMALL)
+def test_sustained_puts_demote_to_l3_instead_of_evicting(small: Daemon, ns: str) -> None:
     keys, values = blocks(96, seed=1)  # three times L2
-    with KVStoreClient(d.target, "pressure") as kv:
+    with KVStoreClient(small.target, ns) as kv:
+        was_dram, was_nvme = tiers(kv)  # its counters are the session's: read as deltas
         for i in range(0, 96, 8):
             result = kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
             assert (result.stored, result.evicted) == (8, 0)
-        s = kv.stats()
-        dram, nvme = s.tier("dram"), s.tier("nvme")
-        assert dram is not None and nvme is not None
-        assert (dram.evictions, nvme.evictions) == (0, 0)
-        assert dram.demotions == nvme.objects > 0 and dram.objects + nvme.objects == 96
+        dram, nvme = tiers(kv)
+        assert (dram.evictions, nvme.evictions) == (was_dram.evictions, was_nvme.evictions)
+        assert dram.demotions - was_dram.demotions == nvme.objects > 0
+        assert dram.objects + nvme.objects == 96
         assert nvme.backend == "posix"
         for i in range(0, 96, 8):  # L3 hits come back through L2, bit-exact
             assert kv.get(keys[i : i + 8]) == values[i : i + 8]
-        assert kv.stats().tier("dram").promotions > 0  # type: ignore[union-attr]
+        assert tiers(kv)[0].promotions > dram.promotions
 
 
-def test_prefetch_streams_progress_and_get_then_finds_l2(
-    daemon_factory: Callable[..., Daemon],
-) -> None:
-    d = daemon_factory(*SMALL)
+def test_prefetch_streams_progress_and_get_then_finds_l2(small: Daemon, ns: str) -> None:
     keys, values = blocks(40, seed=2)
-    with KVStoreClient(d.target, "prefetch") as kv:
+    with KVStoreClient(small.target, ns) as kv:
         kv.put(keys[:8], values[:8])  # a chain of 8, then pressure pushes it to L3
         for i in range(8, 40, 8):
             kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
-        wait_until(lambda: kv.lookup(keys[:8]).tiers == ["nvme"] * 8)
+        wait_until(lambda: kv.lookup(keys[:8]).tiers == ["nvme"] * 8, "the chain in L3")
         seen: list[int] = []
         result = kv.prefetch([*keys[:8], b"\x01" * 32], tier="dram",
                              on_progress=lambda p: seen.append(p.prefix_length))
@@ -76,28 +78,22 @@ def test_prefetch_streams_progress_and_get_then_finds_l2(
         assert kv.get(keys[:8]) == values[:8]
 
 
-def test_prefetch_past_its_deadline_returns_the_ready_prefix(
-    daemon_factory: Callable[..., Daemon],
-) -> None:
-    d = daemon_factory(*SMALL)
+def test_prefetch_past_its_deadline_returns_the_ready_prefix(small: Daemon, ns: str) -> None:
     keys, values = blocks(40, seed=3)
-    with KVStoreClient(d.target, "deadline") as kv:
+    with KVStoreClient(small.target, ns) as kv:
         kv.put(keys[:16], values[:16])
         for i in range(16, 40, 8):
             kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
-        wait_until(lambda: kv.lookup(keys[:16]).tiers[:8] == ["nvme"] * 8)
+        wait_until(lambda: kv.lookup(keys[:16]).tiers[:8] == ["nvme"] * 8, "the head in L3")
         result = kv.prefetch(keys[:16], tier="dram", deadline_s=0.001)
         assert result.deadline_exceeded and result.prefix_length < 16
         tiers = kv.lookup(keys[:16]).tiers
         assert tiers[: result.prefix_length] == ["dram"] * result.prefix_length
 
 
-def test_prefetch_to_l1_without_a_gpu_is_a_failed_precondition(
-    daemon_factory: Callable[..., Daemon],
-) -> None:
-    d = daemon_factory(*SMALL)
+def test_prefetch_to_l1_without_a_gpu_is_a_failed_precondition(small: Daemon, ns: str) -> None:
     keys, _ = blocks(1, seed=4)
-    with KVStoreClient(d.target, "l1") as kv, pytest.raises(FailedPrecondition, match="hbm"):
+    with KVStoreClient(small.target, ns) as kv, pytest.raises(FailedPrecondition, match="hbm"):
         kv.prefetch(keys, tier="hbm")
 
 
@@ -129,7 +125,7 @@ def test_a_mover_that_fails_marks_the_daemon_not_serving(
         shutil.rmtree(l3)  # the manifest can no longer be snapshotted
         for i in range(0, 32, 8):
             kv.put(keys[i : i + 8], values[i : i + 8], independent=True)
-        wait_until(lambda: kv.health() == "NOT_SERVING")
+        wait_until(lambda: kv.health() == "NOT_SERVING", "health NOT_SERVING")
     assert "the tier mover failed" in d.log()
 
 
@@ -149,7 +145,7 @@ def test_a_prefetch_the_client_cancels_stops_loading(
         kv.put(keys[:12], values[:12])  # the chain: 6 MiB
         for i in range(12, 32, 4):  # 10 MiB of fillers fill L2: the mover demotes the chain
             kv.put(keys[i : i + 4], values[i : i + 4], independent=True)
-        wait_until(lambda: kv.lookup(keys[:12]).tiers == ["nvme"] * 12)
+        wait_until(lambda: kv.lookup(keys[:12]).tiers == ["nvme"] * 12, "the chain in L3")
         before = kv.stats().tier("dram").promotions  # type: ignore[union-attr]
         stub = pb_grpc.KVStoreStub(kv._channel)
         call = stub.Prefetch(pb.PrefetchRequest(namespace="cancel", keys=keys[:12],
