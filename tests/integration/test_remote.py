@@ -1,7 +1,12 @@
 """L4 through real daemons and real redis-server processes: blocks written through by one
 daemon are found, fetched and verified by another (standalone Redis, a 3-node Redis Cluster,
 TLS, a password); popularity drives pre-warming; a Redis outage, a hung Redis and a damaged
-block never stop the local tiers. No fakes: every Redis here is a redis-server subprocess."""
+block never stop the local tiers. No fakes: every Redis here is a redis-server subprocess.
+
+Tests that neither stop, hang nor pre-warm from their Redis share one: the module's `pool`,
+written through by the session's daemon A and read by its daemon B, each test in a namespace
+of its own and reading the daemons' counters as deltas. Pre-warming pulls the hottest blocks
+of every namespace, so its tests keep a Redis of their own."""
 
 from __future__ import annotations
 
@@ -12,14 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import (
     AsyncKVStoreClient,
@@ -40,9 +43,9 @@ from kvstore.tools.testing import (
     start_redis_with_password,
 )
 from tests.conftest import REPO
+from tests.helpers import PAGE, blocks, metric, wait_until
 
-PAGE = 64 << 10
-NS = "remote-ns"
+WAIT_S = 15.0  # for L4: a write-through queue, a breaker, a census on a busy machine
 # Small local tiers, no L1; each daemon keeps its L3 in its own folder (start_daemon).
 LOCAL = ("dram.capacity_bytes=32MiB", "dram.page_size_bytes=64KiB", "hbm.mode=off",
          "nvme.capacity_bytes=16MiB", "nvme.page_size_bytes=64KiB")
@@ -55,35 +58,15 @@ def l4(url: str, *settings: str) -> tuple[str, ...]:
             "remote.timeout_s=1", *settings)
 
 
-def blocks(n: int, size: int = PAGE) -> tuple[list[bytes], list[bytes]]:
-    return [secrets.token_bytes(32) for _ in range(n)], [os.urandom(size) for _ in range(n)]
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def remote(kv: KVStoreClient) -> TierStats:
     row = kv.stats().tier("remote")
     assert row is not None and row.enabled, "the daemon reports no L4"
     return row
 
 
-def in_redis(r: redis.Redis | redis.RedisCluster, keys: Sequence[bytes], ns: str = NS) -> int:
+def in_redis(r: redis.Redis | redis.RedisCluster, keys: Sequence[bytes], ns: str) -> int:
     """How many of the blocks Redis holds (one EXISTS per key: keys span cluster slots)."""
     return sum(int(r.exists(block_key(ns, k))) for k in keys)
-
-
-def _scraped(d: Daemon, name: str) -> float:
-    """One unlabelled sample of the daemon's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics",
-                                timeout=5) as response:
-        text = response.read().decode()
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == name and not s.labels)
 
 
 def raw(server: RedisServer, password: str = "") -> redis.Redis:
@@ -91,11 +74,40 @@ def raw(server: RedisServer, password: str = "") -> redis.Redis:
 
 
 @pytest.fixture
-def clients() -> Iterator[Callable[..., KVStoreClient]]:
+def clients(ns: str) -> Iterator[Callable[[Daemon], KVStoreClient]]:
+    """Clients of the test's namespace, closed when it ends."""
     with ExitStack() as stack:
-        def connect(d: Daemon, ns: str = NS) -> KVStoreClient:
+        def connect(d: Daemon) -> KVStoreClient:
             return stack.enter_context(KVStoreClient(d.target, ns, timeout_s=10))
         yield connect
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The Redis the session's daemons A and B share: no test stops or hangs it."""
+    s = start_redis_on(tmp_path_factory.mktemp("pool"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def pool_r(pool: RedisServer) -> Iterator[redis.Redis]:
+    client = raw(pool)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def a(shared_daemon: Make, pool: RedisServer) -> Daemon:
+    """The daemon that writes through to the pool, flushing popularity every 0.1 s and giving
+    its blocks there a TTL of 60 s."""
+    return shared_daemon(*l4(pool.url, "remote.popularity_flush_s=0.1", "remote.ttl_s=60"))
+
+
+@pytest.fixture
+def b(shared_daemon: Make, pool: RedisServer) -> Daemon:
+    """The daemon that reads what A wrote: it never puts a block itself."""
+    return shared_daemon(*l4(pool.url))
 
 
 @pytest.fixture
@@ -113,40 +125,42 @@ def r(server: RedisServer) -> Iterator[redis.Redis]:
 
 
 def test_a_block_written_through_by_one_daemon_is_read_by_another(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
-    r: redis.Redis,
+    a: Daemon, b: Daemon, clients: Callable[[Daemon], KVStoreClient], pool_r: redis.Redis,
+    ns: str,
 ) -> None:
-    a = clients(daemon_factory(*l4(server.url)))
-    b = clients(daemon_factory(*l4(server.url)))
+    ka, kb = clients(a), clients(b)
+    was_a, was_b = remote(ka), remote(kb)
     keys, values = blocks(6)
-    assert a.put(keys, values).stored == 6
-    wait_until(lambda: in_redis(r, keys) == 6, "the chain in Redis")
-    wait_until(lambda: remote(a).bytes_in == 6 * PAGE, "A's L4 bytes_in")
-    assert remote(a).state == "closed"
+    assert ka.put(keys, values).stored == 6
+    wait_until(lambda: in_redis(pool_r, keys, ns) == 6, "the chain in Redis", WAIT_S)
+    wait_until(lambda: remote(ka).bytes_in - was_a.bytes_in == 6 * PAGE, "A's L4 bytes_in",
+               WAIT_S)
+    assert remote(ka).state == "closed"
 
-    found = b.lookup(keys)
+    found = kb.lookup(keys)
     assert found.tiers == ["remote"] * 6 and found.prefix_length == 6
-    assert b.get(keys) == values  # fetched, verified, imported into B's L2
-    assert b.lookup(keys).tiers == ["dram"] * 6
-    row = remote(b)
-    assert (row.hits, row.misses, row.checksum_failures) == (6, 0, 0)
-    assert row.bytes_out == 6 * PAGE
+    assert kb.get(keys) == values  # fetched, verified, imported into B's L2
+    assert kb.lookup(keys).tiers == ["dram"] * 6
+    row = remote(kb)
+    assert (row.hits - was_b.hits, row.misses - was_b.misses,
+            row.checksum_failures - was_b.checksum_failures) == (6, 0, 0)
+    assert row.bytes_out - was_b.bytes_out == 6 * PAGE
 
     # Prefetch is the other way in: it brings L4 blocks into L2 before anyone reads them.
     keys2, values2 = blocks(4)
-    a.put(keys2, values2)
-    wait_until(lambda: in_redis(r, keys2) == 4, "the second chain in Redis")
-    assert b.lookup(keys2).tiers == ["remote"] * 4
-    progress = b.prefetch(keys2, tier="dram")
+    ka.put(keys2, values2)
+    wait_until(lambda: in_redis(pool_r, keys2, ns) == 4, "the second chain in Redis", WAIT_S)
+    assert kb.lookup(keys2).tiers == ["remote"] * 4
+    progress = kb.prefetch(keys2, tier="dram")
     assert (progress.done, progress.missing, progress.failed) == (4, 0, 0)
-    assert b.lookup(keys2).tiers == ["dram"] * 4
-    assert remote(b).hits == 10
-    assert b.get(keys2) == values2
-    assert remote(b).hits == 10  # the get was served from L2
+    assert kb.lookup(keys2).tiers == ["dram"] * 4
+    assert remote(kb).hits - was_b.hits == 10
+    assert kb.get(keys2) == values2
+    assert remote(kb).hits - was_b.hits == 10  # the get was served from L2
 
 
 def test_the_same_flow_over_a_redis_cluster_spreads_blocks_over_every_node(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], tmp_path: Path,
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], tmp_path: Path, ns: str,
 ) -> None:
     cluster = start_redis_cluster(tmp_path, nodes=3)
     rc = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0], socket_timeout=5)
@@ -156,7 +170,7 @@ def test_the_same_flow_over_a_redis_cluster_spreads_blocks_over_every_node(
         b = clients(daemon_factory(*l4(cluster.url, "remote.cluster=true")))
         keys, values = blocks(24)
         a.put(keys, values)
-        wait_until(lambda: in_redis(rc, keys) == 24, "the chain in the cluster")
+        wait_until(lambda: in_redis(rc, keys, ns) == 24, "the chain in the cluster", WAIT_S)
         assert remote(a).backend == "redis-cluster"
         per_node = [len(node.keys(b"kvs:v1:*")) for node in nodes]
         assert sum(per_node) == 24 and all(n > 0 for n in per_node), per_node
@@ -173,16 +187,17 @@ def test_the_same_flow_over_a_redis_cluster_spreads_blocks_over_every_node(
 
 
 def test_prewarm_pulls_the_hottest_blocks_before_serving(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
-    r: redis.Redis,
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], server: RedisServer,
+    r: redis.Redis, ns: str,
 ) -> None:
     a = clients(daemon_factory(*l4(server.url, "remote.popularity_flush_s=0.1")))
     keys, values = blocks(8)
     a.put(keys, values, independent=True)
-    wait_until(lambda: in_redis(r, keys) == 8, "the blocks in Redis")
+    wait_until(lambda: in_redis(r, keys, ns) == 8, "the blocks in Redis", WAIT_S)
     for _ in range(3):
         assert a.get(keys) == values
-    wait_until(lambda: set(keys) <= set(a.hot(100).keys), "the read keys among A's hot()")
+    wait_until(lambda: set(keys) <= set(a.hot(100).keys), "the read keys among A's hot()",
+               WAIT_S)
 
     # C is SERVING only once pre-warm is done: its very first lookup finds everything local.
     c = daemon_factory(*l4(server.url, "remote.prewarm_bytes=8MiB"))
@@ -196,11 +211,12 @@ def test_prewarm_pulls_the_hottest_blocks_before_serving(
     assert "pre-warm" in c.log()
     warmed = kc.stats().prewarm  # its progress stays in stats
     assert warmed is not None and warmed.done and (warmed.blocks, warmed.bytes) == (8, 8 * PAGE)
-    assert clients(daemon_factory(*l4(server.url))).stats().prewarm is None
 
-    # On a running daemon: the Prewarm RPC, then (after evicting) kvstore-admin prewarm.
+    # On a running daemon: the Prewarm RPC, then (after evicting) kvstore-admin prewarm. One
+    # started without remote.prewarm_bytes shows no pre-warm in stats until asked for one.
     d = daemon_factory(*l4(server.url))
     kd = clients(d)
+    assert kd.stats().prewarm is None
     assert kd.lookup(keys).tiers == ["remote"] * 8
     done = kd.prewarm(64 << 20)
     assert done.done and done.blocks == 8 and done.bytes == 8 * PAGE
@@ -215,7 +231,7 @@ def test_prewarm_pulls_the_hottest_blocks_before_serving(
 
 
 def test_a_daemon_told_to_prewarm_with_redis_down_serves_cold(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], server: RedisServer,
 ) -> None:
     server.stop()
     d = daemon_factory(*l4(server.url, "remote.prewarm_bytes=8MiB"))
@@ -227,7 +243,7 @@ def test_a_daemon_told_to_prewarm_with_redis_down_serves_cold(
 
 
 def test_a_redis_outage_leaves_the_local_tiers_serving_and_heals(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], tmp_path: Path,
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], tmp_path: Path, ns: str,
 ) -> None:
     first = start_redis_on(tmp_path)
     port = first.port
@@ -236,13 +252,13 @@ def test_a_redis_outage_leaves_the_local_tiers_serving_and_heals(
     keys1, values1 = blocks(4)
     kv.put(keys1, values1)
     r1 = raw(first)
-    wait_until(lambda: in_redis(r1, keys1) == 4, "the first chain in Redis")
+    wait_until(lambda: in_redis(r1, keys1, ns) == 4, "the first chain in Redis", WAIT_S)
     r1.close()
     first.stop()
 
     keys2, values2 = blocks(4)  # queued for L4 while Redis is down
     assert kv.put(keys2, values2).stored == 4
-    wait_until(lambda: remote(kv).state == "open", "the breaker to open")
+    wait_until(lambda: remote(kv).state == "open", "the breaker to open", WAIT_S)
     assert remote(kv).io_errors > 0
     assert kv.health() == "SERVING"
     assert kv.get(keys1) == values1 and kv.get(keys2) == values2
@@ -260,8 +276,9 @@ def test_a_redis_outage_leaves_the_local_tiers_serving_and_heals(
     second = start_redis_on(tmp_path, port)  # Redis back where the daemon expects it
     try:
         r2 = raw(second)
-        wait_until(lambda: in_redis(r2, keys2) == 4, "the queued chain in the new Redis")
-        wait_until(lambda: remote(kv).state == "closed", "the breaker to close")
+        wait_until(lambda: in_redis(r2, keys2, ns) == 4, "the queued chain in the new Redis",
+                   WAIT_S)
+        wait_until(lambda: remote(kv).state == "closed", "the breaker to close", WAIT_S)
         assert remote(kv).queue_depth == 0
         assert kv.health() == "SERVING"
         r2.close()
@@ -270,55 +287,62 @@ def test_a_redis_outage_leaves_the_local_tiers_serving_and_heals(
 
 
 def test_the_l4_row_counts_the_whole_pool_every_daemons_blocks(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
-    r: redis.Redis,
+    a: Daemon, b: Daemon, clients: Callable[[Daemon], KVStoreClient], pool_r: redis.Redis,
+    ns: str,
 ) -> None:
-    a = clients(daemon_factory(*l4(server.url)))
-    b = clients(daemon_factory(*l4(server.url)))
+    ka, kb = clients(a), clients(b)
     keys, values = blocks(5)
-    assert a.put(keys, values).stored == 5
-    wait_until(lambda: in_redis(r, keys) == 5, "the chain in Redis")
-    r.set(b"someone-elses-key", b"x")  # the same Redis may hold keys that are not blocks
-    # B wrote none of them and has read none: its L4 row still counts the pool's blocks.
-    wait_until(lambda: remote(b).objects == 5, "B's count of the pool", timeout_s=20)
-    row = remote(b)
+    assert ka.put(keys, values).stored == 5
+    wait_until(lambda: in_redis(pool_r, keys, ns) == 5, "the chain in Redis", WAIT_S)
+    pool_r.set(b"someone-elses-key", b"x")  # the same Redis may hold keys that are not blocks
+    try:
+        # B writes no block, ever: its L4 row still counts the pool's blocks, every daemon's
+        # (these 5 and what earlier tests left), and nothing else.
+        def pool_blocks() -> int:
+            return sum(1 for _ in pool_r.scan_iter(match=b"kvs:v1:*"))
+
+        wait_until(lambda: remote(kb).objects == pool_blocks() >= 5, "B's count of the pool",
+                   timeout_s=20)
+    finally:
+        pool_r.delete(b"someone-elses-key")
+    row = remote(kb)
     assert row.used_bytes >= 5 * PAGE  # Redis's used_memory: the frames and its own
     assert row.capacity_bytes == 0  # no maxmemory set: no limit
 
 
 def test_queue_depth_counts_the_blocks_waiting_for_redis(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], server: RedisServer,
 ) -> None:
     kv = clients(daemon_factory(*l4(server.url)))
     server.stop()
     kv.put(*blocks(4))
-    wait_until(lambda: remote(kv).state == "open", "the breaker to open")
+    wait_until(lambda: remote(kv).state == "open", "the breaker to open", WAIT_S)
     wait_until(lambda: remote(kv).queue_depth == 4, "4 blocks queued", timeout_s=2.0)
 
 
 def test_a_damaged_block_in_redis_is_a_miss_and_is_deleted(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
-    r: redis.Redis,
+    a: Daemon, b: Daemon, clients: Callable[[Daemon], KVStoreClient], pool_r: redis.Redis,
+    ns: str,
 ) -> None:
-    a = clients(daemon_factory(*l4(server.url)))
-    b = clients(daemon_factory(*l4(server.url)))
+    ka, kb = clients(a), clients(b)
+    was = remote(kb)
     keys, values = blocks(1)
-    a.put(keys, values)
-    wait_until(lambda: in_redis(r, keys) == 1, "the block in Redis")
-    r.set(block_key(NS, keys[0]), os.urandom(PAGE + 64))  # garbage where the frame was
+    ka.put(keys, values)
+    wait_until(lambda: in_redis(pool_r, keys, ns) == 1, "the block in Redis", WAIT_S)
+    pool_r.set(block_key(ns, keys[0]), os.urandom(PAGE + 64))  # garbage where the frame was
 
-    assert b.lookup(keys).tiers == ["remote"]
-    assert b.get(keys) == [None]
-    row = remote(b)
-    assert (row.checksum_failures, row.hits) == (1, 0)
-    assert in_redis(r, keys) == 0
-    assert b.lookup(keys).tiers == [None]
-    assert a.get(keys) == values  # A's own copy is untouched
+    assert kb.lookup(keys).tiers == ["remote"]
+    assert kb.get(keys) == [None]
+    row = remote(kb)
+    assert (row.checksum_failures - was.checksum_failures, row.hits - was.hits) == (1, 0)
+    assert in_redis(pool_r, keys, ns) == 0
+    assert kb.lookup(keys).tiers == [None]
+    assert ka.get(keys) == values  # A's own copy is untouched
 
 
 def test_a_full_queue_skips_blocks_and_never_delays_a_put(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
-    r: redis.Redis,
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], server: RedisServer,
+    r: redis.Redis, ns: str,
 ) -> None:
     timeout_s = 2.0
     d = daemon_factory(*l4(server.url, "remote.queue_bytes=1MiB",
@@ -337,15 +361,16 @@ def test_a_full_queue_skips_blocks_and_never_delays_a_put(
     assert elapsed_s < timeout_s  # no put waited for the hung Redis
     refused = remote(kv).admissions_refused
     assert 0 < refused < 16
-    assert _scraped(d, "kvstore_l4_queue_dropped_blocks_total") == refused
+    assert metric(d, "kvstore_l4_queue_dropped_blocks_total") == refused
     # What was queued still arrives; what was skipped never does.
-    wait_until(lambda: in_redis(r, keys) == 16 - refused, "the queued blocks in Redis")
-    wait_until(lambda: remote(kv).state == "closed", "the breaker to close")
+    wait_until(lambda: in_redis(r, keys, ns) == 16 - refused, "the queued blocks in Redis",
+               WAIT_S)
+    wait_until(lambda: remote(kv).state == "closed", "the breaker to close", WAIT_S)
     assert kv.get(keys) == values
 
 
 def test_tls_round_trip_between_two_daemons(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], tmp_path: Path,
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], tmp_path: Path,
 ) -> None:
     try:
         tls = start_redis_tls(tmp_path)
@@ -359,7 +384,8 @@ def test_tls_round_trip_between_two_daemons(
         b = clients(daemon_factory(*settings))
         keys, values = blocks(4)
         a.put(keys, values)
-        wait_until(lambda: remote(a).bytes_in == 4 * PAGE, "A's write-through over TLS")
+        wait_until(lambda: remote(a).bytes_in == 4 * PAGE, "A's write-through over TLS",
+                   WAIT_S)
         assert remote(a).backend == "redis-tls"
         assert b.lookup(keys).tiers == ["remote"] * 4
         assert b.get(keys) == values
@@ -369,7 +395,7 @@ def test_tls_round_trip_between_two_daemons(
 
 
 def test_a_password_in_the_url_works(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], tmp_path: Path,
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], tmp_path: Path, ns: str,
 ) -> None:
     password = secrets.token_hex(8)
     server = start_redis_with_password(tmp_path, password)
@@ -380,7 +406,7 @@ def test_a_password_in_the_url_works(
         keys, values = blocks(3)
         a.put(keys, values)
         r = raw(server, password)
-        wait_until(lambda: in_redis(r, keys) == 3, "the chain in Redis")
+        wait_until(lambda: in_redis(r, keys, ns) == 3, "the chain in Redis", WAIT_S)
         r.close()
         assert b.get(keys) == values
         assert (remote(b).hits, remote(b).state) == (3, "closed")
@@ -388,33 +414,40 @@ def test_a_password_in_the_url_works(
         server.stop()
 
 
-@pytest.fixture
-def refused_login(daemon_factory: Make, tmp_path: Path) -> Iterator[tuple[Daemon, str]]:
-    """A daemon whose L4 URL carries a wrong password, and that password."""
-    server = start_redis_with_password(tmp_path, secrets.token_hex(8))
-    wrong = f"wrong-{secrets.token_hex(8)}"
-    yield daemon_factory(*l4(f"redis://:{wrong}@127.0.0.1:{server.port}/0")), wrong
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, str]]:
+    """A Redis with a password, and a wrong password for it."""
+    server = start_redis_with_password(tmp_path_factory.mktemp("guarded"), secrets.token_hex(8))
+    yield server, f"wrong-{secrets.token_hex(8)}"
     server.stop()
 
 
+@pytest.fixture
+def refused_login(shared_daemon: Make,
+                  guarded: tuple[RedisServer, str]) -> tuple[Daemon, str]:
+    """The session's daemon whose L4 URL carries a wrong password, and that password."""
+    server, wrong = guarded
+    return shared_daemon(*l4(f"redis://:{wrong}@127.0.0.1:{server.port}/0")), wrong
+
+
 def test_a_wrong_password_leaves_the_daemon_serving_without_echoing_it(
-    refused_login: tuple[Daemon, str], clients: Callable[..., KVStoreClient],
+    refused_login: tuple[Daemon, str], clients: Callable[[Daemon], KVStoreClient],
 ) -> None:
     d, wrong = refused_login
     kv = clients(d)
     assert kv.health() == "SERVING"
-    wait_until(lambda: remote(kv).state == "open", "the breaker to open")
+    wait_until(lambda: remote(kv).state == "open", "the breaker to open", WAIT_S)
     keys, values = blocks(2)
     assert kv.put(keys, values).stored == 2
     assert kv.get(keys) == values
-    wait_until(lambda: remote(kv).io_errors > 0, "a counted L4 failure")
+    wait_until(lambda: remote(kv).io_errors > 0, "a counted L4 failure", WAIT_S)
     assert "L4 unavailable" in d.log()
     assert wrong not in d.log()
     assert wrong not in repr(kv.stats().to_dict())
 
 
 def test_the_effective_config_in_stats_hides_the_password(
-    refused_login: tuple[Daemon, str], clients: Callable[..., KVStoreClient],
+    refused_login: tuple[Daemon, str], clients: Callable[[Daemon], KVStoreClient],
 ) -> None:
     d, wrong = refused_login
     config_json = clients(d).stats(include_config=True).config_json
@@ -422,19 +455,19 @@ def test_the_effective_config_in_stats_hides_the_password(
 
 
 def test_blocks_in_redis_expire_after_remote_ttl_s(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
-    r: redis.Redis,
+    a: Daemon, clients: Callable[[Daemon], KVStoreClient], pool_r: redis.Redis, ns: str,
 ) -> None:
-    kv = clients(daemon_factory(*l4(server.url, "remote.ttl_s=60")))
+    kv = clients(a)  # remote.ttl_s=60
     keys, values = blocks(2)
     kv.put(keys, values)
-    wait_until(lambda: in_redis(r, keys) == 2, "the blocks in Redis")
+    wait_until(lambda: in_redis(pool_r, keys, ns) == 2, "the blocks in Redis", WAIT_S)
     for key in keys:
-        assert 0 < r.pttl(block_key(NS, key)) <= 60_000
+        assert 0 < pool_r.pttl(block_key(ns, key)) <= 60_000
 
 
 def test_the_async_client_ranks_hot_keys_and_prewarms_with_coroutine_progress(
-    daemon_factory: Make, server: RedisServer, clients: Callable[..., KVStoreClient],
+    daemon_factory: Make, server: RedisServer, clients: Callable[[Daemon], KVStoreClient],
+    ns: str,
 ) -> None:
     a = daemon_factory(*l4(server.url, "remote.popularity_flush_s=0.1"))
     keys, values = blocks(4)
@@ -443,7 +476,7 @@ def test_the_async_client_ranks_hot_keys_and_prewarms_with_coroutine_progress(
     for _ in range(3):
         kv.get(keys[:2])  # the first two are the hottest
     kv.get(keys[2:])
-    wait_until(lambda: set(kv.hot(4).keys) == set(keys), "popularity in Redis")
+    wait_until(lambda: set(kv.hot(4).keys) == set(keys), "popularity in Redis", WAIT_S)
     d = daemon_factory(*l4(server.url))
     seen: list[int] = []
 
@@ -452,7 +485,7 @@ def test_the_async_client_ranks_hot_keys_and_prewarms_with_coroutine_progress(
         seen.append(progress.blocks)
 
     async def scenario() -> tuple[HotResult, PrewarmResult]:
-        async with AsyncKVStoreClient(d.target, NS, timeout_s=10) as akv:
+        async with AsyncKVStoreClient(d.target, ns, timeout_s=10) as akv:
             return await akv.hot(2), await akv.prewarm(64 << 20, on_progress=on_progress)
 
     hot, final = asyncio.run(scenario())
@@ -462,11 +495,11 @@ def test_the_async_client_ranks_hot_keys_and_prewarms_with_coroutine_progress(
 
 
 def test_evicting_l4_by_bytes_or_all_is_refused_naming_the_tier(
-    daemon_factory: Make, clients: Callable[..., KVStoreClient], server: RedisServer,
+    a: Daemon, clients: Callable[[Daemon], KVStoreClient],
 ) -> None:
     """L4 has no eviction order (its keys expire): bytes= or all= for tier remote was an
     INTERNAL KeyError; it is FAILED_PRECONDITION, and the blocks stay."""
-    kv = clients(daemon_factory(*l4(server.url)))
+    kv = clients(a)
     keys, values = blocks(2)
     kv.put(keys, values)
     with pytest.raises(FailedPrecondition, match="tier remote"):
