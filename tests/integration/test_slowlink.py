@@ -7,7 +7,6 @@ the delay in its remote tier's read time. No fakes: a redis-server subprocess an
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import threading
 import time
@@ -23,13 +22,15 @@ from kvstore.client import KVStoreClient
 from kvstore.client.results import TierStats
 from kvstore.tools.slowlink import SlowLink
 from kvstore.tools.testing import RedisServer, start_daemon, start_redis_on
+from tests import helpers
+from tests.helpers import PAGE, wait_until
+from tests.integration.test_remote import remote
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="needs redis-server (`make redis` installs it)")
 
 DELAY_S = 0.05
 SLACK_S = 0.2  # scheduling on a loaded 2-core machine; a per-reply delay would be far more
-PAGE = 64 << 10
 NS = "slowlink-ns"
 
 
@@ -157,20 +158,15 @@ def test_a_negative_delay_is_refused() -> None:
 # --- a daemon whose L4 is behind the link -----------------------------------------------------
 
 
-def remote(kv: KVStoreClient) -> TierStats:
-    row = kv.stats().tier("remote")
-    assert row is not None and row.enabled, "the daemon reports no L4"
-    return row
-
-
 def drain_l4(kv: KVStoreClient, written_bytes: int, timeout_s: float = 15.0) -> None:
     """Wait until written_bytes reached Redis. queue_depth == 0 alone is not enough: the
     writer takes a batch off the queue before its SETs return, and through a slow link that
     batch is in flight for a whole delay while queue_depth already reads 0."""
-    deadline = time.monotonic() + timeout_s
-    while (row := remote(kv)).queue_depth or row.bytes_in < written_bytes:
-        assert time.monotonic() < deadline, "L4 write-through never drained"
-        time.sleep(0.02)
+    def drained() -> bool:
+        row = remote(kv)
+        return row.queue_depth == 0 and row.bytes_in >= written_bytes
+
+    wait_until(drained, "the L4 write-through to drain", timeout_s)
 
 
 Blocks = tuple[list[bytes], list[bytes]]
@@ -198,8 +194,7 @@ def l4_reader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[L4Reader]:
         settings = ("hbm.mode=off", "nvme.enabled=false", "dram.capacity_bytes=32MiB",
                     "dram.page_size_bytes=64KiB", f"remote.url={link.url}",
                     "remote.timeout_s=2")
-        blocks = [([secrets.token_bytes(32) for _ in range(4)],
-                   [os.urandom(PAGE) for _ in range(4)]) for _ in range(2)]
+        blocks = [helpers.blocks(4), helpers.blocks(4)]
         writer = start_daemon(workdir, *settings)
         try:
             with KVStoreClient(writer.target, NS, timeout_s=10) as kv:

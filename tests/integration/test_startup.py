@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from kvstore.daemon.config import load_config
 from kvstore.daemon.server import serve
 from kvstore.tools.testing import TEST_L3_RESERVE, Daemon, free_port
 from tests.conftest import REPO
+from tests.helpers import MiB, metric, scrape
 
 SHM = Path("/dev/shm")
 SMALL = ("dram.capacity_bytes=8MiB", "nvme.capacity_bytes=64MiB", "hbm.mode=off",
@@ -258,13 +258,10 @@ def test_a_wrong_setting_is_named_not_the_one_it_conflicts_with(setting: str,
 
 
 def serving_gauge(daemon: Daemon) -> float:
-    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        text = resp.read().decode()
-    found = re.search(r"^kvstore_serving (\S+)$", text, re.M)
-    assert found, text
-    assert re.search(r'^kvstore_tier_capacity_bytes\{tier="dram"\} 8\.388608e\+06$', text, re.M)
-    return float(found[1])
+    samples = scrape(daemon)
+    assert ("kvstore_serving", ()) in samples, samples
+    assert metric(samples, "kvstore_tier_capacity_bytes", tier="dram") == 8 * MiB
+    return samples[("kvstore_serving", ())]
 
 
 def test_kvstore_serving_follows_health_through_the_drain(
