@@ -153,7 +153,10 @@ def too_noisy(
 
 
 def tokens_range(counts: Sequence[int]) -> str:
-    """One count, or min-max when the reps disagree (they should not: see Rewind)."""
+    """One count, or min-max when the reps disagree. Rewind puts each rep's store back where
+    the first found it, but a batch's requests that share a prefix may still differ: each
+    loads it when their lookups come back in one step, or the later ones find it in the
+    engine's own cache once the first load landed."""
     low, high = min(counts), max(counts)
     return str(low) if low == high else f"{low}-{high}"
 
