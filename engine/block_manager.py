@@ -2,12 +2,15 @@
 blocks, reference counts, prefix caching keyed by the store's chained keys (kvstore.keys),
 LRU reuse of unreferenced cached blocks, and copy-on-write for shared blocks (forks for n > 1).
 
-Keys are the caller's: computed once per block as its tokens become known (`extend_keys`),
-carried with the sequence, and taken by `find_prefix` and `cache_full_blocks`.
+Keys are the caller's: a sequence's chained block keys are computed once per block, when its
+tokens are known (`extend_keys`), and carried with it; `find_prefix` and `cache_full_blocks`
+take them, and nothing here hashes a block a second time.
 
-Each sequence records `num_tokens`, the largest `num_tokens` an `allocate` for it succeeded
-with (at least its prefix hit): the runner writes the tokens between the previous and the new
-value in the next forward pass, so a sequence's next write lands at index `num_tokens`.
+How a sequence's progress is tracked: each sequence records `num_tokens`, the largest
+`num_tokens` an `allocate` for it succeeded with (at least its prefix hit). The runner writes
+the tokens between the previous and the new value in the forward pass that follows the call,
+so the next write of a sequence always lands at token index `num_tokens`. Separately, the
+keys of the blocks `cache_full_blocks` registered are what `keys_of` returns.
 
 Copy-on-write: only a partially filled last block can be shared and written (full blocks shared
 by a prefix hit are never written, writes go past them), and it is shared only through `fork`.
@@ -141,8 +144,9 @@ class BlockManager:
 
     # -- prefix caching -------------------------------------------------------------------
     def extend_keys(self, keys: list[BlockKey], token_ids: Sequence[int]) -> list[BlockKey]:
-        """Append to `keys` (token_ids' first len(keys) block keys) the keys of its further full
-        blocks, hashing only those; returns `keys`."""
+        """Append to `keys` (the chained keys of token_ids' first len(keys) full blocks) the
+        keys of its further full blocks, and return it: called as a sequence's tokens become
+        known, so each block is hashed once in the sequence's life."""
         parent = keys[-1] if keys else self._root
         keys.extend(_chained_keys(parent, token_ids, self._block_size, len(keys),
                                   len(token_ids) // self._block_size))
