@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.core.errors import StartupError
+from kvstore.daemon import server
 from kvstore.daemon.config import load_config
 from kvstore.daemon.server import serve
 from kvstore.tools.testing import TEST_L3_RESERVE, Daemon, free_port
@@ -210,25 +211,42 @@ def test_a_busy_metrics_port_frees_the_grpc_port_in_process(tmp_path: Path) -> N
 
 
 # --- the config: the setting that is wrong, the line that is broken ---------------------
+# A config the daemon refuses ends its start before it binds, maps or logs anything, so these
+# run kvstore-server's entry point in this process; test_endpoints.py runs the process once
+# for its exit status.
 
 
-def test_broken_yaml_names_the_file_and_the_line(tmp_path: Path) -> None:
+@pytest.fixture
+def refused(capsys: pytest.CaptureFixture[str],
+            monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
+    """refused(*args): what kvstore-server's main says on stderr as it refuses its config
+    (it must return 2), without the caller's KVSTORE_* variables."""
+    for name in [k for k in os.environ if k.startswith("KVSTORE_")]:
+        monkeypatch.delenv(name)
+
+    def run(*args: str) -> str:
+        capsys.readouterr()
+        assert server.main(list(args)) == 2
+        return capsys.readouterr().err
+
+    return run
+
+
+def test_broken_yaml_names_the_file_and_the_line(tmp_path: Path,
+                                                refused: Callable[..., str]) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("server:\n  port: 6000\ndram:\n  capacity_bytes: [1GiB\n"
                     "  page_size_bytes: 64KiB\n")
-    done = run_server("--config", str(path))
-    assert done.returncode == 2
-    assert done.stderr.strip() == (
+    assert refused("--config", str(path)).strip() == (
         f"kvstore-server: config file {path} line 5 column 18: not valid YAML: expected ',' "
         "or ']', but got ':' (while parsing a flow sequence at line 4 column 19)")
 
 
-def test_a_bad_value_in_the_file_names_its_line(tmp_path: Path) -> None:
+def test_a_bad_value_in_the_file_names_its_line(tmp_path: Path,
+                                               refused: Callable[..., str]) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("movers:\n  low_watermark: 0.5\n  high_watermark: 1.5\n")
-    done = run_server("--config", str(path))
-    assert done.returncode == 2
-    assert done.stderr.strip() == (
+    assert refused("--config", str(path)).strip() == (
         f"kvstore-server: movers.high_watermark = 1.5 (from {path} line 3): must be in (0, 1]: "
         "a share of the tier's capacity; use e.g. 0.9")
 
@@ -246,12 +264,11 @@ def test_a_bad_value_in_the_file_names_its_line(tmp_path: Path) -> None:
     ("dram.page_size_bytes=2GiB",
      "dram.page_size_bytes = '2GiB' (from --set): must be <= dram.capacity_bytes (1.0 GiB)"),
 ])
-def test_a_wrong_setting_is_named_not_the_one_it_conflicts_with(setting: str,
-                                                                blamed: str) -> None:
-    done = run_server("--port", str(free_port()), "--set", setting)
-    assert done.returncode == 2
-    assert done.stderr.startswith(f"kvstore-server: {blamed}"), done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+def test_a_wrong_setting_is_named_not_the_one_it_conflicts_with(
+        setting: str, blamed: str, refused: Callable[..., str]) -> None:
+    err = refused("--port", str(free_port()), "--set", setting)
+    assert err.startswith(f"kvstore-server: {blamed}"), err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 # --- health and kvstore_serving ---------------------------------------------------------
