@@ -134,7 +134,8 @@ def test_an_l3_larger_than_the_filesystem_exits_2_naming_a_value_that_fits_and_l
     assert fits, done.stderr
 
     daemon = daemon_factory(*SMALL, f"nvme.dir={folder}", f"nvme.capacity_bytes={fits[1]}")
-    assert f"{fits[1][:-3]}.0 MiB" in daemon.log()  # "L3 posix in ..., 124.0 MiB"
+    # "L3 posix in ..., 124.0 MiB", in the line the daemon prints just after it says SERVING
+    wait_until(lambda: f"{fits[1][:-3]}.0 MiB" in daemon.log(), "the L3 size in the start line")
     assert admission(daemon) == "on"  # the value that fits leaves the reserve free
     assert free_bytes(fs) >= reserve_bytes(daemon)
 
