@@ -71,6 +71,9 @@ class SharedDaemons:
     def __init__(self, root: Path) -> None:
         self._root = root
         self._started: dict[tuple[tuple[str, ...], bool], Daemon] = {}
+        # One client per shared daemon for the evictions at each test's end: opening a
+        # channel per test and daemon was most of what a test's teardown cost.
+        self._evictors: dict[str, KVStoreClient] = {}
 
     def __call__(self, *settings: str, unix_socket: bool = False) -> Daemon:
         """The shared daemon with these settings (their order counts: a later --set wins),
@@ -94,12 +97,17 @@ class SharedDaemons:
         without credentials (one with auth or TLS on is the test's to clean)."""
         for settings, d in self._started.items():
             if d.proc.poll() is None and not any(_needs_credentials(s) for s in settings[0]):
-                with KVStoreClient(d.target, namespace, shared_memory=False) as kv:
-                    kv.evict(all=True)
+                kv = self._evictors.get(d.target)
+                if kv is None:
+                    kv = self._evictors[d.target] = KVStoreClient(
+                        d.target, "tests-evictor", shared_memory=False)
+                kv.evict(all=True, namespace=namespace)
 
     def stop_all(self) -> None:
         """Stop every shared daemon; each must exit 0 (a clean drain), or the session fails
         with the logs of those that did not."""
+        for kv in self._evictors.values():
+            kv.close()
         failed = [d.log() for d in self._started.values() if d.stop() != 0]
         assert not failed, "a shared daemon did not exit 0:\n" + "\n".join(failed)
 
