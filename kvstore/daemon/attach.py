@@ -57,6 +57,16 @@ class Tickets:
             self._tickets[ticket] = (tenant, now + ATTACH_TICKET_S)
         return ticket
 
+    def peek(self, ticket: str) -> str | None:
+        """The tenant a valid ticket was issued to, without using it up: for a caller that
+        may refuse the request it comes with (a cap reached) and must leave the ticket good
+        for the client's next try."""
+        with self._lock:
+            held = self._tickets.get(ticket)
+        if held is None or held[1] < self._clock():
+            return None
+        return held[0]
+
     def redeem(self, ticket: str) -> str | None:
         """The tenant a valid ticket was issued to; None for an unknown or expired one. A
         ticket is good once."""
