@@ -51,7 +51,9 @@ class DramTier:
         self._parts: list[_Part] = []
         if arenas is None:
             # A daemon that crashed left its segment in /dev/shm (tmpfs: real memory);
-            # reclaim those, and this name if a crash left it, before taking more.
+            # reclaim those, and this name if a crash left it, before taking more. Whether a
+            # segment is stale is decided by its lock alone, never its age, so one left by a
+            # kill -9 an instant ago goes too (kvstore/shm.py, create_segment).
             remove_stale_segments({*list_segments(STALE_PREFIX), shm_name})
             self._segment = create_segment(shm_name, self.capacity_bytes)
             self.shm_name = self._segment.name
