@@ -192,17 +192,18 @@ class ClientBase(ABC):
             try:
                 response: M = yield Offload(partial(local.call, verb, request, response_type))
                 return response
-            except NoSession as exc:
+            except NoSession as exc:  # for this call only, or (not NoSessionNow) for good
                 self._shm.local_off(exc)
         return (yield from over_grpc())
 
     # --- the shared-memory path -----------------------------------------------------------
 
     def _segment(self) -> Steps[SharedSegment | None]:
-        """The shared memory to use, None for inline: decided by the first data call (see
+        """The shared memory to use, None for inline: decided by the first data call, and
+        tried again by the first after a pause when a refusal that passes turned it off (see
         ShmState), off the event loop."""
         shm = self._shm
-        if not shm.decided:
+        if shm.needs_decision():
             fetch_stats = self._blocking(self._fetch_stats)
             fetch_attach = self._blocking(self._fetch_attach)
             yield Offload(partial(shm.segment_for, fetch_stats, fetch_attach))

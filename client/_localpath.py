@@ -6,12 +6,31 @@ round trip costs a few tens of microseconds. The messages are the contract's own
 (kvstore.v1), framed as `kvstore.proto.localframe` says (the daemon imports it too).
 
 Sessions are pooled, one per thread in flight; each opens with `HOT <ticket>` (a ticket
-from Attach, auth on). Error replies are a google.rpc.Status, so an error raised here has
-the same class, reason and metadata as over gRPC. A session that cannot be opened (no
-socket, a refusal, an answer that opens no session) raises FailedPrecondition: the client
-then uses gRPC for good. A session that breaks mid-call raises Unavailable, and the call is
-retried whole. Every call blocks the thread that makes it: the asyncio client makes them in
-worker threads.
+from Attach with auth on, taken from the client's `TicketKeeper`, which keeps one the daemon
+did not redeem for the next try). Error replies are a google.rpc.Status, so an error raised
+here has the same class, reason and metadata as over gRPC. Every call blocks the thread that
+makes it: the asyncio client makes them in worker threads.
+
+When no session can be had:
+
+- for good (`NoSession`: the daemon serves none, FEATURE_OFF, an answer that is not the
+  protocol): the client sends the hot verbs over gRPC from then on;
+- for now (`NoSessionNow`: a refusal at the daemon's caps, a handshake closed or timed out
+  before an answer, the socket not there yet, Attach out of tickets): no new session is
+  opened until a `Pause` has passed; calls with no idle session go over gRPC meanwhile, and
+  the first after the pause opens one (one caller at a time).
+
+The daemon closes sessions idle too long, and idle ones to make room at its caps, so an idle
+session is checked before it is reused (one non-blocking peek: the daemon's close reads as
+the end of the stream). If one still breaks before any byte of its reply arrives (closed
+between the check and the request), Lookup, Get, Reserve and Release are sent once more on a
+fresh session: the daemon reads a request whole before it acts on it, and each of these may
+be asked twice (a Reserve or a leased Get asked twice holds pages that expire). A commit is
+not: a session cut after the daemon read it may have stored the blocks and used the
+reservation up, and sending it again would fail with an unknown reservation. It fails
+Unavailable instead, and the client retries the whole put (Reserve answers `exists` for what
+the cut commit stored). A session that breaks in any other way raises Unavailable, and the
+call is retried whole.
 """
 
 from __future__ import annotations
@@ -21,14 +40,35 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
-from kvstore.proto.localframe import CLOSING, REPLY, REQUEST, hello
+from kvstore.proto.localframe import (
+    CLOSING,
+    COMMIT,
+    GET,
+    LOOKUP,
+    RELEASE,
+    REPLY,
+    REQUEST,
+    RESERVE,
+    VERB_NAMES,
+    hello,
+)
 
+from ._attach import TicketKeeper, connect
+from ._pause import (
+    BAD_TICKET_REASON,
+    Pause,
+    TicketRefused,
+    TryLater,
+    passes,
+    refusal_passes,
+)
 from .errors import (
     FailedPrecondition,
     KVStoreError,
@@ -41,27 +81,42 @@ logger = logging.getLogger("kvstore.client")
 
 MAX_IDLE_SESSIONS = 16  # kept open between calls; more threads at once open extra ones
 
+#: The verbs sent once more on a fresh session when a reused one breaks before any byte of
+#: the reply (see the module's docstring: never a commit).
+RESENDABLE = frozenset({LOOKUP, GET, RESERVE, RELEASE})
+assert COMMIT not in RESENDABLE
+
 M = TypeVar("M")
 
 
 class NoSession(FailedPrecondition):
-    """The daemon gives no local session (no socket, none served, refused): use gRPC."""
+    """The daemon gives no local session, and will not (it serves none, FEATURE_OFF, an
+    answer that is not the protocol): the hot verbs use gRPC for good."""
+
+
+class NoSessionNow(NoSession):
+    """No local session for this call (no new one until the pause after a refusal that
+    passes; or a request over the frame size): this call goes over gRPC, the path stays."""
+
+
+class _Unanswered(Exception):
+    """A session broke before any byte of its reply arrived."""
 
 
 class _Session:
     """One connection: requests answered in order; replies of posted requests skipped."""
 
-    def __init__(self, sock: socket.socket, max_frame_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, max_frame_bytes: int, timeout_s: float) -> None:
         self.sock = sock
         self.max_frame_bytes = max_frame_bytes
+        self.timeout_s = timeout_s
         self.posted = 0  # requests sent whose replies nobody waits for
         self.closing = False
+        self.reply_bytes = 0  # bytes of the awaited reply read so far
         self._head = bytearray(REPLY.size)
 
     def send(self, verb: int, body: bytes) -> None:
-        if len(body) > self.max_frame_bytes:
-            raise FailedPrecondition(f"the request ({len(body)} bytes) is over the local "
-                                     f"path's {self.max_frame_bytes}-byte frames")
+        self.reply_bytes = 0
         self.sock.sendall(REQUEST.pack(len(body), verb) + body)
 
     def receive(self) -> tuple[int, bytes]:
@@ -77,6 +132,21 @@ class _Session:
                 logger.debug("kvstore: a posted local request failed: %s",
                              _error(status, body))
 
+    def alive(self) -> bool:
+        """Whether the daemon has not closed the session (while it sat idle): a peek that
+        never waits. The end of the stream means closed; nothing to read means alive; bytes
+        to read are the replies of posted requests."""
+        try:
+            self.sock.settimeout(0.0)
+            try:
+                return self.sock.recv(1, socket.MSG_PEEK) != b""
+            finally:
+                self.sock.settimeout(self.timeout_s)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
     def _read_into(self, buffer: bytearray) -> bytearray:
         view = memoryview(buffer)
         got = 0
@@ -85,6 +155,8 @@ class _Session:
             if k == 0:
                 raise ConnectionError("the daemon closed the local session")
             got += k
+            if not self.posted:
+                self.reply_bytes += k
         return buffer
 
     def _read(self, n: int) -> bytes:
@@ -98,32 +170,45 @@ class _Session:
 class LocalPath:
     """Pooled sessions on one daemon's Unix socket. Thread-safe.
 
-    ticket() returns the handshake's ticket (auth on: a fresh Attach ticket per session;
-    auth off: "-"). timeout_s bounds each call."""
+    tickets: the handshakes' tickets (auth on: Attach tickets, one a session, kept when not
+    redeemed; auth off: "-"). timeout_s bounds each call. clock is time.monotonic unless a
+    test passes its own."""
 
-    def __init__(self, path: str, ticket: Callable[[], str], timeout_s: float) -> None:
+    def __init__(self, path: str, tickets: TicketKeeper, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
-        self._ticket = ticket
+        self._tickets = tickets
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._idle: list[_Session] = []
         self._closed = False
+        # No new session until it passes, after a refusal that passes; one caller at a time
+        # opens one after it (_probing), the others use gRPC meanwhile.
+        self._pause = Pause(clock)
+        self._probing = False
+
+    def ready(self) -> bool:
+        """Whether a hot verb may use the path now: a session is idle, or one may be opened
+        (no pause, or it has passed and no other caller is opening one). Never blocks."""
+        return bool(self._idle) or not (self._pause.off() or self._probing)
 
     def call(self, verb: int, request: Any, response_type: type[M]) -> M:
-        """One request, its reply parsed; a daemon error raised as the client's error, a
-        session the daemon does not give as NoSession."""
+        """One request, its reply parsed; a daemon error raised as the client's error, no
+        session as NoSession (for good) or NoSessionNow (this call goes over gRPC)."""
         body = request.SerializeToString()
-        session = self._take()
+        session, reused = self._take()
         try:
-            session.send(verb, body)
-            status, reply = session.receive()
-        except TimeoutError:
-            session.close()
-            raise Unavailable(f"the local session timed out after {self._timeout_s} s") \
-                from None
-        except OSError as exc:
-            session.close()
-            raise Unavailable(f"the local session broke: {exc}") from None
+            status, reply = self._round_trip(session, verb, body)
+        except _Unanswered as exc:
+            if not reused or verb not in RESENDABLE:
+                raise Unavailable(f"the local session broke: {exc}") from None
+            logger.debug("kvstore: an idle local session broke under a %s (%s); sending it "
+                         "on a fresh one", VERB_NAMES[verb], exc)
+            session = self._new()
+            try:
+                status, reply = self._round_trip(session, verb, body)
+            except _Unanswered as again:
+                raise Unavailable(f"the local session broke: {again}") from None
         self._give_back(session)
         if status:
             raise _error(status, reply)
@@ -132,28 +217,69 @@ class LocalPath:
 
     def post(self, verb: int, request: Any) -> None:
         """Send a request without waiting for its reply (a Release): its reply is read and
-        dropped before the session's next one. A failure is logged, never raised."""
+        dropped before the session's next one. Sent once more on a fresh session when a
+        reused one is found closed; any failure is logged, never raised."""
+        body = request.SerializeToString()
         try:
-            session = self._take()
+            session, reused = self._take()
+            if not self._post_on(session, verb, body) and reused:
+                self._post_on(self._new(), verb, body)
         except KVStoreError as exc:
             logger.debug("kvstore: a posted local request was not sent: %s", exc)
-            return
+
+    def _post_on(self, session: _Session, verb: int, body: bytes) -> bool:
+        """Send a posted request on session: True when it went (the session is pooled again),
+        False when the session was closed under it (and is dropped)."""
+        if len(body) > session.max_frame_bytes:
+            self._give_back(session)
+            raise NoSessionNow(f"a posted request of {len(body)} bytes is over the local "
+                               f"path's {session.max_frame_bytes}-byte frames")
         try:
-            session.send(verb, request.SerializeToString())
-            session.posted += 1
-        except (OSError, KVStoreError) as exc:
+            session.send(verb, body)
+        except OSError as exc:
             session.close()
             logger.debug("kvstore: a posted local request was not sent: %s", exc)
-            return
+            return False
+        session.posted += 1
         self._give_back(session)
+        return True
 
-    def _take(self) -> _Session:
-        with self._lock:
-            if self._closed:
-                raise NoSession("the local path is closed")
-            if self._idle:
-                return self._idle.pop()
-        return self._open()
+    def _round_trip(self, session: _Session, verb: int, body: bytes) -> tuple[int, bytes]:
+        """Send body and read its reply: (status, reply bytes). _Unanswered when the session
+        broke before any byte of the reply, Unavailable when it broke later or timed out;
+        NoSessionNow (the session pooled again) when body is over the frame size."""
+        if len(body) > session.max_frame_bytes:
+            self._give_back(session)
+            raise NoSessionNow(f"the request ({len(body)} bytes) is over the local path's "
+                               f"{session.max_frame_bytes}-byte frames")
+        try:
+            session.send(verb, body)
+            return session.receive()
+        except TimeoutError:
+            session.close()
+            raise Unavailable(f"the local session timed out after {self._timeout_s} s") \
+                from None
+        except OSError as exc:
+            session.close()
+            if not session.reply_bytes:
+                raise _Unanswered(str(exc)) from None
+            raise Unavailable(f"the local session broke: {exc}") from None
+
+    def _take(self) -> tuple[_Session, bool]:
+        """An idle session the daemon has not closed (True: reused), else a new one (False).
+        Sessions the daemon closed while they sat idle are dropped."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise NoSession("the local path is closed")
+                if not self._idle:
+                    break
+                session = self._idle.pop()
+            if session.alive():
+                return session, True
+            logger.debug("kvstore: dropped an idle local session the daemon closed")
+            session.close()
+        return self._new(), False
 
     def _give_back(self, session: _Session) -> None:
         with self._lock:
@@ -162,43 +288,111 @@ class LocalPath:
                 return
         session.close()
 
-    def _open(self) -> _Session:
-        """A new session; FailedPrecondition when the daemon does not give one."""
-        ticket = self._ticket()
+    def _new(self) -> _Session:
+        """A new session. NoSessionNow while paused (or while another caller opens the first
+        one after a pause), or when the daemon refuses for now, which starts a pause;
+        NoSession when it never will."""
+        with self._lock:
+            if self._closed:
+                raise NoSession("the local path is closed")
+            paused = self._pause.until_s is not None
+            if paused:
+                if self._pause.off() or self._probing:
+                    raise NoSessionNow("no new local session until the pause after a "
+                                       "refusal has passed")
+                self._probing = True
+        try:
+            session = self._tickets.use(self._open)
+        except NoSession:
+            raise
+        except KVStoreError as exc:  # a refusal, or the Attach call for a ticket failed
+            if not passes(exc):
+                raise NoSession(f"no local session on {self.path}: {exc}") from None
+            self._refused(exc)
+            raise NoSessionNow(f"no local session on {self.path} for now: {exc}") from None
+        finally:
+            if paused:
+                with self._lock:
+                    self._probing = False
+        if paused:
+            self._back_on()
+        return session
+
+    def _refused(self, exc: KVStoreError) -> None:
+        """A refusal that passes: no new session until a pause has passed (a longer one
+        when this was the try after a pause). Logged at INFO when the path goes off, at
+        DEBUG when a try after a pause is refused again."""
+        with self._lock:
+            if self._pause.off():
+                return  # another caller's refusal started this pause
+            pause_s = self._pause.fail()
+            first = self._pause.failures == 1
+        if first:
+            logger.info("kvstore: local path off for now, hot verbs use gRPC when no session "
+                        "is idle: %s; trying again in %.1f s", exc, pause_s)
+        else:
+            logger.debug("kvstore: local path still off: %s; trying again in %.1f s",
+                         exc, pause_s)
+
+    def _back_on(self) -> None:
+        with self._lock:
+            off_s = self._pause.clear()
+        if off_s is not None:
+            logger.info("kvstore: local path back on after %.1f s", off_s)
+
+    def _open(self, ticket: str) -> _Session:
+        """A new session, opened with ticket: TryLater (TicketRefused for a bad ticket) when
+        the daemon refuses for now, NoSession when it never will."""
         reply, sock = self._handshake(hello(ticket))
         hot = reply.get("hot")
-        if sock is None or not isinstance(hot, dict) or not isinstance(
+        if sock is not None and isinstance(hot, dict) and isinstance(
                 hot.get("max_frame_bytes"), int):
-            if sock is not None:
-                sock.close()
-            why = reply.get("error")
-            raise NoSession(f"no local session on {self.path}: "
-                            f"{why or 'the daemon did not answer the handshake'}")
-        return _Session(sock, hot["max_frame_bytes"])
+            return _Session(sock, hot["max_frame_bytes"], self._timeout_s)
+        if sock is not None:
+            sock.close()
+        why = f"no local session on {self.path}: {reply.get('error') or reply}"
+        reason = reply.get("reason")
+        if reason == BAD_TICKET_REASON:
+            raise TicketRefused(why)
+        if refusal_passes(reason):
+            raise TryLater(why, ticket_unused=True)
+        raise NoSession(why)
 
     def _handshake(self, line: bytes) -> tuple[dict[str, Any], socket.socket | None]:
         """The daemon's JSON answer to line on a new connection, and the connection when
-        the answer opens a session (else it is closed); NoSession when it cannot be had."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        the answer opens a session (else it is closed). TryLater when no answer comes (the
+        socket not there, the connection closed or timed out first); NoSession when the
+        answer is not a JSON object."""
+        sock = connect(self.path, self._timeout_s, "no local session")
         try:
-            sock.settimeout(self._timeout_s)
-            sock.connect(self.path)
             sock.sendall(line)
             text = _read_line(sock)
-            reply = json.loads(text) if text else {}
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             sock.close()
-            raise NoSession(f"no local session on {self.path}: {exc}") from None
+            raise TryLater(f"no local session on {self.path}: {exc}",
+                           ticket_unused=True) from None
+        if not text:
+            sock.close()
+            raise TryLater(f"no local session on {self.path}: the daemon closed the "
+                           "connection without an answer (its handshakes may all be taken)",
+                           ticket_unused=True)
+        try:
+            reply = json.loads(text)
+        except ValueError:
+            reply = None
         if not isinstance(reply, dict):
-            reply = {}
+            sock.close()
+            raise NoSession(f"no local session on {self.path}: the daemon answered the "
+                            f"handshake with {text[:200]!r}")
         if isinstance(reply.get("hot"), dict):
             return reply, sock
         sock.close()
         return reply, None
 
     def probe(self) -> None:
-        """Open one session and keep it idle: NoSession now rather than on a data call."""
-        self._give_back(self._open())
+        """Open one session and keep it idle: NoSession (or NoSessionNow, the path then
+        paused) now rather than on a data call."""
+        self._give_back(self._new())
 
     def close(self) -> None:
         with self._lock:

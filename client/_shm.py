@@ -1,32 +1,35 @@
 """The same-host fast path: whether to use the daemon's shared memory, and which.
 
-`ShmState` owns the decision for both clients (made once, from one Stats call and on the
-arena path one Attach; undone for good by a fall-back), its one lock, what is attached, and
-the local path (`_localpath`: the hot verbs over the daemon's Unix socket) opened with it.
-Two ways in:
+`ShmState` owns the decision for both clients (made from one Stats call and on the arena path
+one exchange of an Attach ticket; turned off for now by a refusal that passes, or for good by
+one that does not), its one lock, what is attached, the tickets (`TicketKeeper`), and the
+local path (`_localpath`: the hot verbs over the daemon's Unix socket) opened with it. Two
+ways in:
 
     named segment   auth.mode off: Stats names /dev/shm/<shm_name>; same host id: attach it
     arenas          auth on: shm_name is empty and Stats names a Unix socket; same kernel
                     (the boot id: descriptors cross IPC namespaces, so pods need no hostIPC):
-                    Attach, trade its ticket on the socket for the tenant's arenas (_attach),
+                    trade an Attach ticket on the socket for the tenant's arenas (_attach),
                     and look each response's `arena` up by name (an unknown one: one
                     re-Attach, then DataLoss)
 
-The copies themselves are `_segment`'s.
+The copies themselves are `_segment`'s; what passes and how long a path stays off, `_pause`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from kvstore import shm
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
-from ._attach import Arena, receive_arenas
+from ._attach import Arena, FetchAttach, TicketKeeper, receive_arenas
 from ._buffers import ByteArray
-from ._localpath import LocalPath, NoSession
+from ._localpath import LocalPath, NoSession, NoSessionNow
+from ._pause import Pause, TryLater, passes
 from ._segment import SharedSegment, attach, only_header, read_shm_get, write_reserved
 from ._wire import Fetched, capacities, parse_get_header
 from .errors import DataLoss, DeadlineExceeded, FailedPrecondition, KVStoreError, Unavailable
@@ -42,8 +45,6 @@ __all__ = [
 
 logger = logging.getLogger("kvstore.client")
 
-FetchAttach = Callable[[], pb.AttachResponse]
-
 
 def same_kernel(theirs: str, mine: str) -> bool:
     """Whether two host ids (kvstore.shm.host_id) name one kernel boot, whatever their IPC
@@ -57,37 +58,57 @@ class ShmState:
 
     mode None: use it when co-located; False: never; True: required (FailedPrecondition when
     the daemon is on another host or its memory cannot be attached). unix_socket overrides
-    the socket path the daemon reports (its folder may be mounted elsewhere here).
+    the socket path the daemon reports (its folder may be mounted elsewhere here). clock is
+    time.monotonic unless a test passes its own.
 
     Every method blocks the thread it runs on (RPCs through the functions it is handed,
     socket exchanges, mapping memory): the blocking client calls them on the caller's thread,
     the asyncio client in a worker thread, handing it functions that run their RPCs on its
     event loop and wait for them.
 
-    The decision is made once, from one Stats call (and an Attach on the arena path), however
-    many threads or tasks make their first data call together: the first claims it, the
-    others wait for its outcome. A Stats or Attach that fails with UNAVAILABLE (or a required
-    path that cannot be had) leaves it undecided, and the next caller tries again; any other
-    failure of the way in means inline, logged at INFO. A data call that finds the path
-    broken falls back to inline for good (`fall_back`), unless the path is required.
+    The first decision is made once, from one Stats call (and an exchange on the arena path),
+    however many threads or tasks make their first data call together: the first claims it,
+    the others wait for its outcome. A Stats call that fails leaves it undecided (the call
+    fails as it would inline; the next caller tries again), and so does a required path that
+    cannot be had. Otherwise the outcome is one of three:
+
+    - on: the memory is attached (and the local path opened, or paused on its own);
+    - off for now: a refusal that passes (`_pause.passes`: the daemon's caps, a connection
+      closed or timed out before an answer, Attach out of tickets or unreachable, its socket
+      not there yet). Data moves inline without waiting until the `Pause` has passed; then
+      the next data call tries again, alone (callers meanwhile go on inline, never waiting
+      for its try), with a fresh Stats call and the ticket the last try did not redeem;
+    - off for good: the daemon on another host or kernel, no segment and no socket,
+      FEATURE_OFF, an answer that is not the protocol. Logged at INFO.
+
+    A data call that finds the path broken (`fall_back`) turns it off for now when the
+    failure passes, for good otherwise, or raises when the path is required. The lock guards
+    the decision's turn, what is attached, and the pause; it is never held across an RPC or
+    a socket exchange, so a caller waiting on it never waits for the daemon.
     """
 
     def __init__(self, mode: bool | None, unix_socket: str | None = None,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.mode = mode
         self.unix_socket = unix_socket
         self.timeout_s = timeout_s
+        self._clock = clock
         # The hot verbs over the daemon's Unix socket (opened with the shared memory when the
-        # daemon has a socket); None: they go over gRPC.
-        self.local: LocalPath | None = None
+        # daemon has a socket); None: they go over gRPC. See `local`.
+        self._local: LocalPath | None = None
         self.decided = mode is False
         self.segment: SharedSegment | None = None
         # The arena path: the tenant's arenas by name, and the socket they came through
         # (None on the named-segment path).
         self.arenas: dict[str, SharedSegment] = {}
         self._socket_path: str | None = None
-        # Guards the decision, re-attaching and closing; never held across an RPC, so a
-        # caller waiting on it never waits for the daemon.
+        # Attach tickets for the exchange and the local path's handshakes (arena path).
+        self._tickets = TicketKeeper(clock=clock)
+        # Off for now: until when, after how many refusals in a row.
+        self._pause = Pause(clock)
+        # Off for good (or closed): no pause may start again.
+        self._for_good = False
+        # Guards the decision, re-attaching, the pause and closing; never held across an RPC.
         self._lock = threading.Lock()
         # Set once the decision in flight is made (or has failed): what late callers wait on.
         self._deciding: threading.Event | None = None
@@ -105,8 +126,21 @@ class ShmState:
 
     @property
     def in_use(self) -> bool | None:
-        """True/False once decided, None before."""
+        """True/False once decided (False while off for now), None before."""
         return (self.active is not None) if self.decided else None
+
+    @property
+    def local(self) -> LocalPath | None:
+        """The local path when a hot verb may use it now (a session idle, or one may be
+        opened: see LocalPath.ready); None: the hot verbs go over gRPC. Never blocks."""
+        local = self._local
+        return local if local is not None and local.ready() else None
+
+    def needs_decision(self) -> bool:
+        """Whether the next data call decides: nothing decided yet, or the path is off for
+        now and its pause has passed. Never blocks (a look at two attributes and the clock),
+        so the asyncio client asks it on its loop."""
+        return not self.decided or self._pause.due()
 
     def segment_for(
         self,
@@ -114,28 +148,32 @@ class ShmState:
         fetch_attach: FetchAttach | None = None,
     ) -> SharedSegment | None:
         """The segment (or first arena) to use, or None for inline; decides first when
-        undecided (fetch_stats is the one Stats call, fetch_attach the Attach RPC)."""
-        while not self.decided:
+        needs_decision (fetch_stats is the one Stats call, fetch_attach the Attach RPC)."""
+        while self.needs_decision():
             turn = self._claim()
+            if turn is _GO_ON:
+                break
             if turn is not None:
                 turn.wait()
                 continue
             try:
-                self.decide(fetch_stats(), fetch_attach)
+                self._try(fetch_stats, fetch_attach)
             finally:
                 self._end_turn()
         return self.active
 
     def _claim(self) -> threading.Event | None:
-        """None when the caller is to decide now (the turn is its own until `_end_turn`); else
-        the turn to wait for, after which the caller looks at `decided` again."""
+        """None when the caller is to decide now (the turn is its own until `_end_turn`);
+        _GO_ON when there is nothing to decide (decided between the caller's look and now)
+        or another caller is trying again after a pause (this one goes on inline); else the
+        first decision's turn to wait for, after which the caller looks again."""
         with self._lock:
-            if self._deciding is not None:
-                return self._deciding
-            if self.decided:  # decided between the caller's look and now
-                return _DONE
-            self._deciding = threading.Event()
-            return None
+            if not self.needs_decision():
+                return _GO_ON
+            if self._deciding is None:
+                self._deciding = threading.Event()
+                return None
+            return self._deciding if not self.decided else _GO_ON
 
     def _end_turn(self) -> None:
         """The decision is made, or failed: wake the waiters either way."""
@@ -144,45 +182,74 @@ class ShmState:
         if turn is not None:
             turn.set()
 
+    def _try(self, fetch_stats: Callable[[], pb.StatsResponse],
+             fetch_attach: FetchAttach | None) -> None:
+        """Decide from a fresh Stats call. Its failure is raised on the first decision and,
+        on a try after a pause, starts the next pause."""
+        retrying = self.decided
+        try:
+            stats = fetch_stats()
+        except KVStoreError as exc:
+            if not retrying:
+                raise
+            self._off_for_now(f"Stats failed: {exc}")
+            return
+        self.decide(stats, fetch_attach)
+
     def decide(self, stats: pb.StatsResponse, fetch_attach: FetchAttach | None = None) -> None:
         """Decide from the daemon's Stats; attach when co-located, and open the local path
-        when the daemon has a Unix socket. On the arena path the local path keeps
-        fetch_attach, for a fresh ticket per session it opens, from whichever thread opens
-        one."""
+        when the daemon has a Unix socket. On the arena path the tickets come from
+        fetch_attach, from whichever thread needs one."""
         try:
             path = self._route(stats)
             if path is None:
-                self.segment = attach(stats.shm_name)
-                self._open_local(self.unix_socket or stats.unix_socket, lambda: "-")
+                segment = attach(stats.shm_name)
+                with self._lock:
+                    old, self.segment = self.segment, segment
+                if old is not None:
+                    old.close()
+                self._open_local(self.unix_socket or stats.unix_socket, TicketKeeper())
             else:
-                reply = self._attach_reply(fetch_attach)
-                path = self._path_for(reply, path)
-                self._take_arenas(path, receive_arenas(path, reply.ticket))
-                assert fetch_attach is not None  # _attach_reply raised otherwise
-                self._open_local(path, lambda: fetch_attach().ticket)
+                if fetch_attach is None:
+                    raise FailedPrecondition(
+                        "the daemon's memory is reached only through Attach")
+                self._tickets.bind(fetch_attach)
+                self._take_arenas(path, self._tickets.use(
+                    lambda ticket: receive_arenas(path, ticket)))
+                self._open_local(path, self._tickets)
         except KVStoreError as exc:
             self._refuse(exc)
             return
-        self.decided = True
+        self._on()
 
-    def _open_local(self, path: str, ticket: Callable[[], str]) -> None:
+    def _open_local(self, path: str, tickets: TicketKeeper) -> None:
         """Send the hot verbs over the daemon's Unix socket from now on, when it has one and
-        gives a session."""
+        gives a session; when it refuses one for now, the local path is kept paused (it
+        tries again on its own)."""
         if not path:
             return
-        local = LocalPath(path, ticket, self.timeout_s)
+        local = LocalPath(path, tickets, self.timeout_s, self._clock)
         try:
             local.probe()
+        except NoSessionNow:
+            pass  # paused, and logged, by the local path itself
         except NoSession as exc:
             local.close()
             logger.info("kvstore: local path off, hot verbs use gRPC: %s", exc)
             return
-        self.local = local
+        with self._lock:
+            old, self._local = self._local, local
+        if old is not None:
+            old.close()
 
     def local_off(self, exc: NoSession) -> None:
-        """A local session could not be had: the hot verbs use gRPC for good."""
+        """A local session could not be had: for this call only when that passes
+        (NoSessionNow: the local path paused itself), else the hot verbs use gRPC for
+        good."""
+        if isinstance(exc, NoSessionNow):
+            return
         with self._lock:
-            local, self.local = self.local, None
+            local, self._local = self._local, None
         if local is not None:
             logger.info("kvstore: local path off, hot verbs use gRPC: %s", exc)
             local.close()
@@ -207,17 +274,6 @@ class ShmState:
             raise elsewhere
         return path
 
-    @staticmethod
-    def _attach_reply(fetch_attach: FetchAttach | None) -> pb.AttachResponse:
-        """fetch_attach(); FailedPrecondition when there is none to call."""
-        if fetch_attach is None:
-            raise FailedPrecondition("the daemon's memory is reached only through Attach")
-        return fetch_attach()
-
-    def _path_for(self, reply: pb.AttachResponse, reported: str) -> str:
-        """The socket to trade the ticket on: ours, else the one Attach names."""
-        return self.unix_socket or reply.unix_socket or reported
-
     def _take_arenas(self, path: str, arenas: list[Arena]) -> None:
         fresh = {arena.name: SharedSegment(arena) for arena in arenas}
         with self._lock:
@@ -227,15 +283,44 @@ class ShmState:
             segment.close()
 
     def _refuse(self, exc: KVStoreError) -> None:
-        """The way in failed: try again later (UNAVAILABLE), raise (required), or go inline."""
-        if isinstance(exc, (Unavailable, DeadlineExceeded)):
-            raise exc
+        """The way in failed: raise (required, or an RPC failure of the first decision that
+        is not about the fast path), off for now (it passes), or off for good."""
         if self.required:
-            if isinstance(exc, FailedPrecondition):
+            if isinstance(exc, (Unavailable, DeadlineExceeded, FailedPrecondition)):
                 raise exc
             raise FailedPrecondition(f"shared memory is required but cannot be had: {exc}")
-        logger.info("kvstore: shared-memory path off: %s", exc)
-        self.decided = True
+        if passes(exc):
+            self._off_for_now(str(exc))
+            return
+        self.disable(str(exc))
+
+    def _on(self) -> None:
+        """The decision is made and the memory attached: on, and said so after a pause."""
+        with self._lock:
+            off_s = self._pause.clear()
+            self.decided = True
+            self._for_good = False
+        if off_s is not None:
+            logger.info("kvstore: shared-memory path back on after %.1f s", off_s)
+
+    def _off_for_now(self, why: str) -> None:
+        """Inline until a pause has passed, then the next data call tries again. Logged at
+        INFO when the path goes off, at DEBUG when a try after a pause fails again; nothing
+        when another call's failure already paused it or it is off for good."""
+        with self._lock:
+            if self._pause.off() or (self._for_good and self.decided):
+                return
+            held = self._release()
+            pause_s = self._pause.fail()
+            first = self._pause.failures == 1
+            self.decided = True
+        if first:
+            logger.info("kvstore: shared-memory path off for now, data moves inline: %s; "
+                        "trying again in %.1f s", why, pause_s)
+        else:
+            logger.debug("kvstore: shared-memory path still off: %s; trying again in %.1f s",
+                         why, pause_s)
+        _close(held)
 
     def needs_attach(self, name: str) -> bool:
         """Whether a response names an arena this client does not hold (arena path only)."""
@@ -246,19 +331,24 @@ class ShmState:
         daemon restarted, or added one); segment_named then finds it or raises DataLoss."""
         if not self.needs_attach(name):
             return
+        path = self._socket_path or ""
         try:
-            reply = fetch_attach()
-            path = self._path_for(reply, self._socket_path or "")
-            self._take_arenas(path, receive_arenas(path, reply.ticket))
+            self._tickets.bind(fetch_attach)
+            self._take_arenas(path, self._tickets.use(
+                lambda ticket: receive_arenas(path, ticket)))
         except KVStoreError as exc:
             raise _reattach_failed(name, exc) from None
 
     def fall_back(self, exc: FailedPrecondition) -> None:
         """A data call found the fast path unusable: re-raise exc when it is required, else
-        turn it off so this call and every later one go inline."""
+        turn it off (for now when the failure passes, else for good) so this call and the
+        later ones go inline."""
         if self.required:
             raise exc
-        self.disable(str(exc))
+        if passes(exc):
+            self._off_for_now(str(exc))
+        else:
+            self.disable(str(exc))
 
     def segment_named(self, name: str) -> SharedSegment:
         """The segment or arena a response names; re-attaches by name if the daemon moved to
@@ -266,7 +356,7 @@ class ShmState:
         if self._socket_path is not None:
             arenas = self.arenas
             if not arenas:  # closed, or turned off by another call meanwhile
-                raise FailedPrecondition("the shared-memory path was turned off")
+                raise TryLater("the shared-memory path was turned off meanwhile")
             arena = arenas.get(name)
             if arena is None:
                 raise DataLoss(f"the response names arena {name!r}, which the daemon did not "
@@ -314,28 +404,51 @@ class ShmState:
     def disable(self, reason: str) -> None:
         """Fall back to inline transfers for the rest of this client's life."""
         logger.info("kvstore: shared-memory path off: %s", reason)
-        self.decided = True
-        self.close()
+        with self._lock:
+            self.decided = True
+            held = self._end()
+        _close(held)
 
     def close(self) -> None:
+        """Let go of everything attached; nothing is tried again."""
         with self._lock:
-            segment, self.segment = self.segment, None
-            arenas, self.arenas = self.arenas, {}
-            local, self.local = self.local, None
-        if local is not None:
-            local.close()
-        for held in [segment, *arenas.values()]:
-            if held is not None:
-                held.close()
+            held = self._end()
+        _close(held)
+
+    def _end(self) -> list[SharedSegment | LocalPath]:
+        """Off for good: no pause, no kept ticket, what is attached taken out (returned, for
+        the caller to close outside the lock). Under the lock."""
+        self._for_good = True
+        self._pause.clear()
+        self._tickets.clear()
+        return self._release()
+
+    def _release(self) -> list[SharedSegment | LocalPath]:
+        """Take what is attached out of the state; the caller closes it, outside the lock.
+        Under the lock."""
+        held: list[SharedSegment | LocalPath] = [*self.arenas.values()]
+        if self.segment is not None:
+            held.append(self.segment)
+        if self._local is not None:
+            held.append(self._local)
+        self.segment, self.arenas, self._local = None, {}, None
+        return held
 
 
-_DONE = threading.Event()
-_DONE.set()  # the turn of a decision already made: nothing to wait for
+def _close(held: list[SharedSegment | LocalPath]) -> None:
+    for item in held:
+        item.close()
+
+
+_GO_ON = threading.Event()  # the turn of a caller who does not decide and does not wait
 
 
 def _reattach_failed(name: str, exc: KVStoreError) -> KVStoreError:
-    """A failed re-Attach: UNAVAILABLE as it is (the call is retried), else FailedPrecondition
-    (the call falls back to inline, or fails when shared memory is required)."""
+    """A failed re-Attach: UNAVAILABLE as it is (the call is retried), TryLater when it
+    passes (the call goes inline for now), else FailedPrecondition (the call goes inline
+    for good, or fails when shared memory is required)."""
     if isinstance(exc, (Unavailable, DeadlineExceeded)):
         return exc
+    if passes(exc):
+        return TryLater(f"re-Attach for arena {name!r} failed: {exc}")
     return FailedPrecondition(f"re-Attach for arena {name!r} failed: {exc}")

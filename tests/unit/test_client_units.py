@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import logging
 import os
 import random
+import threading
+import time
 from typing import Any
 
 import grpc
@@ -15,23 +19,30 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvstore import shm
 from kvstore.client import (
     AsyncKVStoreClient,
     DataLoss,
     ExponentialBackoff,
     FailedPrecondition,
+    FeatureOff,
     InvalidArgument,
     KVStoreClient,
     KVStoreError,
     NoBackoff,
     NotFound,
+    QuotaExceeded,
     Retry,
     Unavailable,
+    _attach,
     from_rpc_error,
 )
 from kvstore.client import _requests as rq
 from kvstore.client import results as res
+from kvstore.client._attach import TicketKeeper
 from kvstore.client._buffers import copy_bytes, readable_view, writable_array
+from kvstore.client._localpath import LocalPath, NoSessionNow
+from kvstore.client._pause import MAX_PAUSE_S, Pause, TicketRefused, TryLater, passes
 from kvstore.client._shm import SharedSegment, ShmState, read_shm_get, write_reserved
 from kvstore.client._target import with_default_port
 from kvstore.client._wire import (
@@ -46,6 +57,7 @@ from kvstore.client._wire import (
     tier_value,
 )
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.localframe import LOOKUP
 
 K = [bytes([i]) * 32 for i in range(8)]
 
@@ -376,6 +388,208 @@ def test_shm_is_off_when_the_daemon_is_elsewhere_and_an_error_when_required() ->
         ShmState(True).decide(stats)
     never = ShmState(False)
     assert never.decided and never.segment is None
+
+
+# --- trying again later: pauses, kept tickets, off for now ----------------------------------
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_pauses_double_from_a_quarter_second_up_to_three_with_equal_jitter() -> None:
+    clock = Clock()
+    pause = Pause(clock, random.Random(3))
+    assert not pause.off() and not pause.due() and pause.clear() is None
+    ceilings = [0.25, 0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+    for ceiling_s in ceilings:
+        pause_s = pause.fail()
+        assert ceiling_s / 2 <= pause_s <= ceiling_s  # never 0: no client comes back at once
+        assert pause.off() and not pause.due()
+        clock.now_s += pause_s
+        assert pause.due() and not pause.off()
+    assert pause.failures == len(ceilings)
+    off_s = pause.clear()
+    assert off_s is not None and 6.0 < off_s <= sum(ceilings)
+    assert (pause.failures, pause.until_s) == (0, None)
+
+
+def test_what_passes_is_a_cap_a_closed_connection_or_an_unknown_ticket() -> None:
+    path = "/run/kv.sock"
+    for data, unused in ((b"", True), (b'{"arenas": [', False)):
+        with pytest.raises(TryLater) as later:  # closed before, or inside, its answer
+            _attach._parse(path, data, 0)
+        assert later.value.ticket_unused is unused
+    refusals = {"TOO_MANY_SESSIONS": TryLater, "TOO_MANY_EXCHANGES": TryLater,
+                "DRAINING": TryLater, "UNAUTHENTICATED": TicketRefused,
+                "FEATURE_OFF": FailedPrecondition, "": FailedPrecondition}
+    for reason, expected in refusals.items():
+        line = json.dumps({"error": "no", "reason": reason}).encode() + b"\n"
+        with pytest.raises(FailedPrecondition) as refused:
+            _attach._parse(path, line, 0)
+        assert type(refused.value) is expected, reason
+    assert passes(Unavailable("x")) and passes(QuotaExceeded("64 tickets"))
+    assert not passes(FailedPrecondition("another host")) and not passes(DataLoss("x"))
+
+
+class Attaches:
+    """An Attach function handing out numbered tickets good for 30 s."""
+
+    def __init__(self) -> None:
+        self.issued = 0
+
+    def __call__(self) -> pb.AttachResponse:
+        self.issued += 1
+        return pb.AttachResponse(ticket=f"t{self.issued}", expires_in_ms=30_000)
+
+
+def test_a_ticket_not_redeemed_is_sent_again_while_young() -> None:
+    clock, fetch = Clock(), Attaches()
+    keeper = TicketKeeper(fetch, clock)
+    sent: list[str] = []
+
+    def refused_at_a_cap(ticket: str) -> None:
+        sent.append(ticket)
+        raise TryLater("at the cap", ticket_unused=True)
+
+    for _ in range(3):
+        with pytest.raises(TryLater):
+            keeper.use(refused_at_a_cap)
+        clock.now_s += 3.0
+    assert sent == ["t1"] * 3 and fetch.issued == 1  # one ticket for three tries
+    clock.now_s += 12.0  # 21 s old: too old to trust with 30 s of life
+    assert keeper.use(lambda ticket: ticket) == "t2"
+    assert keeper.use(lambda ticket: ticket) == "t3"  # redeemed ones are not kept
+
+
+def raising(exc: Exception) -> Any:
+    """An attempt that sends its ticket and meets exc."""
+    def attempt(ticket: str) -> None:
+        raise exc
+    return attempt
+
+
+def test_a_kept_ticket_used_up_after_all_is_replaced_at_once() -> None:
+    keeper = TicketKeeper(Attaches(), Clock())
+    with pytest.raises(TryLater):
+        keeper.use(raising(TryLater("closed before answering", ticket_unused=True)))
+    sent: list[str] = []
+
+    def only_fresh(ticket: str) -> str:
+        sent.append(ticket)
+        if ticket == "t1":
+            raise TicketRefused("unknown, used or expired ticket")
+        return ticket
+
+    assert keeper.use(only_fresh) == "t2" and sent == ["t1", "t2"]
+    with pytest.raises(TicketRefused):  # a fresh ticket refused: no second try now
+        keeper.use(raising(TicketRefused("unknown, used or expired ticket")))
+    assert TicketKeeper().use(lambda ticket: ticket) == "-"  # auth off: nothing to fetch
+
+
+def arena_stats(socket_path: str) -> pb.StatsResponse:
+    """What a daemon with auth on says: no segment, a Unix socket, this kernel."""
+    return pb.StatsResponse(host_id=shm.host_id(), unix_socket=socket_path)
+
+
+def test_a_refusal_that_passes_goes_inline_until_the_pause_then_tries_again(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    clock, fetch_attach, stats_calls = Clock(), Attaches(), []
+    state = ShmState(None, clock=clock)
+
+    def fetch_stats() -> pb.StatsResponse:  # the socket is not there yet (a restart)
+        stats_calls.append(1)
+        return arena_stats(str(tmp_path / "kv.sock"))
+
+    with caplog.at_level(logging.DEBUG, "kvstore.client"):
+        for _ in range(3):
+            assert state.segment_for(fetch_stats, fetch_attach) is None
+            assert state.in_use is False and not state.needs_decision()
+            assert len(stats_calls) == 1  # inline meanwhile, without asking again
+            clock.now_s += 0.04  # the first pause is 0.125 to 0.25 s
+        clock.now_s += 0.2
+        assert state.needs_decision()  # the pause has passed: the next data call tries
+        assert state.segment_for(fetch_stats, fetch_attach) is None
+        assert len(stats_calls) == 2 and fetch_attach.issued == 1  # the same ticket
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in logged] == [logging.INFO, logging.DEBUG]
+    assert "off for now" in logged[0][1] and "still off" in logged[1][1]
+    assert "kv.sock" in logged[0][1]
+
+
+def test_a_try_after_a_pause_never_holds_up_other_callers(tmp_path: Any) -> None:
+    clock = Clock()
+    state = ShmState(None, clock=clock)
+    stats = arena_stats(str(tmp_path / "kv.sock"))
+    state.segment_for(lambda: stats, Attaches())
+    clock.now_s += 5.0
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_stats() -> pb.StatsResponse:
+        entered.set()
+        release.wait(5.0)
+        return stats
+
+    trying = threading.Thread(target=state.segment_for, args=(slow_stats, Attaches()))
+    trying.start()
+    assert entered.wait(5.0)
+    started = time.monotonic()
+    assert state.segment_for(lambda: pytest.fail("a second try"), Attaches()) is None
+    assert time.monotonic() - started < 1.0  # inline at once, not after the other's try
+    release.set()
+    trying.join(5.0)
+
+
+def test_a_data_call_finding_the_path_broken_pauses_or_ends_it() -> None:
+    clock = Clock()
+    for_now = ShmState(None, clock=clock)
+    for_now.fall_back(TryLater("re-Attach refused at a cap"))
+    assert for_now.in_use is False and not for_now.needs_decision()
+    clock.now_s += MAX_PAUSE_S
+    assert for_now.needs_decision()
+    for_good = ShmState(None, clock=clock)
+    for_good.fall_back(FeatureOff("mode SHARED_MEMORY needs the dram tier"))
+    clock.now_s += 3600.0
+    assert for_good.in_use is False and not for_good.needs_decision()
+    required = ShmState(True, clock=clock)
+    with pytest.raises(TryLater):
+        required.fall_back(TryLater("x"))
+
+
+def test_a_required_path_raises_a_refusal_that_passes_and_stays_undecided(
+        tmp_path: Any) -> None:
+    state = ShmState(True, clock=Clock())
+    stats = arena_stats(str(tmp_path / "kv.sock"))
+    for _ in range(2):
+        with pytest.raises(FailedPrecondition, match="nothing serves"):
+            state.segment_for(lambda: stats, Attaches())
+    assert state.in_use is None
+
+
+def test_a_local_path_refused_for_now_opens_no_session_until_its_pause_passes(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    local = LocalPath(str(tmp_path / "kv.sock"), TicketKeeper(), 1.0, clock)
+    with caplog.at_level(logging.DEBUG, "kvstore.client"):
+        with pytest.raises(NoSessionNow, match="nothing serves"):
+            local.probe()
+        assert not local.ready()
+        with pytest.raises(NoSessionNow, match="until the pause"):
+            local.call(LOOKUP, pb.LookupRequest(), pb.LookupResponse)
+        clock.now_s += MAX_PAUSE_S
+        assert local.ready()
+        with pytest.raises(NoSessionNow, match="nothing serves"):  # tried, refused again
+            local.probe()
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in logged] == [logging.INFO, logging.DEBUG]
+    assert "local path off for now" in logged[0][1]
+    local.close()
 
 
 # --- argument validation --------------------------------------------------------------------
