@@ -11,13 +11,26 @@ too. A session is closed after the reply that passes SESSION_MAX_S (flags bit 0:
 opens a new one, with a fresh ticket, so a revoked tenant does not keep a session). A frame
 over max_frame_bytes or an unknown verb is answered with an error; a broken frame closes
 the session.
+
+What a session may hold, so that no client can hold the path at others' expense:
+
+- time: a frame begun (its first header byte) must arrive whole within FRAME_TIMEOUT_S, and
+  a session idle between frames for IDLE_LIMIT_S is closed;
+- slots: at most MAX_SESSIONS sessions, MAX_SESSIONS_PER_CLIENT per client (the tenant with
+  auth on; with auth off every local process together);
+- memory: a frame's bytes go into a standing buffer of STANDING_BYTES, or, larger, into an
+  anonymous mapping made when its first body byte arrives, faulted in as bytes arrive and
+  returned to the OS when the frame is read; nothing is allocated for a header alone.
+
+Every session thread ends on any error with one log line (the traceback at DEBUG), closing
+that session only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import mmap
 import socket
 import threading
 import time
@@ -57,7 +70,22 @@ log = logging.getLogger(__name__)
 MAX_SESSIONS = 256  #: local sessions open at once, all clients together
 MAX_SESSIONS_PER_CLIENT = 32  #: per tenant (auth on) or per host (auth off)
 SESSION_MAX_S = 300.0  #: a session is closed after the reply that passes this age
-FRAME_TIMEOUT_S = 10.0  #: a frame begun must arrive whole within this
+#: A frame begun (its first header byte) must arrive whole within this. A client writes a
+#: frame with one sendall, at most max_frame_bytes (8 MiB by default), which crosses a Unix
+#: socket in milliseconds: 10 s covers a writer descheduled on a loaded host many times
+#: over, and is what a slow sender can hold a session's thread for per frame.
+FRAME_TIMEOUT_S = 10.0
+#: A session that sends nothing between frames for this long is closed. Engines call many
+#: times a second while they serve, so only a pool larger than the client's concurrency, or
+#: a client that stopped serving, reaches it; closing then costs the client one handshake
+#: (plus, with auth on, one Attach call: about a millisecond) on its next call, once a
+#: minute at most per session, while a forgotten session no longer keeps a thread, a
+#: descriptor and a buffer for SESSION_MAX_S.
+IDLE_LIMIT_S = 60.0
+#: Each session's standing buffer: frames up to this size are read into it, larger ones into
+#: a mapping of their own, released when they are read. A Lookup or Get of ~1,900 keys fits
+#: (34 bytes a key); engines batch tens to hundreds. 256 sessions hold at most 16 MiB of them.
+STANDING_BYTES = 64 * 1024
 LOCAL_CLIENT = "unix:local"  #: whom auth-off sessions' holdings are charged to
 
 Handler = Callable[[Caller, Any], Any]
@@ -74,12 +102,29 @@ def _verbs(v: Verbs) -> dict[int, tuple[str, Callable[[bytes], Any], Handler]]:
     return {verb: (VERB_NAMES[verb], *handler) for verb, handler in handlers.items()}
 
 
+class _Session:
+    """One open session as the sessions' table sees it: whose it is and since when it has
+    waited between frames (None while it reads or answers one)."""
+
+    __slots__ = ("client", "conn", "idle_since")
+
+    def __init__(self, conn: socket.socket, client: str, now: float) -> None:
+        self.conn = conn
+        self.client = client
+        self.idle_since: float | None = now
+
+
 class LocalSessions:
-    """The sessions a daemon serves on its Unix socket; one thread each. Thread-safe."""
+    """The sessions a daemon serves on its Unix socket; one thread each. Thread-safe.
+
+    frame_timeout_s and idle_limit_s are FRAME_TIMEOUT_S and IDLE_LIMIT_S unless a test
+    needs them shorter."""
 
     def __init__(self, verbs: Verbs, auth: Auth, tickets: Tickets, metrics: Metrics,
                  faults: FaultLog, draining: threading.Event, max_frame_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 frame_timeout_s: float = FRAME_TIMEOUT_S,
+                 idle_limit_s: float = IDLE_LIMIT_S) -> None:
         self._verbs = _verbs(verbs)
         self._auth = auth
         self._tickets = tickets
@@ -88,8 +133,10 @@ class LocalSessions:
         self._draining = draining
         self.max_frame_bytes = max_frame_bytes
         self._clock = clock
+        self._frame_timeout_s = frame_timeout_s
+        self._idle_limit_s = idle_limit_s
         self._lock = threading.Lock()
-        self._open: dict[socket.socket, str] = {}  # session -> client
+        self._open: dict[socket.socket, _Session] = {}
 
     def open(self, conn: socket.socket, ticket: str) -> bool:
         """Answer a `HOT <ticket>` handshake; on success the session runs on its own thread
@@ -97,48 +144,47 @@ class LocalSessions:
         ticket = (ticket.split() or ["-"])[0]
         try:
             caller = self._caller(ticket)
-        except Unauthenticated as exc:
+            session = self._admit(conn, caller.client)
+        except (Unauthenticated, ResourceExhausted) as exc:
             _send_line(conn, {"error": str(exc), "reason": exc.reason})
-            return False
-        with self._lock:
-            mine = sum(1 for c in self._open.values() if c == caller.client)
-            if len(self._open) >= MAX_SESSIONS or mine >= MAX_SESSIONS_PER_CLIENT:
-                refusal = (f"{len(self._open)} local sessions are open ({mine} of this "
-                           f"client's); at most {MAX_SESSIONS} ({MAX_SESSIONS_PER_CLIENT} per "
-                           "client): use gRPC, or close idle clients")
-            else:
-                refusal = ""
-                self._open[conn] = caller.client
-                self._metrics.local_sessions.set(len(self._open))
-        if refusal:
-            _send_line(conn, {"error": refusal, "reason": Reason.TOO_MANY_SESSIONS})
             return False
         try:
             _send_line(conn, {"hot": {"version": VERSION,
                                       "max_frame_bytes": self.max_frame_bytes}})
-        except OSError:
-            self._forget(conn)
+            threading.Thread(target=self._serve, args=(session, caller),
+                             name="local-session", daemon=True).start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+            log.info("local session of %s not started: %s", caller.client, exc)
+            self._forget(session)
             return False
-        threading.Thread(target=self._serve, args=(conn, caller), name="local-session",
-                         daemon=True).start()
         return True
 
     def close(self) -> None:
         """End every session (the daemon stops): their clients see the socket close."""
         with self._lock:
-            sessions = list(self._open)
-        for conn in sessions:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+            for conn in self._open:
+                _hang_up(conn)
 
     def _caller(self, ticket: str) -> Caller:
         if not self._auth.on:
             return Caller(OPEN, LOCAL_CLIENT)
         tenant = self._tickets.redeem(ticket) if ticket and ticket != "-" else None
         if tenant is None:
-            raise Unauthenticated("unknown, used or expired ticket (call Attach again, and "
-                                  "redeem it within 30 s)")
+            raise Unauthenticated(_BAD_TICKET)
         return self._current(tenant)
+
+    def _admit(self, conn: socket.socket, client: str) -> _Session:
+        """The session of conn, entered in the table; ResourceExhausted past a cap."""
+        with self._lock:
+            mine = sum(1 for s in self._open.values() if s.client == client)
+            if len(self._open) >= MAX_SESSIONS or mine >= MAX_SESSIONS_PER_CLIENT:
+                raise ResourceExhausted(
+                    f"{len(self._open)} local sessions are open ({mine} of this client's); at "
+                    f"most {MAX_SESSIONS} ({MAX_SESSIONS_PER_CLIENT} per client): use gRPC, "
+                    "or close idle clients", Reason.TOO_MANY_SESSIONS)
+            session = self._open[conn] = _Session(conn, client, self._clock())
+            self._metrics.local_sessions.set(len(self._open))
+        return session
 
     def _current(self, name: str) -> Caller:
         """The tenant as the tenants file says now (re-read on SIGHUP): removed, it is
@@ -148,33 +194,47 @@ class LocalSessions:
             raise Unauthenticated(f"tenant {name!r} is no longer in auth.tenants_file")
         return Caller(tenant, tenant.name)
 
-    def _forget(self, conn: socket.socket) -> None:
+    def _forget(self, session: _Session) -> None:
         with self._lock:
-            self._open.pop(conn, None)
+            if self._open.get(session.conn) is session:
+                del self._open[session.conn]
             self._metrics.local_sessions.set(len(self._open))
 
-    def _serve(self, conn: socket.socket, caller: Caller) -> None:
-        born = self._clock()
-        buffer = bytearray(64 * 1024)
+    def _serve(self, session: _Session, caller: Caller) -> None:
+        """The session's thread: frames read and answered one at a time until the client
+        leaves, a limit closes the session, or anything at all goes wrong."""
+        conn = session.conn
         try:
-            with conn:
-                while True:
-                    frame = _receive(conn, buffer, self.max_frame_bytes)
-                    if frame is None:
-                        return
-                    verb, body = frame
-                    closing = self._clock() - born >= SESSION_MAX_S
-                    status, reply = self._answer(caller, verb, body)
-                    flags = (CLOSING if closing else 0) | (STATUS_BODY if status else 0)
-                    conn.sendall(REPLY.pack(len(reply), status, flags) + reply)
-                    if closing:
-                        return
+            self._run(session, caller)
         except (OSError, _Broken) as exc:
-            log.debug("local session ended: %s", exc)
+            log.debug("local session of %s ended: %s", caller.client, exc)
+        except Exception as exc:  # a bug: this session ends, the daemon and others go on
+            log.error("local session of %s ended by an unexpected error: %s: %s",
+                      caller.client, type(exc).__name__, str(exc).replace("\n", " "))
+            log.debug("the local session's unexpected error", exc_info=True)
         finally:
-            self._forget(conn)
+            self._forget(session)  # before the close: a handshake never hangs up a reused fd
+            conn.close()
 
-    def _answer(self, caller: Caller, verb: int, body: memoryview | None) -> tuple[int, bytes]:
+    def _run(self, session: _Session, caller: Caller) -> None:
+        born = self._clock()
+        frames = _Frames(session.conn, self.max_frame_bytes, self._frame_timeout_s,
+                         self._clock)
+        while True:
+            session.idle_since = self._clock()
+            begun = frames.wait(self._idle_limit_s)
+            session.idle_since = None
+            if not begun:
+                return
+            verb, body = frames.read()
+            closing = self._clock() - born >= SESSION_MAX_S
+            status, reply = self._answer(caller, verb, body)
+            flags = (CLOSING if closing else 0) | (STATUS_BODY if status else 0)
+            session.conn.sendall(REPLY.pack(len(reply), status, flags) + reply)
+            if closing:
+                return
+
+    def _answer(self, caller: Caller, verb: int, body: bytes | None) -> tuple[int, bytes]:
         """(status, reply bytes) of one request; an error's bytes are a serialized
         google.rpc.Status with its ErrorInfo."""
         started = time.perf_counter()
@@ -193,66 +253,133 @@ class LocalSessions:
                                   "replica or after its restart", Reason.DRAINING)
             if self._auth.on:
                 caller = self._current(caller.tenant.name)
-            request = parsed(entry[1](bytes(body)))
+            request = parsed(entry[1](body))
             response = entry[2](caller, request)
         except Exception as exc:
             status = described(exc)
             code = code_of(status)
             self._metrics.observe_local(method, code.name, time.perf_counter() - started)
-            self._faults.fault(method, LOCAL_CLIENT, code, status.message)
+            self._faults.fault(method, caller.client, code, status.message)
             return status.code, status.SerializeToString()
         self._metrics.observe_local(method, "OK", time.perf_counter() - started)
         return 0, response.SerializeToString()
 
 
+_BAD_TICKET = "unknown, used or expired ticket (call Attach again, and redeem it within 30 s)"
+
+
 class _Broken(Exception):
-    """A frame that cannot be read whole: the session ends."""
+    """A frame that cannot be read whole, or a session idle past its limit: it ends."""
 
 
-def _receive(conn: socket.socket, buffer: bytearray,
-             limit: int) -> tuple[int, memoryview | None] | None:
-    """The next (verb, body) — body None when over limit (its bytes skipped) — or None when
-    the client closed the session between frames."""
-    conn.settimeout(None)  # idle between frames costs this thread only
-    head = _read(conn, REQUEST.size, bytearray(REQUEST.size), first=True)
-    if head is None:
-        return None
-    length, verb = REQUEST.unpack(head)
-    conn.settimeout(FRAME_TIMEOUT_S)
-    if length > limit:
-        _skip(conn, length)
-        return verb, None
-    if len(buffer) < length:
-        buffer.extend(bytes(length - len(buffer)))
-    body = _read(conn, length, buffer)
-    assert body is not None
-    return verb, body
+class _Frames:
+    """One session's requests, read off its socket.
 
+    Between frames the session waits up to an idle limit for a header's first byte; from
+    that byte on, the whole frame (header and body) must arrive by one deadline, however
+    the bytes trickle in. A body is read into the standing buffer (STANDING_BYTES, made when
+    the session's first body byte arrives) or, larger, into an anonymous mapping made when
+    its first byte arrives: the kernel gives it pages as bytes land and takes them back when
+    it is closed, so a session holds about what it has received, and the daemon's heap,
+    which keeps what it frees (kvstore/memory.py), never grows for a frame in flight. Each
+    body is handed on as bytes of its own, so no frame aliases a buffer the next one reuses.
+    """
 
-def _read(conn: socket.socket, n: int, buffer: bytearray,
-          first: bool = False) -> memoryview | None:
-    view = memoryview(buffer)[:n]
-    got = 0
-    while got < n:
+    def __init__(self, conn: socket.socket, limit: int, frame_timeout_s: float,
+                 clock: Callable[[], float]) -> None:
+        self._conn = conn
+        self._limit = limit
+        self._frame_timeout_s = frame_timeout_s
+        self._clock = clock
+        self._head = bytearray(REQUEST.size)
+        self._got = 0  # header bytes of the next frame already read
+        self._deadline = 0.0
+        self._standing: bytearray | None = None
+
+    def wait(self, idle_limit_s: float) -> bool:
+        """Wait for the next frame's first byte: False when the client closed the session
+        instead, _Broken past idle_limit_s. The frame's deadline starts at that byte."""
+        self._conn.settimeout(idle_limit_s)
         try:
-            k = conn.recv_into(view[got:])
+            got = self._conn.recv_into(self._head)
         except TimeoutError:
-            raise _Broken(f"a frame stalled for {FRAME_TIMEOUT_S} s") from None
+            raise _Broken(f"idle between frames for {idle_limit_s:g} s") from None
+        self._got = got
+        self._deadline = self._clock() + self._frame_timeout_s
+        return got > 0
+
+    def read(self) -> tuple[int, bytes | None]:
+        """The frame begun by `wait`: (verb, body), body None when it is over the limit (its
+        bytes read and dropped)."""
+        with memoryview(self._head) as head:
+            self._fill(head, self._got)
+        length, verb = REQUEST.unpack(self._head)
+        if length > self._limit:
+            self._skip(length)
+            return verb, None
+        if length == 0:
+            return verb, b""
+        if length > STANDING_BYTES:
+            return verb, self._large(length)
+        with memoryview(self._standing_buffer()) as standing, standing[:length] as body:
+            self._fill(body)
+            return verb, bytes(body)
+
+    def _standing_buffer(self) -> bytearray:
+        """The standing buffer, made once a body byte has arrived. It is never resized, so
+        no view of it can stand in the way."""
+        if self._standing is None:
+            self._arrival()
+            self._standing = bytearray(STANDING_BYTES)
+        return self._standing
+
+    def _large(self, length: int) -> bytes:
+        self._arrival()
+        with mmap.mmap(-1, length) as mapped, memoryview(mapped) as body:
+            self._fill(body)
+            return bytes(body)
+
+    def _skip(self, length: int) -> None:
+        """Read and drop an over-limit frame's body, by the same deadline."""
+        with memoryview(self._standing_buffer()) as scratch:
+            while length:
+                with scratch[:min(length, STANDING_BYTES)] as part:
+                    length -= self._recv(part)
+
+    def _arrival(self) -> None:
+        """Return once a body byte has arrived (left unread), so nothing is allocated for a
+        header alone."""
+        with memoryview(bytearray(1)) as probe:
+            self._recv(probe, socket.MSG_PEEK)
+
+    def _fill(self, view: memoryview, got: int = 0) -> None:
+        """view filled from byte `got` on. Each part's view is released at once, even on
+        an error, so a mapping can always be closed."""
+        while got < len(view):
+            with view[got:] as part:
+                got += self._recv(part)
+
+    def _recv(self, view: memoryview, flags: int = 0) -> int:
+        """Some bytes into view (at least one), by the frame's deadline."""
+        left_s = self._deadline - self._clock()
+        if left_s <= 0:
+            raise _Broken(f"a frame was not whole within {self._frame_timeout_s:g} s")
+        self._conn.settimeout(left_s)
+        try:
+            k = self._conn.recv_into(view, len(view), flags)
+        except TimeoutError:
+            raise _Broken(f"a frame was not whole within {self._frame_timeout_s:g} s") \
+                from None
         if k == 0:
-            if first and got == 0:
-                return None
             raise _Broken("the client closed the session inside a frame")
-        got += k
-    return view
+        return k
 
 
-def _skip(conn: socket.socket, n: int) -> None:
-    scratch = bytearray(min(n, 1 << 20))
-    while n:
-        k = conn.recv_into(scratch, min(n, len(scratch)))
-        if k == 0:
-            raise _Broken("the client closed the session inside a frame")
-        n -= k
+def _hang_up(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed or reset already: it is ending anyway
+        pass
 
 
 def _send_line(conn: socket.socket, message: dict[str, object]) -> None:

@@ -30,12 +30,17 @@ def local_requests(daemon: Daemon, method: str) -> float:
     return metric(daemon, "kvstore_local_requests_total", method=method)
 
 
+#: The local-path daemon's settings (test_local_sessions_hold.py shares it): it checks every
+#: writer's checksums, and its 4 KiB pages hold thousands of small blocks.
+LOCAL_SETTINGS = ("dram.capacity_bytes=64MiB", "dram.page_size_bytes=4KiB",
+                  "nvme.enabled=false", "dram.verify_commits=all")
+
+
 @pytest.fixture
 def daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
-    """The session's local-path daemon that checks every writer's checksums: its counts of
-    calls are read as deltas, and each test releases what it leased."""
-    return shared_daemon("dram.capacity_bytes=64MiB", "nvme.enabled=false",
-                         "dram.verify_commits=all", unix_socket=True)
+    """The session's local-path daemon (LOCAL_SETTINGS): its counts of calls are read as
+    deltas, and each test releases what it leased."""
+    return shared_daemon(*LOCAL_SETTINGS, unix_socket=True)
 
 
 def sock_of(daemon: Daemon) -> str:
@@ -167,14 +172,17 @@ def test_hostile_frames_get_errors_and_the_daemon_serves_on(daemon: Daemon, ns: 
 def test_sessions_per_client_are_capped(daemon: Daemon) -> None:
     from kvstore.daemon.localpath import MAX_SESSIONS_PER_CLIENT
 
-    # The cap counts every session of this host: earlier tests' must be gone first.
+    # The cap counts every session of this process: earlier tests' must be gone first.
     wait_until(lambda: metric(daemon, "kvstore_local_sessions") == 0,
                "the sessions of earlier tests to close")
     sessions = [RawSession(sock_of(daemon)) for _ in range(MAX_SESSIONS_PER_CLIENT)]
     try:
         assert all("hot" in s.hello for s in sessions)
+        for s in sessions:  # each inside a frame (a header's first byte), so none is idle
+            s.s.sendall(b"\x00")
         refused = RawSession(sock_of(daemon))
         assert "at most" in refused.hello["error"]
+        assert refused.hello["reason"] == "TOO_MANY_SESSIONS"
         refused.close()
     finally:
         for s in sessions:
