@@ -17,7 +17,10 @@ What a session may hold, so that no client can hold the path at others' expense:
 - time: a frame begun (its first header byte) must arrive whole within FRAME_TIMEOUT_S, and
   a session idle between frames for IDLE_LIMIT_S is closed;
 - slots: at most MAX_SESSIONS sessions, MAX_SESSIONS_PER_CLIENT per client (the tenant with
-  auth on; with auth off every local process together);
+  auth on; with auth off the peer process, read from the socket's SO_PEERCRED). A handshake
+  past a cap closes the least recently active session idle for REAP_IDLE_S or longer (of that
+  client for its own cap, of anyone for the total) and is admitted; it is refused only when
+  no session is idle, and then its ticket stays good for the client's next try;
 - memory: a frame's bytes go into a standing buffer of STANDING_BYTES, or, larger, into an
   anonymous mapping made when its first body byte arrives, faulted in as bytes arrive and
   returned to the OS when the frame is read; nothing is allocated for a header alone.
@@ -32,6 +35,7 @@ import json
 import logging
 import mmap
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -68,7 +72,10 @@ from kvstore.proto.localframe import (
 log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 256  #: local sessions open at once, all clients together
-MAX_SESSIONS_PER_CLIENT = 32  #: per tenant (auth on) or per host (auth off)
+#: Per client: the tenant (auth on) or the peer process (auth off). A client keeps up to 16
+#: sessions idle between calls (client/_localpath.py), so this leaves it room for bursts of
+#: twice that many threads at once.
+MAX_SESSIONS_PER_CLIENT = 32
 SESSION_MAX_S = 300.0  #: a session is closed after the reply that passes this age
 #: A frame begun (its first header byte) must arrive whole within this. A client writes a
 #: frame with one sendall, at most max_frame_bytes (8 MiB by default), which crosses a Unix
@@ -80,13 +87,21 @@ FRAME_TIMEOUT_S = 10.0
 #: a client that stopped serving, reaches it; closing then costs the client one handshake
 #: (plus, with auth on, one Attach call: about a millisecond) on its next call, once a
 #: minute at most per session, while a forgotten session no longer keeps a thread, a
-#: descriptor and a buffer for SESSION_MAX_S.
+#: descriptor and a buffer for SESSION_MAX_S. The caps' reaping (REAP_IDLE_S) frees slots
+#: much sooner when they are wanted; this bounds what is held when they are not.
 IDLE_LIMIT_S = 60.0
+#: A session idle between frames at least this long may be closed to admit a new one at a
+#: cap. A client in use sends on its sessions every few milliseconds; one idle for a second
+#: belongs to a pool larger than its load, so closing it rarely cuts a request about to be
+#: sent (and a cut one is retried by the client on a new session).
+REAP_IDLE_S = 1.0
 #: Each session's standing buffer: frames up to this size are read into it, larger ones into
 #: a mapping of their own, released when they are read. A Lookup or Get of ~1,900 keys fits
 #: (34 bytes a key); engines batch tens to hundreds. 256 sessions hold at most 16 MiB of them.
 STANDING_BYTES = 64 * 1024
-LOCAL_CLIENT = "unix:local"  #: whom auth-off sessions' holdings are charged to
+LOCAL_CLIENT = "unix:local"  #: whom a peer the socket cannot name is charged to (auth off)
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (SO_PEERCRED)
 
 Handler = Callable[[Caller, Any], Any]
 
@@ -102,9 +117,24 @@ def _verbs(v: Verbs) -> dict[int, tuple[str, Callable[[bytes], Any], Handler]]:
     return {verb: (VERB_NAMES[verb], *handler) for verb, handler in handlers.items()}
 
 
+def peer_client(conn: socket.socket) -> str:
+    """The client an auth-off session is charged to: its peer process, `unix:pid:<pid>`, as
+    the kernel names it (SO_PEERCRED). A peer in another pid namespace (another container)
+    shows pid 0: it is named by its user, `unix:uid:<uid>`, so the processes of one user
+    there share one cap. Where the socket gives no credentials, LOCAL_CLIENT."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except (OSError, AttributeError):  # not Linux, or not a Unix socket
+        return LOCAL_CLIENT
+    pid, uid, _ = _UCRED.unpack(raw)
+    return f"unix:pid:{pid}" if pid > 0 else f"unix:uid:{uid}"
+
+
 class _Session:
     """One open session as the sessions' table sees it: whose it is and since when it has
-    waited between frames (None while it reads or answers one)."""
+    waited between frames (None while it reads or answers one). Its thread writes
+    idle_since without the lock; a handshake reads it under the lock, and a value a moment
+    stale costs at most one request the client retries."""
 
     __slots__ = ("client", "conn", "idle_since")
 
@@ -117,14 +147,15 @@ class _Session:
 class LocalSessions:
     """The sessions a daemon serves on its Unix socket; one thread each. Thread-safe.
 
-    frame_timeout_s and idle_limit_s are FRAME_TIMEOUT_S and IDLE_LIMIT_S unless a test
-    needs them shorter."""
+    frame_timeout_s, idle_limit_s and reap_idle_s are FRAME_TIMEOUT_S, IDLE_LIMIT_S and
+    REAP_IDLE_S unless a test needs them shorter."""
 
     def __init__(self, verbs: Verbs, auth: Auth, tickets: Tickets, metrics: Metrics,
                  faults: FaultLog, draining: threading.Event, max_frame_bytes: int,
                  clock: Callable[[], float] = time.monotonic, *,
                  frame_timeout_s: float = FRAME_TIMEOUT_S,
-                 idle_limit_s: float = IDLE_LIMIT_S) -> None:
+                 idle_limit_s: float = IDLE_LIMIT_S,
+                 reap_idle_s: float = REAP_IDLE_S) -> None:
         self._verbs = _verbs(verbs)
         self._auth = auth
         self._tickets = tickets
@@ -135,6 +166,7 @@ class LocalSessions:
         self._clock = clock
         self._frame_timeout_s = frame_timeout_s
         self._idle_limit_s = idle_limit_s
+        self._reap_idle_s = reap_idle_s
         self._lock = threading.Lock()
         self._open: dict[socket.socket, _Session] = {}
 
@@ -143,8 +175,8 @@ class LocalSessions:
         and owns conn (True). Else the refusal is sent and the caller closes conn."""
         ticket = (ticket.split() or ["-"])[0]
         try:
-            caller = self._caller(ticket)
-            session = self._admit(conn, caller.client)
+            caller = self._caller(conn, ticket)
+            session = self._admit(conn, caller.client, ticket)
         except (Unauthenticated, ResourceExhausted) as exc:
             _send_line(conn, {"error": str(exc), "reason": exc.reason})
             return False
@@ -165,26 +197,60 @@ class LocalSessions:
             for conn in self._open:
                 _hang_up(conn)
 
-    def _caller(self, ticket: str) -> Caller:
+    def _caller(self, conn: socket.socket, ticket: str) -> Caller:
+        """Who the handshake's session would serve. The ticket is only looked at: it is
+        used up when the session is admitted (`_admit`), so a refusal leaves it good."""
         if not self._auth.on:
-            return Caller(OPEN, LOCAL_CLIENT)
-        tenant = self._tickets.redeem(ticket) if ticket and ticket != "-" else None
+            return Caller(OPEN, peer_client(conn))
+        tenant = self._tickets.peek(ticket) if ticket and ticket != "-" else None
         if tenant is None:
             raise Unauthenticated(_BAD_TICKET)
         return self._current(tenant)
 
-    def _admit(self, conn: socket.socket, client: str) -> _Session:
-        """The session of conn, entered in the table; ResourceExhausted past a cap."""
+    def _admit(self, conn: socket.socket, client: str, ticket: str) -> _Session:
+        """The session of conn, entered in the table: room made at a cap by closing an idle
+        session, the ticket (auth on) used up. ResourceExhausted when there is no room."""
+        now = self._clock()
         with self._lock:
-            mine = sum(1 for s in self._open.values() if s.client == client)
-            if len(self._open) >= MAX_SESSIONS or mine >= MAX_SESSIONS_PER_CLIENT:
-                raise ResourceExhausted(
-                    f"{len(self._open)} local sessions are open ({mine} of this client's); at "
-                    f"most {MAX_SESSIONS} ({MAX_SESSIONS_PER_CLIENT} per client): use gRPC, "
-                    "or close idle clients", Reason.TOO_MANY_SESSIONS)
-            session = self._open[conn] = _Session(conn, client, self._clock())
+            victim = self._room_for(client, now)
+            if self._auth.on and self._tickets.redeem(ticket) is None:
+                raise Unauthenticated(_BAD_TICKET)  # used by another handshake meanwhile
+            if victim is not None:
+                log.debug("local path: closed an idle session of %s (idle %.1f s) to admit "
+                          "one of %s", victim.client, now - (victim.idle_since or now), client)
+                self._drop(victim)
+            session = self._open[conn] = _Session(conn, client, now)
             self._metrics.local_sessions.set(len(self._open))
         return session
+
+    def _room_for(self, client: str, now: float) -> _Session | None:
+        """None when a session of client fits under both caps; else the session to close to
+        make room (the least recently active of those idle for reap_idle_s: client's own at
+        its cap, anyone's at the total). Called under the lock."""
+        mine = [s for s in self._open.values() if s.client == client]
+        if len(mine) >= MAX_SESSIONS_PER_CLIENT:
+            pool = mine
+        elif len(self._open) >= MAX_SESSIONS:
+            pool = list(self._open.values())
+        else:
+            return None
+        idle = [s for s in pool
+                if s.idle_since is not None and now - s.idle_since >= self._reap_idle_s]
+        if idle:
+            return min(idle, key=lambda s: s.idle_since or now)
+        raise ResourceExhausted(
+            f"{len(self._open)} local sessions are open ({len(mine)} of this client's), none "
+            f"idle for {self._reap_idle_s:g} s; at most {MAX_SESSIONS} "
+            f"({MAX_SESSIONS_PER_CLIENT} per client): use gRPC for now, or retry later",
+            Reason.TOO_MANY_SESSIONS, limit=MAX_SESSIONS_PER_CLIENT
+            if len(mine) >= MAX_SESSIONS_PER_CLIENT else MAX_SESSIONS)
+
+    def _drop(self, session: _Session) -> None:
+        """Take session out of the table and hang up its socket, so its thread reads the end
+        and exits. Called under the lock, so its thread cannot close the socket (and its
+        descriptor be reused) in between."""
+        self._open.pop(session.conn, None)
+        _hang_up(session.conn)
 
     def _current(self, name: str) -> Caller:
         """The tenant as the tenants file says now (re-read on SIGHUP): removed, it is

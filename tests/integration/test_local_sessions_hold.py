@@ -1,16 +1,20 @@
 """Local sessions hold (a real daemon on its real Unix socket, raw frames and the real client):
 a frame larger than the session's first is served on the same session, every frame length
-edge is answered or skipped, five-byte headers cost the daemon no memory, and nothing a
-client sends puts a Traceback in the daemon's log. The deadlines, too long to wait for
-against a daemon, are tested on LocalSessions in process, over a real socket pair and a real
-store, with short limits."""
+edge is answered or skipped, idle sessions make room for new ones at the caps, each process
+has its own cap with auth off, a handshake refused at a cap leaves its ticket good, five-byte
+headers cost the daemon no memory, and nothing a client sends puts a Traceback in the
+daemon's log. The deadlines, too long to wait for against a daemon, are tested on
+LocalSessions in process, over a real socket pair and a real store, with short limits."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,10 +33,13 @@ from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
 from kvstore.daemon.verbs import Verbs
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.proto.localframe import GET, LOOKUP, RELEASE, REQUEST, RESERVE
 from kvstore.tools.testing import Daemon
 from tests.helpers import MiB, RawSession, keys, metric, wait_until
+from tests.integration.test_auth import md
 from tests.integration.test_local_path import LOCAL_SETTINGS
+from tests.integration.test_tenant_shm import evict_everything, token_daemon
 
 #: Keys in the large requests: a 32k-token prompt at 16 tokens a block. A Lookup of them is
 #: a ~70 KiB frame, larger than a session's standing buffer.
@@ -156,6 +163,78 @@ def test_every_frame_length_edge_is_answered_and_the_session_goes_on(
     assert "Traceback" not in log and "unexpected error" not in log
 
 
+def test_idle_sessions_make_room_least_recently_active_first(daemon: Daemon, ns: str) -> None:
+    mark = LogMark(daemon)
+    path = sock_of(daemon)
+    wait_until(lambda: open_sessions(daemon) == 0, "earlier tests' sessions to close")
+    held = [RawSession(path) for _ in range(MAX_SESSIONS_PER_CLIENT)]
+    try:
+        assert all("hot" in s.hello for s in held)
+        time.sleep(1.2)  # every session idle past REAP_IDLE_S (1 s) ...
+        assert lookup_ok(held[0], ns)  # ... but the first, active again just now
+        newcomer = RawSession(path)
+        assert "hot" in newcomer.hello  # a 33rd is admitted ...
+        assert closed_by_daemon(held[1])  # ... in place of the least recently active
+        assert all(lookup_ok(s, ns) for s in (held[0], *held[2:], newcomer))
+        newcomer.close()
+    finally:
+        for s in held:
+            s.close()
+    assert "Traceback" not in mark.since()
+
+
+_HOLDER = """
+import json, socket, sys
+def session(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    s.sendall(b"HOT -\\n")
+    line = b""
+    while not line.endswith(b"\\n"):
+        chunk = s.recv(1)
+        if not chunk:
+            break
+        line += chunk
+    return s, json.loads(line or b"{}")
+path, n = sys.argv[1], int(sys.argv[2])
+held = [session(path) for _ in range(n)]
+for s, _ in held:
+    s.sendall(b"\\x00")  # one byte of a header: inside a frame, never idle
+extra, answer = session(path)
+print(json.dumps({"held": sum("hot" in a for _, a in held), "extra": answer}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_with_auth_off_each_process_has_its_own_cap(daemon: Daemon, ns: str) -> None:
+    mark = LogMark(daemon)
+    wait_until(lambda: open_sessions(daemon) == 0, "earlier tests' sessions to close")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, sock_of(daemon), str(MAX_SESSIONS_PER_CLIENT)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        told = json.loads(holder.stdout.readline())
+        assert told["held"] == MAX_SESSIONS_PER_CLIENT
+        # Its own next one is refused: its sessions are all inside frames, none idle ...
+        assert told["extra"]["reason"] == Reason.TOO_MANY_SESSIONS, told
+        with RawSession(sock_of(daemon)) as mine:  # ... while this process gets one
+            assert "hot" in mine.hello
+            status, _, body = mine.call(RESERVE, pb.ReserveRequest(
+                namespace=ns, keys=keys(1), sizes=[10]))
+            assert status == 0
+            with KVStoreClient(daemon.target, ns, shared_memory=False) as kv:
+                holders = {h.client: h for h in kv.stats().clients}
+            # What it holds is charged to this process, by its pid.
+            assert holders[f"unix:pid:{os.getpid()}"].reservations == 1
+            reserved = pb.ReserveResponse.FromString(body).reservation_id
+            assert mine.call(RELEASE, pb.ReleaseRequest(ids=[reserved]))[0] == 0
+    finally:
+        holder.communicate(timeout=10)
+    assert "Traceback" not in mark.since()
+
+
 def rss_bytes(daemon: Daemon) -> int:
     """The daemon process's resident memory now (VmRSS)."""
     for line in Path(f"/proc/{daemon.proc.pid}/status").read_text().splitlines():
@@ -198,11 +277,47 @@ def test_headers_alone_and_partial_frames_cost_no_lasting_memory(daemon: Daemon)
     assert "Traceback" not in log and "unexpected error" not in log
 
 
+@pytest.fixture
+def tenant_daemon(shared_daemon: Callable[..., Daemon],
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The session's token daemon (test_tenant_shm.py), emptied when the test ends."""
+    d = token_daemon(shared_daemon, tmp_path_factory)
+    yield d
+    evict_everything(d)
+
+
+def test_a_handshake_refused_at_the_cap_leaves_its_ticket_good(tenant_daemon: Daemon) -> None:
+    mark = LogMark(tenant_daemon)
+    path = sock_of(tenant_daemon)
+    wait_until(lambda: open_sessions(tenant_daemon) == 0, "earlier tests' sessions to close")
+    with grpc.insecure_channel(tenant_daemon.target) as channel:
+        stub = rpc.KVStoreStub(channel)
+
+        def ticket() -> str:
+            return str(stub.Attach(pb.AttachRequest(), metadata=md("team-a")).ticket)
+
+        held = [busy(RawSession(path, ticket())) for _ in range(MAX_SESSIONS_PER_CLIENT)]
+        try:
+            assert all("hot" in s.hello for s in held)
+            spare = ticket()
+            with RawSession(path, spare) as refused:
+                assert refused.hello["reason"] == Reason.TOO_MANY_SESSIONS
+            held.pop().close()  # a slot is freed ...
+            wait_until(lambda: open_sessions(tenant_daemon) < MAX_SESSIONS_PER_CLIENT,
+                       "the daemon to see the session close")
+            with RawSession(path, spare) as admitted:  # ... and the same ticket opens one
+                assert "hot" in admitted.hello
+        finally:
+            for s in held:
+                s.close()
+    assert "Traceback" not in mark.since()
+
+
 # --- the deadlines, in process -----------------------------------------------------------
 
 #: The short limits of the in-process sessions: a frame must arrive whole within FRAME_S, a
-#: session idle IDLE_S between frames is closed.
-FRAME_S, IDLE_S = 0.4, 0.5
+#: session idle IDLE_S between frames is closed, one idle REAP_S may make room at a cap.
+FRAME_S, IDLE_S, REAP_S = 0.4, 0.5, 0.2
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +343,8 @@ def sessions(metrics: Metrics) -> Iterator[LocalSessions]:
     store = Store(config)
     local = LocalSessions(Verbs(store), store.auth, Tickets(), metrics, FaultLog(),
                           threading.Event(), config.server.max_message_bytes,
-                          frame_timeout_s=FRAME_S, idle_limit_s=IDLE_S)
+                          frame_timeout_s=FRAME_S, idle_limit_s=IDLE_S,
+                          reap_idle_s=REAP_S)
     yield local
     local.close()
     store.close()
@@ -332,3 +448,26 @@ def test_an_unexpected_error_ends_that_session_alone_in_one_line(
     finally:
         other.close()
 
+
+def test_at_the_total_cap_an_idle_session_makes_room(
+        sessions: LocalSessions, metrics: Metrics, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstore.daemon.localpath as localpath
+
+    wait_until(lambda: sessions_open(metrics) == 0, "earlier tests' sessions to close")
+    monkeypatch.setattr(localpath, "MAX_SESSIONS", 2)  # under the per-client cap
+    first = open_pair(sessions)
+    second = open_pair(sessions)  # the cap: the next one waits for an idle session
+    mine, theirs = socket.socketpair()
+    try:
+        second.sendall(b"\x00")  # inside a frame
+        assert not sessions.open(theirs, "-")  # first is idle, but for less than REAP_S
+        assert b"TOO_MANY_SESSIONS" in mine.recv(4096)
+        time.sleep(REAP_S + 0.05)
+        third = open_pair(sessions)  # first, idle long enough, made room
+        assert first.recv(1) == b""
+        second.sendall(REQUEST.pack(0, LOOKUP)[1:])  # second, busy, was spared
+        assert struct.unpack("<IBB", second.recv(6, socket.MSG_WAITALL))[1] == INVALID
+        third.close()
+    finally:
+        for s in (first, second, mine, theirs):
+            s.close()
