@@ -1,6 +1,18 @@
 """Soak and attack run against a real `kvstore-server` subprocess (L2 in shared memory, L3 in a
-temporary folder, L4 on a real `redis-server`), all in one run; regenerates
-docs/RELIABILITY.md with `python bench/soak.py --report docs/RELIABILITY.md`.
+temporary folder, L4 on a real `redis-server`), all in one run, in each auth mode of --modes
+(default both: `off`, then `token`); regenerates docs/RELIABILITY.md with
+`python bench/soak.py --report docs/RELIABILITY.md`.
+
+With auth off (the daemon's default) everyone is one tenant and the clients reach the named
+L2 segment; the victim calls over raw gRPC. With `token`, the same run again against a daemon
+with auth.mode=token, two tenants and a Unix socket (server.unix_socket): tenant A owns the
+seed, half the soak clients and the victim, tenant B the other half, the hostile process and
+the hogs; every client with shared memory gets its tenant's arena and the local path (the hot
+verbs over the socket), the victim included, and the hostile process also sends garbage and
+mutated frames on local sessions and abuses the socket's handshake (forged, repeated, long,
+slow tickets, descriptors passed). Three more attacks run in that mode: slow handshakes on the
+socket, another process of A holding idle local sessions, and waves of 5-byte headers of
+max-size frames. Who is whom is bench/soak_local.py's Tenancy.
 
 1. Seed: blocks of known content (shake-256 of namespace and key, so any reader can check
    them) are put with KVStoreClient and remembered.
@@ -8,8 +20,9 @@ docs/RELIABILITY.md with `python bench/soak.py --report docs/RELIABILITY.md`.
    get (inline), get_into (shared memory), lookup, prefetch and stats on their own and on
    shared keys, checking every read, while ONE hostile process sends fuzzed requests over
    raw byte channels: random bytes, mutated valid requests, bogus ids, repeated keys, Put
-   streams of the wrong shape, streams it cancels midway. --requests in all (10% hostile),
-   or until --duration-s. The daemon's RSS is sampled every second throughout.
+   streams of the wrong shape, streams it cancels midway (and, with auth on, its share on
+   the Unix socket). --requests in all (10% hostile), or until --duration-s. The daemon's
+   RSS is sampled every second throughout.
 3. Attacks, one at a time, while a victim process probes Lookup, an inline Get and the
    grpc.health.v1 check with 2 s deadlines: (a) 64 idle header-only Put streams, (b) 64
    inline Gets of a 48 MiB block nobody reads, (c) a lease storm (shared-memory Gets with
@@ -23,7 +36,8 @@ docs/RELIABILITY.md with `python bench/soak.py --report docs/RELIABILITY.md`.
    start / max / end.
 
 Prints `bench attack_<a>_<probe>_p99: <under attack> ms vs quiet <quiet> ms = <ratio>x`
-(ratio < 1: the victim is slower under attack), `#` info lines and, with --json, JSON.
+(ratio < 1: the victim is slower under attack; `token_attack_...` in the auth-on mode), `#`
+info lines and, with --json, JSON (one entry per mode under "modes").
 
 This file runs the phases; the load (soak and hostile clients) is in soak_load.py, the hogs
 in soak_hogs.py, the victim and the measuring of each attack in soak_attacks.py, and the
@@ -51,15 +65,12 @@ from typing import Any
 
 import grpc
 from figures import Figure, run_main
-from soak_attacks import AttackResult, RssSampler, attacks, held, wait_held
+from soak_attacks import RssSampler, attacks, held, wait_held, watcher
 from soak_hogs import HOG_BLOCK, Scale
 from soak_load import (
     FAULTS,
-    HOG_NS,
     LEASE_TIMEOUT_S,
-    SEED_NS,
     SEED_SIZES,
-    SHARED_NS,
     TIMEOUT_S,
     Results,
     Tally,
@@ -70,7 +81,8 @@ from soak_load import (
     shared_blocks,
     soak_client,
 )
-from soak_report import report
+from soak_local import A, Tenancy
+from soak_report import ModeRun, report
 
 from kvstore.client import KVStoreClient
 from kvstore.tools.testing import Daemon, start_daemon, start_redis
@@ -110,35 +122,40 @@ def longest_stream_wait_s(daemon: Daemon) -> dict[str, float]:
 # --- phases 1, 2 and 4 ------------------------------------------------------------------------
 
 
-def seed(target: str) -> list[tuple[str, bytes, int]]:
-    """The seed chains (16 x 8 blocks of SEED_SIZES) and the shared keys, put and returned."""
+def seed(target: str, tenancy: Tenancy) -> list[tuple[str, bytes, int]]:
+    """The seed chains (16 x 8 blocks of SEED_SIZES, tenant A's) and each tenant's shared
+    keys, put and returned."""
     blocks: list[tuple[str, bytes, int]] = []
-    with KVStoreClient(target, SEED_NS) as kv:
+    seed_ns = tenancy.seed_ns
+    with KVStoreClient(target, seed_ns, token=tenancy.token(A)) as kv:
         for chain in range(16):
-            keys = [key_of(SEED_NS, chain * 8 + i) for i in range(8)]
-            values = [payload(SEED_NS, k, n) for k, n in zip(keys, SEED_SIZES, strict=True)]
+            keys = [key_of(seed_ns, chain * 8 + i) for i in range(8)]
+            values = [payload(seed_ns, k, n) for k, n in zip(keys, SEED_SIZES, strict=True)]
             if kv.put(keys, values).stored != len(keys):
                 raise RuntimeError("the seed put did not store every block")
-            blocks += [(SEED_NS, k, len(v)) for k, v in zip(keys, values, strict=True)]
-    with KVStoreClient(target, SHARED_NS) as kv:
-        pairs = shared_blocks()
-        kv.put([k for k, _ in pairs], [payload(SHARED_NS, k, n) for k, n in pairs],
-               independent=True)
-        blocks += [(SHARED_NS, k, n) for k, n in pairs]
+            blocks += [(seed_ns, k, len(v)) for k, v in zip(keys, values, strict=True)]
+    for tenant, shared_ns in tenancy.shared_namespaces().items():
+        with KVStoreClient(target, shared_ns, token=tenancy.token(tenant)) as kv:
+            pairs = shared_blocks()
+            kv.put([k for k, _ in pairs], [payload(shared_ns, k, n) for k, n in pairs],
+                   independent=True)
+            blocks += [(shared_ns, k, n) for k, n in pairs]
     return blocks
 
 
-def soak(target: str, args: argparse.Namespace) -> tuple[Tally, Tally, list[Any], list[int]]:
+def soak(target: str, args: argparse.Namespace, tenancy: Tenancy
+         ) -> tuple[Tally, Tally, list[Any], list[int]]:
     """The soak clients and the hostile one, in spawned processes: their tallies, every
     block the clients put, and each process's exit code."""
     ctx = mp.get_context("spawn")
     out: Results = ctx.Queue()
     hostile_requests = max(1, args.requests // 10)
     per_client = (args.requests - hostile_requests) // args.clients
-    procs = [ctx.Process(target=soak_client, args=(i, target, per_client, args.duration_s, out))
+    procs = [ctx.Process(target=soak_client,
+                         args=(i, target, per_client, args.duration_s, out, tenancy))
              for i in range(args.clients)]
     procs.append(ctx.Process(target=hostile_client,
-                             args=(target, hostile_requests, args.duration_s, out)))
+                             args=(target, hostile_requests, args.duration_s, out, tenancy)))
     for p in procs:
         p.start()
     clients, hostile, blocks = Tally(), Tally(), []
@@ -159,16 +176,19 @@ def soak(target: str, args: argparse.Namespace) -> tuple[Tally, Tally, list[Any]
                                       for p in procs]
 
 
-def verify(target: str, blocks: list[tuple[str, bytes, int]]) -> dict[str, int]:
-    """Every block put reads back as put: verified, lost (a miss) or corrupted (other
-    bytes). Checksums are not verified by the client here, so damage shows as damage."""
+def verify(target: str, blocks: list[tuple[str, bytes, int]], tenancy: Tenancy
+           ) -> dict[str, int]:
+    """Every block put reads back as put (each namespace by its own tenant): verified, lost
+    (a miss) or corrupted (other bytes). Checksums are not verified by the client here, so
+    damage shows as damage."""
     by_ns: dict[str, dict[bytes, int]] = {}
     for ns, key, size in blocks:
         by_ns.setdefault(ns, {})[key] = size
     counts: Counter[str] = Counter()
     for ns, sizes in by_ns.items():
         keys = list(sizes)
-        with KVStoreClient(target, ns, shared_memory=False, verify_checksums=False) as kv:
+        with KVStoreClient(target, ns, shared_memory=False, verify_checksums=False,
+                           token=tenancy.token(tenancy.owner(ns))) as kv:
             for i in range(0, len(keys), 64):
                 batch = keys[i : i + 64]
                 for key, got in zip(batch, kv.get(batch), strict=True):
@@ -177,7 +197,8 @@ def verify(target: str, blocks: list[tuple[str, bytes, int]]) -> dict[str, int]:
     return {k: counts[k] for k in ("verified", "lost", "corrupted")}
 
 
-def after(daemon: Daemon, blocks: list[tuple[str, bytes, int]]) -> dict[str, Any]:
+def after(daemon: Daemon, blocks: list[tuple[str, bytes, int]], tenancy: Tenancy
+          ) -> dict[str, Any]:
     """The end state: alive, SERVING, blocks intact, nothing left held, the daemon's own
     count of statuses, its log."""
     log = daemon.log()
@@ -189,8 +210,8 @@ def after(daemon: Daemon, blocks: list[tuple[str, bytes, int]]) -> dict[str, Any
                                                     "corrupted": 0},
                       "leases": -1, "reservations": -1, "pinned": -1, "settled_s": None,
                       "metrics_by_code": {}, "config": {}, "checksum_failures": 0}
-    end["objects"] = verify(daemon.target, blocks)
-    with KVStoreClient(daemon.target, HOG_NS, shared_memory=False) as kv:
+    end["objects"] = verify(daemon.target, blocks, tenancy)
+    with watcher(daemon.target, tenancy) as kv:
         end["health"] = kv.health()
         end["settled_s"] = wait_held(kv, (0, 0, 0), LEASE_TIMEOUT_S + 5.0)
         end["leases"], end["reservations"], end["pinned"] = held(kv)
@@ -220,11 +241,18 @@ def size_text(n: int) -> str:
 
 def daemon_settings(args: argparse.Namespace, redis_url: str) -> list[str]:
     host = ["server.host=[::]"] if socket.has_ipv6 else []  # IPv4 and IPv6 loopback both
+    quick = ["server.stream_idle_s=3"] if args.quick else []  # the idle-stream hogs' hold
     return [*host, f"dram.capacity_bytes={size_text(args.l2)}", "dram.page_size_bytes=4KiB",
             f"nvme.capacity_bytes={size_text(args.l3)}", "nvme.page_size_bytes=4KiB",
             f"remote.url={redis_url}", f"leases.lease_timeout_s={LEASE_TIMEOUT_S}",
             f"leases.reservation_timeout_s={LEASE_TIMEOUT_S}", "leases.sweep_interval_s=0.5",
-            "log_level=WARNING", *args.set]
+            "log_level=WARNING", *quick, *args.set]
+
+
+def settings_text(settings: list[str], workdir: Path) -> str:
+    """The settings as the report shows them: no Redis URL, temporary paths as <tmp>."""
+    return ", ".join(f"`{s.replace(str(workdir), '<tmp>')}`" for s in settings
+                     if not s.startswith("remote."))
 
 
 def caps_of(config: dict[str, Any]) -> dict[str, Any]:
@@ -238,73 +266,93 @@ def caps_of(config: dict[str, Any]) -> dict[str, Any]:
     return caps
 
 
-def figures_of(results: list[AttackResult]) -> list[Figure]:
-    return [Figure(f"attack_{r.name}_{probe}_p99", r.attack[probe].p(0.99), "quiet",
+def figures_of(run: ModeRun) -> list[Figure]:
+    prefix = "" if run.auth == "off" else f"{run.auth}_"
+    return [Figure(f"{prefix}attack_{r.name}_{probe}_p99", r.attack[probe].p(0.99), "quiet",
                    r.quiet[probe].p(0.99), "ms", lower_is_better=True,
                    extra={"timeouts": r.attack[probe].codes.get("DEADLINE_EXCEEDED", 0),
                           "codes": dict(r.attack[probe].codes), "hog_codes": r.hog_codes,
-                          "freed": r.freed})
-            for r in results for probe in ("lookup", "get", "health")]
+                          "freed": r.freed, "rss_mib": r.rss_mib,
+                          "victim_paths": dict(r.attack[probe].paths)})
+            for r in run.results for probe in ("lookup", "get", "health")]
 
 
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
     started = time.monotonic()
+    runs = [run_mode(args, auth) for auth in args.modes]
+    if args.report:
+        args.report.write_text(report(runs, args, {
+            "mode": "--quick" if args.quick else f"--requests {args.requests}",
+            "modes": ",".join(args.modes), "machine": machine(),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "run_s": time.monotonic() - started}))
+        print(f"# wrote {args.report}", flush=True)
+    return [f for r in runs for f in figures_of(r)], {"modes": {r.auth: setup_of(r)
+                                                              for r in runs}}
+
+
+def setup_of(run: ModeRun) -> dict[str, Any]:
+    """A mode's JSON: its summary less the daemon's config, and its raw counts."""
+    summary, end = run.summary, run.summary["after"]
+    setup = {k: v for k, v in summary.items() if k != "after"}
+    return setup | {"after": {k: v for k, v in end.items() if k != "config"},
+                    "requests": run.clients.requests() + run.hostile.requests(),
+                    "client_codes": dict(run.clients.by_code()),
+                    "hostile_codes": dict(run.hostile.by_code()),
+                    "rss_bytes": [s[2] for s in run.rss.samples]}
+
+
+def run_mode(args: argparse.Namespace, auth: str) -> ModeRun:
+    """The whole run (seed, soak, attacks, after) in one auth mode, against a daemon and a
+    Redis of its own."""
+    print(f"# == auth {auth}", flush=True)
+    started = time.monotonic()
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
+        tenancy = Tenancy(auth, str(workdir / "kv.sock") if auth != "off" else "")
         redis = start_redis(workdir)
         stack.callback(redis.stop)
-        settings = daemon_settings(args, redis.url)
+        settings = daemon_settings(args, redis.url) + tenancy.settings(workdir)
         daemon = start_daemon(workdir, *settings)
         stack.callback(daemon.stop)
         rss = RssSampler(daemon.proc.pid)
-        with KVStoreClient(daemon.target, SEED_NS) as kv:
+        with watcher(daemon.target, tenancy) as kv:
             config = kv.stats(include_config=True).config() or {}
         scale = Scale(args.quiet_s, args.hold_s, args.leases, 2 * args.l2 // HOG_BLOCK + 8,
                       max(2, 3 * args.l2 // HOG_BLOCK // 4),
                       float(config.get("server", {}).get("stream_idle_s", 0)))
         rss.phase = "seed"
-        blocks = seed(daemon.target)
+        blocks = seed(daemon.target, tenancy)
         seeded = len(blocks)
         print(f"# seeded {len(blocks)} blocks; soak: {args.clients} clients + 1 hostile",
               flush=True)
         rss.phase = "soak"
         soak_start = time.monotonic()
-        clients, hostile, put, exits = soak(daemon.target, args)
+        clients, hostile, put, exits = soak(daemon.target, args, tenancy)
         soak_s = time.monotonic() - soak_start
         stream_wait = longest_stream_wait_s(daemon)  # before the attacks idle on purpose
         blocks += put
         print(f"# soak: {clients.requests():,} client + {hostile.requests():,} hostile requests "
               f"in {soak_s:.0f} s; {codes_text(clients.by_code())}", flush=True)
         attacks_start = time.monotonic()
-        lookup_keys = [key_of(SEED_NS, 8 + i) for i in range(8)]
+        lookup_keys = [key_of(tenancy.seed_ns, 8 + i) for i in range(8)]
         results = attacks(daemon, scale, rss, lookup_keys, lookup_keys[2],
-                          payload(SEED_NS, lookup_keys[2], SEED_SIZES[2]))
+                          payload(tenancy.seed_ns, lookup_keys[2], SEED_SIZES[2]), tenancy)
         attacks_s = time.monotonic() - attacks_start
         rss.phase = "after"
-        end = after(daemon, blocks)
+        end = after(daemon, blocks, tenancy)
         rss.stop()
     client_faults = sum(t.by_code().get(c, 0) for t in (clients, hostile) for c in FAULTS)
     client_faults += sum(n for r in results for c, n in r.hog_codes.items() if c in FAULTS)
     summary = {
-        "mode": "--quick" if args.quick else f"--requests {args.requests}",
-        "machine": machine(), "date": dt.datetime.now(dt.timezone.utc).strftime(
-            "%Y-%m-%d %H:%M UTC"),
-        "settings_text": ", ".join(f"`{s}`" for s in settings if not s.startswith("remote.")),
+        "auth": auth, "settings_text": settings_text(settings, workdir),
         "seeded": seeded, "requests_asked": args.requests,
         "client_faults": client_faults, "after": end, "caps": caps_of(end["config"]),
         "run_s": time.monotonic() - started, "soak_s": soak_s, "attacks_s": attacks_s,
         "exit_codes": exits, "stream_wait": stream_wait,
     }
     print_summary(summary, clients, hostile)
-    if args.report:
-        args.report.write_text(report(summary, clients, hostile, results, rss, args))
-        print(f"# wrote {args.report}", flush=True)
-    setup = {k: v for k, v in summary.items() if k != "after"}
-    setup |= {"after": {k: v for k, v in end.items() if k != "config"},
-              "requests": clients.requests() + hostile.requests(),
-              "client_codes": dict(clients.by_code()), "hostile_codes": dict(hostile.by_code()),
-              "rss_bytes": [s[2] for s in rss.samples]}
-    return figures_of(results), setup
+    return ModeRun(auth, summary, clients, hostile, results, rss)
 
 
 def print_summary(summary: dict[str, Any], clients: Tally, hostile: Tally) -> None:
@@ -317,6 +365,13 @@ def print_summary(summary: dict[str, Any], clients: Tally, hostile: Tally) -> No
           f"{sum(end['metrics_by_code'].get(c, 0) for c in FAULTS)}; objects {end['objects']}; "
           f"left held: leases {end['leases']}, reservations {end['reservations']}, pins "
           f"{end['pinned']}; tracebacks {end['tracebacks']}", flush=True)
+
+
+def modes_arg(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in ("off", "token") for m in modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of off and token")
+    return modes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--l3", type=parse_size, default=1024 * MiB, help="L3 capacity")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="more daemon settings (e.g. clients.max_leases=1000); repeatable")
+    parser.add_argument("--modes", type=modes_arg, default=["off", "token"],
+                        help="auth modes to run, in order, comma-separated (default off,token)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: 5000 requests, 500 leases, short windows (overrides)")
+                        help="a smoke run: 5000 requests, 500 leases, short windows, idle "
+                             "streams aborted after 3 s (overrides)")
     parser.add_argument("--report", type=Path, help="write the Markdown report here")
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="also write one JSON object to PATH")

@@ -1,31 +1,45 @@
 """The hogs of bench/soak.py's phase 3: each Attack puts one kind of hostile load on the
-daemon (idle Put streams, unread Gets, a lease storm, Reserve until full, a pin storm),
-counts what the daemon answers it, and lets go; Scale sizes them all."""
+daemon (idle Put streams, unread Gets, a lease storm, Reserve until full, a pin storm; with
+auth on also slow handshakes on the Unix socket, idle local sessions and 5-byte headers of
+max-size frames), counts what the daemon answers it, and lets go; Scale sizes them all. The
+hogs call as tenant B with auth on (the idle local sessions as A, the victim's own tenant)."""
 
 from __future__ import annotations
 
+import random
+import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import grpc
 from soak_load import (
-    HOG_NS,
     OWN_CONNECTION,
-    SEED_NS,
     TIMEOUT_S,
     code_of,
     codes_text,
     details_of,
     key_of,
+    shared_blocks,
+)
+from soak_local import (
+    TRICKLE_S,
+    A,
+    B,
+    LocalSession,
+    Tenancy,
+    hold_sessions,
+    open_channel,
+    still_open,
 )
 
 from kvstore.client import KVStoreClient, KVStoreError
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
+from kvstore.proto.localframe import LOOKUP, REQUEST
 from kvstore.units import MiB, format_size
 
 UNREAD_BLOCK = 48 * MiB  # far more than gRPC buffers for a reader that does not read
@@ -42,8 +56,9 @@ class Attack:
     let_go_words = ""
     describe = ""  # formatted with the Scale's fields
 
-    def __init__(self, target: str, scale: Scale) -> None:
-        self.target, self.scale = target, scale
+    def __init__(self, target: str, scale: Scale, tenancy: Tenancy) -> None:
+        self.target, self.scale, self.tenancy = target, scale, tenancy
+        self.ns, self.token = tenancy.hog_ns, tenancy.token(B)
         self.what = self.describe.format(**asdict(scale))
         self.codes: Counter[str] = Counter()
         self.details: dict[str, str] = {}  # code -> the first refusal's message
@@ -55,7 +70,7 @@ class Attack:
             self.details.setdefault(code, details_of(exc))
 
     def connect(self, n: int) -> list[grpc.Channel]:
-        new = [grpc.insecure_channel(self.target, options=OWN_CONNECTION) for _ in range(n)]
+        new = [open_channel(self.target, self.token, OWN_CONNECTION) for _ in range(n)]
         self.channels += new
         return new
 
@@ -99,7 +114,7 @@ class IdlePuts(IdleStreams):
         self.release = threading.Event()
         self.calls: list[grpc.Future] = []
         for i, channel in enumerate(self.connect(HOG_CONNECTIONS) * 8):
-            header = pb.PutRequest(namespace=HOG_NS, keys=[key_of("idle", i)], sizes=[1000],
+            header = pb.PutRequest(namespace=self.ns, keys=[key_of("idle", i)], sizes=[1000],
                                    independent=True)
             self.calls.append(rpc.KVStoreStub(channel).Put.future(
                 self._idle(header), timeout=120))
@@ -128,7 +143,7 @@ class UnreadGets(IdleStreams):
 
     def prepare(self, kv: KVStoreClient) -> None:
         self.key = key_of("unread")
-        with KVStoreClient(self.target, HOG_NS) as hog:
+        with KVStoreClient(self.target, self.ns, token=self.token) as hog:
             hog.put([self.key], [bytes(UNREAD_BLOCK)])
 
     def start(self) -> None:
@@ -136,7 +151,7 @@ class UnreadGets(IdleStreams):
         lock = threading.Lock()
 
         def open_one(channel: grpc.Channel) -> None:
-            call = rpc.KVStoreStub(channel).Get(pb.GetRequest(namespace=HOG_NS,
+            call = rpc.KVStoreStub(channel).Get(pb.GetRequest(namespace=self.ns,
                                                               keys=[self.key]), timeout=120)
             try:
                 next(call)
@@ -167,11 +182,16 @@ class UnreadGets(IdleStreams):
 
 class LeaseStorm(Attack):
     name, let_go_words = "lease_storm", "the hog disconnected"
-    describe = ("{leases} shared-memory Gets of seed blocks with lease_timeout_ms=600000, "
+    describe = ("{leases} shared-memory Gets of small blocks with lease_timeout_ms=600000, "
                 "never released (4 threads)")
 
     def prepare(self, kv: KVStoreClient) -> None:
-        self.keys = [key_of(SEED_NS, i) for i in range(0, 64, 8)]  # the 1-byte seed blocks
+        if self.tenancy.on:  # its own tenant's: the seed is A's
+            self.read_ns = self.tenancy.shared_ns(B)
+            self.keys = [k for k, _ in shared_blocks()[:8]]
+        else:  # the 1-byte seed blocks
+            self.read_ns = self.tenancy.seed_ns
+            self.keys = [key_of(self.read_ns, i) for i in range(0, 64, 8)]
         self.ids: list[str] = []
 
     def start(self) -> None:
@@ -180,7 +200,8 @@ class LeaseStorm(Attack):
 
         def storm(n: int) -> None:
             for i in range(n):
-                request = pb.GetRequest(namespace=SEED_NS, keys=[self.keys[i % len(self.keys)]],
+                request = pb.GetRequest(namespace=self.read_ns,
+                                        keys=[self.keys[i % len(self.keys)]],
                                         mode=pb.GET_MODE_SHARED_MEMORY, lease_timeout_ms=600_000)
                 error: Exception | None = None
                 try:
@@ -201,12 +222,12 @@ class LeaseStorm(Attack):
             t.join()
 
     def clean_up(self) -> str:
-        return release_all(self.target, self.ids)
+        return release_all(self.target, self.tenancy, self.ids)
 
 
-def release_all(target: str, ids: list[str]) -> str:
+def release_all(target: str, tenancy: Tenancy, ids: list[str]) -> str:
     released: Counter[str] = Counter()
-    with KVStoreClient(target, HOG_NS) as kv:
+    with KVStoreClient(target, tenancy.hog_ns, token=tenancy.token(B)) as kv:
         for i in range(0, len(ids), 256):
             try:
                 kv.release(ids[i : i + 256])
@@ -226,7 +247,7 @@ class ReserveFull(Attack):
         stub, refused = rpc.KVStoreStub(channel), 0
         self.ids: list[str] = []
         for i in range(self.scale.reserves):
-            request = pb.ReserveRequest(namespace=HOG_NS, keys=[key_of("reserve", i)],
+            request = pb.ReserveRequest(namespace=self.ns, keys=[key_of("reserve", i)],
                                         sizes=[HOG_BLOCK], timeout_ms=600_000, independent=True)
             try:
                 self.ids.append(stub.Reserve(request, timeout=TIMEOUT_S).reservation_id)
@@ -239,7 +260,7 @@ class ReserveFull(Attack):
                     break
 
     def clean_up(self) -> str:
-        return release_all(self.target, self.ids)
+        return release_all(self.target, self.tenancy, self.ids)
 
 
 class PinStorm(Attack):
@@ -249,7 +270,7 @@ class PinStorm(Attack):
 
     def prepare(self, kv: KVStoreClient) -> None:
         self.keys = [key_of("pin", i) for i in range(self.scale.pin_blocks)]
-        with KVStoreClient(self.target, HOG_NS) as hog:
+        with KVStoreClient(self.target, self.ns, token=self.token) as hog:
             for key in self.keys:
                 hog.put([key], [bytes(HOG_BLOCK)], independent=True)
 
@@ -264,7 +285,7 @@ class PinStorm(Attack):
         while not self.stop.is_set():
             for keys in [[k] for k in self.keys] + [self.keys]:
                 try:
-                    self.stub.Pin(pb.PinRequest(namespace=HOG_NS, keys=keys), timeout=TIMEOUT_S)
+                    self.stub.Pin(pb.PinRequest(namespace=self.ns, keys=keys), timeout=TIMEOUT_S)
                     self.count("OK")
                 except grpc.RpcError as exc:
                     self.count(code_of(exc), exc)
@@ -273,10 +294,141 @@ class PinStorm(Attack):
         self.stop.set()
         self.thread.join()
         try:
-            self.stub.Unpin(pb.PinRequest(namespace=HOG_NS, keys=self.keys), timeout=TIMEOUT_S)
+            self.stub.Unpin(pb.PinRequest(namespace=self.ns, keys=self.keys), timeout=TIMEOUT_S)
         except grpc.RpcError as exc:
             self.count(f"Unpin {code_of(exc)}", exc)
         self.disconnect()
+
+
+# --- the local path's hogs (auth on: the daemon has a Unix socket) ----------------------------
+
+
+SLOW_CONNECTIONS = 16  # twice the exchanges the attach socket used to serve at once
+IDLE_SESSIONS = 40  # past the 32 local sessions one client (a tenant) may hold
+WAVE_SESSIONS = 31  # the issue's wave: one short of a client's 32 sessions
+
+
+class LocalHog(Attack):
+    """A hog on the daemon's Unix socket, run on a thread of its own until let go."""
+
+    def tickets_of(self, tenant: str) -> Callable[[], str]:
+        """Fresh Attach tickets of a tenant, one per call."""
+        (channel,) = self.connect_as(tenant)
+        stub = rpc.KVStoreStub(channel)
+        return lambda: str(stub.Attach(pb.AttachRequest(), timeout=TIMEOUT_S).ticket)
+
+    def connect_as(self, tenant: str) -> list[grpc.Channel]:
+        channel = open_channel(self.target, self.tenancy.token(tenant), OWN_CONNECTION)
+        self.channels.append(channel)
+        return [channel]
+
+    def start(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+        time.sleep(0.5)  # in place
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def let_go(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        self.disconnect()
+
+
+class SlowHandshakes(LocalHog):
+    name, let_go_words = "slow_handshakes", "the hog hung up"
+    describe = (f"{SLOW_CONNECTIONS} connections to the Unix socket (no credential needed) "
+                f"that send a ticket or `HOT` line a byte every {TRICKLE_S} s and never its "
+                "end; each one the daemon closes is reopened")
+
+    def run(self) -> None:
+        rng = random.Random(7)
+        slow: list[tuple[socket.socket, bytes, float]] = []
+
+        def open_one() -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.tenancy.unix_socket)
+            except OSError as exc:
+                self.count(f"connect {type(exc).__name__}")
+                sock.close()
+                return
+            sock.setblocking(False)
+            line = (("HOT " if rng.random() < 0.5 else "") + rng.randbytes(90).hex())[:200]
+            slow.append((sock, line.encode(), time.monotonic()))
+
+        for _ in range(SLOW_CONNECTIONS):
+            open_one()
+        sent = 0
+        while not self.stop.wait(TRICKLE_S):
+            for entry in list(slow):
+                sock, line, opened = entry
+                try:
+                    sock.send(line[sent % len(line) : sent % len(line) + 1])
+                except OSError:
+                    pass
+                if not still_open(sock):
+                    self.count(f"closed by the daemon within {_bucket(time.monotonic() - opened)}")
+                    sock.close()
+                    slow.remove(entry)
+                    open_one()
+            sent += 1
+        for sock, _, _ in slow:
+            self.count("held open until the hog hung up")
+            sock.close()
+
+
+def _bucket(seconds: float) -> str:
+    return next(f"{b} s" for b in (1, 2, 3, 5, 10, 30, 60, 1e9) if seconds <= b)
+
+
+class IdleSessions(LocalHog):
+    name, let_go_words = "idle_sessions", "the hog closed them"
+    describe = (f"{IDLE_SESSIONS} local sessions opened by another process of the victim's "
+                "own tenant (A), held idle")
+
+    def run(self) -> None:
+        held, codes = hold_sessions(self.tenancy.unix_socket, self.tickets_of(A),
+                                    IDLE_SESSIONS)
+        for code, n in codes.items():
+            self.codes[code] += n
+        self.stop.wait()
+        for session in held:
+            if not still_open(session.sock):
+                self.count("closed by the daemon while idle")
+            session.close()
+
+
+class BigHeaders(LocalHog):
+    name, let_go_words = "big_headers", "the hog closed the last wave"
+    describe = (f"waves of {WAVE_SESSIONS} local sessions that each send the 5-byte header "
+                "of a max-size frame and nothing more, held 0.3 s, then closed")
+
+    def run(self) -> None:
+        tickets = self.tickets_of(B)
+        while not self.stop.is_set():
+            wave, codes = hold_sessions(self.tenancy.unix_socket, tickets, WAVE_SESSIONS)
+            for code, n in codes.items():
+                if code != "session opened":
+                    self.codes[code] += n
+            self.count("waves")
+            for session in wave:
+                self._header(session)
+            self.stop.wait(0.3)
+            for session in wave:
+                session.close()
+
+    def _header(self, session: LocalSession) -> None:
+        try:
+            session.sock.sendall(REQUEST.pack(session.limit, LOOKUP))
+            self.count("5-byte headers sent")
+        except OSError as exc:
+            self.count(f"header not sent: {type(exc).__name__}")
+
+
+LOCAL_HOGS: tuple[type[Attack], ...] = (SlowHandshakes, IdleSessions, BigHeaders)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The load of bench/soak.py: the constants and helpers every part of the run shares (block
 content, keys, status codes, Tally), the soak clients (SoakClient, soak_client) and the hostile
-client (mutate, Hostile, hostile_client). soak_client and hostile_client are the targets of
-spawned processes, so they live in a module a spawned child can import."""
+client (Hostile, hostile_client). soak_client and hostile_client are the targets of spawned
+processes, so they live in a module a spawned child can import. Who calls as whom, in each
+auth mode, is soak_local.Tenancy's; the hostile requests on the Unix socket are
+soak_local.LocalHostile's."""
 
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from multiprocessing import queues
 from typing import Any, TypeAlias
 
 import grpc
+from soak_local import B, LocalHostile, Tenancy, mutate, open_channel
 
 from kvstore.client import KVStoreClient, KVStoreError
 from kvstore.proto.frames import DATA_TAG, varint
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.units import KiB, MiB
 
-SEED_NS, SHARED_NS, HOG_NS, JUNK_NS = "soak-seed", "soak-shared", "soak-hog", "soak-junk"
 SEED_SIZES = (1, 1000, 4096, 4097, 65_536, 100_000, 256 * KiB, MiB)
 SHARED_SIZES = (256, 4096, 20_000, 65_536)
 SOAK_SIZES, SOAK_WEIGHTS = (512, 2 * KiB, 8 * KiB, 32 * KiB), (4, 4, 2, 1)
@@ -133,18 +136,22 @@ def check_read(got: Sequence[bytes | None], expected: Sequence[bytes]) -> str:
 
 
 class SoakClient:
-    """One soak process: chains in its own namespace and the shared blocks, each through a
-    shared-memory client and an inline one."""
+    """One soak process: chains in its own namespace and its tenant's shared blocks, each
+    through a shared-memory client (with auth on: its tenant's arena and the local path) and
+    an inline one."""
 
-    def __init__(self, index: int, target: str, stack: ExitStack) -> None:
+    def __init__(self, index: int, target: str, stack: ExitStack, tenancy: Tenancy) -> None:
         self.rng = random.Random(index)
-        self.ns = f"soak-client-{index}"
+        self.ns = tenancy.client_ns(index)
+        tenant = tenancy.client_tenant(index)
+        self.shared_ns = tenancy.shared_ns(tenant)
 
         def open_(ns: str, shm: bool) -> KVStoreClient:
-            return stack.enter_context(KVStoreClient(target, ns, shared_memory=shm))
+            return stack.enter_context(KVStoreClient(target, ns, shared_memory=shm,
+                                                     token=tenancy.token(tenant)))
 
         self.own = (open_(self.ns, True), open_(self.ns, False))  # (shared memory, inline)
-        self.shared = (open_(SHARED_NS, True), open_(SHARED_NS, False))
+        self.shared = (open_(self.shared_ns, True), open_(self.shared_ns, False))
         self.tally = Tally()
         self.chains: list[list[tuple[bytes, int]]] = []
         self.put_count = 0
@@ -173,7 +180,7 @@ class SoakClient:
     def _pick(self, on_shared: bool
               ) -> tuple[tuple[KVStoreClient, KVStoreClient], str, list[tuple[bytes, int]]]:
         if on_shared:  # shared blocks are independent: a sample is a valid "chain"
-            return self.shared, SHARED_NS, self.rng.sample(shared_blocks(), 3)
+            return self.shared, self.shared_ns, self.rng.sample(shared_blocks(), 3)
         return self.own, self.ns, self.rng.choice(self.chains)
 
     def _put(self, verb: str, on_shared: bool) -> str:
@@ -181,7 +188,7 @@ class SoakClient:
         if on_shared:  # seeded already: an acknowledged no-op, exercised under load
             blocks = self.rng.sample(shared_blocks(), 2)
             got = self.shared[path].put([k for k, _ in blocks],
-                                        [payload(SHARED_NS, k, n) for k, n in blocks],
+                                        [payload(self.shared_ns, k, n) for k, n in blocks],
                                         independent=True)
             return "OK" if got.existing == 2 else "NOT EXISTING"
         blocks = [(key_of(self.ns, self.put_count, i),
@@ -202,11 +209,11 @@ class SoakClient:
 
 
 def soak_client(index: int, target: str, requests: int, duration_s: float,
-                out: Results) -> None:
+                out: Results, tenancy: Tenancy) -> None:
     """A spawned soak process: send `requests` or stop at duration_s; report its tally and
     every block it put."""
     with ExitStack() as stack:
-        client = SoakClient(index, target, stack)
+        client = SoakClient(index, target, stack, tenancy)
         deadline = time.monotonic() + duration_s
         while client.tally.requests() < requests and time.monotonic() < deadline:
             client.step()
@@ -217,37 +224,19 @@ def soak_client(index: int, target: str, requests: int, duration_s: float,
 # --- phase 2: the hostile client ---------------------------------------------------------------
 
 
-def mutate(data: bytes, rng: random.Random) -> bytes:
-    """data with 1-3 of: a bit flipped, a byte set, bytes inserted, deleted, duplicated,
-    the tail cut, garbage appended."""
-    b = bytearray(data)
-    for _ in range(rng.randint(1, 3)):
-        op, i = rng.randrange(7), rng.randrange(len(b) + 1)
-        if op == 0 and b:
-            b[i % len(b)] ^= 1 << rng.randrange(8)
-        elif op == 1 and b:
-            b[i % len(b)] = rng.randrange(256)
-        elif op == 2:
-            b[i:i] = rng.randbytes(rng.randint(1, 8))
-        elif op == 3:
-            del b[i : i + rng.randint(1, 8)]
-        elif op == 4:
-            b[i:i] = b[i : i + rng.randint(1, 16)]
-        elif op == 5:
-            del b[i:]
-        else:
-            b += rng.randbytes(rng.randint(1, 16))
-    return bytes(b)
-
-
 class Hostile:
-    """Fuzzed requests over raw byte channels, in JUNK_NS. Evict is only sent structured:
-    random bytes can decode as "evict everything", which would make the verified blocks
-    look lost. Leases, reservations and pins it is granted it gives back (some leases and
-    reservations are left to expire), so the end of the run can check nothing leaked."""
+    """Fuzzed requests over raw byte channels, in the junk namespace (tenant B's with auth
+    on, as B). Evict is only sent structured: random bytes can decode as "evict everything",
+    which would make the verified blocks look lost. Leases, reservations and pins it is
+    granted it gives back (some leases and reservations are left to expire), so the end of
+    the run can check nothing leaked. With auth on, a share of its requests go to the Unix
+    socket instead (LocalHostile), and some calls carry no token or a wrong one."""
 
-    def __init__(self, channel: grpc.Channel, seed: int) -> None:
+    def __init__(self, channel: grpc.Channel, seed: int, tenancy: Tenancy,
+                 target: str = "") -> None:
         self.rng = random.Random(seed)
+        self.ns = tenancy.junk_ns
+        self.target = target
         self.unary = {m: channel.unary_unary(SERVICE + m, request_serializer=identity,
                                              response_deserializer=identity)
                       for m in (*HOSTILE_UNARY, "Evict")}
@@ -263,9 +252,16 @@ class Hostile:
             "random": self._random, "mutated": self._mutated, "bogus ids": self._bogus_ids,
             "repeated keys": self._repeated_keys, "cancelled": self._cancelled,
             "put shapes": self._put_shapes, "evict": self._evict}
+        self.weights = [15, 40, 8, 8, 12, 12, 5]
+        self.local: LocalHostile | None = None
+        if tenancy.on:
+            self.local = LocalHostile(tenancy.unix_socket, rpc.KVStoreStub(channel), self.ns,
+                                      self.rng)
+            self.cases |= {"local": self._local, "credentials": self._credentials}
+            self.weights += [40, 5]
 
     def _templates(self) -> dict[str, bytes]:
-        ns, keys = JUNK_NS, self.keys
+        ns, keys = self.ns, self.keys
         return {m: r.SerializeToString() for m, r in {
             "Lookup": pb.LookupRequest(namespace=ns, keys=keys[:3]),
             "Reserve": pb.ReserveRequest(namespace=ns, keys=keys[8:9], sizes=[1000],
@@ -285,14 +281,14 @@ class Hostile:
     def put_messages(self, first: int = 0) -> list[bytes]:
         keys = self.keys[first : first + 2]
         sizes = [3000, 70_000]
-        data = b"".join(payload(JUNK_NS, k, n) for k, n in zip(keys, sizes, strict=True))
-        header = pb.PutRequest(namespace=JUNK_NS, keys=keys, sizes=sizes, independent=True)
+        data = b"".join(payload(self.ns, k, n) for k, n in zip(keys, sizes, strict=True))
+        header = pb.PutRequest(namespace=self.ns, keys=keys, sizes=sizes, independent=True)
         half = len(data) // 2
         return [header.SerializeToString(), DATA_TAG + varint(half) + data[:half],
                 DATA_TAG + varint(len(data) - half) + data[half:]]
 
     def step(self) -> None:
-        name = self.rng.choices(list(self.cases), (15, 40, 8, 8, 12, 12, 5))[0]
+        name = self.rng.choices(list(self.cases), self.weights)[0]
         self.cases[name]()
 
     # --- sending ---
@@ -366,11 +362,11 @@ class Hostile:
     def _repeated_keys(self) -> None:
         keys = [self.keys[0], self.keys[1], self.keys[0]]
         method, request = self.rng.choice([
-            ("Get", pb.GetRequest(namespace=JUNK_NS, keys=keys)),
-            ("Pin", pb.PinRequest(namespace=JUNK_NS, keys=keys)),
-            ("Lookup", pb.LookupRequest(namespace=JUNK_NS, keys=keys)),
-            ("Prefetch", pb.PrefetchRequest(namespace=JUNK_NS, keys=keys)),
-            ("Reserve", pb.ReserveRequest(namespace=JUNK_NS, keys=keys, sizes=[1, 1, 1]))])
+            ("Get", pb.GetRequest(namespace=self.ns, keys=keys)),
+            ("Pin", pb.PinRequest(namespace=self.ns, keys=keys)),
+            ("Lookup", pb.LookupRequest(namespace=self.ns, keys=keys)),
+            ("Prefetch", pb.PrefetchRequest(namespace=self.ns, keys=keys)),
+            ("Reserve", pb.ReserveRequest(namespace=self.ns, keys=keys, sizes=[1, 1, 1]))])
         self.call(method, request.SerializeToString(), "repeated keys")
 
     def _put_shapes(self) -> None:
@@ -383,16 +379,33 @@ class Hostile:
 
     def _evict(self) -> None:
         keys = self.rng.sample(self.keys, self.rng.randint(0, 4))
-        self.call("Evict", pb.EvictRequest(namespace=JUNK_NS, keys=keys).SerializeToString(),
+        self.call("Evict", pb.EvictRequest(namespace=self.ns, keys=keys).SerializeToString(),
                   "junk keys")
+
+    def _local(self) -> None:
+        assert self.local is not None
+        name, case = self.local.step()
+        self.tally.timed(name, case)
+
+    def _credentials(self) -> None:
+        """A Lookup with no token, or with one nobody holds: UNAUTHENTICATED, and nothing
+        else learnt."""
+        token = self.rng.choice([None, "not-a-token-0123456789"])
+        request = pb.LookupRequest(namespace=self.ns, keys=self.keys[:1]).SerializeToString()
+        with open_channel(self.target, token) as channel:
+            lookup = channel.unary_unary(SERVICE + "Lookup", request_serializer=identity,
+                                         response_deserializer=identity)
+            self.tally.timed("Lookup (no token)" if token is None else "Lookup (wrong token)",
+                             lambda: "OK" if lookup(request, timeout=TIMEOUT_S) is not None
+                             else "NO REPLY")
 
     def _cancelled(self) -> None:
         if self.rng.random() < 0.5:
             self.tally.timed("Put (cancelled midway)", self._cancel_put)
             return
         method = self.rng.choice(["Get", "Prefetch"])
-        request = (pb.GetRequest(namespace=JUNK_NS, keys=self.keys[:4]) if method == "Get"
-                   else pb.PrefetchRequest(namespace=JUNK_NS, keys=self.keys[:4]))
+        request = (pb.GetRequest(namespace=self.ns, keys=self.keys[:4]) if method == "Get"
+                   else pb.PrefetchRequest(namespace=self.ns, keys=self.keys[:4]))
 
         def read_one() -> str:
             call = self.streaming[method](request.SerializeToString(), timeout=TIMEOUT_S)
@@ -423,10 +436,10 @@ class Hostile:
 
 
 def hostile_client(target: str, requests: int, duration_s: float,
-                   out: Results) -> None:
+                   out: Results, tenancy: Tenancy) -> None:
     """The spawned hostile process: fuzzed requests until `requests` or duration_s."""
-    with grpc.insecure_channel(target, options=OWN_CONNECTION) as channel:
-        hostile = Hostile(channel, seed=1234)
+    with open_channel(target, tenancy.token(B), OWN_CONNECTION) as channel:
+        hostile = Hostile(channel, 1234, tenancy, target)
         for first in range(0, 8, 2):
             hostile.send_put(hostile.put_messages(first), "valid")  # something to find
         deadline = time.monotonic() + duration_s
