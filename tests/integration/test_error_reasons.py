@@ -37,6 +37,7 @@ from kvstore.client import (
     StreamIdle,
     Unauthenticated,
 )
+from kvstore.client._attach import TicketKeeper
 from kvstore.client._localpath import LocalPath
 from kvstore.client.errors import from_rpc_error
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
@@ -319,7 +320,7 @@ def test_local_path_errors_carry_the_same_status(daemon: Daemon) -> None:
     assert info_of(status_pb2.Status.FromString(body)).reason == "RESERVATION_EXPIRED"
     raw.close()
     # The client's local path raises what gRPC would.
-    local = LocalPath(str(sock), lambda: "-", timeout_s=5)
+    local = LocalPath(str(sock), TicketKeeper(), timeout_s=5)
     try:
         with pytest.raises(LeaseExpired) as caught:
             local.call(RELEASE, pb.ReleaseRequest(ids=["gone"]), pb.ReleaseResponse)
