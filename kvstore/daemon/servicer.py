@@ -202,7 +202,8 @@ class KVStoreServicer:
             caller.data(request.namespace)
             shared, timeout_s, leased = self.verbs.get_options(request)
             result = self.store.reader.read(request.namespace, request.keys, timeout_s,
-                                            leased, stream.client, inline=not shared)
+                                            leased, stream.client, inline=not shared,
+                                            deadline_s=context.time_remaining())
         except Exception as exc:
             slot.close()
             self._fail(context, "Get", exc, started)

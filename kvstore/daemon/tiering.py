@@ -17,6 +17,12 @@ FREE record is appended before its L3 pages can be handed to anything else; ever
 checked against the block's checksum, so whatever a crash leaves behind is a miss, never
 wrong bytes.
 
+A read (`hold_read`, for `kvstore.daemon.reader`) gets every block it found in L2 at once:
+L2 pages for all of its L3 blocks are taken together, then its entries are held until it has
+leased them, so neither a demotion nor another read's load takes a block from under it; a
+read short of room holds nothing while it waits its turn, so reads that together need more
+than L2 never hold part of it each while waiting for the rest.
+
 L3 admission also follows the room on L3's filesystem (`kvstore.daemon.l3room`): the mover
 checks the free space against the reserve, and an L3 write that finds no room turns
 admission off; while it is off the planner admits nothing new to L3.
@@ -26,8 +32,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from kvstore.core.errors import StartupError
 from kvstore.core.index import Index
@@ -50,6 +59,13 @@ log = logging.getLogger(__name__)
 #: about 3 ms, like a 4,096-key Lookup, whatever the block size; blocks of 256 KiB and more
 #: fill movers.batch_bytes (64 MiB) in one round.
 DEMOTE_ROUND_BLOCKS = 256
+
+#: How often a read short of L2 room looks again once waiting for the mover is over (or no
+#: mover can help): then only an end of what holds L2 (a lease released or expired, a load
+#: or a put done) makes room, and most of those notify the waiters at once; the poll catches
+#: the rest (leases the sweeper expires, every `leases.sweep_interval_s`, 0.5 s by default)
+#: within a tenth of that.
+READ_POLL_S = 0.05
 
 _NO_ROOM = NO_ROOM_ERRNOS
 
@@ -79,6 +95,19 @@ class Load:
         return self._done.wait(timeout_s)
 
 
+@dataclass(slots=True)
+class HeldRead:
+    """What one read holds from `Tiering.hold_read` until `Tiering.release_read`: its
+    entries, held busy so that none of them leaves L2 (or is evicted) before the read leases
+    them, and the loads bringing those cached only in L3 into L2, by key. Empty when the read
+    needs no load (every entry it found is in L2) or when its time to wait for room ran out;
+    then `short` counts the blocks it found only in L3 and could not load."""
+
+    entries: list[Entry] = field(default_factory=list)
+    loads: dict[BlockKey, Load] = field(default_factory=dict)
+    short: int = 0
+
+
 class Tiering:
     """The demotions, loads and L3 manifest of one store (see the module docstring). It
     shares the store's lock, index and counters."""
@@ -106,6 +135,7 @@ class Tiering:
         self.meter = IoMeter()
         # free pages each waiting put or load needs, by tier and arena
         self._waiting: dict[tuple[Tier, str], list[int]] = {}
+        self._read_queue: deque[object] = deque()  # reads waiting for L2 room, in turn
         self._arena_pages = {t: {a: index.arena_usage(t, a)[3] for a in index.arena_names(t)}
                              for t in tiers}
         threads = 2 * config.nvme.io_threads
@@ -300,26 +330,203 @@ class Tiering:
         # A reader may have leased it meanwhile: then the next step drops its L2 copy.
         self.placement.finish_demotion(demotion, written=error is None)
 
+    # --- reads: every block of a Get in L2 at once --------------------------------------------
+
+    def hold_read(self, namespace: str, keys: Sequence[BlockKey], until: float) -> HeldRead:
+        """Make every cached block of one read stay in, or come into, L2 until the read has
+        leased them; the caller holds the lock, which waiting releases.
+
+        The read's L2 pages are taken all at once, for every block it needs loaded from L3
+        (a load already in flight is joined and needs none), and only then are its entries
+        held: a read holds nothing while it waits, so reads whose blocks together exceed L2
+        take turns instead of each holding part of L2 while waiting for the rest. The pages
+        are free ones, or those the mover frees by demoting; reads short of room queue, and
+        the first in the queue takes its pages as soon as they are free, so a read needing
+        many pages is not passed for ever by reads needing few. Only when no mover can
+        demote (it stopped, or there is no L3) is room made by evicting unheld blocks, the
+        read's own spared: with a mover, those blocks would be demoted rather than lost.
+        While room cannot be had (L2 held by leases, loads, puts and pins) the read waits
+        for what holds it to end, until `until` (a time.monotonic() reading); then it holds
+        nothing and the caller serves what L2 has.
+
+        Blocks past the longest prefix of keys whose blocks fit together in what pins leave
+        of their L2 arena are neither held nor loaded: a read larger than L2 gets its prefix
+        at once rather than waiting for room that cannot come. The caller waits for the
+        loads, leases, and then calls release_read()."""
+        if Tier.DRAM not in self.tiers:
+            return HeldRead()
+        turn: object | None = None  # this read's place in the queue, once it waits
+        pinned: dict[str, int] | None = None  # L2 pages pinned, by arena, once it is short
+        try:
+            while True:
+                cached = [e for k in keys if (e := self.index.get(namespace, k)) is not None]
+                if all(e.tier <= Tier.DRAM for e in cached):
+                    return HeldRead()  # the usual case: every block it found is in L2
+                found = self._fitting(cached, pinned or {})
+                below = [e for e in found if e.tier > Tier.DRAM]
+                if not below:
+                    return HeldRead()  # its L3 blocks lie past what L2 can take at once
+                joined = {e.key: ld for e in below if (ld := self._load_of(e)) is not None}
+                fresh = [e for e in below if e.key not in joined]
+                evict = not (self.mover_running and self.placement.can_demote(Tier.DRAM))
+                first = not self._read_queue or self._read_queue[0] is turn
+                pages = self._read_pages(fresh, found, evict) if first or not fresh else None
+                if pages is not None:
+                    return self._start_read(found, joined, fresh, pages)
+                if pinned is None:  # short of room: never wait for what pins keep
+                    pinned = self._pinned_pages()
+                    if pinned:
+                        continue
+                if time.monotonic() >= until:
+                    return HeldRead(short=len(fresh))
+                if turn is None:
+                    turn = object()
+                    self._read_queue.append(turn)
+                self._wait_read_room(fresh, until, evict, turn)
+        finally:
+            if turn is not None:
+                self._read_queue.remove(turn)
+                self.room.notify_all()  # the next in the queue may go now
+
+    def _start_read(self, found: list[Entry], joined: dict[BlockKey, Load],
+                    fresh: Sequence[Entry], pages: Sequence[Pages]) -> HeldRead:
+        """Hold a read's entries and start its loads into the pages taken for them."""
+        for entry in found:
+            self.index.moves.hold(entry)
+        self.loads_coalesced += len(joined)
+        loads = dict(joined)
+        for entry, got in zip(fresh, pages, strict=True):
+            loads[entry.key] = self._start_load(entry, Tier.DRAM, got)
+        return HeldRead(found, loads)
+
+    def release_read(self, held: HeldRead) -> None:
+        """End what hold_read() held, once the read leased its entries; the caller holds
+        the lock."""
+        for entry in held.entries:
+            self.index.moves.done(entry)
+        self.holds_ended()
+
+    def holds_ended(self) -> None:
+        """Leases or holds of L2 entries just ended (the caller holds the lock): when reads
+        wait for L2 room, wake them, and the mover, which may now demote those entries."""
+        if self._read_queue:
+            self.wake.set()
+            self.room.notify_all()
+
+    def _fitting(self, cached: Sequence[Entry], pinned: dict[str, int]) -> list[Entry]:
+        """The longest prefix of a read's cached entries whose blocks fit together in their
+        L2 arenas, less the pages pinned there (pinned: by arena; a pinned block of the read
+        already in L2 needs no room of its own)."""
+        room = {a: n - pinned.get(a, 0) for a, n in self._arena_pages[Tier.DRAM].items()}
+        for i, entry in enumerate(cached):
+            if not (entry.pinned and Tier.DRAM in entry.copies):
+                room[entry.arena] = room.get(entry.arena, 0) - self.index.pages_per_object(
+                    Tier.DRAM, entry.size_bytes)
+                if room[entry.arena] < 0:
+                    return list(cached[:i])
+        return list(cached)
+
+    def _pinned_pages(self) -> dict[str, int]:
+        """The L2 pages pinned blocks take, by arena. Counted only for a read short of room,
+        as it walks every pin."""
+        pinned: dict[str, int] = {}
+        for namespace, key in self.index.holdings.pins:
+            entry = self.index.get(namespace, key)
+            if entry is not None and Tier.DRAM in entry.copies:
+                pinned[entry.arena] = pinned.get(entry.arena, 0) + self.index.pages_per_object(
+                    Tier.DRAM, entry.size_bytes)
+        return pinned
+
+    def _load_of(self, entry: Entry) -> Load | None:
+        """The load in flight bringing entry into L2 (or through it into L1), if any."""
+        return (self._loads.get((entry.namespace, entry.key, Tier.DRAM))
+                or self._loads.get((entry.namespace, entry.key, Tier.HBM)))
+
+    def _read_pages(self, fresh: Sequence[Entry], found: Sequence[Entry],
+                    evict: bool) -> list[Pages] | None:
+        """L2 pages for each of fresh, all or none: free ones, or with evict, freed by
+        evicting unheld blocks other than found (a read's own); the caller holds the
+        lock."""
+        need = self._pages_by_arena(fresh)
+        short = [a for a, n in need.items() if self.index.free_pages(Tier.DRAM, a) < n]
+        if short and not evict:
+            return None
+        if short:
+            for entry in found:  # held while room is made, so that it is not theirs
+                self.index.moves.hold(entry)
+            try:
+                for arena in short:
+                    if self.index.make_room(Tier.DRAM, need[arena], arena) is None:
+                        return None
+            finally:
+                for entry in found:
+                    self.index.moves.done(entry)
+        pages = [self.index.moves.alloc(Tier.DRAM, e.size_bytes, e.arena) for e in fresh]
+        assert all(p is not None for p in pages), "the pages were free or made free"
+        return [p for p in pages if p is not None]
+
+    def _wait_read_room(self, fresh: Sequence[Entry], until: float, evict: bool,
+                        turn: object) -> None:
+        """Wait until `until` at most for the room fresh need in L2, with the mover asked
+        for it; the caller holds the lock, which the wait releases. The wait ends once this
+        read is first in the queue and its pages are free; with evict (no mover can demote),
+        at whatever may have made room (a hold ended, pages freed), and after READ_POLL_S
+        at most, for the read to try eviction again."""
+        need = self._pages_by_arena(fresh)
+        arena = max(need, key=lambda a: need[a] - self.index.free_pages(Tier.DRAM, a))
+        timeout_s = max(0.0, until - time.monotonic())
+        waiting = self._waiting.setdefault((Tier.DRAM, arena), [])
+        waiting.append(need[arena])
+        self.wake.set()
+        try:
+            if evict:
+                self.room.wait(min(timeout_s, READ_POLL_S))
+            else:
+                self.room.wait_for(lambda: self._read_queue[0] is turn and all(
+                    self.index.free_pages(Tier.DRAM, a) >= n for a, n in need.items()),
+                    timeout_s)
+        finally:
+            waiting.remove(need[arena])
+
+    def _pages_by_arena(self, entries: Iterable[Entry]) -> dict[str, int]:
+        need: dict[str, int] = {}
+        for entry in entries:
+            need[entry.arena] = need.get(entry.arena, 0) + self.index.pages_per_object(
+                Tier.DRAM, entry.size_bytes)
+        return need
+
     # --- loads (promotion) -------------------------------------------------------------------
 
     def load(self, entry: Entry, target: Tier) -> Load:
         """Bring entry up to target (DRAM or HBM), or join the load already doing so; the
         caller holds the lock. The entry stays busy until the load finishes."""
-        key = (entry.namespace, entry.key, target)
-        load = self._loads.get(key)
+        load = self._loads.get((entry.namespace, entry.key, target))
         if load is not None:
             self.loads_coalesced += 1
             return load
+        return self._start_load(entry, target)
+
+    def _start_load(self, entry: Entry, target: Tier, pages: Pages | None = None) -> Load:
+        """Start loading entry into target, into pages of L2 taken for it already (a
+        read's, hold_read) or, with pages None, into pages found when the load runs (_room);
+        the caller holds the lock."""
+        key = (entry.namespace, entry.key, target)
         load = self._loads[key] = Load()
         self.index.moves.hold(entry)
-        self._pool.submit(self._run_load, entry, target, key, load)
+        self._pool.submit(self._run_load, entry, target, key, load, pages)
         return load
 
     def _run_load(self, entry: Entry, target: Tier, key: tuple[str, BlockKey, Tier],
-                  load: Load) -> None:
+                  load: Load, pages: Pages | None) -> None:
         ok = False
         try:
-            ok = Tier.DRAM in entry.copies or self._load_l3(entry)
+            if Tier.DRAM in entry.copies:
+                ok = True
+                if pages is not None:
+                    with self.room:
+                        self.index.moves.free(Tier.DRAM, pages)
+            else:
+                ok = self._load_l3(entry, pages)
             if ok and target == Tier.HBM and Tier.HBM not in entry.copies:
                 ok = self._load_l1(entry)
         except Exception:
@@ -343,30 +550,38 @@ class Tiering:
                 got = self.placement.alloc(tier, size_bytes, demoted=True, arena=arena)
             return got.pages
 
-    def _load_l3(self, entry: Entry) -> bool:
-        """Load a block from L3 into L2, reading straight into its new L2 pages, and check
-        the bytes against the block's checksum."""
-        if Tier.NVME not in entry.copies:
-            return False
-        pages = self._room(Tier.DRAM, entry.size_bytes, entry.arena)
+    def _load_l3(self, entry: Entry, pages: Pages | None = None) -> bool:
+        """Load a block from L3 into L2, reading straight into its new L2 pages (those
+        given, else found by _room), and check the bytes against the block's checksum.
+        Pages that do not become its copy are freed."""
+        if pages is None and Tier.NVME in entry.copies:
+            pages = self._room(Tier.DRAM, entry.size_bytes, entry.arena)
         if pages is None:
             return False
-        buffers = self.dram.buffers(pages, entry.size_bytes)
-        [error] = self._io(Tier.NVME, "read", [
-            Transfer(entry.copies[Tier.NVME], entry.size_bytes, buffers)])
-        intact = error is None and self.dram.checksum(
-            self.dram.extents(pages, entry.size_bytes)) == entry.checksum
-        with self.room:
-            if not intact:
-                self.index.moves.free(Tier.DRAM, pages)
-                self._drop_damaged(entry, error)
+        placed = False
+        try:
+            if Tier.NVME not in entry.copies:
                 return False
-            if self.placement.promote(entry, Tier.DRAM, pages):
-                self.journal_free([entry])  # its L3 copy went (exclusive placement)
-            self.index.touch(entry.namespace, [entry.key])  # most recently used
-            self.stats[Tier.NVME].bytes_out += entry.size_bytes
-            self.stats[Tier.DRAM].promotions += 1
-        return True
+            buffers = self.dram.buffers(pages, entry.size_bytes)
+            [error] = self._io(Tier.NVME, "read", [
+                Transfer(entry.copies[Tier.NVME], entry.size_bytes, buffers)])
+            intact = error is None and self.dram.checksum(
+                self.dram.extents(pages, entry.size_bytes)) == entry.checksum
+            with self.room:
+                if not intact:
+                    self._drop_damaged(entry, error)
+                    return False
+                if self.placement.promote(entry, Tier.DRAM, pages):
+                    self.journal_free([entry])  # its L3 copy went (exclusive placement)
+                placed = True
+                self.index.touch(entry.namespace, [entry.key])  # most recently used
+                self.stats[Tier.NVME].bytes_out += entry.size_bytes
+                self.stats[Tier.DRAM].promotions += 1
+            return True
+        finally:
+            if not placed:
+                with self.room:
+                    self.index.moves.free(Tier.DRAM, pages)
 
     def _drop_damaged(self, entry: Entry, error: OSError | None) -> None:
         stats = self.stats[Tier.NVME]
