@@ -413,20 +413,26 @@ class LocalHostile:
 
 def hold_sessions(path: str, tickets: Callable[[], str], count: int
                   ) -> tuple[list[LocalSession], collections.Counter[str]]:
-    """Open up to `count` sessions; those the daemon gave, and why the others were not."""
+    """Open up to `count` sessions; those the daemon gave, and why the others were not. A
+    ticket a cap refused stays good and is tried again: a fresh one per try would use up the
+    tenant's 64 unused tickets and shut it out of Attach for 30 s."""
     held: list[LocalSession] = []
     codes: collections.Counter[str] = collections.Counter()
+    spare = ""
     for _ in range(count):
         try:
-            session = LocalSession(path, tickets())
+            ticket, spare = spare or tickets(), ""
         except grpc.RpcError as exc:
             codes[f"Attach {exc.code().name}"] += 1
             continue
+        session = LocalSession(path, ticket)
         if session.ok:
             held.append(session)
             codes["session opened"] += 1
         else:
             codes[f"refused: {session.refusal}"] += 1
+            if session.refusal == "TOO_MANY_SESSIONS":
+                spare = ticket
             session.close()
     return held, codes
 

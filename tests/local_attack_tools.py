@@ -123,11 +123,15 @@ class NoTicket(Exception):
 
 
 class Tickets:
-    """Handshake tickets: "-" with auth off (no token), else a fresh one from Attach each
-    call, over gRPC with the tenant's token (imported only then: a forked flood has none)."""
+    """Handshake tickets: "-" with auth off (no token), else one from Attach, over gRPC with
+    the tenant's token (imported only then: a forked flood has none). A ticket whose
+    handshake a cap refused is tried again (`spare`): the daemon leaves it good, and a tenant
+    holds at most 64 unused tickets, which an attacker that took a fresh one per try would
+    use up, shutting its own tenant out of Attach for the tests that follow."""
 
     def __init__(self, target: str, token: str) -> None:
         self.token = token
+        self.spare = ""
         self.channel: Any = None
         if token:
             import grpc
@@ -142,6 +146,9 @@ class Tickets:
     def __call__(self) -> str:
         if not self.token:
             return "-"
+        if self.spare:
+            ticket, self.spare = self.spare, ""
+            return ticket
         try:
             reply = self.stub.Attach(pb.AttachRequest(), metadata=self.metadata,
                                      timeout=REPLY_TIMEOUT_S)
@@ -260,6 +267,8 @@ def open_session(cfg: dict[str, Any], tickets: Tickets, report: Report,
         return None
     if not session.ok:
         report.count(f"handshake refused: {session.refusal}")
+        if session.refusal == "TOO_MANY_SESSIONS" and ticket != "-":
+            tickets.spare = ticket
         session.close()
         return None
     report.count("sessions opened")

@@ -346,7 +346,7 @@ def test_every_length_edge(mode: Mode, scene: Scene) -> None:
 def test_slow_handshakes_shut_nobody_out(mode: Mode, scene: Scene) -> None:
     report = attack_with_victims(scene, mode.attacker("slow_handshake", connections=16),
                                  path_during=True)
-    assert report["counts"]["connections"] >= 16
+    assert report["counts"].get("connections", 0) >= 16, report
 
 
 def test_slow_frames(mode: Mode, scene: Scene) -> None:
@@ -379,7 +379,7 @@ def test_five_byte_headers_of_max_frames_keep_no_memory(mode: Mode, scene: Scene
     before = own_rss(mode.daemon)
     report = attack_with_victims(scene, mode.attacker("big_headers", waves=6, sessions=31,
                                                       wave_hold_s=0.2), path_during=True)
-    assert report["counts"]["headers sent"] >= 6 * 16, report
+    assert report["counts"].get("headers sent", 0) >= 6 * 16, report
     wait_until(lambda: own_rss(mode.daemon) <= before + RSS_SLACK_BYTES,
                f"the daemon's RSS back within 64 MiB of {before >> 20} MiB "
                f"(now {own_rss(mode.daemon) >> 20} MiB)", timeout_s=RECOVERY_S)
