@@ -21,9 +21,11 @@ What a session may hold, so that no client can hold the path at others' expense:
   past a cap closes the least recently active session idle for REAP_IDLE_S or longer (of that
   client for its own cap, of anyone for the total) and is admitted; it is refused only when
   no session is idle, and then its ticket stays good for the client's next try;
-- memory: a frame's bytes go into a standing buffer of STANDING_BYTES, or, larger, into an
-  anonymous mapping made when its first body byte arrives, faulted in as bytes arrive and
-  returned to the OS when the frame is read; nothing is allocated for a header alone.
+- memory: a frame's bytes go into the session's buffer, grown as they arrive up to
+  HEAP_FRAME_BYTES and cut back to STANDING_BYTES after the frame, or, for a larger frame,
+  into an anonymous mapping made when its first body byte arrives, faulted in as bytes
+  arrive and returned to the OS when the frame is read; nothing is allocated for a header
+  alone.
 
 Every session thread ends on any error with one log line (the traceback at DEBUG), closing
 that session only.
@@ -95,10 +97,18 @@ IDLE_LIMIT_S = 60.0
 #: belongs to a pool larger than its load, so closing it rarely cuts a request about to be
 #: sent (and a cut one is retried by the client on a new session).
 REAP_IDLE_S = 1.0
-#: Each session's standing buffer: frames up to this size are read into it, larger ones into
-#: a mapping of their own, released when they are read. A Lookup or Get of ~1,900 keys fits
-#: (34 bytes a key); engines batch tens to hundreds. 256 sessions hold at most 16 MiB of them.
+#: What a session's buffer is kept at between frames. A Lookup or Get of ~1,900 keys fits
+#: (34 bytes a key); engines batch tens to hundreds. 256 sessions keep at most 16 MiB.
 STANDING_BYTES = 64 * 1024
+#: Frames up to this size are read into the session's buffer, doubled as their bytes fill it
+#: (so it holds at most twice what arrived) and cut back to STANDING_BYTES after the frame;
+#: larger ones into an anonymous mapping of their own, which the kernel takes back when it
+#: is closed. Every Lookup, Get or Reserve of server.max_batch_keys (4096) keys is under it
+#: (~140-160 KiB). Not a mapping for all: each page first written in a fresh mapping faults
+#: (a 70 KiB frame took 77 us into a mapping against 8 us into the heap, on a 2-core VM),
+#: while freed heap is kept and reused (kvstore/memory.py) -- so what slow partial frames
+#: can leave the heap holding is bounded by 256 sessions x 256 KiB = 64 MiB.
+HEAP_FRAME_BYTES = 256 * 1024
 LOCAL_CLIENT = "unix:local"  #: whom a peer the socket cannot name is charged to (auth off)
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (SO_PEERCRED)
@@ -343,12 +353,14 @@ class _Frames:
 
     Between frames the session waits up to an idle limit for a header's first byte; from
     that byte on, the whole frame (header and body) must arrive by one deadline, however
-    the bytes trickle in. A body is read into the standing buffer (STANDING_BYTES, made when
-    the session's first body byte arrives) or, larger, into an anonymous mapping made when
-    its first byte arrives: the kernel gives it pages as bytes land and takes them back when
-    it is closed, so a session holds about what it has received, and the daemon's heap,
-    which keeps what it frees (kvstore/memory.py), never grows for a frame in flight. Each
-    body is handed on as bytes of its own, so no frame aliases a buffer the next one reuses.
+    the bytes trickle in. A body is read into the session's buffer (made at STANDING_BYTES
+    when its first body byte arrives, doubled as bytes fill it up to HEAP_FRAME_BYTES, cut
+    back after the frame) or, larger, into an anonymous mapping made when its first byte
+    arrives: the kernel gives it pages as bytes land and takes them back when it is closed.
+    So a session holds about what it has received, and the daemon's heap, which keeps what it
+    frees (kvstore/memory.py), never grows by more than HEAP_FRAME_BYTES a session for a frame
+    in flight. Each body is handed on as bytes of its own, and no view of the buffer outlives
+    a read, so the buffer can be resized and no frame aliases it.
     """
 
     def __init__(self, conn: socket.socket, limit: int, frame_timeout_s: float,
@@ -385,21 +397,35 @@ class _Frames:
             return verb, None
         if length == 0:
             return verb, b""
-        if length > STANDING_BYTES:
-            return verb, self._large(length)
-        with memoryview(self._standing_buffer()) as standing, standing[:length] as body:
-            self._fill(body)
-            return verb, bytes(body)
+        if length > HEAP_FRAME_BYTES:
+            return verb, self._mapped(length)
+        return verb, self._buffered(length)
 
     def _standing_buffer(self) -> bytearray:
-        """The standing buffer, made once a body byte has arrived. It is never resized, so
-        no view of it can stand in the way."""
+        """The session's buffer, made once a body byte has arrived."""
         if self._standing is None:
             self._arrival()
             self._standing = bytearray(STANDING_BYTES)
         return self._standing
 
-    def _large(self, length: int) -> bytes:
+    def _buffered(self, length: int) -> bytes:
+        """A body read into the session's buffer, doubled whenever arrived bytes fill it."""
+        buffer = self._standing_buffer()
+        got = 0
+        try:
+            while got < length:
+                if got == len(buffer):
+                    buffer.extend(bytes(min(len(buffer), length - len(buffer))))
+                with memoryview(buffer) as whole, whole[got:min(len(buffer), length)] as part:
+                    got += self._recv(part)
+            with memoryview(buffer) as whole, whole[:length] as body:
+                return bytes(body)
+        finally:
+            if len(buffer) > STANDING_BYTES:  # a large frame's room goes back
+                del buffer[STANDING_BYTES:]
+
+    def _mapped(self, length: int) -> bytes:
+        """A body read into an anonymous mapping of its own, closed once it is read."""
         self._arrival()
         with mmap.mmap(-1, length) as mapped, memoryview(mapped) as body:
             self._fill(body)

@@ -28,7 +28,12 @@ from kvstore.core.errors import Reason
 from kvstore.daemon.attach import Tickets
 from kvstore.daemon.config import load_config
 from kvstore.daemon.faults import FaultLog
-from kvstore.daemon.localpath import MAX_SESSIONS_PER_CLIENT, STANDING_BYTES, LocalSessions
+from kvstore.daemon.localpath import (
+    HEAP_FRAME_BYTES,
+    MAX_SESSIONS_PER_CLIENT,
+    STANDING_BYTES,
+    LocalSessions,
+)
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
 from kvstore.daemon.verbs import Verbs
@@ -144,7 +149,10 @@ def test_every_frame_length_edge_is_answered_and_the_session_goes_on(
         limit = raw.hello["hot"]["max_frame_bytes"]
         raw.send(LOOKUP, b"")  # an empty LookupRequest: no namespace
         assert reply_of(raw)[0] == INVALID
-        for length in (1, limit - 1, limit):
+        # Every edge of the buffers too: the session's (kept, then doubled as bytes fill it)
+        # and a mapping of the frame's own past HEAP_FRAME_BYTES.
+        for length in (1, STANDING_BYTES, STANDING_BYTES + 1, HEAP_FRAME_BYTES,
+                       HEAP_FRAME_BYTES + 1, limit - 1, limit):
             raw.send(LOOKUP, b"\x00" * length)  # field number 0: does not parse
             status, body = reply_of(raw)
             assert status == INVALID and b"does not parse" in body, length
