@@ -33,6 +33,7 @@ that session only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -468,10 +469,10 @@ class _Frames:
 
 
 def _hang_up(conn: socket.socket) -> None:
-    try:
+    """End a session from outside its thread: its blocked read returns at once, as closed.
+    A socket already reset or shut is ending anyway, so its error is not one."""
+    with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
-    except OSError:  # closed or reset already: it is ending anyway
-        pass
 
 
 def _send_line(conn: socket.socket, message: dict[str, object]) -> None:
