@@ -14,20 +14,20 @@ asked for is cached and should come back.
   the blocks that a lone reader (one key per Get, inline) gets right before the scan: all
   of them (target 1.00x: no spurious miss). Each block the scan missed is read alone again
   right after it, as the issue measured its misses: one returned is a spurious miss, one
-  missed again was lost. Readers lease what they read
-  (shared memory with `verify_checksums=False`, bytes checked here; inline Gets always lease).
+  missed again was lost. Readers lease what they read (shared memory with
+  `verify_checksums=False`, bytes checked here; inline Gets always lease).
 - l3_pressure_hits_default_client: the same with clients on their defaults, whose
   shared-memory Gets verify checksums and so take no lease: a block demoted between the
   reply and the client's copy fails its checksum, reads as a miss, and the client evicts it
   (lost: the lone reader right after misses it too).
-- l3_pressure_reads_per_s: L3 block reads per second of the scans with `--threads` readers
-  vs one reader making the same Gets (ratio > 1: readers at once get more done, waiting
-  for L2 room included).
+- l3_pressure_reads_per_s: L3 block reads per second of the scan with `--threads` readers
+  vs one reader making Gets of the same kind (a quarter as many reads) on the same daemon
+  and blocks (ratio > 1: readers at once get more done, their waits for L2 room included).
 
 `#` lines give the counts behind each figure: spurious misses (missed by the scan, returned
-alone), lost blocks (missed alone too), wrong bytes (always 0: checksums), and the slowest
-Get. Prints `bench <name>: <ours> <unit> vs <baseline name> <baseline> <unit> = <ratio>x`
-per figure and, with `--json PATH`, one JSON object there.
+alone), lost blocks (missed alone too), wrong bytes (always 0: checksums), and the Gets'
+latency (p50, p99, slowest). Prints `bench <name>: <ours> <unit> vs <baseline name>
+<baseline> <unit> = <ratio>x` per figure and, with `--json PATH`, one JSON object there.
 """
 
 from __future__ import annotations
