@@ -169,8 +169,9 @@ class LeaseConfig:
 @dataclass(frozen=True)
 class ClientConfig:
     """What one client may hold at once (section `clients`); past a cap, RESOURCE_EXHAUSTED
-    naming it. A client is the caller's tenant with auth on, else its peer host (all
-    processes of one host together)."""
+    naming it. A client is the caller's tenant with auth on; with auth off it is the
+    peer host over gRPC (all processes of one host together) and the peer process on the
+    local path (docs/local-path.md)."""
 
     max_leases: int = 1024  #: Live read leases (shared-memory Gets not yet Released).
     #: Streaming calls in flight; 0 = server.max_streams less a quarter (at least one), so
