@@ -272,9 +272,9 @@ def _scene(mode: Mode, ns: str) -> Iterator[Scene]:
                                                timeout=10)
 
 
-def attack_with_victims(scene: Scene, attacker: Attacker, *, path_during: bool = False,
-                        hold_s: float = HOLD_S) -> dict[str, Any]:
-    """Hold the attack (at least hold_s, and until its finite part is done) while the
+def attack_with_victims(scene: Scene, attacker: Attacker, *,
+                        path_during: bool = False) -> dict[str, Any]:
+    """Hold the attack (at least HOLD_S, and until its finite part is done) while the
     victim from before it and one started during it call; stop it; a victim started after
     it; every victim on the fast path within RECOVERY_S of its end. path_during: the
     victim started during the attack must be on the fast path before the attack ends (the
@@ -285,7 +285,7 @@ def attack_with_victims(scene: Scene, attacker: Attacker, *, path_during: bool =
     during: Victim | None = None
     fast_during = False
     try:
-        while not (attacker.done.is_set() and time.monotonic() - started >= hold_s):
+        while not (attacker.done.is_set() and time.monotonic() - started >= HOLD_S):
             assert time.monotonic() - started < 60, "the attack never got in place"
             before.probe()
             if during is None and (attacker.done.is_set() or time.monotonic() - started > 0.5):
