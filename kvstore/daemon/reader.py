@@ -46,10 +46,12 @@ log = logging.getLogger(__name__)
 #: the answer inside any timeout a client sets above it.
 READ_WAIT_S = 2.0
 #: Kept back from a caller's deadline: the read stops waiting for room this long before
-#: it, so that the reply (a shared-memory reply or an inline stream's first chunks, well
-#: under a millisecond on a host, some milliseconds across a loaded network) reaches the
-#: client before its deadline does and it gets its hits and misses, not DEADLINE_EXCEEDED.
-REPLY_MARGIN_S = 0.1
+#: it, so that the reply reaches the client before its deadline does and it gets its hits
+#: and misses, not DEADLINE_EXCEEDED. Leasing and sending the reply take well under a
+#: millisecond, and some milliseconds across a network; on a host with tens of runnable
+#: threads per core a thread waits tens of milliseconds for its turn on one, which 0.25 s
+#: covers several times over. It costs only reads that give up anyway.
+REPLY_MARGIN_S = 0.25
 #: The warning that reads served L3 blocks as misses for want of L2 room comes at most this
 #: often: once a minute tells an operator that L2 is too small for its readers without
 #: flooding the log of a daemon serving thousands of Gets a second.
