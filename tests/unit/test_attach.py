@@ -73,9 +73,10 @@ def serve(tmp_path: Path, dram: DramTier) -> Iterator[Callable[..., Served]]:
              open_session: OpenSession | None = None, **limits: float) -> Served:
         limits.setdefault("exchange_timeout_s", DEADLINE_S)
         path = str(tmp_path / f"kv{len(started)}.sock")
-        sock = AttachSocket(path, Tickets(), arena_fds, open_session, **limits)  # type: ignore[arg-type]
+        tickets = Tickets()
+        sock = AttachSocket(path, tickets, arena_fds, open_session, **limits)  # type: ignore[arg-type]
         sock.start()
-        started.append(Served(path, sock._tickets, sock))
+        started.append(Served(path, tickets, sock))
         return started[-1]
 
     yield make
