@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -170,8 +171,14 @@ def connect(path: str, timeout_s: float, what: str) -> socket.socket:
     permission, not a socket, a path too long). what: the attempt, for the message."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(timeout_s)
+        # A Unix socket's connect with a Python timeout is non-blocking and fails at once
+        # (EAGAIN) while the daemon's accept queue is full, as under a reconnect flood; in
+        # blocking mode the kernel waits for room in the queue, up to SO_SNDTIMEO.
+        seconds = max(timeout_s, 0.001)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
         sock.connect(path)
+        sock.settimeout(timeout_s)
     except (FileNotFoundError, ConnectionError, BlockingIOError, TimeoutError) as exc:
         sock.close()
         raise TryLater(f"{what}: nothing serves the daemon's Unix socket {path} now: {exc}",
