@@ -15,6 +15,7 @@ arguments are checked and requests built in `_requests`, wire framing in `_wire`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -52,7 +53,9 @@ from ._wire import (
     finish_get,
     finish_get_into,
     identity,
+    merge_reread,
     put_frames,
+    reread_indexes,
 )
 from .credentials import (
     TLS,
@@ -71,6 +74,7 @@ logger = logging.getLogger("kvstore.client")
 
 T = TypeVar("T")
 M = TypeVar("M")  # a response message
+R = TypeVar("R")  # a per-key result of a Get: the block's bytes (get) or its size (get_into)
 
 
 class ClientBase(ABC):
@@ -241,11 +245,13 @@ class ClientBase(ABC):
                            ids, exc)
 
     def _drop_corrupt(self, bad: list[bytes]) -> Steps[None]:
-        """Evict each block that failed its checksum (now a miss), logging it."""
+        """Evict each block that failed its checksum on a read the daemon held (now a
+        miss), logging it: its bytes are damaged, and the engine's next put stores a good
+        copy only once this one is gone."""
         for key in bad:
             logger.warning(
-                "kvstore: checksum mismatch for key %s in namespace %r; treating it as a miss "
-                "and evicting it",
+                "kvstore: checksum mismatch for key %s in namespace %r on a read under the "
+                "daemon's lease (the block is damaged); treating it as a miss and evicting it",
                 key.hex(),
                 self.namespace,
             )
@@ -309,10 +315,9 @@ class ClientBase(ABC):
         key_list = check_keys(keys)
         if not key_list:
             return []
-        fetched = yield from self._fetch(key_list, None)
-        out, bad = finish_get(key_list, fetched, self.verify_checksums)
-        yield from self._drop_corrupt(bad)
-        return out
+        verify = self.verify_checksums
+        return (yield from self._read(
+            key_list, None, lambda k, fetched, _: finish_get(k, fetched, verify)))
 
     def _get_into_steps(self, keys: Sequence[BlockKey],
                         buffers: Sequence[object]) -> Steps[list[int | None]]:
@@ -320,37 +325,73 @@ class ClientBase(ABC):
         arrays = rq.into_arrays(key_list, buffers)
         if not key_list:
             return []
-        fetched = yield from self._fetch(key_list, arrays)
-        out, bad = finish_get_into(key_list, fetched, arrays, self.verify_checksums)
+        verify = self.verify_checksums
+
+        def finish(keys_read: list[bytes], fetched: Fetched, arrays_read: list[ByteArray] | None
+                   ) -> tuple[list[int | None], list[bytes]]:
+            assert arrays_read is not None  # the buffers of the keys read, as _read passes
+            return finish_get_into(keys_read, fetched, arrays_read, verify)
+
+        return (yield from self._read(key_list, arrays, finish))
+
+    def _read(
+        self, keys: list[bytes], arrays: list[ByteArray] | None,
+        finish: Callable[[list[bytes], Fetched, list[ByteArray] | None],
+                         tuple[list[R | None], list[bytes]]],
+    ) -> Steps[list[R | None]]:
+        """The blocks fetched and judged by their checksums (finish: finish_get or
+        finish_get_into): per key, its result or None. Blocks that failed their checksum on
+        a read the daemon did not hold (a verifying client's shared-memory Get, unleased) are
+        read once more, under a lease, and only those that fail again are evicted; those of
+        a held read are evicted at once (see `reread_indexes`)."""
+        fetched = yield from self._fetch(keys, arrays)
+        out, bad = finish(keys, fetched, arrays)
+        again = reread_indexes(fetched, out)
+        if again:
+            # Normal under L2 pressure (a block demoted between the daemon's reply and the
+            # copy), so not a warning; a block that fails under the lease too is one.
+            logger.debug("kvstore: %d of %d blocks failed their checksum on an unleased "
+                         "shared-memory read (moved by the daemon while copied); reading "
+                         "them again under a lease", len(again), len(keys))
+            keys_again = [keys[i] for i in again]
+            arrays_again = None if arrays is None else [arrays[i] for i in again]
+            fetched = yield from self._fetch(keys_again, arrays_again, again=True)
+            out_again, bad = finish(keys_again, fetched, arrays_again)
+            merge_reread(out, again, out_again)
         yield from self._drop_corrupt(bad)
         return out
 
-    def _fetch(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Steps[Fetched]:
-        """The blocks through shared memory when it is in use, else inline."""
+    def _fetch(self, keys: list[bytes], arrays: list[ByteArray] | None,
+               again: bool = False) -> Steps[Fetched]:
+        """The blocks through shared memory when it is in use, else inline; again: a re-read
+        of blocks that failed their checksum unleased, which takes a lease (see _read)."""
         if (yield from self._segment()) is not None:
             try:
-                through_shm: Fetched = yield Retried(lambda: self._get_shm(keys, arrays))
+                through_shm: Fetched = yield Retried(lambda: self._get_shm(keys, arrays, again))
                 return through_shm
             except FailedPrecondition as exc:
                 self._shm.fall_back(exc)
         inline: Fetched = yield Retried(lambda: self._get_inline(keys, arrays))
         return inline
 
-    def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None) -> Steps[Fetched]:
-        request = self._get_request(keys, True)
+    def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None,
+                 again: bool = False) -> Steps[Fetched]:
+        request = self._get_request(keys, True, again)
         response = yield from self._local_first(
             GET, request, pb.GetResponse, lambda: self._get_header(request))
         try:
             yield from self._ensure_arena(response.arena)
             fetched: Fetched = yield Offload(partial(
                 self._shm.read_get, response, len(keys), arrays, self.verify_checksums))
-            return fetched
+            # The daemon says whether it leased what it found: a lease id, or none.
+            return fetched if response.lease_id else dataclasses.replace(fetched, held=False)
         finally:
             if response.lease_id:
                 yield from self._release_lease(response.lease_id)
 
-    def _get_request(self, keys: list[bytes], shared_memory: bool) -> pb.GetRequest:
-        return rq.get_request(self.namespace, keys, shared_memory, self.verify_checksums)
+    def _get_request(self, keys: list[bytes], shared_memory: bool,
+                     again: bool = False) -> pb.GetRequest:
+        return rq.get_request(self.namespace, keys, shared_memory, self.verify_checksums, again)
 
     def _get_header(self, request: pb.GetRequest) -> Steps[pb.GetResponse]:
         """A shared-memory Get over gRPC: the one message it answers."""

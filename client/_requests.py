@@ -107,15 +107,19 @@ def into_arrays(keys: Sequence[bytes], buffers: Sequence[object]) -> list[ByteAr
 
 
 def get_request(
-    namespace: str, keys: list[bytes], shared_memory: bool, verify_checksums: bool
+    namespace: str, keys: list[bytes], shared_memory: bool, verify_checksums: bool,
+    again: bool = False,
 ) -> pb.GetRequest:
-    """A shared-memory read by a client that verifies checksums takes no lease: a block
-    evicted while it is copied fails its checksum and reads as a miss, and the read saves
-    the Release round trip."""
+    """A shared-memory read by a client that verifies checksums takes no lease, which saves
+    the Release round trip: a block the daemon moves while it is copied (demoted under L2
+    pressure, its pages reused) fails its checksum. Those blocks are then read `again`, with
+    a lease, and only one that fails under the lease is a miss (and evicted, see
+    `_wire.reread_indexes`). A client that does not verify always leases."""
     if not shared_memory:
         return pb.GetRequest(namespace=namespace, keys=keys, mode=pb.GET_MODE_INLINE)
     return pb.GetRequest(
-        namespace=namespace, keys=keys, mode=pb.GET_MODE_SHARED_MEMORY, no_lease=verify_checksums
+        namespace=namespace, keys=keys, mode=pb.GET_MODE_SHARED_MEMORY,
+        no_lease=verify_checksums and not again,
     )
 
 

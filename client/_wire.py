@@ -188,6 +188,11 @@ class Fetched:
     digests: list[int] | None = None
     """Checksums computed while copying, by a client that verifies (through shared memory or
     an INLINE Get); None: finish_get/finish_get_into hash the payloads or buffers."""
+    held: bool = True
+    """Whether the daemon held the blocks while they were copied: an INLINE Get (streamed
+    under the daemon's lease) or a leased shared-memory Get. False for a shared-memory Get
+    without a lease, whose blocks the daemon may move (demote to L3, its pages reused) before
+    the copy: a checksum that fails there is no evidence of damage (see `reread_indexes`)."""
 
 
 def identity(frame: bytes) -> bytes:
@@ -405,3 +410,24 @@ def finish_get_into(
                 continue
         out[i] = size
     return out, bad
+
+
+def reread_indexes(fetched: Fetched, out: Sequence[object]) -> list[int]:
+    """The request indexes of the blocks to read once more, under a lease, before any is
+    judged damaged: those found whose checksum failed (None in `out`, the per-key result of
+    finish_get or finish_get_into) on a read the daemon did not hold. Under L2 pressure the
+    daemon demotes a block to L3 and reuses its pages between its reply and the client's copy
+    as a matter of course; the block is intact in L3, and evicting it would turn one spurious
+    miss into a lost block for every reader after. A failure on a held read (inline, or
+    leased) is damage: nothing to read again, the block is evicted."""
+    if fetched.held:
+        return []
+    return [i for i in fetched.header.found_index if out[i] is None]
+
+
+def merge_reread(out: list[T | None], indexes: Sequence[int], again: Sequence[T | None]) -> None:
+    """Put the results of the blocks read again (`again`, one per index) in their places of
+    out, the first read's per-key results: a block that passed its checksum the second time
+    is a hit, one that failed it or was not found is a miss."""
+    for i, result in zip(indexes, again, strict=True):
+        out[i] = result

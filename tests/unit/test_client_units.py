@@ -52,8 +52,10 @@ from kvstore.client._wire import (
     decode_get_response,
     finish_get,
     finish_get_into,
+    merge_reread,
     parse_get_header,
     put_frames,
+    reread_indexes,
     tier_value,
 )
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
@@ -328,6 +330,42 @@ def test_checksum_mismatch_is_a_miss_reported_for_eviction() -> None:
     assert out == [b"good", None] and bad == [K[1]]
     out, bad = finish_get(K[:2], Fetched(header, [b"good", b"EVIL"]), False)
     assert out == [b"good", b"EVIL"] and bad == []
+
+
+def test_blocks_that_fail_unleased_are_read_again_and_only_held_failures_evicted() -> None:
+    # K[0] good, K[1] not found, K[2] moved under the copy, K[3] good, K[2] again (moved).
+    keys = [K[0], K[1], K[2], K[3], K[2]]
+    header = parse_get_header(_header([b"a", None, b"c", b"d", b"c"]), 5)
+    copied = [b"a", b"X", b"d", b"X"]  # what the client copied of the 4 found blocks
+    unleased = Fetched(header, copied, held=False)
+    out, bad = finish_get(keys, unleased, True)
+    assert out == [b"a", None, None, b"d", None] and bad == [K[2], K[2]]
+    # Only the found blocks that failed, each at its own place (a miss is no mismatch).
+    again = reread_indexes(unleased, out)
+    assert again == [2, 4]
+    # Under the lease one comes back and one fails again: a hit, and a block to evict.
+    header_again = parse_get_header(_header([b"c", b"c"]), 2)
+    out_again, bad_again = finish_get([K[2], K[2]], Fetched(header_again, [b"c", b"Y"]), True)
+    assert bad_again == [K[2]]
+    merge_reread(out, again, out_again)
+    assert out == [b"a", None, b"c", b"d", None]
+    # A held read (inline, or leased) is not read again: a mismatch there is damage.
+    assert reread_indexes(dataclasses.replace(unleased, held=True), out) == []
+    assert Fetched(header, copied).held
+    # Nothing failed: nothing to read again.
+    assert reread_indexes(Fetched(header, [b"a", b"c", b"d", b"c"], held=False),
+                          [b"a", None, b"c", b"d", b"c"]) == []
+
+
+def test_verifying_shm_reads_go_unleased_and_their_rereads_leased() -> None:
+    def no_lease(shared_memory: bool, verify: bool, again: bool) -> bool:
+        request = rq.get_request("ns", K[:1], shared_memory, verify, again)
+        return request.no_lease
+
+    assert no_lease(True, True, False)  # the first read of a verifying client
+    assert not no_lease(True, True, True)  # its re-read of what failed
+    assert not no_lease(True, False, False)  # a client that does not verify always leases
+    assert not no_lease(False, True, False)  # inline reads stream under the daemon's lease
 
 
 # --- shared memory --------------------------------------------------------------------------
