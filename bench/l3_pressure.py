@@ -18,8 +18,11 @@ asked for is cached and should come back.
   `verify_checksums=False`, bytes checked here; inline Gets always lease).
 - l3_pressure_hits_default_client: the same with clients on their defaults, whose
   shared-memory Gets verify checksums and so take no lease: a block demoted between the
-  reply and the client's copy fails its checksum, reads as a miss, and the client evicts it
-  (lost: the lone reader right after misses it too).
+  reply and the client's copy fails its checksum, and the client reads it once more under a
+  lease (counted in the daemon's L3 reads, so this scan's L3 reads include those re-reads);
+  before the client did so it evicted the block (lost: the lone reader right after missed
+  it too). The race is rare unless the readers' process is busy (an engine's own Python
+  work), which `--busy` adds: one thread spinning in the readers' process.
 - l3_pressure_reads_per_s: L3 block reads per second of the scan with `--threads` readers
   vs one reader making Gets of the same kind (a quarter as many reads) on the same daemon
   and blocks (ratio > 1: readers at once get more done, their waits for L2 room included).
@@ -110,9 +113,10 @@ def fill(d: Daemon, keys: list[bytes], values: list[bytes]) -> None:
 
 
 def scan(d: Daemon, keys: list[bytes], values: list[bytes], threads: int, reads: int,
-         leased: bool, seed: int) -> tuple[Scan, int, float]:
+         leased: bool, seed: int, busy: bool = False) -> tuple[Scan, int, float]:
     """Readers at once scanning windows of WINDOW keys until `reads` L3 block reads were
-    made; the scan, its L3 block reads, and its seconds."""
+    made; the scan, its L3 block reads, and its seconds. busy: one more thread spins in this
+    process meanwhile, holding the interpreter as an engine's own work does."""
     result = Scan()
     with KVStoreClient(d.target, "l3-pressure", shared_memory=False) as kv:
         before = l3_reads(kv)
@@ -136,7 +140,13 @@ def scan(d: Daemon, keys: list[bytes], values: list[bytes], threads: int, reads:
                 result.errors.append(f"{mode}: {exc!r}")
                 stop.set()
 
+        def spin() -> None:
+            while not stop.is_set():
+                sum(range(10_000))
+
         workers = [threading.Thread(target=reader, args=(n,)) for n in range(threads)]
+        if busy:
+            workers.append(threading.Thread(target=spin))
         started = time.perf_counter()
         for w in workers:
             w.start()
@@ -188,8 +198,8 @@ def hits_figure(name: str, s: Scan, l3: int, before: float, returned: set[int], 
 
 
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
-    # The client warns of each checksum mismatch (a default client's unleased read of a
-    # block demoted under it); the figures count them as misses, and lost blocks.
+    # A client warns when it evicts a block that failed its checksum under a lease; the
+    # figures count any such block as a miss, and as lost.
     logging.getLogger("kvstore").setLevel(logging.ERROR)
     rng = np.random.default_rng(32)
     keys = [rng.bytes(32) for _ in range(args.blocks)]
@@ -228,7 +238,8 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
             figures.append(figure)
             log(figure.line())
             fill(d, keys, values)
-            default, l3_default, _ = scan(d, keys, values, args.threads, args.reads, False, 3)
+            default, l3_default, _ = scan(d, keys, values, args.threads, args.reads, False, 3,
+                                          args.busy)
             figure = hits_figure("l3_pressure_hits_default_client", default, l3_default,
                                  before, alone(d, keys, values, default.missed), "", log)
             figures.append(figure)
@@ -248,6 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--l2-size", type=parse_size, default=2 * MiB, help="the daemon's L2 capacity")
     add("--threads", type=int, default=6, help="readers at once")
     add("--reads", type=int, default=10_000, help="L3 block reads per scan")
+    add("--busy", action="store_true",
+        help="a thread spinning in the readers' process during the default-client scan")
     add("--quick", action="store_true", help="a small smoke run (overrides the sizes)")
     add("--json", type=Path, metavar="PATH", help="also write one JSON object to PATH")
     args = parser.parse_args(argv)

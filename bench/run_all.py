@@ -60,6 +60,7 @@ class Script:
 SUITE = (
     Script("store_bench", timeout_s=180, json="stdout"),
     Script("tier_bench", timeout_s=180),
+    Script("l3_pressure", ("--busy",), quick_args=("--quick", "--busy"), timeout_s=300),
     Script("l4_bench", timeout_s=180),
     # Their limits are the smoke tests' old ones: on a busy 2-core machine even --quick took
     # 220 s (engine_bench) and 45 s (engine_ttft) with the rest of the suite beside it.
