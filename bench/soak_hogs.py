@@ -370,7 +370,8 @@ class SlowHandshakes(LocalHog):
                 except OSError:
                     pass
                 if not still_open(sock):
-                    self.count(f"closed by the daemon within {_bucket(time.monotonic() - opened)}")
+                    self.count("answered or closed by the daemon within "
+                               + _bucket(time.monotonic() - opened))
                     sock.close()
                     slow.remove(entry)
                     open_one()

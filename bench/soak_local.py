@@ -438,14 +438,17 @@ def hold_sessions(path: str, tickets: Callable[[], str], count: int
 
 
 def still_open(sock: socket.socket) -> bool:
-    """Whether the daemon still holds its end (without reading anything)."""
+    """Whether the daemon still holds its end and has said nothing (read without taking
+    anything): a connection it answered (a refusal line, sent before it closes) or closed
+    is over."""
     try:
         sock.setblocking(False)
-        return sock.recv(1, socket.MSG_PEEK) != b""
+        sock.recv(1, socket.MSG_PEEK)
     except BlockingIOError:
         return True
     except OSError:
         return False
+    return False
 
 
 #: One byte per connection each TRICKLE_S: slower than any deadline per recv() would catch,

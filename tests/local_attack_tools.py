@@ -469,17 +469,19 @@ class Slow:
         self.sock.setblocking(False)
 
     def feed(self) -> bool:
-        """Send the next byte; False once the daemon closed the connection."""
+        """Send the next byte; False once the daemon answered (a refusal, sent before it
+        closes) or closed the connection."""
         try:
             if self.sent < len(self.data):
                 self.sock.send(self.data[self.sent : self.sent + 1])
                 self.sent += 1
-            # A closed connection reads as b"" at once; an open one has nothing to read.
-            return self.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) != b""
+            # An open connection the daemon has said nothing on has nothing to read.
+            self.sock.recv(1, socket.MSG_PEEK)
         except BlockingIOError:
             return True
         except OSError:  # EPIPE, ECONNRESET: closed
             return False
+        return False  # an answer, or the end of the stream
 
 
 def _trickle(make: Callable[[], Slow | None], count: int, report: Report,
@@ -495,7 +497,7 @@ def _trickle(make: Callable[[], Slow | None], count: int, report: Report,
                 lifetimes.append(time.monotonic() - s.opened)
                 s.sock.close()
                 slow.remove(s)
-                report.count("closed by the daemon")
+                report.count("answered or closed by the daemon")
                 if reopen and (fresh := make()) is not None:
                     slow.append(fresh)
     now = time.monotonic()
