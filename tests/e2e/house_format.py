@@ -10,7 +10,8 @@ from collections.abc import Iterable
 from typing import Any
 
 LINE = re.compile(
-    r"^bench (?P<name>\S+): (?P<ours>\d+\.\d+) (?P<unit>GB/s|ms|ratio|tok/s|reads/s|%) vs (?P<base_name>.+?) "
+    r"^bench (?P<name>\S+): (?P<ours>\d+\.\d+) (?P<unit>GB/s|ms|ratio|tok/s|reads/s|%) "
+    r"vs (?P<base_name>.+?) "
     r"(?P<base>\d+\.\d+) (?P=unit) = (?P<ratio>\d+\.\d+)x( \(target [^)]+\))?$"
 )
 
