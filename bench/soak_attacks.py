@@ -206,9 +206,8 @@ def _fresh(target: str, tenancy: Tenancy, get_key: bytes, get_value: bytes) -> S
 
 def path_of(kv: KVStoreClient) -> str:
     """The way a client's calls go now: its hot verbs over the local path or gRPC, its
-    blocks through shared memory or inline. Read from its fast-path state (`_shm`): the
-    client has no public word for the local path."""
-    return (("local path" if kv._shm.local is not None else "gRPC")
+    blocks through shared memory or inline."""
+    return (("local path" if kv.uses_local_path else "gRPC")
             + (" + shared memory" if kv.uses_shared_memory else " + inline"))
 
 

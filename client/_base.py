@@ -8,9 +8,9 @@ redis-py writes each command once (`commands/core.py`) and only the I/O loop twi
 Also here: the constructor and its checks (a target without a port gets 50051: `_target`),
 the credentials (`credentials`: the token bound to every call's metadata, TLS for the
 channel), the stubs over the channel each subclass opens, the shared-memory decision
-(`ShmState`, one per client), the warnings both log, `uses_shared_memory` and the repr. Verb
-arguments are checked and requests built in `_requests`, wire framing in `_wire`, results in
-`results`.
+(`ShmState`, one per client), the warnings both log, `uses_shared_memory`, `uses_local_path`
+and the repr. Verb arguments are checked and requests built in `_requests`, wire framing in
+`_wire`, results in `results`.
 """
 
 from __future__ import annotations
@@ -511,6 +511,14 @@ class ClientBase(ABC):
     def uses_shared_memory(self) -> bool | None:
         """True/False once decided (after the first data call), None before."""
         return self._shm.in_use
+
+    @property
+    def uses_local_path(self) -> bool:
+        """Whether the hot verbs (Lookup, shared-memory Get, Reserve, commit, Release) go over
+        the daemon's Unix socket now rather than gRPC: False before the first data call, on
+        another host, and while the local path is off for now (a refusal that passes: it is
+        tried again after a pause of at most a few seconds)."""
+        return self._shm.local is not None
 
     def _begin_close(self) -> bool:
         """Mark the client closed and drop the segment; False when it already was."""

@@ -56,8 +56,9 @@ def test_the_client_moves_hot_verbs_over_the_socket_and_the_bytes_round_trip(
     blocks = [rng.integers(0, 256, size, dtype=np.uint8) for size in (3 * MiB, 1, 70_000)]
     ks = keys(3)
     with KVStoreClient(daemon.target, ns) as kv:
+        assert not kv.uses_local_path  # nothing decided before the first data call
         assert kv.put(ks, blocks).stored == 3
-        assert kv._shm.local is not None  # opened with the shared memory
+        assert kv.uses_local_path  # opened with the shared memory
         assert kv.lookup(ks).prefix_length == 3
         out = [np.zeros(b.size, np.uint8) for b in blocks]
         assert kv.get_into(ks, out) == [b.size for b in blocks]
@@ -194,7 +195,7 @@ def test_a_daemon_without_a_socket_leaves_the_client_on_grpc(
     d = shared_daemon(*DEFAULT_SETTINGS)  # the shared default daemon: no server.unix_socket
     with KVStoreClient(d.target, ns, unix_socket=str(tmp_path / "nobody.sock")) as kv:
         kv.put(keys(1), [b"x"])
-        assert kv.uses_shared_memory and kv._shm.local is None
+        assert kv.uses_shared_memory and not kv.uses_local_path
 
 
 def test_the_daemon_closing_sessions_makes_calls_retry_not_fail(daemon: Daemon, ns: str) -> None:
