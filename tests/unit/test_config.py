@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -199,12 +200,13 @@ def test_a_rule_between_two_settings_blames_the_one_the_operator_chose() -> None
         load_config(env={"KVSTORE_SERVER_CHUNK_BYTES": "8MiB"})
     assert str(err.value) == (
         "server.chunk_bytes = '8MiB' (from KVSTORE_SERVER_CHUNK_BYTES): must be <= "
-        "server.max_message_bytes (8.0 MiB) - 64KiB = 8323072: a chunk and its message header "
-        "must fit in one message; lower it or raise server.max_message_bytes")
+        "server.max_message_bytes (8.0 MiB) - 64KiB = 7.9 MiB (8128KiB): a chunk and its "
+        "message header must fit in one message; lower it or raise server.max_message_bytes")
     with pytest.raises(ConfigError) as err:
         load_config(env={}, overrides=["server.max_message_bytes=4MiB"])
-    assert str(err.value).startswith(
-        "server.max_message_bytes = '4MiB' (from --set): must be >= server.chunk_bytes (4.0 MiB)")
+    assert str(err.value) == (
+        "server.max_message_bytes = '4MiB' (from --set): must be >= server.chunk_bytes (4.0 MiB)"
+        " + 64KiB = 4.1 MiB (4160KiB); raise it or lower server.chunk_bytes")
     # Both chosen: the rule's own setting (the first of the pair) is blamed, once.
     with pytest.raises(ConfigError) as err:
         load_config(env={"KVSTORE_SERVER_CHUNK_BYTES": "8MiB"},
@@ -447,3 +449,32 @@ def test_config_to_dict_hides_a_password_in_the_query_string() -> None:
     assert data["remote"]["url"] == "redis://r:6379/0?socket_timeout=1&password=***&db=0"
     assert data["remote"]["password"] == "***"
     assert "q-secret" not in json.dumps(data) and "env-pw" not in json.dumps(data)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["server.max_message_bytes=4MiB"],
+    ["server.chunk_bytes=8MiB"],
+    ["server.chunk_bytes=100000", "server.max_message_bytes=100000"],
+    ["server.max_object_bytes=2GiB"],
+    ["dram.page_size_bytes=2GiB"],
+    ["nvme.page_size_bytes=8GiB"],
+])
+def test_size_errors_print_sizes_not_byte_counts(overrides: list[str]) -> None:
+    """A limit an operator must meet reads as a size ("7.9 MiB (8128KiB)"), never a raw
+    byte count such as 8323072 that they would have to convert before typing it."""
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides=overrides)
+    message = str(err.value)
+    assert not re.search(r"(?<![\w'.])\d{5,}(?![\w'])", message), message
+
+
+def test_the_rounded_limit_in_a_size_error_is_one_the_rules_accept() -> None:
+    """The exact value in parentheses, set as written, satisfies the rule it came from."""
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides=["server.chunk_bytes=100000",
+                                        "server.max_message_bytes=100000"])
+    floor = re.search(r"\((\d+KiB)\)", str(err.value))
+    assert floor, str(err.value)
+    cfg = load_config(env={}, overrides=["server.chunk_bytes=100000",
+                                          f"server.max_message_bytes={floor.group(1)}"])
+    assert cfg.server.max_message_bytes >= 100000 + 64 * 1024

@@ -76,11 +76,13 @@ def _server(cfg: Config, out: _Problems) -> None:
         out.between(
             s.max_message_bytes >= floor,
             ("server.max_message_bytes",
-             f"must be >= server.chunk_bytes ({format_size(s.chunk_bytes)}) + 64KiB = {floor}; "
+             f"must be >= server.chunk_bytes ({format_size(s.chunk_bytes)}) + 64KiB = "
+             f"{_size_at_least(floor)}; "
              "raise it or lower server.chunk_bytes"),
             ("server.chunk_bytes",
              f"must be <= server.max_message_bytes ({format_size(s.max_message_bytes)}) - "
-             f"64KiB = {max(s.max_message_bytes - 64 * KiB, 0)}: a chunk and its message "
+             f"64KiB = {_size_at_most(max(s.max_message_bytes - 64 * KiB, 0))}: a chunk and "
+             "its message "
              "header must fit in one message; lower it or raise server.max_message_bytes"))
     out.need(s.max_object_bytes > 0, "server.max_object_bytes", "must be > 0; use e.g. 64MiB")
     if out.fine("server.max_object_bytes"):
@@ -111,6 +113,18 @@ def _server(cfg: Config, out: _Problems) -> None:
              "must be >= 0 (0 = server.max_streams); use e.g. 4")
     out.need(math.isfinite(s.stream_idle_s) and s.stream_idle_s > 0, "server.stream_idle_s",
              "must be > 0; use e.g. 10")
+
+
+def _size_at_least(size_bytes: int) -> str:
+    """size_bytes for a person and, exactly or rounded up, as a value to set: "4.1 MiB
+    (4160KiB)". A limit an operator must meet is read and copied, never counted in bytes."""
+    return f"{format_size(size_bytes)} ({-(-size_bytes // KiB)}KiB)"
+
+
+def _size_at_most(size_bytes: int) -> str:
+    """size_bytes for a person and, exactly or rounded down, as a value to set: "7.9 MiB
+    (8128KiB)"."""
+    return f"{format_size(size_bytes)} ({size_bytes // KiB}KiB)"
 
 
 def _dram(cfg: Config, out: _Problems) -> None:
