@@ -1,6 +1,15 @@
 """Prometheus metrics of the daemon: the registry, RPC latency and streams, the local path's
 sessions, health, build info, and the HTTP exporter.
 
+The exporter answers two paths and refuses every other one with 404, so a scraper or a probe
+pointed at a wrong path fails loudly instead of reading a 200:
+
+    GET /metrics   the Prometheus text exposition
+    GET /healthz   200 "SERVING" while the daemon's health is SERVING; 503 "NOT_SERVING" while
+                   it is not (starting or pre-warming, draining, or a background worker
+                   stopped): the same answer as grpc.health.v1 for the whole server, over
+                   plain HTTP (for probes and load balancers that cannot speak gRPC or TLS)
+
 Everything lives on a CollectorRegistry owned by one Metrics instance (never the process-wide
 default), so tests and embedded daemons can hold several. The store's figures are read on each
 scrape by the collectors of kvstore.daemon.collectors, which `watch_store` registers once the
@@ -12,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import platform
+import socket
 import threading
-from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from prometheus_client import (
@@ -27,7 +38,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 
 from kvstore import __version__
 from kvstore.daemon.collectors import (
@@ -54,6 +65,29 @@ RPC_LATENCY_BUCKETS_S = (
 )
 #: Buckets of a stream's longest wait on its client, up to past server.stream_idle_s.
 STREAM_WAIT_BUCKETS_S = (0.001, 0.01, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+#: The exporter's paths (module docstring); every other path is 404.
+METRICS_PATH = "/metrics"
+HEALTH_PATH = "/healthz"
+
+_StartResponse = Callable[..., Any]
+_Environ = dict[str, Any]
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per request: Prometheus scrapes and kubelet probes every few
+    seconds would drown the daemon's own log."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+        return
+
+
+def _text(start_response: _StartResponse, status: str, body: str) -> list[bytes]:
+    """A plain-text answer of one line."""
+    data = f"{body}\n".encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+                            ("Content-Length", str(len(data)))])
+    return [data]
 
 
 class Metrics:
@@ -104,6 +138,7 @@ class Metrics:
             "NOT_SERVING (starting, draining, or a background worker stopped).",
             registry=self.registry,
         )
+        self.serving = False  # what /healthz answers; set_serving keeps it
         self._lock = threading.Lock()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -130,18 +165,44 @@ class Metrics:
         return generate_latest(self.registry)
 
     def start_http(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port in a daemon thread; return the bound port (port 0 = any)."""
+        """Serve /metrics and /healthz on host:port in a daemon thread; return the bound port
+        (port 0 = any). An address in use raises OSError, as bind does."""
         with self._lock:
             if self._server is not None:
                 raise RuntimeError(f"metrics exporter already serving on port {self.port}")
-            started = start_http_server(port, addr=host, registry=self.registry)
-            if started is None:  # prometheus_client < 0.21 returned nothing to stop it with
-                raise RuntimeError("prometheus_client >= 0.21 is needed to run the exporter")
-            server, thread = started
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            server_class = type("MetricsServer", (ThreadingWSGIServer,),
+                                {"address_family": family})
+            server: WSGIServer = make_server(host, port, self.wsgi_app(), server_class,
+                                             _QuietHandler)
+            thread = threading.Thread(target=server.serve_forever, name="metrics-http",
+                                      daemon=True)
+            thread.start()
             self._server, self._thread = server, thread
             self.port = int(server.server_port)
-            logger.info("metrics exporter listening on %s:%d", host, self.port)
+            logger.info("metrics exporter listening on %s:%d (%s, %s)", host, self.port,
+                        METRICS_PATH, HEALTH_PATH)
             return self.port
+
+    def wsgi_app(self) -> Callable[[_Environ, _StartResponse], Iterable[bytes]]:
+        """The exporter as a WSGI application: /metrics, /healthz, 404 elsewhere."""
+        exposition = make_wsgi_app(self.registry)
+
+        def app(environ: _Environ, start_response: _StartResponse) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "")
+            if path == METRICS_PATH:
+                return exposition(environ, start_response)  # type: ignore[no-any-return]
+            if path != HEALTH_PATH:
+                return _text(start_response, "404 Not Found", f"no such path {path!r}: the "
+                             f"exporter serves {METRICS_PATH} and {HEALTH_PATH}")
+            if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+                return _text(start_response, "405 Method Not Allowed", f"{HEALTH_PATH} "
+                             "answers GET")
+            if self.serving:
+                return _text(start_response, "200 OK", "SERVING")
+            return _text(start_response, "503 Service Unavailable", "NOT_SERVING")
+
+        return app
 
     def stop(self) -> None:
         """Stop the exporter and free its port; a no-op when it is not running."""
@@ -156,9 +217,9 @@ class Metrics:
         if thread is not None:
             thread.join(timeout=5.0)
 
-
     def set_serving(self, serving: bool) -> None:
-        """What the daemon's health says now (kvstore_serving)."""
+        """What the daemon's health says now (kvstore_serving, and /healthz)."""
+        self.serving = serving
         self._serving.set(float(serving))
 
     def watch_store(self, store: Store) -> None:

@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -164,6 +166,45 @@ def test_metrics_families_follow_the_conventions(daemon: Daemon) -> None:
             assert all(s.name.endswith("_total") for s in family.samples), family.name
         assert family.name.startswith(("kvstore_", "process_")), family.name
         assert not family.name.endswith(("_ms", "_kb", "_mb", "_milliseconds")), family.name
+
+
+def _http(port: int, path: str) -> tuple[int, str]:
+    """The status and body of GET path on the metrics port (an HTTP error's too)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_the_metrics_port_serves_metrics_and_health_only(daemon: Daemon) -> None:
+    """/metrics and /healthz answer (200, SERVING: the daemon is serving); every other path
+    is 404, so a probe or a scraper with a wrong path is seen failing."""
+    status, text = _http(daemon.metrics_port, "/metrics")
+    assert status == 200 and "kvstore_serving 1.0" in text
+    assert _http(daemon.metrics_port, "/healthz") == (200, "SERVING\n")
+    for path in ("/", "/metricz", "/healthz/x", "/ready"):
+        status, text = _http(daemon.metrics_port, path)
+        assert status == 404 and "serves /metrics and /healthz" in text, path
+
+
+def test_healthz_is_503_while_the_daemon_drains(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A drain turns /healthz to 503 NOT_SERVING during server.drain_notice_s, while the
+    daemon still answers: an HTTP probe sees the replica leave before it is gone."""
+    d = daemon_factory("dram.capacity_bytes=4MiB", "server.grace_s=4",
+                       "server.drain_notice_s=3")
+    assert _http(d.metrics_port, "/healthz") == (200, "SERVING\n")
+    with KVStoreClient(d.target, "drain", shared_memory=False) as kv:
+        kv.drain()
+    seen = _http(d.metrics_port, "/healthz")
+    deadline = time.monotonic() + 2.0  # the notice is 3 s: the 503 comes within it
+    while seen[0] == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen = _http(d.metrics_port, "/healthz")
+    assert seen == (503, "NOT_SERVING\n")
+    assert d.stop() == 0, d.log()
 
 
 def test_sigterm_removes_the_shared_memory_segment_and_exits_0(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -176,3 +177,42 @@ def test_stop_frees_the_port_and_is_idempotent() -> None:
     # and it can serve again after a stop
     assert metrics.start_http("127.0.0.1", 0) > 0
     metrics.stop()
+
+
+def _get(port: int, path: str, method: str = "GET") -> tuple[int, str]:
+    """The status and body of one request to the exporter (an HTTP error's too)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_healthz_follows_set_serving_and_starts_not_serving(served: Served) -> None:
+    """Before the daemon says SERVING (starting, pre-warming) /healthz is 503; SERVING makes
+    it 200, and NOT_SERVING again (a drain, a stopped worker) makes it 503 again."""
+    metrics, _ = served
+    assert metrics.port is not None
+    assert _get(metrics.port, "/healthz") == (503, "NOT_SERVING\n")
+    metrics.set_serving(True)
+    assert _get(metrics.port, "/healthz") == (200, "SERVING\n")
+    metrics.set_serving(False)
+    assert _get(metrics.port, "/healthz") == (503, "NOT_SERVING\n")
+
+
+@pytest.mark.parametrize("path", ["/", "/metric", "/metrics/x", "/favicon.ico", "/health"])
+def test_other_paths_are_404_naming_the_two_served(served: Served, path: str) -> None:
+    """Only /metrics and /healthz answer: a probe or a scraper pointed at a wrong path fails
+    instead of reading a 200 (prometheus_client's own exporter answers 200 on every path)."""
+    metrics, _ = served
+    assert metrics.port is not None
+    status, body = _get(metrics.port, path)
+    assert status == 404
+    assert body == f"no such path {path!r}: the exporter serves /metrics and /healthz\n"
+
+
+def test_healthz_refuses_other_methods(served: Served) -> None:
+    metrics, _ = served
+    assert metrics.port is not None
+    assert _get(metrics.port, "/healthz", "POST") == (405, "/healthz answers GET\n")
