@@ -96,3 +96,36 @@ def test_split_refuses_what_does_not_fit() -> None:
         split_tier("dram", 4, 1 << 20, crowded.holders())
     with pytest.raises(TenantsError, match="under one dram page"):
         split_tier("dram", 100, 8 << 20, crowded.holders())
+
+
+def test_an_admin_owning_every_namespace_is_refused_once_with_the_way_out() -> None:
+    """docs/security.md once gave its admin `namespaces: [""]` beside client tenants: refused,
+    with one line per overlapping prefix and no word of the fix. Now one line names every
+    tenant it overlaps and says what to write instead."""
+    ops = {**ROOT, "namespaces": [""]}
+    wide_a = {**A, "namespaces": ["team-a/", "team-a-eval/"]}
+    with pytest.raises(TenantsError) as info:
+        parse_tenants(doc(wide_a, B, ops))
+    lines = str(info.value).splitlines()
+    assert len(lines) == 1, lines
+    assert "tenant 'root' owns the namespace prefix '' (a prefix of every namespace)" in lines[0]
+    for inside in ("'team-a/' of tenant 'team-a'", "'team-a-eval/' of tenant 'team-a'",
+                   "'team-b/' of tenant 'team-b'", "'shared-b/' of tenant 'team-b'"):
+        assert inside in lines[0]
+    assert "an admin that acts across every namespace" in lines[0]
+    assert "lists no namespaces" in lines[0]
+    # The way out works: the same admin without namespaces loads, owns nothing, is an admin.
+    root = parse_tenants(doc(wide_a, B, ROOT)).named("root")
+    assert root is not None and root.admin and root.namespaces == ()
+    # Alone, an admin may still own "" (nobody to overlap): the chart's default tenant does.
+    assert parse_tenants(doc(ops)).owner_of("any/thing") is not None
+
+
+def test_one_mistake_is_one_line() -> None:
+    """Two tenants sharing two token hashes are one mistake: said once, not once a hash."""
+    shared = [H["ta"], H["tb"]]
+    with pytest.raises(TenantsError) as info:
+        parse_tenants(doc({**A, "tokens_sha256": shared}, {**B, "tokens_sha256": shared}))
+    lines = str(info.value).splitlines()
+    assert lines == ["tenants file: tenants 'team-a' and 'team-b' share one of their "
+                     "tokens_sha256: a credential must name one tenant"]
