@@ -1,7 +1,8 @@
 'use strict';
 // A minimal kvstore.v1 client, written from the wire contract (proto/kvstore/v1/kvstore.proto)
-// alone. It owns: dialing (a target without a port means 50051), asking Limits once and sizing
-// the channel from it, the Put framing, both Get modes (INLINE bytes, SHARED_MEMORY extents read
+// alone. It owns: dialing (a target without a port means 50051), the bearer token a daemon with
+// auth.mode=token wants on every call, asking Limits once and sizing the channel from it, the
+// Put framing, both Get modes (INLINE bytes, SHARED_MEMORY extents read
 // from the segment under a lease), Lookup, Prefetch, Evict, Release, Stats, and turning a
 // failed call into a KVStoreError carrying the google.rpc.ErrorInfo the daemon attached.
 
@@ -19,6 +20,11 @@ const DEFAULT_PORT = 50051;
 const ERROR_DOMAIN = 'kvstore.v1';
 const DETAILS_TRAILER = 'grpc-status-details-bin';
 const ERROR_INFO_TYPE = 'type.googleapis.com/google.rpc.ErrorInfo';
+// auth.mode=token: every call carries the metadata `authorization: Bearer <token>`. Where the
+// token comes from, in this order (the Python client's order too): the `token` option, the
+// environment variable KVSTORE_TOKEN, the file KVSTORE_TOKEN_FILE names (a mounted Secret).
+const ENV_TOKEN = 'KVSTORE_TOKEN';
+const ENV_TOKEN_FILE = 'KVSTORE_TOKEN_FILE';
 const CODE_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));
 
 // uint64/fixed64 as decimal strings (a checksum needs all 64 bits; Number keeps 53), bytes as
@@ -65,6 +71,45 @@ function withDefaultPort(target) {
   return t;
 }
 
+// A token is printable ASCII without whitespace (it travels in an HTTP/2 header); surrounding
+// whitespace, such as a file's final newline, is dropped. `field` says where it came from.
+function checkToken(token, field) {
+  if (typeof token !== 'string') {
+    throw new KVStoreError(grpc.status.INVALID_ARGUMENT,
+      `${field} must be a string, got ${typeof token}`);
+  }
+  const t = token.trim();
+  if (!t) throw new KVStoreError(grpc.status.INVALID_ARGUMENT, `${field}: the token is empty`);
+  if (!/^[\x21-\x7e]+$/.test(t)) {
+    throw new KVStoreError(grpc.status.INVALID_ARGUMENT,
+      `${field}: a token is printable ASCII with no whitespace inside`);
+  }
+  return t;
+}
+
+// The token in a file (a Kubernetes Secret mounted as a file, say), checked as above.
+function readTokenFile(file, field = ENV_TOKEN_FILE) {
+  let text;
+  try {
+    text = fs.readFileSync(file, 'ascii');
+  } catch (e) {
+    throw new KVStoreError(grpc.status.INVALID_ARGUMENT,
+      `${field}: cannot read token file ${JSON.stringify(file)}: ${e.message}`);
+  }
+  return checkToken(text, `${field} (${file})`);
+}
+
+// The token to send: `token` when given, else $KVSTORE_TOKEN, else the contents of the file
+// $KVSTORE_TOKEN_FILE names; null when none is set (a daemon with auth off needs none).
+function resolveToken(token = null, env = process.env) {
+  if (token !== null && token !== undefined) return checkToken(token, 'token');
+  if (env[ENV_TOKEN]) return checkToken(env[ENV_TOKEN], `token (from ${ENV_TOKEN})`);
+  if (env[ENV_TOKEN_FILE]) {
+    return readTokenFile(env[ENV_TOKEN_FILE], `token (from ${ENV_TOKEN_FILE})`);
+  }
+  return null;
+}
+
 // A failed call: the gRPC code, and the ErrorInfo's reason and metadata (reason is '' when the
 // daemon attached none). Branch on `reason`; an unknown reason is handled by its `code`.
 class KVStoreError extends Error {
@@ -107,22 +152,28 @@ async function xxh3(bytes) {
 
 class KVStoreClient {
   // Dial `target`, ask Limits on a small default channel, then open the channel the calls use,
-  // its send and receive limits set to the daemon's max_message_bytes.
-  static async connect(target, { timeoutMs = 30000 } = {}) {
+  // its send and receive limits set to the daemon's max_message_bytes. `token` (else
+  // KVSTORE_TOKEN, else KVSTORE_TOKEN_FILE) goes with every call, Limits included. The
+  // channel is plaintext, so the token crosses the network in the clear: use it on the
+  // daemon's own node (loopback) or inside a mesh that encrypts.
+  static async connect(target, { timeoutMs = 30000, token = null } = {}) {
     const address = withDefaultPort(target);
+    const metadata = bearerMetadata(resolveToken(token));
     const probe = new pkg.KVStore(address, grpc.credentials.createInsecure());
     try {
-      const limits = await unary(probe, 'Limits', {}, timeoutMs, { waitForReady: true });
-      return new KVStoreClient(address, limits, timeoutMs);
+      const limits = await unary(probe, 'Limits', {}, timeoutMs, { waitForReady: true },
+        metadata.clone());
+      return new KVStoreClient(address, limits, timeoutMs, metadata);
     } finally {
       probe.close();
     }
   }
 
-  constructor(address, limits, timeoutMs) {
+  constructor(address, limits, timeoutMs, metadata = new grpc.Metadata()) {
     this.address = address;
     this.limits = limits;
     this.timeoutMs = timeoutMs;
+    this.metadata = metadata;  // the token's header, or empty; cloned for each call
     this.maxMessageBytes = Number(limits.max_message_bytes);
     this.chunkBytes = Number(limits.chunk_bytes);
     this.stub = new pkg.KVStore(address, grpc.credentials.createInsecure(), {
@@ -148,7 +199,7 @@ class KVStoreClient {
         `keys has ${keys.length} entries but payloads ${payloads.length}; one payload per key`);
     }
     return new Promise((resolve, reject) => {
-      const call = this.stub.Put(this.callOptions(), (err, reply) => (
+      const call = this.stub.Put(this.callMetadata(), this.callOptions(), (err, reply) => (
         err ? reject(toKVStoreError(err)) : resolve(reply)));
       const header = {
         namespace, keys, sizes: payloads.map((p) => p.length), parent_key: parentKey, independent,
@@ -161,14 +212,14 @@ class KVStoreClient {
   }
 
   lookup(namespace, keys, blockTokens = 0) {
-    return unary(this.stub, 'Lookup', { namespace, keys, block_tokens: blockTokens }, this.timeoutMs);
+    return this.unary('Lookup', { namespace, keys, block_tokens: blockTokens });
   }
 
   // INLINE Get: the first message has found/sizes/checksums, the following ones `data` chunks
   // of the found payloads concatenated in key order. Returns one Buffer (or null) per key.
   async getInline(namespace, keys) {
     const messages = await stream(this.stub.Get({ namespace, keys, mode: 'GET_MODE_INLINE' },
-      this.callOptions()));
+      this.callMetadata(), this.callOptions()));
     const [head, ...rest] = messages;
     if (!head) throw new Error('Get ended without its first message (found, sizes, checksums)');
     const data = Buffer.concat(rest.map((m) => m.data));
@@ -190,7 +241,7 @@ class KVStoreClient {
   async getShared(namespace, keys, { leaseTimeoutMs = 0 } = {}) {
     const [head] = await stream(this.stub.Get(
       { namespace, keys, mode: 'GET_MODE_SHARED_MEMORY', lease_timeout_ms: leaseTimeoutMs },
-      this.callOptions()));
+      this.callMetadata(), this.callOptions()));
     if (!head) throw new Error('Get ended without its first message (lease, locations)');
     if (!head.shm_name) {
       throw new Error(`the daemon named no shm segment (arena ${JSON.stringify(head.arena)}): ` +
@@ -219,26 +270,43 @@ class KVStoreClient {
   }
 
   release(ids) {
-    return unary(this.stub, 'Release', { ids }, this.timeoutMs);
+    return this.unary('Release', { ids });
   }
 
   // Every progress message until the stream ends (its end means the work is done).
   prefetch(namespace, keys, { targetTier = 'TIER_UNSPECIFIED', deadlineMs = 0 } = {}) {
     return stream(this.stub.Prefetch(
-      { namespace, keys, target_tier: targetTier, deadline_ms: deadlineMs }, this.callOptions()));
+      { namespace, keys, target_tier: targetTier, deadline_ms: deadlineMs },
+      this.callMetadata(), this.callOptions()));
   }
 
   evict(request) {
-    return unary(this.stub, 'Evict', request, this.timeoutMs);
+    return this.unary('Evict', request);
   }
 
   stats(namespace = '') {
-    return unary(this.stub, 'Stats', { namespace }, this.timeoutMs);
+    return this.unary('Stats', { namespace });
+  }
+
+  unary(method, request) {
+    return unary(this.stub, method, request, this.timeoutMs, {}, this.callMetadata());
+  }
+
+  // grpc-js may add to a call's Metadata, so each call gets its own copy.
+  callMetadata() {
+    return this.metadata.clone();
   }
 
   callOptions() {
     return { deadline: Date.now() + this.timeoutMs };
   }
+}
+
+// `authorization: Bearer <token>`, the header auth.mode=token reads; empty without a token.
+function bearerMetadata(token) {
+  const metadata = new grpc.Metadata();
+  if (token !== null) metadata.set('authorization', `Bearer ${token}`);
+  return metadata;
 }
 
 // Each found block checked against the xxh3-64 the daemon sent with it.
@@ -268,9 +336,9 @@ function write(call, message) {
   });
 }
 
-function unary(stub, method, request, timeoutMs, extra = {}) {
+function unary(stub, method, request, timeoutMs, extra = {}, metadata = new grpc.Metadata()) {
   return new Promise((resolve, reject) => {
-    stub[method](request, { deadline: Date.now() + timeoutMs, ...extra }, (err, reply) => (
+    stub[method](request, metadata, { deadline: Date.now() + timeoutMs, ...extra }, (err, reply) => (
       err ? reject(toKVStoreError(err)) : resolve(reply)));
   });
 }
@@ -285,5 +353,6 @@ function stream(call) {
 }
 
 module.exports = {
-  KVStoreClient, KVStoreError, ERROR_DOMAIN, errorInfoOf, withDefaultPort, xxh3, grpc,
+  KVStoreClient, KVStoreError, ERROR_DOMAIN, ENV_TOKEN, ENV_TOKEN_FILE, errorInfoOf, readTokenFile,
+  resolveToken, withDefaultPort, xxh3, grpc,
 };

@@ -2,18 +2,28 @@
 'use strict';
 // The Node.js client against a running daemon, step by step:
 //   node examples/node/demo.js --target HOST:PORT
-// Checks the key vectors, asks Limits, then runs Put / Lookup / Get (INLINE and SHARED_MEMORY)
+//   KVSTORE_TOKEN=... node examples/node/demo.js --target HOST:PORT --namespace team-a/
+// (auth.mode=token: the token from --token-file, --token, KVSTORE_TOKEN or KVSTORE_TOKEN_FILE,
+// and a namespace prefix the token's tenant owns.) Checks the key vectors, asks Limits, then runs Put / Lookup / Get (INLINE and SHARED_MEMORY)
 // / Release / Prefetch / Evict and two errors by their ErrorInfo reason. Prints one line per
 // check and exits 1 if any check failed (2 for bad arguments).
 
 const crypto = require('node:crypto');
 const fs = require('node:fs');
 const path = require('node:path');
-const { KVStoreClient, KVStoreError, ERROR_DOMAIN, grpc } = require('./client');
+const {
+  KVStoreClient, KVStoreError, ERROR_DOMAIN, grpc, readTokenFile, resolveToken,
+} = require('./client');
 const { namespaceRoot, blockKeys } = require('./keys');
 
 const VECTORS = path.resolve(__dirname, '..', '..', 'proto', 'kvstore', 'v1', 'key_vectors.json');
 const BLOCK_TOKENS = 16;
+const USAGE = 'usage: node demo.js [--target HOST[:PORT]] [--timeout-ms MS] [--namespace PREFIX]\n'
+  + '                   [--token-file PATH | --token TOKEN]\n'
+  + 'Without --token or --token-file the token (auth.mode=token) comes from KVSTORE_TOKEN, else\n'
+  + 'from the file KVSTORE_TOKEN_FILE names; --token shows the token to anyone who lists\n'
+  + 'processes, so prefer the others. PREFIX: where the demo\'s namespace starts (default\n'
+  + 'node-demo/); with auth on, one the token\'s tenant owns.';
 let failures = 0;
 
 function check(name, ok, detail = '') {
@@ -23,14 +33,20 @@ function check(name, ok, detail = '') {
 }
 
 function parseArgs(argv) {
-  const args = { target: '127.0.0.1:50051', timeoutMs: 30000 };
+  const args = {
+    target: '127.0.0.1:50051', timeoutMs: 30000, namespace: 'node-demo/', token: null,
+    tokenFile: null,
+  };
   for (let i = 0; i < argv.length; i += 1) {
     const [flag, inline] = argv[i].split(/=(.*)/s);
     const value = () => (inline !== undefined ? inline : argv[++i]);
     if (flag === '--target') args.target = value();
     else if (flag === '--timeout-ms') args.timeoutMs = Number(value());
+    else if (flag === '--namespace') args.namespace = value();
+    else if (flag === '--token') args.token = value();
+    else if (flag === '--token-file') args.tokenFile = value();
     else if (flag === '--help' || flag === '-h') {
-      console.log('usage: node demo.js [--target HOST[:PORT]] [--timeout-ms MS]');
+      console.log(USAGE);
       process.exit(0);
     } else {
       console.error(`demo.js: unknown argument ${argv[i]} (try --help)`);
@@ -39,6 +55,14 @@ function parseArgs(argv) {
   }
   if (!args.target || !(args.timeoutMs > 0)) {
     console.error('demo.js: --target needs HOST[:PORT] and --timeout-ms a positive number');
+    process.exit(2);
+  }
+  if (args.token !== null && args.tokenFile !== null) {
+    console.error('demo.js: give --token or --token-file, not both');
+    process.exit(2);
+  }
+  if (!args.namespace) {
+    console.error('demo.js: --namespace needs a prefix such as team-a/');
     process.exit(2);
   }
   return args;
@@ -67,6 +91,10 @@ function advice(err) {
     case 'MESSAGE_TOO_LARGE': return `split the request (limit ${err.metadata.limit || '?'})`;
     case 'ENTRY_VANISHED': return 'evicted mid-read: retry the Get';
     case 'DRAINING': return 'the daemon is stopping: use another';
+    case 'UNAUTHENTICATED': return 'auth.mode=token: set KVSTORE_TOKEN (or --token-file) to a '
+      + "token in the daemon's tenants file";
+    case 'NOT_OWNER': return "use a --namespace prefix the token's tenant owns";
+    case 'ROLE_DENIED': return 'this verb needs an admin token';
     case '': return `no ErrorInfo attached; by code ${err.codeName} alone`;
     default: return `unknown reason ${err.reason}: handle by code ${err.codeName}`;
   }
@@ -97,14 +125,14 @@ function samePayloads(got, want) {
   return got.length === want.length && got.every((b, i) => b.equals(want[i]));
 }
 
-async function run(kv) {
+async function run(kv, prefix) {
   const { limits } = kv;
   check('Limits', limits.contract === 'kvstore.v1' && kv.maxMessageBytes > kv.chunkBytes,
     `contract ${limits.contract}, max_message_bytes ${limits.max_message_bytes}, chunk_bytes ` +
     `${limits.chunk_bytes}, max_object_bytes ${limits.max_object_bytes}, max_batch_keys ` +
     `${limits.max_batch_keys}, shared_memory ${limits.shared_memory}, auth ${limits.auth_mode}`);
 
-  const namespace = `node-demo/${process.pid}-${Date.now()}`;
+  const namespace = `${prefix}${process.pid}-${Date.now()}`;
   const tokens = Array.from({ length: 4 * BLOCK_TOKENS }, (_, i) => (i * 7919) % 32000);
   const keys = blockKeys(namespace, tokens, BLOCK_TOKENS);
   // The first block spans two Put chunks and two Get chunks; the last is three bytes.
@@ -159,15 +187,25 @@ async function run(kv) {
 
 async function main() {
   const args = parseArgs(process.argv.slice(2));
+  // A bad token (empty, with spaces, an unreadable file) is a bad argument: exit 2 before
+  // dialing, naming where it came from.
+  let token;
+  try {
+    token = resolveToken(
+      args.tokenFile !== null ? readTokenFile(args.tokenFile, '--token-file') : args.token);
+  } catch (e) {
+    console.error(`demo.js: ${e.message}`);
+    process.exit(2);
+  }
   checkVectors();
   let kv;
   try {
-    kv = await KVStoreClient.connect(args.target, { timeoutMs: args.timeoutMs });
+    kv = await KVStoreClient.connect(args.target, { timeoutMs: args.timeoutMs, token });
     console.log(`connected to ${kv.address}`);
-    await run(kv);
+    await run(kv, args.namespace);
   } catch (e) {
     check('demo', false, e instanceof KVStoreError
-      ? `${e.codeName} ${e.reason || '(no reason)'}: ${e.message}` : e.stack);
+      ? `${e.codeName} ${e.reason || '(no reason)'}: ${e.message} -> ${advice(e)}` : e.stack);
   } finally {
     if (kv) kv.close();
   }

@@ -1,6 +1,8 @@
 """The second-language client (examples/node, Node.js, written from the wire contract alone) runs
 against a real daemon: the key vectors, Limits, Put / Lookup / Get in both modes / Release /
-Prefetch / Evict, and errors branched on their google.rpc.ErrorInfo reason.
+Prefetch / Evict, and errors branched on their google.rpc.ErrorInfo reason; and, against a
+daemon with auth.mode=token (the chart's default), the same demo with its token from
+KVSTORE_TOKEN, KVSTORE_TOKEN_FILE or --token-file, refused without one or outside its tenant.
 
 Skipped only when `node` is absent and KVSTORE_REQUIRE_NODE is unset; `make test` installs node
 and runs `npm ci` in examples/node, so there it always runs. Missing node_modules is a failure
@@ -9,14 +11,17 @@ that says how to install them, never a skip.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -42,9 +47,13 @@ def node() -> str:
     return binary
 
 
-def run_demo(node: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+def run_demo(node: str, *args: str, timeout_s: float = 120,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """demo.js with args; env adds to this process's environment, less any KVSTORE_TOKEN*
+    of its own, so only what a test gives is a credential."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_TOKEN")}
     return subprocess.run([node, str(NODE_DIR / "demo.js"), *args], capture_output=True,
-                          text=True, timeout=timeout_s, cwd=REPO)
+                          text=True, timeout=timeout_s, cwd=REPO, env={**full_env, **(env or {})})
 
 
 def test_node_demo_runs_every_verb_against_a_real_daemon(
@@ -127,3 +136,110 @@ def test_node_keys_match_the_published_vectors_and_python(node: str) -> None:
     assert json.loads(done.stdout) == [k.hex() for k in prefix_keys(tokens, 8, "ns/é")]
     assert len(json.loads(done.stdout)) == 4  # the partial fifth block has no key
 
+
+
+#: The token daemon's tenants: `node` owns node-team/, `other` owns other-team/.
+NODE_TOKEN = "token-of-node-0123456789"
+OTHER_TOKEN = "token-of-other-0123456789"
+
+
+@pytest.fixture(scope="module")
+def token_tenants(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    def tenant(name: str, token: str) -> dict[str, object]:
+        return {"name": name, "tokens_sha256": [hashlib.sha256(token.encode()).hexdigest()],
+                "namespaces": [f"{name}-team/"]}
+
+    path = tmp_path_factory.mktemp("node-tenants") / "tenants.yaml"
+    path.write_text(yaml.safe_dump({"tenants": [tenant("node", NODE_TOKEN),
+                                                tenant("other", OTHER_TOKEN)]}))
+    return path
+
+
+@pytest.fixture
+def token_daemon(shared_daemon: Callable[..., Daemon], token_tenants: Path) -> Daemon:
+    """A daemon with auth.mode=token, shared by this file's token tests; each demo run works
+    in a namespace of its own (pid and time) and evicts it."""
+    return shared_daemon("auth.mode=token", f"auth.tenants_file={token_tenants}",
+                         "dram.capacity_bytes=32MiB", "nvme.enabled=false")
+
+
+def test_node_demo_sends_the_token_from_kvstore_token(node: str, token_daemon: Daemon) -> None:
+    done = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/demo-",
+                    env={"KVSTORE_TOKEN": NODE_TOKEN})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    for line in ("ok   Limits: contract kvstore.v1", "auth token",
+                 "ok   Put: stored 4, existing 0",
+                 "ok   Get INLINE: found true,true,true,true,false",
+                 "ok   Prefetch (stream read to its end)",
+                 "ok   Get of a 5-byte key: ErrorInfo: domain kvstore.v1, reason INVALID_FIELD",
+                 "ok   Evict: evicted 4",
+                 "node client: all checks passed"):
+        assert line in out, out
+    assert "FAIL" not in out, out
+
+    # The blocks went in as tenant `node`: its Stats are back to nothing stored, after Evict.
+    with grpc.insecure_channel(token_daemon.target) as channel:
+        stats = pb_grpc.KVStoreStub(channel).Stats(
+            pb.StatsRequest(namespace="node-team/"), timeout=10,
+            metadata=(("authorization", f"Bearer {NODE_TOKEN}"),))
+    assert all(t.objects == 0 for t in stats.tiers), stats
+
+
+def test_node_demo_reads_the_token_from_a_file(node: str, token_daemon: Daemon,
+                                               tmp_path: Path) -> None:
+    """A mounted Secret: the file's trailing newline is not part of the token; both
+    KVSTORE_TOKEN_FILE and --token-file read it."""
+    secret = tmp_path / "token"
+    secret.write_text(NODE_TOKEN + "\n")
+    by_env = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/f-",
+                      env={"KVSTORE_TOKEN_FILE": str(secret)})
+    assert by_env.returncode == 0, by_env.stdout + by_env.stderr
+    by_flag = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/f-",
+                       "--token-file", str(secret))
+    assert by_flag.returncode == 0, by_flag.stdout + by_flag.stderr
+    assert "node client: all checks passed" in by_flag.stdout
+
+
+def test_node_demo_without_a_token_is_refused_and_told_how(node: str,
+                                                           token_daemon: Daemon) -> None:
+    """The control for the tests above: the same demo with no token fails at its first call
+    (Limits), UNAUTHENTICATED, and says which variable to set."""
+    done = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/x-",
+                    "--timeout-ms", "10000")
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "FAIL demo: UNAUTHENTICATED UNAUTHENTICATED" in out, out
+    assert "set KVSTORE_TOKEN" in out, out
+    wrong = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/x-",
+                     "--timeout-ms", "10000", env={"KVSTORE_TOKEN": "not-a-known-token"})
+    assert wrong.returncode == 1
+    assert "FAIL demo: UNAUTHENTICATED UNAUTHENTICATED" in wrong.stdout, wrong.stdout
+
+
+def test_node_token_names_the_tenant(node: str, token_daemon: Daemon) -> None:
+    """Another tenant's valid token is authenticated (Limits works) but may not write
+    node-team/: the daemon read the token the demo sent, not merely some token."""
+    done = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/y-",
+                    env={"KVSTORE_TOKEN": OTHER_TOKEN})
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "ok   Limits" in out, out
+    assert "FAIL demo: PERMISSION_DENIED NOT_OWNER" in out, out
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (("--token", "two words"), {}, "token: a token is printable ASCII with no whitespace"),
+    ((), {"KVSTORE_TOKEN": " "}, "token (from KVSTORE_TOKEN): the token is empty"),
+    ((), {"KVSTORE_TOKEN_FILE": "/nonexistent/token"},
+     'token (from KVSTORE_TOKEN_FILE): cannot read token file "/nonexistent/token"'),
+    (("--token", "a", "--token-file", "/dev/null"), {}, "give --token or --token-file, not both"),
+])
+def test_node_demo_refuses_a_bad_token_before_dialing(
+        node: str, args: tuple[str, ...], env: dict[str, str], message: str) -> None:
+    """Exit 2 naming where the token came from, as the Python client's InvalidArgument does
+    (a blank KVSTORE_TOKEN is a mistake too, not "no token")."""
+    done = run_demo(node, "--target", f"127.0.0.1:{free_port()}", *args, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr, done.stderr
+    assert "key vectors" not in done.stdout  # nothing ran
