@@ -17,7 +17,24 @@ run twice gets <script>-2.* the second time. The report names these files for ea
 none), so a failed script's whole output can be read, and the smoke tests
 (tests/e2e/conftest.py) read one quick run's files instead of running each script again.
 
-    python bench/run_all.py [--only NAME ...] [--quick] [--out DIR]
+Each figure with a target (the `(target ...)` at the end of its line) is judged against it,
+on the numbers as printed (bench/figures.py `judge`): "met", "missed", or "target not
+understood" (a target the runner cannot read is never counted as met); a figure without one is
+"no target". The Markdown has a verdict column, the JSON each figure's "verdict" and "why",
+and the runner's stdout names every figure that missed. A --quick run measures at smoke sizes,
+where a target means little: its figures are judged all the same, for the reader, but the exit
+status counts them only with --strict.
+
+Exit status:
+  0  every script ran and ended ok, and no figure missed its target (or the run was --quick
+     without --strict);
+  1  a script failed, ran past its time limit or was skipped (its interpreter is missing),
+     whatever the targets said;
+  2  the command line was wrong (argparse);
+  3  every script ended ok, but a figure missed its target or has a target the runner does not
+     understand (a full run, or a --quick run with --strict).
+
+    python bench/run_all.py [--only NAME ...] [--quick] [--strict] [--out DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +51,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import plots
+from figures import MISSED, NOT_UNDERSTOOD, decimals_for, judge, number
 
 BENCH = Path(__file__).resolve().parent
 LINE = re.compile(
@@ -41,6 +59,10 @@ LINE = re.compile(
     r"(?P<baseline>[\d.]+) (?P=unit) = (?P<ratio>[\d.]+)x(?: \(target (?P<target>[^)]+)\))?$"
 )
 PLOT = re.compile(r"^plot (?P<name>\S+) (?P<data>\{.*\})$")
+
+EXIT_OK, EXIT_SCRIPT_FAILED, EXIT_TARGET_MISSED = 0, 1, 3
+"""The runner's exit status (2 is argparse's, for a wrong command line): the module's
+docstring says when each is returned."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +77,8 @@ class Script:
     json: Literal["path", "stdout"] = "path"
     """How the script hands over its JSON report: "path" (`--json PATH` writes it there) or
     "stdout" (a bare `--json` prints it as the last line of stdout)."""
+    source: str = ""
+    """The script's file, relative to the repository (or absolute); "" is bench/<name>.py."""
 
 
 SUITE = (
@@ -112,10 +136,12 @@ def parse(stdout: str) -> tuple[dict[str, dict[str, Any]], list[str], dict[str, 
                 info.append(f"# plot {plot['name']}: not JSON ({exc.msg}), left out")
         elif match:
             f = match.groupdict()
-            figures[f["name"]] = {"line": line.strip(), "ours": float(f["ours"]),
-                                  "unit": f["unit"], "baseline_name": f["baseline_name"],
-                                  "baseline": float(f["baseline"]), "ratio": float(f["ratio"]),
-                                  "target": f["target"] or ""}
+            ours, ratio, target = float(f["ours"]), float(f["ratio"]), f["target"] or ""
+            verdict, why = judge(target, ours, ratio, f["unit"])
+            figures[f["name"]] = {"line": line.strip(), "ours": ours, "unit": f["unit"],
+                                  "baseline_name": f["baseline_name"],
+                                  "baseline": float(f["baseline"]), "ratio": ratio,
+                                  "target": target, "verdict": verdict, "why": why}
         elif line.startswith("#"):
             info.append(line)
     return figures, info, plot_data
@@ -135,7 +161,8 @@ def run_script(script: Script, quick: bool, files: Path | None = None) -> Outcom
     if files is not None:
         files.parent.mkdir(parents=True, exist_ok=True)
         json_args = ("--json",) if script.json == "stdout" else ("--json", str(_json(files)))
-    command = [python, str(BENCH / f"{script.name}.py"), *args, *json_args]
+    source = BENCH.parent / script.source if script.source else BENCH / f"{script.name}.py"
+    command = [python, str(source), *args, *json_args]
     print(f"# == {script.name} {' '.join(args)}", flush=True)
     start = time.monotonic()
     try:
@@ -200,21 +227,63 @@ def files_of(suite: list[Script], folder: Path) -> list[Path]:
     return paths
 
 
-def markdown(outcomes: list[Outcome], stamp: str, total_s: float) -> str:
+def unmet(outcomes: list[Outcome]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(script, figure, figure's entry) for each figure that missed its target or whose
+    target the runner does not understand, in the order they ran."""
+    return [(o.script, name, f) for o in outcomes for name, f in o.figures.items()
+            if verdict_of(f)[0] in (MISSED, NOT_UNDERSTOOD)]
+
+
+def verdict_of(figure: dict[str, Any]) -> tuple[str, str]:
+    """A parsed figure's (verdict, why); judged here for a report saved before the runner
+    judged its figures."""
+    if "verdict" in figure:
+        return figure["verdict"], figure["why"]
+    return judge(figure["target"], figure["ours"], figure["ratio"], figure["unit"])
+
+
+def exit_status(outcomes: list[Outcome], quick: bool, strict: bool) -> int:
+    """The runner's exit status (the module's docstring says which and why)."""
+    if not all(o.status == "ok" for o in outcomes):
+        return EXIT_SCRIPT_FAILED
+    if unmet(outcomes) and (strict or not quick):
+        return EXIT_TARGET_MISSED
+    return EXIT_OK
+
+
+def markdown(outcomes: list[Outcome], stamp: str, total_s: float, quick: bool = False,
+             strict: bool = False) -> str:
+    """The report's table: a row per figure (a row with "-" for a script that printed none),
+    each figure judged against its target."""
     lines = [f"# Benchmark report {stamp}", "",
              f"{len(outcomes)} scripts in {total_s / 60:.1f} min; ratio > 1 means ours is "
-             "better; every baseline was measured in the same run.", "",
-             "| script | status | time | figure | ours vs baseline | ratio | target |",
-             "|---|---|---|---|---|---|---|"]
+             "better; every baseline was measured in the same run.", ""]
+    missed = unmet(outcomes)
+    if missed:
+        judged = ("the exit status counts them (--strict)" if strict else
+                  "a --quick run measures at smoke sizes, so the exit status does not count "
+                  "them (--strict would)") if quick else (
+                      "so the run's exit status is 3, or 1 if a script also failed")
+        count = "1 figure" if len(missed) == 1 else f"{len(missed)} figures"
+        lines += [f"**{count} missed their targets or have a target the runner does not "
+                  f"understand**: {', '.join(name for _, name, _ in missed)}; {judged}.", ""]
+    lines += ["| script | status | time | figure | ours vs baseline | ratio | target | verdict |",
+              "|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
         rows = o.figures.items() or [("-", None)]
         for name, f in rows:
-            shown = "-" if f is None else (f"{f['ours']} vs {f['baseline']} {f['unit']} "
-                                           f"({f['baseline_name']})")
-            ratio = "-" if f is None else f"{f['ratio']:.2f}x"
-            target = "" if f is None else f["target"]
+            if f is None:
+                lines.append(f"| {o.script} | {o.status} | {o.seconds:.0f} s | - | - | - | | |")
+                continue
+            decimals = decimals_for(f["unit"])
+            shown = (f"{number(f['ours'], decimals)} vs {number(f['baseline'], decimals)} "
+                     f"{f['unit']} ({f['baseline_name']})")
+            verdict, why = verdict_of(f)
+            if verdict == NOT_UNDERSTOOD:
+                verdict = f"{verdict}: {why}".replace("|", "\\|")
+            target = f["target"].replace("|", "\\|")  # a cell of its own, whatever it says
             lines.append(f"| {o.script} | {o.status} | {o.seconds:.0f} s | {name} | {shown} "
-                         f"| {ratio} | {target} |")
+                         f"| {number(f['ratio'])}x | {target} | {verdict} |")
     return "\n".join(lines) + "\n"
 
 
@@ -231,33 +300,48 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", action="append", choices=[s.name for s in SUITE],
                         help="run only these scripts (repeatable)")
-    parser.add_argument("--quick", action="store_true", help="each script's smoke size")
+    parser.add_argument("--quick", action="store_true",
+                        help="each script's smoke size; its targets are judged but do not "
+                             "count in the exit status unless --strict")
+    parser.add_argument("--strict", action="store_true",
+                        help="with --quick: exit 3 when a figure missed its target, as a "
+                             "full run does")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
     gpu = cuda_available()
     suite = [s for s in SUITE if (not args.only or s.name in args.only) and (gpu or not s.gpu)]
+    return run_suite(suite, args.quick, args.strict, args.out, gpu)
+
+
+def run_suite(suite: list[Script], quick: bool, strict: bool, out: Path,
+              gpu: bool = False) -> int:
+    """Run the scripts in turn, write the JSON and Markdown reports and the plots under
+    out, and return the runner's exit status."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%MZ")
     start = time.monotonic()
     outcomes = []
-    for script, files in zip(suite, files_of(suite, args.out / stamp), strict=True):
-        outcome = run_script(script, args.quick, files)
+    for script, files in zip(suite, files_of(suite, out / stamp), strict=True):
+        outcome = run_script(script, quick, files)
         for figure in outcome.figures.values():
             print(figure["line"], flush=True)
         print(f"# {script.name}: {outcome.status} in {outcome.seconds:.0f} s", flush=True)
         outcomes.append(outcome)
     total_s = time.monotonic() - start
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = {"date": stamp, "quick": args.quick, "cuda": gpu, "total_s": total_s,
-              "scripts": [asdict(o) for o in outcomes]}
-    (args.out / f"{stamp}.json").write_text(json.dumps(report, indent=1) + "\n")
-    drawn = plots.draw(report, args.out, stamp)
+    status = exit_status(outcomes, quick, strict)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"date": stamp, "quick": quick, "strict": strict, "cuda": gpu, "total_s": total_s,
+              "exit_status": status, "scripts": [asdict(o) for o in outcomes]}
+    (out / f"{stamp}.json").write_text(json.dumps(report, indent=1) + "\n")
+    drawn = plots.draw(report, out, stamp)
     for d in drawn:
         print(f"# plot {d.name}: {d.path if d.path else 'left out: ' + d.reason}", flush=True)
-    (args.out / f"{stamp}.md").write_text(markdown(outcomes, stamp, total_s)
-                                          + plots.markdown(drawn))
+    (out / f"{stamp}.md").write_text(markdown(outcomes, stamp, total_s, quick, strict)
+                                     + plots.markdown(drawn))
+    for script, name, f in unmet(outcomes):
+        print(f"# {': '.join(verdict_of(f))}: {script} {name}", flush=True)
     print(f"# {len(outcomes)} scripts in {total_s / 60:.1f} min; report in "
-          f"{args.out / (stamp + '.md')}", flush=True)
-    return 0 if all(o.status == "ok" for o in outcomes) else 1
+          f"{out / (stamp + '.md')}; exit status {status}", flush=True)
+    return status
 
 
 if __name__ == "__main__":
