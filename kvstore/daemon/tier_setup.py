@@ -4,6 +4,13 @@ Each failure that an operator can fix is a StartupError naming the setting: L1 d
 a host without CUDA, an L3 folder another daemon holds, an L3 file larger than its
 filesystem can hold beside the reserve (`kvstore.daemon.l3room`, checked before it is
 preallocated), an L3 file that cannot be created.
+
+L3 in a folder the operator chose (nvme.dir) persists: a restarted daemon re-adopts what it
+holds. With nvme.dir unset, L3 is scratch in a per-port folder under $XDG_CACHE_HOME
+(`default_l3_dir`): the daemon removes it when it stops, and a daemon starting with the
+default removes the scratch folders that daemons killed before their stop left behind (those
+whose lock nobody holds), so a bare `kvstore-server` leaves nothing on disk however many
+ports it ran on.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import fcntl
 import logging
 import os
 import secrets
+import shutil
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -44,6 +52,8 @@ class OpenTiers:
     manifest: Manifest | None = None
     remote: RedisPool | None = None  # L4
     l3_dir: Path | None = None
+    #: The L3 folder is the default scratch one (nvme.dir unset): removed at close.
+    l3_scratch: bool = False
     _stack: ExitStack = field(default_factory=ExitStack)
 
     def close(self) -> None:
@@ -52,14 +62,18 @@ class OpenTiers:
 
 
 def l3_dir(config: Config) -> Path:
-    """nvme.dir, or a per-port folder under $XDG_CACHE_HOME (~/.cache) so a restarted daemon
-    on the same port finds what it left, and daemons on other ports (each holding its
-    folder's lock) start beside it with no settings. Each such folder keeps its L3 file when
-    its daemon is gone: docs/operations.md ("Sizing L3") says how to find and remove them."""
+    """nvme.dir, or the default scratch folder (default_l3_dir)."""
     if config.nvme.dir:
         return Path(config.nvme.dir).expanduser()
+    return default_l3_dir(config.server.port)
+
+
+def default_l3_dir(port: int) -> Path:
+    """$XDG_CACHE_HOME/kvstore/<port> (~/.cache/kvstore/<port>): one folder per port, so
+    daemons on other ports (each holding its folder's lock) start beside it with no
+    settings. Scratch: removed when its daemon stops (see the module docstring)."""
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "kvstore" / str(config.server.port)
+    return Path(cache) / "kvstore" / str(port)
 
 
 def open_tiers(config: Config, dram_arenas: Sequence[Arena] | None = None) -> OpenTiers:
@@ -132,6 +146,12 @@ def _open_nvme(config: Config, opened: OpenTiers) -> None:
     except BlockingIOError:
         raise StartupError(f"the L3 folder {folder} is in use by another kvstore-server; give "
                            "each daemon its own nvme.dir") from None
+    if not n.dir:
+        # Runs before the lock is released (callbacks run last-in first-out), after the
+        # tier and the manifest registered below are closed.
+        opened._stack.callback(_remove_scratch, folder)
+        opened.l3_scratch = True
+        _remove_stale_scratch(folder)
     _check_room(config, folder)
     try:
         nvme = NvmeTier(folder / L3_FILE, n.capacity_bytes, n.page_size_bytes, n.backend,
@@ -145,6 +165,52 @@ def _open_nvme(config: Config, opened: OpenTiers) -> None:
     opened._stack.callback(manifest.close)
     opened.manifest = manifest
     opened.l3_dir = folder
+
+
+def _remove_scratch(folder: Path) -> None:
+    """Remove the default L3 folder of this daemon (it holds the folder's lock), and the
+    kvstore folder above it once it is empty. A failure is logged: the stop goes on."""
+    try:
+        shutil.rmtree(folder)
+    except OSError as exc:
+        log.warning("cannot remove the scratch L3 folder %s: %s", folder, exc)
+        return
+    log.info("removed the scratch L3 folder %s (set nvme.dir to keep L3 across restarts)",
+             folder)
+    try:
+        folder.parent.rmdir()
+    except OSError:
+        pass  # another daemon's folder is beside it (or something else): keep it
+
+
+def _remove_stale_scratch(folder: Path) -> None:
+    """Remove the default L3 folders beside folder that a daemon killed before its stop
+    left: those with a lock file nobody holds. Each is removed while this daemon holds its
+    lock, so a daemon starting on that port meanwhile is refused ("in use") rather than
+    having its folder removed under it. A folder without a lock file is not one a daemon
+    made, and is left alone."""
+    try:
+        candidates = [d for d in folder.parent.iterdir()
+                      if d != folder and d.name.isdigit() and d.is_dir()]
+    except OSError:
+        return
+    for stale in candidates:
+        try:
+            fd = os.open(stale / LOCK_FILE, os.O_RDWR)
+        except OSError:
+            continue  # no lock file: not a daemon's folder, or one just being made
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            size_bytes = allocated_bytes(stale / L3_FILE)
+            shutil.rmtree(stale)
+            log.info("removed the scratch L3 folder %s (%s) that a killed daemon left",
+                     stale, format_size(size_bytes))
+        except BlockingIOError:
+            pass  # its daemon runs
+        except OSError as exc:
+            log.warning("cannot remove the stale scratch L3 folder %s: %s", stale, exc)
+        finally:
+            os.close(fd)
 
 
 def _check_room(config: Config, folder: Path) -> None:
