@@ -13,8 +13,10 @@ thread-safe (one lock). The servicer itself is kvstore/daemon/servicer.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import logging
+import os
 import signal
 import socket
 import sys
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from concurrent import futures
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -39,6 +42,7 @@ from kvstore.daemon.reflection import Reflection, commented_files
 from kvstore.daemon.servicer import KVStoreServicer
 from kvstore.daemon.store import Store
 from kvstore.memory import keep_freed_buffers
+from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.daemon.server")
 
@@ -228,6 +232,7 @@ def serve(config: Config, stop: threading.Event,
     with ExitStack() as undo:
         listener = bind_grpc(config)
         undo.callback(listener.close)
+        config = resolved(config, listener.port)
         metrics = Metrics()
         undo.callback(metrics.stop)
         metrics_port = start_metrics(config, metrics)
@@ -245,6 +250,79 @@ def serve(config: Config, stop: threading.Event,
         metrics.watch_store(store)
         _serve(config, listener, store, metrics, metrics_port, stop,
                reload or threading.Event(), drain_began)
+
+
+# --- what the settings leave to the daemon: the port it got, the Unix socket ---------------
+
+#: server.unix_socket's value that asks for no socket even with auth on.
+NO_SOCKET = "off"
+#: The longest path a Unix socket may have (sun_path is 108 bytes with its NUL on Linux).
+MAX_SOCKET_PATH = 107
+#: Where the default socket's folder (kvstore-<uid>) is made without $XDG_RUNTIME_DIR.
+SOCKET_FALLBACK_ROOT = Path("/tmp")
+
+
+def resolved(config: Config, port: int) -> Config:
+    """config with what start-up settles: server.port as bound (so that port 0 names its
+    segment, its scratch L3 folder and its socket after the port it got) and
+    server.unix_socket ("" with auth on: default_socket_path; "off": none)."""
+    path = config.server.unix_socket
+    if path == NO_SOCKET:
+        path = ""
+    elif not path and config.auth.mode != "off" and config.dram.enabled:
+        path = default_socket_path(port)
+    server = dataclasses.replace(config.server, port=port, unix_socket=path)
+    return dataclasses.replace(config, server=server)
+
+
+def default_socket_path(port: int) -> str:
+    """The Unix socket a daemon with auth on serves when server.unix_socket is unset, so its
+    tenants' clients on this host get shared memory with no setting (they learn the path
+    from Stats): kvstore-<port>.sock in $XDG_RUNTIME_DIR (the user's own 0700 folder), else
+    in /tmp/kvstore-<uid>, made 0700. One per port, so daemons on one host never meet.
+    Only this user's processes reach it there; a daemon serving other users' engines sets
+    server.unix_socket to a folder they can reach. "" (with a warning naming the setting)
+    when neither folder is usable: clients then move data inline."""
+    name = f"kvstore-{port}.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and Path(runtime).is_dir() and len(f"{runtime}/{name}") <= MAX_SOCKET_PATH:
+        return str(Path(runtime) / name)
+    folder = SOCKET_FALLBACK_ROOT / f"kvstore-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = folder.lstat()
+    except OSError as exc:
+        return _no_default_socket(f"cannot make {folder}: {exc.strerror}")
+    # Another user may have made the folder first (/tmp is everyone's): never serve in it.
+    if not folder.is_dir() or folder.is_symlink() or st.st_uid != os.getuid() \
+            or st.st_mode & 0o077:
+        return _no_default_socket(f"{folder} is not a folder of this user's alone")
+    return str(folder / name)
+
+
+def _no_default_socket(why: str) -> str:
+    log.warning("no Unix socket (%s): with auth on, clients on this host move data inline "
+                "instead of through shared memory; set server.unix_socket to a path", why)
+    return ""
+
+
+def banner(config: Config, port: int, tls: bool, metrics_port: int, store: Store,
+           socket_path: str) -> str:
+    """The line printed once the daemon listens: the version, where it listens and how,
+    and where each tier keeps how much (an operator sees what a bare start takes)."""
+    dram = store.state.dram
+    if dram is None:
+        l2 = "L2 off"
+    else:
+        l2 = (f"L2 shm {dram.shm_name or 'per-tenant arenas'}, "
+              f"{format_size(dram.capacity_bytes)}")
+    l3 = store.describe_l3()
+    if config.nvme.enabled and not config.nvme.dir and l3 != "L3 off":
+        l3 += "; scratch: removed at stop, set nvme.dir to keep it"
+    return (f"kvstore-server {__version__} listening on {config.server.host}:{port} "
+            f"({'TLS' if tls else 'plaintext'}, auth {config.auth.mode}, metrics port "
+            f"{metrics_port or 'off'}, {l2}, "
+            f"{'unix socket ' + socket_path if socket_path else 'no unix socket'}, {l3})")
 
 
 def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
@@ -280,13 +358,8 @@ def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
         ]
         for thread in threads:
             thread.start()
-        dram = store.state.dram
-        shm = (dram.shm_name or "per-tenant arenas") if dram else "off"
-        print(f"kvstore-server {__version__} listening on {config.server.host}:{listener.port} "
-              f"({'TLS' if listener.tls else 'plaintext'}, auth {config.auth.mode}, metrics "
-              f"port {metrics_port or 'off'}, L2 shm {shm}"
-              f"{', unix socket ' + attach.path if attach else ''}, {store.describe_l3()})",
-              flush=True)
+        print(banner(config, listener.port, listener.tls, metrics_port, store,
+                     attach.path if attach else ""), flush=True)
         # Poll, not wait(): the kernel may hand SIGTERM to any thread, and CPython runs the
         # handler only when the main thread runs bytecode again; a wait without a timeout
         # would then never wake, and the daemon would ignore the signal.
@@ -343,6 +416,7 @@ def _drain(config: Config, servicer: KVStoreServicer,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstore-server", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvstore-server {__version__}")
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -60,8 +60,10 @@ class ServerConfig:
     #: PEM CA bundle client certificates must chain to (auth.mode=mtls requires it).
     tls_client_ca_file: str = ""
     #: Path of the daemon's local Unix socket, where co-located clients exchange an Attach
-    #: ticket for their tenant's shared-memory arenas; "" = none (with auth on, clients
-    #: then move data inline).
+    #: ticket for their tenant's shared-memory arenas and send the hot verbs. "" = none with
+    #: auth off; with auth on (where shared memory needs it), kvstore-<port>.sock in
+    #: $XDG_RUNTIME_DIR, else in /tmp/kvstore-<uid> (both this user's alone). "off" = none
+    #: in any mode (with auth on, clients then move data inline).
     unix_socket: str = ""
 
 
@@ -109,9 +111,14 @@ class NvmeConfig:
     """The L3 tier: one preallocated file of pages on local NVMe, plus its manifest."""
 
     enabled: bool = True  #: Keep an L3 tier on local disk.
-    #: Folder for the L3 file and manifest; "" = $XDG_CACHE_HOME/kvstore/<port> (~/.cache).
+    #: Folder for the L3 file and manifest, kept across restarts (re-adopted); "" = scratch
+    #: in $XDG_CACHE_HOME/kvstore/<port> (~/.cache), removed when the daemon stops.
     dir: str = ""
-    capacity_bytes: int = 4 * GiB  #: L3 file size (preallocated).
+    #: L3 file size (preallocated). 2 GiB by default: twice the default L2, so a bare start
+    #: on a laptop gets a real L3 (three times L2's blocks in all, with exclusive placement)
+    #: without taking a large share of a small disk; a node with NVMe for it sets its size
+    #: (the Helm chart always does).
+    capacity_bytes: int = 2 * GiB
     page_size_bytes: int = 64 * KiB  #: Allocation page; a power of two, >= 4 KiB.
     backend: str = "auto"  #: auto (kvikio when an NVIDIA driver is present), kvikio or posix.
     io_threads: int = 4  #: Parallel reads and writes of the POSIX backend.
