@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -138,20 +139,21 @@ def test_node_keys_match_the_published_vectors_and_python(node: str) -> None:
 
 
 
-#: The token daemon's tenants: `node` owns node-team/, `other` owns other-team/.
+#: The token daemon's tenants: `team-a` owns team-a/ (the prefix the README's example uses),
+#: `other` owns other-team/.
 NODE_TOKEN = "token-of-node-0123456789"
 OTHER_TOKEN = "token-of-other-0123456789"
 
 
 @pytest.fixture(scope="module")
 def token_tenants(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    def tenant(name: str, token: str) -> dict[str, object]:
+    def tenant(name: str, token: str, prefix: str) -> dict[str, object]:
         return {"name": name, "tokens_sha256": [hashlib.sha256(token.encode()).hexdigest()],
-                "namespaces": [f"{name}-team/"]}
+                "namespaces": [prefix]}
 
     path = tmp_path_factory.mktemp("node-tenants") / "tenants.yaml"
-    path.write_text(yaml.safe_dump({"tenants": [tenant("node", NODE_TOKEN),
-                                                tenant("other", OTHER_TOKEN)]}))
+    path.write_text(yaml.safe_dump({"tenants": [tenant("team-a", NODE_TOKEN, "team-a/"),
+                                                tenant("other", OTHER_TOKEN, "other-team/")]}))
     return path
 
 
@@ -164,7 +166,7 @@ def token_daemon(shared_daemon: Callable[..., Daemon], token_tenants: Path) -> D
 
 
 def test_node_demo_sends_the_token_from_kvstore_token(node: str, token_daemon: Daemon) -> None:
-    done = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/demo-",
+    done = run_demo(node, "--target", token_daemon.target, "--namespace", "team-a/demo-",
                     env={"KVSTORE_TOKEN": NODE_TOKEN})
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
@@ -178,10 +180,10 @@ def test_node_demo_sends_the_token_from_kvstore_token(node: str, token_daemon: D
         assert line in out, out
     assert "FAIL" not in out, out
 
-    # The blocks went in as tenant `node`: its Stats are back to nothing stored, after Evict.
+    # The blocks went in as tenant `team-a`: its Stats are back to nothing stored, after Evict.
     with grpc.insecure_channel(token_daemon.target) as channel:
         stats = pb_grpc.KVStoreStub(channel).Stats(
-            pb.StatsRequest(namespace="node-team/"), timeout=10,
+            pb.StatsRequest(namespace="team-a/"), timeout=10,
             metadata=(("authorization", f"Bearer {NODE_TOKEN}"),))
     assert all(t.objects == 0 for t in stats.tiers), stats
 
@@ -192,10 +194,10 @@ def test_node_demo_reads_the_token_from_a_file(node: str, token_daemon: Daemon,
     KVSTORE_TOKEN_FILE and --token-file read it."""
     secret = tmp_path / "token"
     secret.write_text(NODE_TOKEN + "\n")
-    by_env = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/f-",
+    by_env = run_demo(node, "--target", token_daemon.target, "--namespace", "team-a/f-",
                       env={"KVSTORE_TOKEN_FILE": str(secret)})
     assert by_env.returncode == 0, by_env.stdout + by_env.stderr
-    by_flag = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/f-",
+    by_flag = run_demo(node, "--target", token_daemon.target, "--namespace", "team-a/f-",
                        "--token-file", str(secret))
     assert by_flag.returncode == 0, by_flag.stdout + by_flag.stderr
     assert "node client: all checks passed" in by_flag.stdout
@@ -205,13 +207,13 @@ def test_node_demo_without_a_token_is_refused_and_told_how(node: str,
                                                            token_daemon: Daemon) -> None:
     """The control for the tests above: the same demo with no token fails at its first call
     (Limits), UNAUTHENTICATED, and says which variable to set."""
-    done = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/x-",
+    done = run_demo(node, "--target", token_daemon.target, "--namespace", "team-a/x-",
                     "--timeout-ms", "10000")
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert "FAIL demo: UNAUTHENTICATED UNAUTHENTICATED" in out, out
     assert "set KVSTORE_TOKEN" in out, out
-    wrong = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/x-",
+    wrong = run_demo(node, "--target", token_daemon.target, "--namespace", "team-a/x-",
                      "--timeout-ms", "10000", env={"KVSTORE_TOKEN": "not-a-known-token"})
     assert wrong.returncode == 1
     assert "FAIL demo: UNAUTHENTICATED UNAUTHENTICATED" in wrong.stdout, wrong.stdout
@@ -219,8 +221,8 @@ def test_node_demo_without_a_token_is_refused_and_told_how(node: str,
 
 def test_node_token_names_the_tenant(node: str, token_daemon: Daemon) -> None:
     """Another tenant's valid token is authenticated (Limits works) but may not write
-    node-team/: the daemon read the token the demo sent, not merely some token."""
-    done = run_demo(node, "--target", token_daemon.target, "--namespace", "node-team/y-",
+    team-a/: the daemon read the token the demo sent, not merely some token."""
+    done = run_demo(node, "--target", token_daemon.target, "--namespace", "team-a/y-",
                     env={"KVSTORE_TOKEN": OTHER_TOKEN})
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
@@ -243,3 +245,66 @@ def test_node_demo_refuses_a_bad_token_before_dialing(
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr, done.stderr
     assert "key vectors" not in done.stdout  # nothing ran
+
+
+README = NODE_DIR / "README.md"
+
+
+def readme_block(lang: str, index: int) -> str:
+    """The index-th ```lang block of examples/node/README.md, as a reader copies it."""
+    blocks = re.findall(rf"^```{lang}\n(.*?)^```$", README.read_text(), flags=re.M | re.S)
+    assert len(blocks) > index, f"examples/node/README.md has {len(blocks)} ```{lang} blocks"
+    return str(blocks[index])
+
+
+def run_readme_shell(text: str, replace: dict[str, str], env: dict[str, str] | None = None
+                     ) -> subprocess.CompletedProcess[str]:
+    """Run a README shell block with bash from the repository root, each `replace` key (which
+    must be in it) swapped for the test's own value: the daemon's address, a file's path."""
+    for old, new in replace.items():
+        assert old in text, f"{old!r} is no longer in the README block:\n{text}"
+        text = text.replace(old, new)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_TOKEN")}
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", text], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env={**full_env, **(env or {})})
+
+
+def test_readme_run_it_block_runs(node: str, daemon: Daemon) -> None:
+    """The README's first block: `npm ci` (done by make test, and offline here) and
+    `kvstore-server &` (the test's shared daemon stands in, on a port of its own) are dropped;
+    the demo line runs as written, with the daemon's address."""
+    text = readme_block("sh", 0)
+    lines = text.splitlines()
+    assert lines[0].startswith("npm ci --prefix examples/node ")
+    assert lines[1].startswith("kvstore-server &")
+    done = run_readme_shell("\n".join(lines[2:]), {"127.0.0.1:50051": daemon.target})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "node client: all checks passed" in done.stdout
+    assert "ok   Get SHARED_MEMORY" in done.stdout
+
+
+def test_readme_token_block_runs(node: str, token_daemon: Daemon, tmp_path: Path) -> None:
+    """The README's token block as written, against the token daemon: its token file is the
+    test's, its namespace prefix (team-a/) the tenant's own."""
+    secret = tmp_path / "token"
+    secret.write_text(NODE_TOKEN + "\n")
+    done = run_readme_shell(readme_block("sh", 1), {
+        "/var/run/secrets/kvstore/token": str(secret), "127.0.0.1:50051": token_daemon.target})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "node client: all checks passed" in done.stdout
+    assert "skip Get SHARED_MEMORY" in done.stdout
+
+
+def test_readme_metadata_block_builds_the_header(node: str) -> None:
+    """The README's grpc.Metadata block, run in examples/node: the header the daemon reads,
+    from KVSTORE_TOKEN, and none without a token."""
+    script = readme_block("js", 0) + "console.log(JSON.stringify(metadata.get('authorization')));"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_TOKEN")}
+    with_token = subprocess.run([node, "-e", script], capture_output=True, text=True,
+                                timeout=60, cwd=NODE_DIR, env={**env, "KVSTORE_TOKEN": "tok-1"})
+    assert with_token.returncode == 0, with_token.stderr
+    assert json.loads(with_token.stdout) == ["Bearer tok-1"]
+    without = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60,
+                             cwd=NODE_DIR, env=env)
+    assert without.returncode == 0, without.stderr
+    assert json.loads(without.stdout) == []
