@@ -337,8 +337,8 @@ def run_suite(suite: list[Script], quick: bool, strict: bool, out: Path,
         print(f"# plot {d.name}: {d.path if d.path else 'left out: ' + d.reason}", flush=True)
     (out / f"{stamp}.md").write_text(markdown(outcomes, stamp, total_s, quick, strict)
                                      + plots.markdown(drawn))
-    for script, name, f in unmet(outcomes):
-        print(f"# {': '.join(verdict_of(f))}: {script} {name}", flush=True)
+    for script_name, name, f in unmet(outcomes):
+        print(f"# {': '.join(verdict_of(f))}: {script_name} {name}", flush=True)
     print(f"# {len(outcomes)} scripts in {total_s / 60:.1f} min; report in "
           f"{out / (stamp + '.md')}; exit status {status}", flush=True)
     return status

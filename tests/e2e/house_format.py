@@ -46,4 +46,4 @@ def _rounds_to(value: float, printed: str) -> bool:
     """printed is value to as many decimals as it shows (bench/figures.py `number` prints as
     many as a small value needs; a script with its own line format may print fewer)."""
     decimals = len(printed.partition(".")[2])
-    return abs(value - float(printed)) <= 0.5 * 10 ** -decimals + 1e-12
+    return abs(value - float(printed)) <= 0.5 * 10.0 ** -decimals + 1e-12
