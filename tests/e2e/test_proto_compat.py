@@ -165,7 +165,7 @@ def test_buf_builds_the_contract_with_every_language_option(tmp_path: Path) -> N
         for name, value in FILE_OPTIONS.items():
             assert stub_options.HasField(name), f"kvstore.proto sets no option {name}"
             assert getattr(stub_options, name) == value, name
-    import_path, _, go_name = FILE_OPTIONS["go_package"].partition(";")
+    import_path, _, go_name = str(FILE_OPTIONS["go_package"]).partition(";")
     assert import_path.endswith("/kvstore/v1") and go_name == "kvstorev1"
 
 
