@@ -21,6 +21,7 @@ from kvstore.daemon.config import (
     parse_size,
     redact_url,
 )
+from kvstore.units import AmbiguousSize
 
 
 @pytest.mark.parametrize(
@@ -33,7 +34,10 @@ from kvstore.daemon.config import (
         ("4096", 4096),
         ("1TiB", 1 << 40),
         ("2GB", 2_000_000_000),
-        ("10kb", 10_000),
+        ("10kB", 10_000),
+        ("10KB", 10_000),
+        ("256MB", 256_000_000),
+        ("64gib", 64 << 30),
         (" 8 MiB ", 8 << 20),
         ("0", 0),
         (123, 123),
@@ -47,6 +51,30 @@ def test_parse_size_accepts_binary_decimal_and_bare_bytes(text: str | int, expec
 def test_parse_size_rejects_what_is_not_a_size(text: str) -> None:
     with pytest.raises(ValueError, match="not a"):
         parse_size(text)
+
+
+@pytest.mark.parametrize(("text", "fix"), [
+    ("256mb", "write 256MB (decimal, 10^6 bytes a MB) or 256MiB (binary, 2^20: what Redis "
+              "reads 'mb' as)"),
+    ("1Gb", "write 1GB (decimal, 10^9 bytes a GB) or 1GiB (binary, 2^30"),
+    ("10kb", "write 10KB"),
+    ("2tB", "write 2TB (decimal, 10^12 bytes a TB) or 2TiB (binary, 2^40"),
+])
+def test_parse_size_refuses_a_decimal_unit_spelled_as_other_tools_read_it_otherwise(
+        text: str, fix: str) -> None:
+    """Redis reads "256mb" as 256 MiB; kvstore would have read it as 256,000,000 bytes,
+    silently 4.6% less. It is refused, naming both spellings."""
+    with pytest.raises(AmbiguousSize, match=re.escape(f"{text!r} is ambiguous: {fix}")):
+        parse_size(text)
+
+
+def test_an_ambiguous_size_in_the_config_names_the_setting_and_both_spellings() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(env={"KVSTORE_DRAM_CAPACITY_BYTES": "256mb"})
+    assert str(err.value) == (
+        "dram.capacity_bytes = '256mb' (from KVSTORE_DRAM_CAPACITY_BYTES): '256mb' is "
+        "ambiguous: write 256MB (decimal, 10^6 bytes a MB) or 256MiB (binary, 2^20: what "
+        "Redis reads 'mb' as)")
 
 
 def test_parse_size_rejects_negative_ints_and_bools() -> None:

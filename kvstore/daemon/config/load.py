@@ -30,7 +30,7 @@ from kvstore.daemon.config.schema import (
     Config,
     ConfigError,
 )
-from kvstore.units import parse_size
+from kvstore.units import AmbiguousSize, parse_size
 
 ENV_PREFIX = "KVSTORE_"
 ENV_CONFIG_FILE = "KVSTORE_CONFIG"
@@ -55,6 +55,8 @@ def _convert(path: str, raw: object) -> object:
     if path.endswith("_bytes"):
         try:
             return parse_size(raw)  # type: ignore[arg-type]
+        except AmbiguousSize as exc:
+            raise ValueError(str(exc)) from None
         except (ValueError, TypeError):
             raise ValueError("not a size; use e.g. 64GiB, 512MiB or 4096") from None
     convert = _CONVERTERS.get(kind)
