@@ -264,9 +264,7 @@ def markdown(outcomes: list[Outcome], stamp: str, total_s: float, quick: bool = 
                   "a --quick run measures at smoke sizes, so the exit status does not count "
                   "them (--strict would)") if quick else (
                       "so the run's exit status is 3, or 1 if a script also failed")
-        count = "1 figure" if len(missed) == 1 else f"{len(missed)} figures"
-        lines += [f"**{count} missed their targets or have a target the runner does not "
-                  f"understand**: {', '.join(name for _, name, _ in missed)}; {judged}.", ""]
+        lines += ["; ".join(_summary(missed)) + f"; {judged}.", ""]
     lines += ["| script | status | time | figure | ours vs baseline | ratio | target | verdict |",
               "|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
@@ -285,6 +283,22 @@ def markdown(outcomes: list[Outcome], stamp: str, total_s: float, quick: bool = 
             lines.append(f"| {o.script} | {o.status} | {o.seconds:.0f} s | {name} | {shown} "
                          f"| {number(f['ratio'])}x | {target} | {verdict} |")
     return "\n".join(lines) + "\n"
+
+
+def _summary(unmet_figures: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """The report's sentence parts naming the figures that missed and those whose target the
+    runner could not read, each part only when there are some."""
+    parts = []
+    for verdict, one, many in ((MISSED, "1 figure missed its target",
+                                "{n} figures missed their targets"),
+                               (NOT_UNDERSTOOD, "1 figure has a target the runner does not "
+                                "understand", "{n} figures have targets the runner does not "
+                                "understand")):
+        names = [name for _, name, f in unmet_figures if verdict_of(f)[0] == verdict]
+        if names:
+            count = one if len(names) == 1 else many.format(n=len(names))
+            parts.append(f"**{count}**: {', '.join(names)}")
+    return parts
 
 
 def cuda_available() -> bool:

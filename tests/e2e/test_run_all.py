@@ -249,8 +249,9 @@ def test_the_report_marks_a_missed_figure_and_the_exit_status_says_so(tmp_path: 
     assert rows["vague"].endswith(" | fast \\| enough | target not understood: 'fast \\| "
                                   "enough': not [label] [>=\\|>\\|<=\\|<\\|~] <number>x or <op> "
                                   "<number> <unit> |")
-    assert ("**3 figures missed their targets or have a target the runner does not "
-            "understand**: too_slow, lookup_p50, vague; so the run's exit status is 3") in md
+    assert ("**2 figures missed their targets**: too_slow, lookup_p50; **1 figure has a "
+            "target the runner does not understand**: vague; so the run's exit status is 3, "
+            "or 1 if a script also failed.") in md
     [report] = out.glob("*.json")
     figures = json.loads(report.read_text())["scripts"][0]["figures"]
     assert {n: f["verdict"] for n, f in figures.items()} == {
