@@ -153,13 +153,19 @@ def admin_flags(command: list[str]) -> dict[str, str]:
 
 # --- the value sets the chart tests render ------------------------------------------------
 
+#: L3 opted into, as it must be (it is off by default): a node folder on a local NVMe.
+L3_FOLDER = "/mnt/nvme0/kvstore"
+L3_ON = {"nvme": {"enabled": True, "volume": {"hostPath": {"path": L3_FOLDER}}}}
+#: L1 asked for, as it must be (off by default: it takes a GPU per node from the engines).
+L1_ON = {"hbm": {"enabled": True}}
+
 CPU_ONLY = {
     "image": {"variant": "cpu"},
     "hbm": {"enabled": False},
     "nodeSelector": None,  # null drops a default map key in Helm ({} would merge)
     "tolerations": [],
     "dram": {"size": "2Gi"},
-    "nvme": {"size": "8Gi", "volume": {"type": "emptyDir"}},
+    "nvme": {"enabled": True, "size": "8Gi", "volume": {"type": "emptyDir"}},
     "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "4Gi"}},
 }
 TEAM_A = {"name": "team-a", "tokens_sha256": [hashlib.sha256(b"token-a").hexdigest()],
@@ -172,8 +178,9 @@ CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
     "cpu": CPU_ONLY,
     "gpu_gds": {
+        **L1_ON,
         "auth": {"mode": "off"},  # hostIPC (the named /dev/shm segment) exists only without auth
-        "nvme": {"gds": {"enabled": True}},
+        "nvme": merged(L3_ON["nvme"], {"gds": {"enabled": True}}),
         "dram": {"hostIPC": True},
         "service": {"internalTrafficPolicy": "Local"},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
@@ -181,7 +188,7 @@ CASES: dict[str, dict[str, Any]] = {
     "statefulset": {
         "kind": "StatefulSet",
         "replicaCount": 3,
-        "nvme": {"size": "200Gi", "volume": {
+        "nvme": {"enabled": True, "size": "200Gi", "volume": {
             "type": "persistentVolumeClaim",
             "persistentVolumeClaim": {"storageClass": "local-nvme"}}},
     },
@@ -202,11 +209,13 @@ CASES: dict[str, dict[str, Any]] = {
                    "existingSecret": "redis-auth", "existingSecretPasswordKey": "password"},
     },
     "hostpath_statefulset_cpu": {**CPU_ONLY, "kind": "StatefulSet", "replicaCount": 2,
-                                 "nvme": {"size": "8Gi", "volume": {"type": "hostPath"}}},
+                                 "nvme": merged(L3_ON["nvme"], {"size": "8Gi"})},
     "auth_off": {"auth": {"mode": "off"}},
     "token_tls_tenants": {
         "tls": {"enabled": True, "secretName": "kv-tls", "serverName": "kvstore.example"},
-        "auth": {"tenants": [TEAM_A, TEAM_B], "extraTokenHashes": [NEXT_HASH]},
+        # Beside teams of their own, the chart's engine tenant takes a prefix nobody else owns.
+        "auth": {"tenants": [TEAM_A, TEAM_B], "extraTokenHashes": [NEXT_HASH],
+                 "engine": {"namespaces": ["engine/"]}},
     },
     "mtls_tls": {
         "auth": {"mode": "mtls", "tenants": [TEAM_B]},
@@ -215,8 +224,8 @@ CASES: dict[str, dict[str, Any]] = {
     "existing_secret": {"auth": {"existingSecret": "kv-tenants"}},
     # L3 in a folder prepared on the nodes: no chown step; the kubelet only checks it exists.
     "prepared_l3_folder": {"volumePermissions": {"enabled": False},
-                           "nvme": {"volume": {"hostPath": {"path": "/mnt/nvme0/kvstore",
-                                                            "type": "Directory"}}}},
+                           "nvme": merged(L3_ON["nvme"], {"volume": {"hostPath": {
+                               "type": "Directory"}}})},
     # Everything the metrics feed: ServiceMonitor, the Grafana dashboard and the alerting rules.
     "observability": {
         "metrics": {"serviceMonitor": {"enabled": True}},

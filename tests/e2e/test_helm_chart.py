@@ -15,13 +15,15 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstore.daemon.config import ConfigError
 from kvstore.daemon.l3room import Space, capacity_problem
 from tests.e2e.helm_render import (
     CASES,
     CHART_DIR,
     FULLNAME,
     KUBE_VERSION,
+    L1_ON,
+    L3_FOLDER,
+    L3_ON,
     NAMESPACE,
     NEXT_HASH,
     RELEASE,
@@ -51,6 +53,10 @@ try:
 except ImportError as exc:  # the chart tools are in the test extra; without them, say which
     pytest.skip(f"chart tests need helm-python-sdk, kubernetes-validate and yamllint ({exc})",
                 allow_module_level=True)
+
+def _guide() -> str:
+    return (REPO / "docs" / "kubernetes.md").read_text()
+
 
 @pytest.fixture(scope="module")
 def chart() -> Any:
@@ -170,9 +176,10 @@ def test_configmap_is_accepted_by_the_daemon(rendered: dict[str, Rendered], case
 
 def test_default_config_values(rendered: dict[str, Rendered]) -> None:
     cfg = daemon_config(rendered["defaults"])
-    assert (cfg.hbm.mode, cfg.dram.pin_memory) == ("on", True)
+    # L1 and L3 are opt-in: no GPU taken from the engines, no file on a disk nobody chose.
+    assert (cfg.hbm.mode, cfg.dram.pin_memory, cfg.nvme.enabled) == ("off", False, False)
     assert cfg.dram.capacity_bytes == 8 << 30
-    assert (cfg.nvme.capacity_bytes, cfg.nvme.backend) == (100 << 30, "auto")
+    assert (cfg.nvme.capacity_bytes, cfg.nvme.backend) == (32 << 30, "auto")
     assert cfg.remote.url == ""
     assert (cfg.server.max_object_bytes, cfg.server.max_response_bytes) == (64 << 20, 1 << 30)
     assert (cfg.server.grace_s, cfg.server.drain_notice_s) == (5, 1)
@@ -182,7 +189,7 @@ def test_default_config_values(rendered: dict[str, Rendered]) -> None:
 # --- value sets ---------------------------------------------------------------------------
 
 
-def test_defaults_are_a_gpu_daemonset(rendered: dict[str, Rendered]) -> None:
+def test_defaults_are_a_daemonset_on_gpu_nodes(rendered: dict[str, Rendered]) -> None:
     r = rendered["defaults"]
     wl = r.one("DaemonSet")
     spec = pod_spec(wl)
@@ -191,7 +198,9 @@ def test_defaults_are_a_gpu_daemonset(rendered: dict[str, Rendered]) -> None:
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
         in spec["tolerations"]
     assert ctr["image"] == "localhost:5000/kvstore:0.1.0-cuda"  # ci/test-values.yaml's
-    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # On the GPU nodes, beside the engines, but holding none of their GPUs (finding 3).
+    assert "nvidia.com/gpu" not in ctr["resources"]["limits"]
+    assert "nvidia.com/gpu" not in ctr["resources"].get("requests", {})
     # Probes: native gRPC on the health service; the startup probe allows a long start.
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert ctr[probe]["grpc"] == {"port": 50051}, probe
@@ -203,11 +212,10 @@ def test_defaults_are_a_gpu_daemonset(rendered: dict[str, Rendered]) -> None:
     l2 = daemon_config(r).dram.capacity_bytes
     limit = quantity_bytes(ctr["resources"]["limits"]["memory"])
     assert l2 <= quantity_bytes(shm["sizeLimit"]) <= limit
-    assert volume(wl, "l3")["hostPath"] == {"path": "/var/lib/kvstore", "type": "DirectoryOrCreate"}
+    assert volume(wl, "l3") is None and mount(ctr, "l3") is None  # L3 is opt-in
     assert not {"hostIPC", "hostNetwork"} & spec.keys()
-    # Auth is on by default: one init container readies the Unix socket's folder, the other
-    # gives the L3 folder (which the kubelet creates as root) to the daemon.
-    assert [c["name"] for c in spec["initContainers"]] == ["socket-dir", "volume-permissions"]
+    # Auth is on by default: one init container readies the Unix socket's folder.
+    assert [c["name"] for c in spec["initContainers"]] == ["socket-dir"]
 
 
 def test_restrictive_security_context(rendered: dict[str, Rendered]) -> None:
@@ -219,9 +227,11 @@ def test_restrictive_security_context(rendered: dict[str, Rendered]) -> None:
     assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
-    # Pinned L2 (pin_memory with a GPU) locks pages: IPC_LOCK and nothing else is added.
-    assert sc["capabilities"]["add"] == ["IPC_LOCK"]
+    assert "add" not in sc["capabilities"]  # L1 off: L2 is not pinned, nothing to lock
     assert pod_spec(wl)["automountServiceAccountToken"] is False
+    # Pinned L2 (pin_memory with a GPU) locks pages: IPC_LOCK and nothing else is added.
+    gpu = container(rendered["gpu_gds"].one("DaemonSet"))["securityContext"]
+    assert gpu["capabilities"]["add"] == ["IPC_LOCK"]
 
 
 def test_cpu_only(rendered: dict[str, Rendered]) -> None:
@@ -263,6 +273,10 @@ def test_gpu_with_gds_and_host_ipc(rendered: dict[str, Rendered]) -> None:
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert r.one("Service", FULLNAME)["spec"]["internalTrafficPolicy"] == "Local"
     assert "privileged" in r.notes and "hostIPC" in r.notes
+    # L1 asked for: the daemon takes its GPU, and NOTES says the engines lose it.
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert daemon_config(r).hbm.mode == "on" and daemon_config(r).dram.pin_memory
+    assert "each daemon holds 1 nvidia.com/gpu of its node, which engines cannot use" in r.notes
 
 
 def test_service_monitor(rendered: dict[str, Rendered]) -> None:
@@ -283,6 +297,8 @@ def test_statefulset_mode(rendered: dict[str, Rendered]) -> None:
     headless = r.one("Service", f"{FULLNAME}-headless")
     assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
     assert headless["spec"]["clusterIP"] == "None"
+    # Replicas are not one per node: the Service routes cluster-wide unless told otherwise.
+    assert r.one("Service", FULLNAME)["spec"]["internalTrafficPolicy"] == "Cluster"
     [claim] = sts["spec"]["volumeClaimTemplates"]
     assert claim["metadata"]["name"] == "l3" and volume(sts, "l3") is None
     assert claim["spec"]["storageClassName"] == "local-nvme"
@@ -353,7 +369,7 @@ def test_bundled_redis(rendered: dict[str, Rendered]) -> None:
 def test_auth_network_policy_and_existing_secret(rendered: dict[str, Rendered]) -> None:
     r = rendered["auth"]
     assert {s["metadata"]["name"] for s in r.all("Secret")} == \
-        {f"{FULLNAME}-token", f"{FULLNAME}-tenants"}  # auth's own, none for Redis
+        {f"{FULLNAME}-token", f"{FULLNAME}-engine-token", f"{FULLNAME}-tenants"}  # none for Redis
     assert _password_env(container(r.one("DaemonSet"))) == {"name": "redis-auth",
                                                              "key": "password"}
     policy = r.one("NetworkPolicy")
@@ -403,8 +419,8 @@ def test_token_is_the_default(rendered: dict[str, Rendered]) -> None:
     assert (cfg.auth.mode, cfg.auth.tenants_file) == ("token", "/etc/kvstore-auth/tenants.yaml")
     token = secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
     assert len(token) >= 43 and token.isalnum()
-    assert tenants_of(r) == [{"name": "default", "role": "admin", "namespaces": [""],
-                            "tokens_sha256": [hashlib.sha256(token.encode()).hexdigest()]}]
+    assert tenants_of(r)[0] == {"name": "default", "role": "admin", "namespaces": [],
+                                "tokens_sha256": [hashlib.sha256(token.encode()).hexdigest()]}
     assert token not in r.one("ConfigMap")["data"]["kvstore.yaml"]
     wl = workload(r)
     ctr = container(wl)
@@ -422,7 +438,8 @@ def test_token_is_the_default(rendered: dict[str, Rendered]) -> None:
     # Health needs no credentials: the probes stay the kubelet's own gRPC probes.
     assert ctr["readinessProbe"]["grpc"] == {"port": 50051}
     notes = r.notes
-    assert f"get secret {FULLNAME}-token -o jsonpath='{{.data.token}}' | base64 -d" in notes
+    assert f"get secret {FULLNAME}-engine-token -o jsonpath='{{.data.token}}' | base64 -d" \
+        in notes
     assert "KVSTORE_TOKEN_FILE" in notes and "tokens cross the network in clear" in notes
     assert "auth.mode=off" not in notes
 
@@ -473,7 +490,7 @@ def test_auth_off_is_loud(rendered: dict[str, Rendered]) -> None:
     ctr = container(wl)
     assert {"tenants", "token", "socket", "tls"}.isdisjoint(
         v["name"] for v in pod_spec(wl)["volumes"])
-    assert [c["name"] for c in pod_spec(wl)["initContainers"]] == ["volume-permissions"]
+    assert "initContainers" not in pod_spec(wl)  # no socket folder, and L3 is off
     assert admin_flags(ctr["lifecycle"]["preStop"]["exec"]["command"]) == \
         {"--target": "127.0.0.1:50051"}
     assert "WARNING: auth.mode=off: the gRPC endpoint has no authentication" in r.notes
@@ -491,15 +508,16 @@ def test_extra_tenants_and_tls(rendered: dict[str, Rendered]) -> None:
     """auth.tenants go into tenants.yaml as they are, after tenant default (which also takes
     the rotation hashes); TLS mounts the Secret and moves the probes into the container."""
     r = rendered["token_tls_tenants"]
-    default, *rest = tenants_of(r)
+    default, engine, *rest = tenants_of(r)
     token = secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
     assert default["tokens_sha256"] == [hashlib.sha256(token.encode()).hexdigest(), NEXT_HASH]
     assert rest == [TEAM_A, TEAM_B]
     assert default["namespaces"] == []  # "" would overlap the tenants' own prefixes
+    assert (engine["name"], engine["namespaces"]) == ("engine", ["engine/"])
     # The daemon takes the file as rendered: its own parser, its own rules.
     from kvstore.core.tenants import parse_tenants
-    assert parse_tenants({"tenants": [default, *rest]}).names() == ["default", *(
-        t["name"] for t in rest)]
+    assert parse_tenants({"tenants": [default, engine, *rest]}).names() == [
+        "default", "engine", *(t["name"] for t in rest)]
     for case in rendered.values():
         if case.all("Secret") and any(
                 s["metadata"]["name"] == f"{FULLNAME}-tenants" for s in case.all("Secret")):
@@ -511,7 +529,7 @@ def test_extra_tenants_and_tls(rendered: dict[str, Rendered]) -> None:
     wl = workload(r)
     ctr = container(wl)
     inits = [c["name"] for c in pod_spec(wl)["initContainers"]]
-    assert inits == ["socket-dir", "volume-permissions"]
+    assert inits == ["socket-dir"]
     assert volume(wl, "tls")["secret"] == {"secretName": "kv-tls", "defaultMode": 0o440}
     tls_flags = {"--tls-ca": "/etc/kvstore-tls/ca.crt", "--tls-server-name": "kvstore.example"}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -572,7 +590,7 @@ def test_existing_tenants_secret(rendered: dict[str, Rendered]) -> None:
 def test_tenant_changes_restart_pods_only_when_a_restart_is_needed(chart: Any) -> None:
     """New tenants and quota changes roll the pods; a new hash waits for SIGHUP."""
     def checksum(tenants: list[dict[str, Any]]) -> str:
-        wl = workload(render(chart, {"auth": {"tenants": tenants}}))
+        wl = workload(render(chart, {"auth": {"tenants": tenants, "engine": {"enabled": False}}}))
         return wl["spec"]["template"]["metadata"]["annotations"]["checksum/tenants"]
 
     base = checksum([TEAM_A])
@@ -590,11 +608,13 @@ BAD_VALUES = {
                       r"/dram/size.*does not match pattern"),
     "L4 without an address": ({"remote": {"enabled": True}}, helm_python.HelmRenderError,
                               r"--set remote\.address="),
-    "L3 without a volume": ({"nvme": {"volume": {"type": ""}}}, helm_python.HelmRenderError,
+    "L3 without a volume": ({"nvme": {"enabled": True, "volume": {"type": ""}}},
+                            helm_python.HelmRenderError,
                             r"--set nvme\.volume\.type=hostPath"),
     "L2 over the memory limit": ({"dram": {"size": "16Gi"}}, helm_python.HelmRenderError,
                                  r"--set dram\.size=7680Mi"),
-    "claim per daemon in a DaemonSet": ({"nvme": {"volume": {"type": "persistentVolumeClaim"}}},
+    "claim per daemon in a DaemonSet": ({"nvme": {"enabled": True,
+                                                  "volume": {"type": "persistentVolumeClaim"}}},
                                         helm_python.HelmRenderError, r"--set kind=StatefulSet"),
     "unknown policy": ({"nvme": {"placement": "random"}}, helm_python.HelmValuesError,
                        r"/nvme/placement"),
@@ -620,8 +640,9 @@ BAD_VALUES = {
         {"auth": {"existingSecret": "t", "extraTokenHashes": [NEXT_HASH]}},
         helm_python.HelmRenderError, r"--set auth\.extraTokenHashes=null"),
     "unknown mode": ({"auth": {"mode": "oidc"}}, helm_python.HelmValuesError, r"/auth/mode"),
-    "a Kubernetes size as a quota": ({"auth": {"tenants": [{**TEAM_A, "quota": {"dram": "8Gi"}}]}},
-                                     helm_python.HelmValuesError, r"/auth/tenants/0/quota/dram"),
+    "a size that is neither spelling as a quota": (
+        {"auth": {"tenants": [{**TEAM_A, "quota": {"dram": "8 gigs"}}]}},
+        helm_python.HelmValuesError, r"/auth/tenants/0/quota/dram"),
     "a token in clear as its hash": (
         {"auth": {"tenants": [{**TEAM_A, "tokens_sha256": ["s3cret"]}]}},
         helm_python.HelmValuesError, r"/auth/tenants/0/tokens_sha256"),
@@ -639,13 +660,166 @@ def test_bad_values_are_refused_with_the_fix(chart: Any, case: str) -> None:
         chart.render(ci_values(values), name=RELEASE, namespace=NAMESPACE)
 
 
-def test_daemon_loader_catches_a_bad_key_in_extra_config(chart: Any) -> None:
-    """extraConfig goes to the daemon as is: a typo there is the daemon's to report."""
-    r = render(chart, {"extraConfig": {"movers": {"high_watermrk": 0.8}}})
-    with pytest.raises(ConfigError, match="did you mean movers.high_watermark"):
-        daemon_config(r)
-    ok = render(chart, {"extraConfig": {"movers": {"high_watermark": 0.8}}})
+def test_a_typo_in_extra_config_fails_the_render_naming_it(chart: Any) -> None:
+    """extraConfig reaches the daemon as is, and the daemon refuses an unknown key at start:
+    in a cluster that is a crash-looping pod. The chart's schema lists the daemon's sections
+    and keys, so `helm install` refuses the typo first, naming it."""
+    with pytest.raises(helm_python.HelmValuesError,
+                       match=r"/extraConfig/movers.*'high_watermrk' not allowed"):
+        render(chart, {"extraConfig": {"movers": {"high_watermrk": 0.8}}})
+    with pytest.raises(helm_python.HelmValuesError, match=r"/extraConfig.*'mover' not allowed"):
+        render(chart, {"extraConfig": {"mover": {"high_watermark": 0.8}}})
+    ok = render(chart, {"extraConfig": {"movers": {"high_watermark": 0.8}, "log_level": "DEBUG"}})
     assert daemon_config(ok).movers.high_watermark == 0.8
+    assert daemon_config(ok).log_level == "INFO"  # server.logLevel is the chart's, and wins
+
+
+def test_extra_config_schema_is_the_daemons_config() -> None:
+    """The schema's list is the daemon's own (kvstore/daemon/config/schema.py), section by
+    section and key by key, so a key the daemon gains or loses cannot drift from the chart."""
+    import dataclasses
+    import json
+
+    from kvstore.daemon.config.schema import SECTIONS, Config
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())["properties"]
+    extra = schema["extraConfig"]
+    assert extra["additionalProperties"] is False
+    top = {f.name for f in dataclasses.fields(Config)}
+    assert set(extra["properties"]) == top
+    for section, cls in SECTIONS.items():
+        listed = extra["properties"][section]
+        assert listed["additionalProperties"] is False, section
+        assert set(listed["properties"]) == {f.name for f in dataclasses.fields(cls)}, section
+
+
+# --- issue 33: defaults that fit a Kubernetes cluster -----------------------------------
+
+
+def test_no_gpu_is_requested_unless_l1_is_asked_for(chart: Any) -> None:
+    """Finding 3: L1 on by default took one GPU per node from the engines."""
+    plain = container(workload(render(chart, {})))
+    assert "nvidia.com/gpu" not in plain["resources"]["limits"]
+    l1 = render(chart, L1_ON)
+    assert container(workload(l1))["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert daemon_config(l1).hbm.mode == "on"
+    two = render(chart, {"hbm": {"enabled": True, "gpus": 2}})
+    assert container(workload(two))["resources"]["limits"]["nvidia.com/gpu"] == 2
+    # What it costs is said where the switch is.
+    values = (CHART_DIR / "values.yaml").read_text()
+    assert "it costs one GPU per node" in values and "taken from the engines" in values
+    assert "one GPU per node, taken from the engines" in _guide()
+
+
+def test_engines_reach_the_daemon_of_their_own_node(chart: Any) -> None:
+    """Finding 3: Attach and the Unix socket need the engine's own node's daemon, so the
+    DaemonSet's Service routes node-locally; a StatefulSet's replicas are not per node."""
+    r = render(chart, {})
+    assert r.one("Service", FULLNAME)["spec"]["internalTrafficPolicy"] == "Local"
+    assert "port-forward pod/<pod> 50051" in r.notes
+    assert "--set service.internalTrafficPolicy=Local" not in r.notes
+    sts = render(chart, {"kind": "StatefulSet"})
+    assert sts.one("Service", FULLNAME)["spec"]["internalTrafficPolicy"] == "Cluster"
+    assert "Attach must reach the daemon on the engine's own node" in sts.notes
+    forced = render(chart, {"service": {"internalTrafficPolicy": "Cluster"}})
+    assert forced.one("Service", FULLNAME)["spec"]["internalTrafficPolicy"] == "Cluster"
+    # The helm test pod goes where the daemons are, so a Local Service still has one for it.
+    test_pod = r.one("Pod")
+    assert test_pod["spec"]["nodeSelector"] == pod_spec(workload(r))["nodeSelector"]
+
+
+def test_engines_get_a_client_token_beside_the_admin_one(chart: Any) -> None:
+    """Finding 3: the only generated tenant was an admin, and NOTES told engines to mount it.
+    Now tenant `engine` (role client, every namespace) has its own token, and the daemon's
+    own parser takes the file: the admin owns no namespace, spanning them by its role."""
+    from kvstore.core.tenants import parse_tenants
+    r = render(chart, {})
+    admin_token = secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
+    engine_token = secret_data(r.one("Secret", f"{FULLNAME}-engine-token"), "token")
+    assert len(engine_token) >= 43 and engine_token != admin_token
+    tenants = parse_tenants({"tenants": tenants_of(r)})
+    assert tenants.names() == ["default", "engine"]
+    engine = tenants.by_token(engine_token)
+    admin = tenants.by_token(admin_token)
+    assert engine is not None and engine.name == "engine" and not engine.admin
+    assert engine.owns("vllm/llama/tp0")  # the connector's namespace without a prefix
+    assert admin is not None and admin.admin and admin.namespaces == ()
+    assert [t.name for t in tenants.holders()] == ["engine"]  # the admin holds no arena
+    # NOTES sends engines to the engine token; the admin's is named for kvstore-admin only.
+    assert f"secret: {{secretName: {FULLNAME}-engine-token}}" in r.notes
+    assert f"secret: {{secretName: {FULLNAME}-token}}" not in r.notes
+    # The daemon's own pod still drains with the admin token, never the engine's.
+    assert volume(workload(r), "token")["secret"]["secretName"] == f"{FULLNAME}-token"
+    # With quotas of its own, in either spelling.
+    q = render(chart, {"auth": {"engine": {"quota": {"dram": "4Gi", "nvme": "16GiB"}}}})
+    assert parse_tenants({"tenants": tenants_of(q)}).named("engine").quota == {
+        "dram": 4 << 30, "nvme": 16 << 30}
+
+
+def test_the_engine_tenant_beside_teams_of_their_own(chart: Any) -> None:
+    """Beside auth.tenants, engine's "" would overlap their prefixes, which the daemon
+    refuses: the chart refuses it first, naming both fixes; either fix renders."""
+    with pytest.raises(helm_python.HelmRenderError) as info:
+        render(chart, {"auth": {"tenants": [TEAM_A]}})
+    message = str(info.value)
+    assert 'Tenant engine owns "", which overlaps "team-a/" of tenant "team-a"' in message
+    assert "--set auth.engine.enabled=false" in message
+    own = render(chart, {"auth": {"tenants": [TEAM_A], "engine": {"namespaces": ["engine/"]}}})
+    assert [t["name"] for t in tenants_of(own)] == ["default", "engine", "team-a"]
+    off = render(chart, {"auth": {"tenants": [TEAM_A], "engine": {"enabled": False}}})
+    assert [t["name"] for t in tenants_of(off)] == ["default", "team-a"]
+    assert not [s for s in off.all("Secret") if s["metadata"]["name"].endswith("engine-token")]
+    assert "their own tenant" in off.notes
+    with pytest.raises(helm_python.HelmRenderError, match="Rename"):
+        render(chart, {"auth": {"tenants": [{**TEAM_A, "name": "engine"}],
+                                "engine": {"namespaces": ["engine/"]}}})
+    mtls = render(chart, CASES["mtls_tls"])  # no token to generate: no engine tenant either
+    assert [t["name"] for t in tenants_of(mtls)] == ["team-b"]
+
+
+def test_l3_lives_only_where_it_is_put(chart: Any) -> None:
+    """Finding 3: L3 defaulted to a 100 GiB file under /var/lib, usually the node's root disk.
+    Now L3 is off until given a place, and a hostPath without a folder is refused."""
+    r = render(chart, {})
+    assert not daemon_config(r).nvme.enabled and volume(workload(r), "l3") is None
+    assert "--set nvme.enabled=true --set nvme.volume.hostPath.path=" in r.notes
+    on = render(chart, L3_ON)
+    assert volume(workload(on), "l3")["hostPath"]["path"] == L3_FOLDER
+    assert daemon_config(on).nvme.capacity_bytes == 32 << 30
+    with pytest.raises(helm_python.HelmRenderError,
+                       match=r"--set nvme\.volume\.hostPath\.path=/mnt/nvme/kvstore"):
+        render(chart, {"nvme": {"enabled": True}})
+    spilled = render(chart, {"nvme": {"enabled": True, "volume": {"type": "emptyDir"}}})
+    assert "emptyDir" in volume(workload(spilled), "l3")
+
+
+def test_sizes_take_either_spelling_in_values_and_quotas(chart: Any) -> None:
+    """Finding 8: values said `8Gi`, quotas `8GiB`. Both spellings work in both places, and
+    mean the same bytes (kvstore/units.py reads `8GiB`; Kubernetes reads `8Gi`)."""
+    k8s = {"dram": {"size": "2Gi"}, "nvme": {"enabled": True, "size": "8Gi",
+                                             "volume": {"type": "emptyDir",
+                                                        "emptyDir": {"sizeLimit": "9Gi"}}},
+           "server": {"maxObjectSize": "32Mi"}}
+    daemon = {"dram": {"size": "2GiB"}, "nvme": {"enabled": True, "size": "8GiB",
+                                                 "volume": {"type": "emptyDir",
+                                                            "emptyDir": {"sizeLimit": "9GiB"}}},
+              "server": {"maxObjectSize": "32MiB"}}
+    a, b = render(chart, k8s), render(chart, daemon)
+    assert daemon_config(a) == daemon_config(b)
+    assert daemon_config(b).dram.capacity_bytes == 2 << 30
+    assert volume(workload(b), "l3")["emptyDir"]["sizeLimit"] == "9Gi"  # Kubernetes' spelling
+    assert volume(workload(a), "shm") == volume(workload(b), "shm")
+    sts = render(chart, {"kind": "StatefulSet", "nvme": {
+        "enabled": True, "volume": {"type": "persistentVolumeClaim",
+                                    "persistentVolumeClaim": {"size": "40GiB"}}}})
+    [claim] = workload(sts)["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "40Gi"
+    from kvstore.core.tenants import parse_tenants
+    tenant = {**TEAM_A, "quota": {"dram": "2Gi", "nvme": "20GiB", "pinned": 536870912}}
+    q = render(chart, {"auth": {"tenants": [tenant], "engine": {"enabled": False}}})
+    [_, written] = tenants_of(q)
+    assert written["quota"] == {"dram": "2GiB", "nvme": "20GiB", "pinned": 536870912}
+    assert parse_tenants({"tenants": [written]}).named("team-a").quota == {
+        "dram": 2 << 30, "nvme": 20 << 30, "pinned": 512 << 20}
 
 
 def test_readme_documents_deploy_guide() -> None:
@@ -664,3 +838,106 @@ def test_security_guide_covers_what_the_chart_relies_on() -> None:
                   "tokens_sha256", "identities", "namespaces", "quota", "PERMISSION_DENIED",
                   "UNAUTHENTICATED", "metrics port has no authentication", "auth.extraTokenHashes"):
         assert topic in guide, topic
+
+
+# --- docs/kubernetes.md: its values, commands and manifests render as the chart reads them --
+
+
+def _guide_block(lang: str, marker: str) -> str:
+    """The text of the guide's one ```lang block that contains marker."""
+    blocks = re.findall(rf"^```{lang}\n(.*?)^```", _guide(), re.M | re.S)
+    [text] = [b for b in blocks if marker in b]
+    return str(text)
+
+
+def _set_values(command: str) -> dict[str, Any]:
+    """The values a `helm install ... --set a.b=c,d=e` line sets, as Helm reads them."""
+    import json
+    import shlex
+
+    words = shlex.split(command.replace("\\\n", " "), comments=True)
+    values: dict[str, Any] = {}
+    for flag, arg in zip(words, words[1:], strict=False):
+        pairs = [arg] if flag == "--set-json" else arg.split(",") if flag == "--set" else []
+        for pair in pairs:
+            path, raw = pair.split("=", 1)
+            value: Any = json.loads(raw) if flag == "--set-json" else (
+                {"true": True, "false": False, "null": None}.get(raw, int(raw) if raw.isdigit()
+                                                                 else raw))
+            *parents, leaf = path.split(".")
+            node = values
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = value
+    return values
+
+
+def test_guide_install_command_renders(chart: Any) -> None:
+    install = _guide_block("console", "helm install kvstore")
+    values = _set_values(install.split("\nkubectl")[0])
+    assert values["nvme"]["enabled"] is True  # L3 is opt-in: the guide opts in, with a folder
+    files = chart.render(values, name="kvstore", namespace="kvstore", is_install=True)
+    objects = [d for p, text in files.items() if not p.endswith("NOTES.txt")
+               for d in yaml.safe_load_all(text) if d]
+    [ds] = [o for o in objects if o["kind"] == "DaemonSet"]
+    assert volume(ds, "l3")["hostPath"]["path"] == "/mnt/nvme0/kvstore"
+    assert "nvidia.com/gpu" not in container(ds)["resources"]["limits"]
+    [svc] = [o for o in objects if o["kind"] == "Service"]
+    assert svc["spec"]["internalTrafficPolicy"] == "Local"
+    # The token the guide reads for engines is a Secret this install makes.
+    secrets = {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
+    assert re.search(r"get secret (\S+) ", install)[1] in secrets
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_guide_tenants_values_render(chart: Any) -> None:
+    """The guide's values-tenants.yaml, with a real hash for its placeholder, renders into a
+    tenants file the daemon's parser takes, its `8Gi` quotas read as the daemon's bytes."""
+    from kvstore.core.tenants import parse_tenants
+    text = _guide_block("yaml", "# values-tenants.yaml")
+    digest = hashlib.sha256(b"team-a's token").hexdigest()
+    values = yaml.safe_load(text.replace("<the hash>", digest))
+    tenants = parse_tenants({"tenants": tenants_of(render(chart, values))})
+    assert tenants.names() == ["default", "team-a"]
+    assert tenants.named("team-a").quota == {"dram": 8 << 30, "nvme": 200 << 30,
+                                             "pinned": 1 << 30}
+    # Without its `engine` line the overlap is refused, as the guide says.
+    del values["auth"]["engine"]
+    with pytest.raises(helm_python.HelmRenderError, match="auth.engine.enabled=false"):
+        render(chart, values)
+
+
+def test_guide_engine_pod_is_valid_and_matches_the_chart(chart: Any) -> None:
+    """The guide's engine Pod is a valid Pod that mounts what the chart makes: the engine
+    token's Secret, the socket folder, the node-local Service; its namespace_prefix is one
+    tenant engine owns."""
+    import json
+
+    from kvstore.core.tenants import parse_tenants
+    pod = yaml.safe_load(_guide_block("yaml", "kind: Pod"))
+    kubernetes_validate.validate(pod, KUBE_VERSION, strict=True)
+    files = chart.render(ci_values({}), name="kvstore", namespace=pod["metadata"]["namespace"],
+                         is_install=True)
+    objects = [d for p, text in files.items() if not p.endswith("NOTES.txt")
+               for d in yaml.safe_load_all(text) if d]
+    [svc] = [o for o in objects if o["kind"] == "Service"]
+    [ctr] = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in ctr["env"]}
+    assert env["KVSTORE_TARGET"] == \
+        f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:50051"
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    secret_name = vols["kvstore-token"]["secret"]["secretName"]
+    [engine_secret] = [o for o in objects if o["metadata"]["name"] == secret_name]
+    mounted = {m["name"]: m["mountPath"] for m in ctr["volumeMounts"]}
+    assert env["KVSTORE_TOKEN_FILE"] == mounted["kvstore-token"] + "/token"
+    assert vols["kvstore-socket"]["hostPath"]["path"] == \
+        yaml.safe_load((CHART_DIR / "values.yaml").read_text())["unixSocket"]["hostPath"]
+    [tenants_secret] = [o for o in objects if o["metadata"]["name"] == "kvstore-tenants"]
+    tenants = parse_tenants(yaml.safe_load(secret_data(tenants_secret, "tenants.yaml")))
+    engine = tenants.by_token(secret_data(engine_secret, "token"))
+    assert engine is not None and not engine.admin
+    transfer = json.loads(next(a for a in ctr["args"] if "kv_connector" in a)
+                          .split("=", 1)[1])
+    prefix = transfer["kv_connector_extra_config"]["namespace_prefix"]
+    assert engine.owns(f"{prefix}vllm/model")

@@ -31,6 +31,8 @@ from tests.e2e.helm_render import (
     CASES,
     CHART_DIR,
     FULLNAME,
+    L3_FOLDER,
+    L3_ON,
     NAMESPACE,
     RELEASE,
     REPO,
@@ -133,18 +135,25 @@ def l3_write_access(r: Rendered) -> str:
     return "chown"
 
 
-EXPECTED_ACCESS = {"cpu": "emptyDir", "statefulset": "fsGroup", "prepared_l3_folder": "prepared"}
+EXPECTED_ACCESS = {"cpu": "emptyDir", "statefulset": "fsGroup", "prepared_l3_folder": "prepared",
+                   "gpu_gds": "chown", "hostpath_statefulset_cpu": "chown"}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_l3_is_writable_by_the_daemon_in_every_value_set(chart: Any, case: str) -> None:
+    """Where a value set puts L3, the daemon can write it; the others leave L3 off (its
+    default: the chart never guesses a disk for a preallocated file)."""
     r = render(chart, CASES[case])
+    if case not in EXPECTED_ACCESS:
+        assert not daemon_config(r).nvme.enabled and volume(workload(r), "l3") is None
+        return
     assert daemon_config(r).nvme.enabled
-    assert l3_write_access(r) == EXPECTED_ACCESS.get(case, "chown")
+    assert l3_write_access(r) == EXPECTED_ACCESS[case]
 
 
 def test_the_chown_follows_the_daemon_user(chart: Any) -> None:
-    r = render(chart, {"containerSecurityContext": {"runAsUser": 20002, "runAsGroup": 20003}})
+    r = render(chart, {**L3_ON,
+                       "containerSecurityContext": {"runAsUser": 20002, "runAsGroup": 20003}})
     assert l3_write_access(r) == "chown"
     socket_dir = pod_spec(workload(r))["initContainers"][0]
     assert socket_dir["command"] == ["chown", "20002:20003", "/run/kvstore"]
@@ -153,7 +162,8 @@ def test_the_chown_follows_the_daemon_user(chart: Any) -> None:
 
 def test_notes_say_how_l3_is_stored(chart: Any) -> None:
     assert "init container volume-permissions gives the folder to 10001:10001" in \
-        render(chart, {}).notes
+        render(chart, L3_ON).notes
+    assert "L3 is off (nvme.enabled=false)" in render(chart, {}).notes
     assert "must exist on every node, owned by 10001:10001" in \
         render(chart, CASES["prepared_l3_folder"]).notes
     assert "is an emptyDir: it is lost with the pod" in render(chart, CASES["cpu"]).notes
@@ -162,12 +172,13 @@ def test_notes_say_how_l3_is_stored(chart: Any) -> None:
 
 REFUSED: dict[str, tuple[dict[str, Any], list[str]]] = {
     "a root-owned L3 folder the kubelet creates": (
-        {"volumePermissions": {"enabled": False}},
+        {**L3_ON, "volumePermissions": {"enabled": False}},
         ["kvstore: volumePermissions.enabled", "--set volumePermissions.enabled=true",
-         "install -d -o 10001 -g 10001 /var/lib/kvstore",
+         f"install -d -o 10001 -g 10001 {L3_FOLDER}",
          "--set nvme.volume.hostPath.type=Directory"]),
     "an L3 claim without fsGroup": (
-        {"kind": "StatefulSet", "nvme": {"volume": {"type": "persistentVolumeClaim"}},
+        {"kind": "StatefulSet", "nvme": {"enabled": True,
+                                          "volume": {"type": "persistentVolumeClaim"}},
          "podSecurityContext": {"fsGroup": None}},
         ["kvstore: podSecurityContext.fsGroup", "--set podSecurityContext.fsGroup=10001"]),
     "a dashboard without metrics": (

@@ -99,21 +99,31 @@ app.kubernetes.io/part-of: kvstore
 {{- printf "%s-redis" (include "kvstore.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* Bytes in a Kubernetes quantity (`64Gi`, `512Mi`, `10G`, `4096`); "" when not one of those. */}}
+{{/* Bytes in a size, either spelling: a Kubernetes quantity (`64Gi`, `512Mi`, `10G`, `4096`)
+     or the daemon's binary one (`64GiB`, `512MiB`); "" when not one of those. */}}
 {{- define "kvstore.bytes" -}}
 {{- $q := toString . -}}
 {{- $num := regexFind "^[0-9]+" $q -}}
 {{- $unit := trimPrefix $num $q -}}
-{{- $factors := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
+{{- $factors := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000
+      "KiB" 1024 "MiB" 1048576 "GiB" 1073741824 "TiB" 1099511627776 -}}
 {{- if and $num (hasKey $factors $unit) -}}
 {{- mul (int64 $num) (get $factors $unit) -}}
 {{- end -}}
 {{- end -}}
 
-{{/* A values size (`64Gi`, `512Mi`, `4096`) as the daemon writes it (`64GiB`, `512MiB`, `4096`). */}}
+{{/* A size in either spelling (`64Gi` or `64GiB`, `4096`) as the daemon writes it (`64GiB`,
+     `4096`): kvstore/units.py reads `64GiB` but not `64Gi`. Tenant quotas go through it too,
+     so they take the values' spelling as well. */}}
 {{- define "kvstore.daemonSize" -}}
 {{- $q := toString . -}}
-{{- if hasSuffix "i" $q }}{{ printf "%sB" $q }}{{ else }}{{ $q }}{{ end -}}
+{{- if regexMatch "(?i)[kmgt]i$" $q }}{{ printf "%sB" $q }}{{ else }}{{ $q }}{{ end -}}
+{{- end -}}
+
+{{/* A size in either spelling as a Kubernetes quantity (`64GiB` -> `64Gi`), for volume sizes. */}}
+{{- define "kvstore.quantity" -}}
+{{- $q := toString . -}}
+{{- if regexMatch "[KMGT]iB$" $q }}{{ trimSuffix "B" $q }}{{ else }}{{ $q }}{{ end -}}
 {{- end -}}
 
 {{/* Bytes as whole MiB, rounded up, as a quantity (`8448Mi`). */}}
@@ -196,12 +206,30 @@ filesystem (10% of it, at least 1Gi): (file + manifest) x 10/9, plus 1Gi. */}}
 {{- if and (include "kvstore.auth.generated" .) (eq (include "kvstore.auth.mode" .) "token") }}true{{ end -}}
 {{- end -}}
 
+{{/* "true" when the chart also makes tenant `engine` (role client) and its token, the
+     credential engine pods mount (token mode, generated tenants file, auth.engine.enabled). */}}
+{{- define "kvstore.auth.engineToken" -}}
+{{- if and (include "kvstore.auth.ownToken" .) .Values.auth.engine.enabled }}true{{ end -}}
+{{- end -}}
+
+{{/* The generated Secret with the token of tenant `engine` (key token), for engine pods. */}}
+{{- define "kvstore.auth.engineTokenSecretName" -}}
+{{- printf "%s-engine-token" (include "kvstore.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The Service's internalTrafficPolicy: service.internalTrafficPolicy, or "" = Local for a
+     DaemonSet (Attach and shared memory need the engine's own node's daemon) and Cluster for
+     a StatefulSet (its replicas are not one per node). */}}
+{{- define "kvstore.service.trafficPolicy" -}}
+{{- default (ternary "Local" "Cluster" (eq .Values.kind "DaemonSet")) .Values.service.internalTrafficPolicy -}}
+{{- end -}}
+
 {{/* The Secret with key tenants.yaml: auth.existingSecret, or the one the chart generates. */}}
 {{- define "kvstore.auth.tenantsSecretName" -}}
 {{- default (printf "%s-tenants" (include "kvstore.fullname" .)) .Values.auth.existingSecret -}}
 {{- end -}}
 
-{{/* The generated Secret with the token of tenant `default` (key token), for engine pods. */}}
+{{/* The generated Secret with the token of tenant `default` (key token), the admin's. */}}
 {{- define "kvstore.auth.tokenSecretName" -}}
 {{- printf "%s-token" (include "kvstore.fullname" .) -}}
 {{- end -}}
@@ -210,6 +238,9 @@ filesystem (10% of it, at least 1Gi): (file + manifest) x 10/9, plus 1Gi. */}}
      quotas (credentials, namespaces and roles are re-read on SIGHUP instead). */}}
 {{- define "kvstore.auth.tenantsShape" -}}
 {{- $shape := list (include "kvstore.auth.mode" .) .Values.auth.existingSecret -}}
+{{- if include "kvstore.auth.engineToken" . -}}
+{{- $shape = append $shape (list "engine" .Values.auth.engine.quota) -}}
+{{- end -}}
 {{- range .Values.auth.tenants -}}
 {{- $shape = append $shape (list (get . "name") (get . "quota")) -}}
 {{- end -}}
@@ -441,6 +472,23 @@ Fail early, with the --set that fixes it, on values the daemon or Kubernetes wou
 {{- range $v.auth.tenants -}}
 {{- if eq (toString (get . "name")) "default" -}}
 {{- $messages = append $messages "kvstore: auth.tenants\n    The chart already makes tenant \"default\" (role admin, the generated token). Rename yours:\n    auth.tenants[].name" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if include "kvstore.auth.engineToken" . -}}
+{{- if not $v.auth.engine.namespaces -}}
+{{- $messages = append $messages "kvstore: auth.engine.namespaces\n    Tenant engine is a client and must own a namespace prefix:\n    --set-json 'auth.engine.namespaces=[\"\"]'  or  --set auth.engine.enabled=false" -}}
+{{- end -}}
+{{- range $t := $v.auth.tenants -}}
+{{- if eq (toString (get $t "name")) "engine" -}}
+{{- $messages = append $messages "kvstore: auth.tenants\n    The chart already makes tenant \"engine\" (role client, Secret <fullname>-engine-token). Rename\n    yours (auth.tenants[].name), or drop the chart's: --set auth.engine.enabled=false" -}}
+{{- end -}}
+{{- range $mine := $v.auth.engine.namespaces -}}
+{{- range $theirs := (get $t "namespaces" | default list) -}}
+{{- if or (hasPrefix (toString $mine) (toString $theirs)) (hasPrefix (toString $theirs) (toString $mine)) -}}
+{{- $messages = append $messages (printf "kvstore: auth.engine.namespaces\n    Tenant engine owns %q, which overlaps %q of tenant %q (auth.tenants); the daemon\n    refuses overlapping owners. Give engine a prefix of its own, or drop it when every engine\n    has its own tenant:\n    --set-json 'auth.engine.namespaces=[\"engine/\"]'  or  --set auth.engine.enabled=false" (toString $mine) (toString $theirs) (toString (get $t "name"))) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -249,7 +249,7 @@ spec:
     {{- else if eq $vol.type "emptyDir" }}
     - name: l3
       emptyDir:
-        sizeLimit: {{ default (include "kvstore.l3VolumeSize" .) $vol.emptyDir.sizeLimit }}
+        sizeLimit: {{ default (include "kvstore.l3VolumeSize" .) (include "kvstore.quantity" $vol.emptyDir.sizeLimit) }}
     {{- end }}
     {{- end }}
     {{- if .Values.nvme.gds.enabled }}
