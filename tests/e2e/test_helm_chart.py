@@ -941,3 +941,28 @@ def test_guide_engine_pod_is_valid_and_matches_the_chart(chart: Any) -> None:
                           .split("=", 1)[1])
     prefix = transfer["kv_connector_extra_config"]["namespace_prefix"]
     assert engine.owns(f"{prefix}vllm/model")
+
+
+def test_a_daemon_serves_the_engine_token_as_a_client_and_the_admin_token_as_admin(
+        chart: Any, daemon_factory: Any, tmp_path: Path) -> None:
+    """The generated tenants file, run by a real daemon: the engine token writes and reads
+    the connector's namespace but is refused Drain (an admin verb); the admin token, owning
+    no namespace, still reads daemon-wide stats by its role."""
+    import os
+
+    from kvstore.client import KVStoreClient, PermissionDenied
+    r = render(chart, {})
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(secret_data(r.one("Secret", f"{FULLNAME}-tenants"), "tenants.yaml"))
+    engine_token = secret_data(r.one("Secret", f"{FULLNAME}-engine-token"), "token")
+    admin_token = secret_data(r.one("Secret", f"{FULLNAME}-token"), "token")
+    d = daemon_factory("auth.mode=token", f"auth.tenants_file={tenants}", "hbm.mode=off",
+                       "dram.capacity_bytes=32MiB", "nvme.enabled=false")
+    key = os.urandom(32)
+    with KVStoreClient(d.target, "vllm/model/tp0", token=engine_token) as engine:
+        engine.put([key], [b"x" * 4096])
+        assert engine.get([key]) == [b"x" * 4096]
+        with pytest.raises(PermissionDenied):
+            engine.drain()
+    with KVStoreClient(d.target, "vllm/model/tp0", token=admin_token) as admin:
+        assert admin.stats().tiers  # daemon-wide figures: an admin's
