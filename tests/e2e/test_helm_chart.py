@@ -640,6 +640,9 @@ BAD_VALUES = {
         {"auth": {"existingSecret": "t", "extraTokenHashes": [NEXT_HASH]}},
         helm_python.HelmRenderError, r"--set auth\.extraTokenHashes=null"),
     "unknown mode": ({"auth": {"mode": "oidc"}}, helm_python.HelmValuesError, r"/auth/mode"),
+    # kvstore/units.py refuses "8gb" (gigabytes or gibibytes?); the schema says so first.
+    "an ambiguous decimal quota": ({"auth": {"tenants": [{**TEAM_A, "quota": {"dram": "8gb"}}]}},
+                                   helm_python.HelmValuesError, r"/auth/tenants/0/quota/dram"),
     "a size that is neither spelling as a quota": (
         {"auth": {"tenants": [{**TEAM_A, "quota": {"dram": "8 gigs"}}]}},
         helm_python.HelmValuesError, r"/auth/tenants/0/quota/dram"),
