@@ -134,18 +134,8 @@ def _open_nvme(config: Config, opened: OpenTiers) -> None:
 
     n = config.nvme
     folder = l3_dir(config)
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock_fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise StartupError(f"cannot use the L3 folder {folder}: {exc.strerror} "
-                           "(nvme.dir)") from exc
+    lock_fd = _lock_folder(folder)
     opened._stack.callback(os.close, lock_fd)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise StartupError(f"the L3 folder {folder} is in use by another kvstore-server; give "
-                           "each daemon its own nvme.dir") from None
     if not n.dir:
         # Runs before the lock is released (callbacks run last-in first-out), after the
         # tier and the manifest registered below are closed.
@@ -165,6 +155,43 @@ def _open_nvme(config: Config, opened: OpenTiers) -> None:
     opened._stack.callback(manifest.close)
     opened.manifest = manifest
     opened.l3_dir = folder
+
+
+#: How often a start retries taking a folder whose lock file was removed under it.
+LOCK_ATTEMPTS = 3
+
+
+def _lock_folder(folder: Path) -> int:
+    """Make folder and hold its lock file (flock, exclusive): the descriptor. A daemon
+    sweeping stale scratch folders may remove the folder between our open and our flock;
+    a lock on a file no longer at its path holds nothing, so the start tries again."""
+    for _ in range(LOCK_ATTEMPTS):
+        try:
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            lock_fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StartupError(f"cannot use the L3 folder {folder}: {exc.strerror} "
+                               "(nvme.dir)") from exc
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise StartupError(f"the L3 folder {folder} is in use by another kvstore-server; "
+                               "give each daemon its own nvme.dir") from None
+        if _still_at(lock_fd, folder / LOCK_FILE):
+            return lock_fd
+        os.close(lock_fd)
+    raise StartupError(f"cannot use the L3 folder {folder}: it was removed {LOCK_ATTEMPTS} "
+                       "times while this daemon started (nvme.dir)")
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """The file open as fd is the one at path."""
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _remove_scratch(folder: Path) -> None:
