@@ -289,3 +289,20 @@ def test_kvstore_serving_follows_health_through_the_drain(
     time.sleep(0.5)  # inside the drain notice: health NOT_SERVING, the exporter still up
     assert serving_gauge(d) == 0
     assert d.proc.wait(timeout=10) == 0, d.log()
+
+
+def test_an_ambiguous_size_is_refused_naming_both_spellings(
+        refused: Callable[..., str]) -> None:
+    """Redis reads 256mb as 256 MiB; kvstore's MB is 10^6: the start is refused, not guessed."""
+    err = refused("--port", str(free_port()), "--dram-capacity", "256mb")
+    assert err == (
+        "kvstore-server: dram.capacity_bytes = '256mb' (from --dram-capacity): '256mb' is "
+        "ambiguous: write 256MB (decimal, 10^6 bytes a MB) or 256MiB (binary, 2^20: what "
+        "Redis reads 'mb' as)\n")
+
+
+def test_a_size_limit_in_a_refusal_is_a_size_not_a_byte_count(
+        refused: Callable[..., str]) -> None:
+    err = refused("--port", str(free_port()), "--set", "server.max_message_bytes=4MiB")
+    assert "+ 64KiB = 4.1 MiB (4160KiB); raise it" in err, err
+    assert not re.search(r"\b\d{5,}\b", err), err
