@@ -6,10 +6,12 @@
     hot_table      the hottest L4 blocks and their scores
     prewarm_columns  the columns of prewarm's progress bar
 
-L4's "on" cell shows its circuit breaker: up, down or probing. The summary opens with the
-daemon's auth mode and the caller's tenant, and warns in red when auth is off. Keys are shown
-whole (64 hex digits: what `lookup`, `pin` and `evict --key` take). Sizes and bandwidths use
-one family of units, binary (kvstore.units.format_size: KiB, MiB, GiB; MiB/s).
+L4's "on" cell shows its circuit breaker: up, down or probing. L4's capacity is Redis's
+maxmemory; a Redis without one (maxmemory 0, its default) shows "unlimited", not "0 B". The
+summary opens with the daemon's auth mode and the caller's tenant, and warns in red when auth
+is off. Keys are shown whole (64 hex digits: what `lookup`, `pin` and `evict --key` take).
+Sizes and bandwidths use one family of units, binary (kvstore.units.format_size: KiB, MiB,
+GiB; MiB/s).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from rich.progress import BarColumn, ProgressColumn, Task, TextColumn, TimeElaps
 from rich.table import Table
 from rich.text import Text
 
-from kvstore.client import Stats
+from kvstore.client import Stats, TierStats
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.units import format_size
 
@@ -41,6 +43,14 @@ def _bandwidth(rate_bytes_s: float) -> str:
     return f"{format_size(int(rate_bytes_s))}/s"
 
 
+def _capacity(t: TierStats) -> tuple[str, str]:
+    """The capacity and used% cells of an enabled tier. Only L4 has none: a Redis without
+    maxmemory reports 0, which is no limit rather than no room."""
+    if t.capacity_bytes == 0:
+        return "unlimited", "-"
+    return format_size(t.capacity_bytes), _percent(t.used_fraction)
+
+
 def _tier_table(stats: Stats, target: str) -> Table:
     """One row per tier: how it moves bytes, capacity, use, hits."""
     table = Table(title=f"kvstore {stats.version or '?'} at {target}", title_justify="left")
@@ -50,13 +60,14 @@ def _tier_table(stats: Stats, target: str) -> Table:
         table.add_column(column, justify="right", no_wrap=True)
     for t in stats.tiers:
         on = t.enabled
+        capacity, used_percent = _capacity(t) if on else ("-", "-")
         table.add_row(
             t.tier,
             (_BREAKER_CELLS.get(t.state, t.state) or "yes") if on else "no",
             t.backend or "-",
-            format_size(t.capacity_bytes) if on else "-",
+            capacity,
             format_size(t.used_bytes) if on else "-",
-            _percent(t.used_fraction) if on else "-",
+            used_percent,
             f"{t.objects:,}",
             f"{t.hits:,}",
             f"{t.misses:,}",

@@ -75,6 +75,22 @@ def test_hot_shows_whole_keys_that_lookup_and_pin_take(daemon: Daemon,
         assert kv.unpin([hot_keys[0]]).changed == 1
 
 
+def test_stats_shows_a_redis_without_maxmemory_as_unlimited(daemon: Daemon) -> None:
+    """L4's capacity is Redis's maxmemory; this Redis has none (its default), which is no
+    limit: the table says "unlimited" (before: "0 B", as if L4 had no room), and --json keeps
+    the daemon's 0."""
+    table, as_json = admin_all((daemon.target, "stats"), (daemon.target, "stats", "--json"))
+    tiers = ok(table).split("movement and health")[0]
+    (row,) = [[c.strip() for c in line.split("│")] for line in tiers.splitlines()
+              if " remote " in line]
+    assert row[4:7] == ["unlimited", row[5], "-"], row  # capacity, used, used%
+    assert "0 B" not in row
+    (dram,) = [line for line in tiers.splitlines() if " dram " in line]
+    assert "16.0 MiB" in dram  # a tier with a capacity still shows it
+    (remote,) = [t for t in json.loads(ok(as_json))["tiers"] if t["tier"] == "remote"]
+    assert remote["enabled"] and remote["capacity_bytes"] == 0
+
+
 def test_prewarm_reports_binary_units_only(daemon: Daemon, hot_keys: list[bytes]) -> None:
     with KVStoreClient(daemon.target, NS, shared_memory=False) as kv:
         assert kv.evict(hot_keys).evicted == 4
@@ -105,10 +121,14 @@ def test_with_redis_down_hot_and_prewarm_fail_in_one_line_exit_1(tmp_path: Path)
             done = admin_all((d.target, "--namespace", NS, "hot"),
                              (d.target, "prewarm", "--bytes", "1MiB"),
                              (d.target, "--json", "prewarm", "--namespaces", NS))
-            for run in done:
+            for run in done[:2]:
                 line = failed(run, 1)
                 assert line.startswith("error: UNAVAILABLE: ") and "L4 is down" in line, line
                 assert "unreachable" not in line and run.stdout == ""
+            assert done[2].returncode == 1 and done[2].stdout == ""  # --json: the same, as JSON
+            error = json.loads(done[2].stderr)
+            assert (error["code"], error["exit_code"]) == ("UNAVAILABLE", 1)
+            assert "L4 is down" in error["message"] and "unreachable" not in error["message"]
             assert kv.health() == "SERVING"  # the local tiers still serve
     finally:
         server.stop()
