@@ -8,7 +8,7 @@
       evict [--tier T] [--bytes SIZE] [--all] [--key HEX [HEX ...]]
                                            in --namespace, else every namespace
       lookup KEYHEX... | --tokens 1,2,3 [--block-size 16]      prefix length, tier per key
-      pin KEYHEX... / unpin KEYHEX...
+      pin KEYHEX... / unpin KEYHEX...     exit 1 naming the keys not stored, if any
       hot [--limit N]                      the namespace's hottest L4 blocks: whole key, score
       prewarm [--bytes SIZE] [--namespaces NS [NS ...]] [--max-time SECONDS]
                                            pull the hottest L4 blocks local (from --namespaces,
@@ -19,17 +19,23 @@
       config                               the daemon's configuration in effect
       limits                               what a client must respect (the Limits verb)
 
+      --version                            kvstore-admin's version (kvstore.__version__, as
+                                           `kvstore-server --version` and Stats say)
+
 Global options (kvstore.tools.admin_options): --target HOST[:PORT] (KVSTORE_TARGET, else
 127.0.0.1:50051; no port means 50051), --namespace NS (KVSTORE_NAMESPACE), --timeout SECONDS,
 --json, and the credentials (auth.mode token or mtls; each flag's default is the client's
-variable):
+variable). `kvstore-admin --help` describes each; a command's --help shows its own options
+and points there:
       --token TOKEN | --token-file PATH    bearer token (KVSTORE_TOKEN, KVSTORE_TOKEN_FILE)
       --tls-ca PATH  --tls-cert PATH  --tls-key PATH  --tls-server-name NAME
                                            TLS, mutual with a cert and key (KVSTORE_TLS_*)
 
 Exit codes: 0 success, 1 a request failed or the daemon could not do it (one line on stderr,
-`error: <STATUS_NAME>: <the daemon's message>`), or health not SERVING, 2 the daemon could not
-be reached (or the command line was wrong); kvstore.tools.admin_errors.
+`error: <STATUS_NAME>: <the daemon's message>`), health not SERVING, or pin/unpin of a key not
+stored, 2 the daemon could not be reached (or the command line was wrong). With --json an
+error is one JSON object on stderr, `{"code", "reason", "message", "exit_code"}`, and the exit
+code is the same; kvstore.tools.admin_errors.
 
 Owns the commands and the talking to the daemon; the tables it prints are built in
 kvstore.tools.tables.
@@ -49,11 +55,27 @@ from rich.console import Console
 from rich.live import Live
 from rich.progress import Progress, TaskID
 
-from kvstore.client import KVStoreClient, KVStoreError, PrewarmResult, Retry, Stats, prefix_keys
+from kvstore import __version__
+from kvstore.client import (
+    KVStoreClient,
+    KVStoreError,
+    PinResult,
+    PrewarmResult,
+    Retry,
+    Stats,
+    prefix_keys,
+)
 from kvstore.keys import BlockKey
 from kvstore.tier import TIER_LABELS
+from kvstore.tools import admin_errors
 from kvstore.tools import admin_options as opt
-from kvstore.tools.admin_errors import EXIT_FAILED, EXIT_OK, print_error, report
+from kvstore.tools.admin_errors import (
+    EXIT_FAILED,
+    EXIT_OK,
+    REASON_KEYS_MISSING,
+    print_error,
+    report,
+)
 from kvstore.tools.admin_options import ENV_NAMESPACE, UsageError
 from kvstore.tools.tables import hot_table, lookup_table, prewarm_columns, stats_view
 from kvstore.units import format_size
@@ -63,57 +85,91 @@ _NO_NAMESPACE = "kvstore-admin"
 _credentials = opt.credentials  # the name tests and older callers know
 
 
+_EPILOG = """\
+Exit codes: 0 success; 1 a request failed or the daemon could not do it, health is not
+SERVING, or pin/unpin named a key that is not stored; 2 the daemon could not be reached, or
+the command line was wrong.
+
+Errors go to stderr as one line, `error: STATUS: message`. With --json, an error is one JSON
+object on one line of stderr instead (stdout keeps only results), and the exit code is the
+same:
+  {"code": "NOT_FOUND", "reason": "KEYS_MISSING", "message": "...", "exit_code": 1}
+code: the gRPC status name (INVALID_ARGUMENT for a command-line mistake); reason: the
+daemon's ErrorInfo reason, or UNREACHABLE, USAGE or KEYS_MISSING, or "" when none.
+
+`kvstore-admin COMMAND --help` shows a command's own options."""
+
 def build_parser() -> argparse.ArgumentParser:
-    common = opt.global_options()
-    parser = opt.AdminParser(prog="kvstore-admin", parents=[common],
-                             description="Inspect and manage a running kvstore daemon.")
-    parser.common = common
+    # The top level describes the global options; each command parses the same options
+    # through an undescribed copy, and its --help points to the top level's.
+    described, pointed = opt.global_options(), opt.global_options(described=False)
+    parser = opt.AdminParser(prog="kvstore-admin", parents=[described],
+                             description="Inspect and manage a running kvstore daemon.",
+                             epilog=_EPILOG, formatter_class=opt.TopHelpFormatter)
+    parser.commons = (described, pointed)
+    parser.add_argument("--version", action="version", version=f"kvstore-admin {__version__}")
     # Commands parse with the plain class: the top level fills in the global defaults once.
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=opt.CommandParser)
-    _add_entry_commands(sub, common)
-    _add_daemon_commands(sub, common)
+
+    def command(name: str, summary: str, more: str = "") -> opt.CommandParser:
+        """A command: its one-line summary in the top level's list, and its own --help."""
+        description = f"{summary[0].upper()}{summary[1:]}.{' ' + more if more else ''}"
+        parser: opt.CommandParser = sub.add_parser(
+            name, parents=[pointed], help=summary, description=description,
+            epilog=opt.GLOBAL_OPTIONS_POINTER, formatter_class=opt.HelpFormatter)
+        return parser
+
+    _add_entry_commands(command)
+    _add_daemon_commands(command)
     return parser
 
 
-def _add_entry_commands(sub: argparse._SubParsersAction[opt.CommandParser],
-                        common: opt.CommandParser) -> None:
-    """stats, evict, lookup, pin and unpin: the daemon's entries and tiers."""
-    stats = sub.add_parser("stats", parents=[common], help="per-tier capacity, use and counters")
-    stats.add_argument("--watch", type=opt.positive_float, metavar="SECONDS",
-                       help="refresh period")
+NewCommand = Callable[..., opt.CommandParser]
+_KEYHEX = "a block key: 64 hex digits, as lookup, hot and the client print them"
 
-    evict = sub.add_parser("evict", parents=[common],
-                           help="evict named keys, a number of bytes, or everything (in "
-                           "--namespace, else every namespace)")
+
+def _add_entry_commands(command: NewCommand) -> None:
+    """stats, evict, lookup, pin and unpin: the daemon's entries and tiers."""
+    stats = command("stats", "per-tier capacity, use and counters",
+                    "With --namespace, objects and used bytes are that namespace's.")
+    stats.add_argument("--watch", type=opt.positive_float, metavar="SECONDS",
+                       help="refresh every SECONDS until Ctrl-C (on a pipe: one frame, or "
+                       "with --json one line, per period)")
+
+    evict = command("evict", "evict named keys, a number of bytes, or everything (in "
+                    "--namespace, else every namespace)",
+                    "Pinned, leased and loading entries are skipped, and counted.")
     evict.add_argument("--tier", choices=TIER_LABELS, help="default: all")
-    evict.add_argument("--bytes", type=opt.size, default=0, metavar="SIZE", help='e.g. "64MiB"')
+    evict.add_argument("--bytes", type=opt.size, default=0, metavar="SIZE",
+                       help='at least this much, least recently used first, e.g. "64MiB"')
     evict.add_argument("--all", action="store_true", help="everything evictable")
     evict.add_argument("--key", type=opt.key, nargs="+", action="extend", default=[],
                        metavar="HEX", help="these keys (needs --namespace)")
 
-    lookup = sub.add_parser("lookup", parents=[common],
-                            help="cached prefix length and the tier of each key")
-    lookup.add_argument("keys", nargs="*", type=opt.key, metavar="KEYHEX")
+    lookup = command("lookup", "cached prefix length and the tier of each key",
+                     "Needs --namespace.")
+    lookup.add_argument("keys", nargs="*", type=opt.key, metavar="KEYHEX",
+                        help=f"{_KEYHEX}; a chain, in prefix order")
     lookup.add_argument("--tokens", type=opt.tokens, help="derive keys from token ids: 1,2,3")
     lookup.add_argument("--block-size", type=opt.positive_int, default=16,
-                        help="tokens per block")
+                        help="tokens per block (16)")
 
     for name, verb in (("pin", "never evict"), ("unpin", "allow evicting again")):
-        cmd = sub.add_parser(name, parents=[common], help=f"{verb}: these keys")
-        cmd.add_argument("keys", nargs="+", type=opt.key, metavar="KEYHEX")
+        cmd = command(name, f"{verb}: these keys",
+                      "Needs --namespace. Exits 1, naming them, when any key is not stored.")
+        cmd.add_argument("keys", nargs="+", type=opt.key, metavar="KEYHEX", help=_KEYHEX)
 
 
-def _add_daemon_commands(sub: argparse._SubParsersAction[opt.CommandParser],
-                         common: opt.CommandParser) -> None:
+def _add_daemon_commands(command: NewCommand) -> None:
     """hot and prewarm (L4), health, drain and config."""
-    hot = sub.add_parser("hot", parents=[common],
-                         help="the namespace's most used L4 blocks, hottest first")
+    hot = command("hot", "the namespace's most used L4 blocks, hottest first",
+                  "Needs --namespace and L4 (remote.url).")
     hot.add_argument("--limit", type=opt.positive_int, default=100,
                      help="how many keys (default 100)")
 
-    prewarm = sub.add_parser("prewarm", parents=[common],
-                             help="pull the hottest L4 blocks into the local tiers")
+    prewarm = command("prewarm", "pull the hottest L4 blocks into the local tiers",
+                      "A progress bar on a terminal; needs L4 (remote.url).")
     prewarm.add_argument(
         "--bytes", type=opt.size, default=0, metavar="SIZE", help="default: remote.prewarm_bytes"
     )
@@ -122,17 +178,16 @@ def _add_daemon_commands(sub: argparse._SubParsersAction[opt.CommandParser],
     prewarm.add_argument("--max-time", type=opt.positive_float, default=600.0,
                          metavar="SECONDS", help="the whole prewarm's deadline (600)")
 
-    health = sub.add_parser("health", parents=[common],
-                            help="grpc.health.v1 status; exit 0 only when SERVING")
+    health = command("health", "grpc.health.v1 status; exit 0 only when SERVING")
     health.add_argument("--service", default="", help='health service name (default "")')
 
-    drain = sub.add_parser("drain", parents=[common],
-                           help="stop the daemon gracefully (NOT_SERVING, then exit)")
+    drain = command("drain", "stop the daemon gracefully (NOT_SERVING, then exit)",
+                    "As SIGTERM does: calls in flight finish within server.grace_s.")
     drain.add_argument("--wait", action="store_true", help="until the daemon has exited")
 
-    sub.add_parser("config", parents=[common], help="the daemon's configuration in effect")
-    sub.add_parser("limits", parents=[common],
-                   help="what a client must respect: message, chunk and batch sizes, leases")
+    command("config", "the daemon's configuration in effect", "Needs an admin's credentials "
+            "when auth is on; secrets are shown as ***.")
+    command("limits", "what a client must respect: message, chunk and batch sizes, leases")
 
 
 def _print_json(data: Any) -> None:
@@ -222,12 +277,29 @@ def cmd_lookup(client: KVStoreClient, args: argparse.Namespace, console: Console
 
 def cmd_pin(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
     pinning = args.command == "pin"
-    result = client.pin(args.keys) if pinning else client.unpin(args.keys)
+    verb = client.pin if pinning else client.unpin
+    result = verb(args.keys)
+    missing = _missing_keys(verb, args.keys) if result.missing else []
+    done = "pinned" if pinning else "unpinned"
     if args.json:
-        _print_json(asdict(result))
+        _print_json({**asdict(result), "missing_keys": [k.hex() for k in missing]})
     else:
-        print(f"{'pinned' if pinning else 'unpinned'} {result.changed}; missing {result.missing}")
-    return EXIT_OK
+        print(f"{done} {result.changed}; missing {result.missing}")
+    if not result.missing:
+        return EXIT_OK
+    named = ", ".join(k.hex() for k in missing) or "gone since (they were evicted meanwhile)"
+    print_error("NOT_FOUND", f"{result.missing} of {len(args.keys)} keys are not stored in "
+                f"namespace {client.namespace!r}, so not {done}: {named}",
+                REASON_KEYS_MISSING)
+    return EXIT_FAILED
+
+
+def _missing_keys(verb: Callable[[list[BlockKey]], PinResult],
+                  keys: list[BlockKey]) -> list[BlockKey]:
+    """Which of keys verb (pin or unpin) finds missing: the daemon answers a count only, so
+    each key is asked again on its own. Pinning or unpinning a key twice changes nothing, and
+    this runs only when some key was missing."""
+    return [k for k in keys if verb([k]).missing]
 
 
 def cmd_hot(client: KVStoreClient, args: argparse.Namespace, console: Console) -> int:
@@ -364,8 +436,13 @@ _NEEDS_NAMESPACE = frozenset({"lookup", "pin", "unpin", "hot"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    # Known before parsing ends, so that a command-line mistake is JSON too.
+    admin_errors.use_json("--json" in words[: words.index("--")] if "--" in words else
+                          "--json" in words)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(words)
+    admin_errors.use_json(args.json)
     if args.command in _NEEDS_NAMESPACE and not args.namespace:
         parser.error(f"{args.command} needs --namespace (or {ENV_NAMESPACE})")
     # Piped output keeps whole tables instead of squeezing them into 80 columns.

@@ -5,19 +5,24 @@ one parent parser shared by the top level and every command, with SUPPRESS defau
 work before or after the command (`kvstore-admin --json stats` = `kvstore-admin stats
 --json`); their defaults (the KVSTORE_* variables included) are filled in once parsing is
 done. One given twice with two values (before and after the command, say) is refused, not
-silently resolved. Options of one command only are defined with that command
-(kvstore.tools.admin). A command-line mistake is one line and exit code 2.
+silently resolved. `kvstore-admin --help` describes them; a command's own --help lists its
+options only and points there (GLOBAL_OPTIONS_POINTER), rather than repeating all of them.
+Options of one command only are defined with that command (kvstore.tools.admin). A
+command-line mistake is one line and exit code 2 (with --json, one JSON object:
+kvstore.tools.admin_errors).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from kvstore.client import credentials as cred
 from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.tools.admin_errors import EXIT_USAGE, usage_error
 from kvstore.units import parse_size
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -83,7 +88,26 @@ class CommandParser(argparse.ArgumentParser):
     """A parser whose mistakes are one line, as every kvstore-admin error is (exit 2)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, usage_error(self.prog, message) + "\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's wrapping, except that a line never breaks inside a hyphenated word: an
+    option such as --tls-server-name stays whole, so it can be copied from the help."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
+
+class TopHelpFormatter(HelpFormatter):
+    """The top level's: its epilog keeps the lines it is written in (a JSON example)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
 
 
 class _Once(argparse.Action):
@@ -108,24 +132,40 @@ class _OnceTrue(_Once):
         super().__call__(parser, namespace, True, option_string)
 
 
-def global_options() -> CommandParser:
-    """The parent parser of the top level and of every command."""
+GLOBAL_OPTIONS_POINTER = (
+    "Global options, before or after the command: --target, --namespace, --timeout, --json, "
+    "--token, --token-file, --tls-ca, --tls-cert, --tls-key, --tls-server-name; "
+    "`kvstore-admin --help` describes each.")
+
+
+def global_options(described: bool = True) -> CommandParser:
+    """A parent parser with the global options: described (the top level's --help lists each
+    with what it does) or not (each command's: its --help shows GLOBAL_OPTIONS_POINTER
+    instead). Both parse the same options the same way."""
+
+    def shown(text: str) -> str:
+        return text if described else argparse.SUPPRESS
+
     common = CommandParser(add_help=False, argument_default=argparse.SUPPRESS)
     g = common.add_argument_group("global options (before or after the command)")
     g.add_argument("--target", action=_Once, metavar="HOST[:PORT]",
-                   help=f"the daemon (env {ENV_TARGET}, default {DEFAULT_TARGET}; no port: "
-                   "50051)")
+                   help=shown(f"the daemon (env {ENV_TARGET}, default {DEFAULT_TARGET}; no "
+                              "port: 50051)"))
     g.add_argument("--namespace", action=_Once, metavar="NS",
-                   help=f"the namespace of lookup, pin, unpin, hot and stats' hits; evict's "
-                   f"and prewarm's (default: every namespace) (env {ENV_NAMESPACE})")
+                   help=shown(f"the namespace of lookup, pin, unpin, hot and stats' hits; "
+                              f"evict's and prewarm's (default: every namespace) (env "
+                              f"{ENV_NAMESPACE})"))
     g.add_argument("--timeout", action=_Once, type=positive_float, metavar="SECONDS",
-                   help="seconds per call (10)")
-    g.add_argument("--json", action=_OnceTrue, help="machine-readable output")
+                   help=shown("seconds per call (10)"))
+    g.add_argument("--json", action=_OnceTrue,
+                   help=shown("machine-readable output on stdout; an error is one JSON object "
+                              "on stderr (code, reason, message, exit_code)"))
     auth = common.add_argument_group("credentials (auth.mode token or mtls; global options)")
-    auth.add_argument("--token", action=_Once, help=f"bearer token (env {cred.ENV_TOKEN}); "
-                      "visible in the process list: prefer --token-file")
+    auth.add_argument("--token", action=_Once,
+                      help=shown(f"bearer token (env {cred.ENV_TOKEN}); visible in the process "
+                                 "list: prefer --token-file"))
     auth.add_argument("--token-file", action=_Once, metavar="PATH",
-                      help=f"a file holding the token (env {cred.ENV_TOKEN_FILE})")
+                      help=shown(f"a file holding the token (env {cred.ENV_TOKEN_FILE})"))
     for flag, var, what in (
         ("--tls-ca", cred.ENV_TLS_CA_FILE, "CA bundle of the daemon's certificate; TLS on"),
         ("--tls-cert", cred.ENV_TLS_CERT_FILE, "client certificate (mutual TLS), with --tls-key"),
@@ -133,7 +173,7 @@ def global_options() -> CommandParser:
         ("--tls-server-name", cred.ENV_TLS_SERVER_NAME, "the name the daemon's certificate "
          "carries, when not the target's host"),
     ):
-        auth.add_argument(flag, action=_Once, help=f"{what} (env {var})",
+        auth.add_argument(flag, action=_Once, help=shown(f"{what} (env {var})"),
                           metavar="NAME" if flag.endswith("name") else "PATH")
     return common
 
@@ -148,23 +188,27 @@ def _defaults() -> dict[str, Any]:
 
 class AdminParser(CommandParser):
     """The top-level parser: after parsing, the global options not given get their
-    defaults, and one given twice with different values is an error."""
+    defaults, and one given twice with different values is an error (before and after the
+    command, the top level's and the command's copy of the option record it)."""
 
-    common: CommandParser
+    commons: Sequence[CommandParser]
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None,
                          ) -> tuple[argparse.Namespace, list[str]]:
-        once = [a for a in self.common._actions if isinstance(a, _Once)]
+        once = [a for common in self.commons for a in common._actions if isinstance(a, _Once)]
         for action in once:
             action.given = []
         parsed, rest = super().parse_known_args(args, namespace)
+        given: dict[str, list[Any]] = {}
         for action in once:
-            if len(set(map(repr, action.given))) > 1:
+            given.setdefault(action.dest, []).extend(action.given)
+        for dest, values in given.items():
+            if len(set(map(repr, values))) > 1:
                 hint = (" (prewarm takes several: --namespaces A B)"
-                        if action.dest == "namespace" else "")
-                self.error(f"argument {action.option_strings[0]}: given twice, "
-                           f"{action.given[0]!r} and {action.given[-1]!r}: give it once{hint}")
+                        if dest == "namespace" else "")
+                self.error(f"argument --{dest.replace('_', '-')}: given twice, "
+                           f"{values[0]!r} and {values[-1]!r}: give it once{hint}")
         for dest, value in _defaults().items():
             if not hasattr(parsed, dest):
                 setattr(parsed, dest, value)

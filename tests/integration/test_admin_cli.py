@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvstore import __version__
 from kvstore.client import KVStoreClient, prefix_keys
 from kvstore.tools.testing import Daemon, free_port
 from tests.conftest import REPO
@@ -147,10 +149,9 @@ def test_lookup_shows_the_prefix_length(daemon: Daemon, kv: KVStoreClient) -> No
 def test_pin_evict_all_and_unpin(daemon: Daemon, kv: KVStoreClient) -> None:
     keys, values = blocks(3)
     kv.put(keys, values, independent=True)
-    missing = (b"\xee" * 32).hex()
 
-    out = ok(admin(daemon.target, "--namespace", NS, "pin", keys[0].hex(), missing))
-    assert out.strip() == "pinned 1; missing 1"
+    out = ok(admin(daemon.target, "--namespace", NS, "pin", keys[0].hex()))
+    assert out.strip() == "pinned 1; missing 0"
     assert kv.stats().pinned == 1
 
     out = ok(admin(daemon.target, "evict", "--all"))
@@ -163,6 +164,32 @@ def test_pin_evict_all_and_unpin(daemon: Daemon, kv: KVStoreClient) -> None:
     assert kv.stats().pinned == 0
     result = kv.evict(all=True)
     assert (result.evicted, result.skipped) == (1, 0)
+
+
+def test_pin_of_a_missing_key_exits_1_naming_it(daemon: Daemon, kv: KVStoreClient) -> None:
+    """A key that is not stored cannot be pinned: exit 1 and the keys named, not exit 0
+    (before, `pinned 1; missing 1` and 0, so a script never learnt its block was unprotected);
+    the keys that are stored are pinned all the same."""
+    keys, values = blocks(2)
+    kv.put(keys[:1], values[:1])
+    stored, missing = keys[0].hex(), keys[1].hex()
+    plain = admin(daemon.target, "--namespace", NS, "pin", stored, missing)
+    assert plain.stdout.strip() == "pinned 1; missing 1"
+    assert failed(plain) == (f"error: NOT_FOUND: 1 of 2 keys are not stored in namespace "
+                             f"{NS!r}, so not pinned: {missing}")
+    assert kv.unpin(keys[:1]).changed == 1
+    as_json, unpin = admin_all((daemon.target, "--namespace", NS, "--json", "pin", missing,
+                                stored),
+                               (daemon.target, "--namespace", NS, "unpin", missing))
+    assert as_json.returncode == 1, as_json.stderr
+    assert json.loads(as_json.stdout) == {"changed": 1, "missing": 1, "missing_keys": [missing]}
+    assert json.loads(as_json.stderr) == {
+        "code": "NOT_FOUND", "reason": "KEYS_MISSING", "exit_code": 1,
+        "message": f"1 of 2 keys are not stored in namespace {NS!r}, so not pinned: {missing}"}
+    assert failed(unpin) == (f"error: NOT_FOUND: 1 of 1 keys are not stored in namespace "
+                             f"{NS!r}, so not unpinned: {missing}")
+    assert kv.stats().pinned == 1  # the stored key
+    assert kv.unpin(keys[:1]).changed == 1
 
 
 def test_evict_bytes_takes_the_least_recently_used(daemon: Daemon, kv: KVStoreClient) -> None:
@@ -347,8 +374,84 @@ def test_an_unknown_health_service_is_one_line_naming_it(daemon: Daemon) -> None
 
 def test_l4_off_hot_and_prewarm_fail_in_one_line_without_a_progress_bar(
         daemon: Daemon) -> None:
-    runs = [(daemon.target, "prewarm"), (daemon.target, "prewarm", "--bytes", "1MiB", "--json"),
-            (daemon.target, "--namespace", NS, "hot")]
+    runs = [(daemon.target, "prewarm"), (daemon.target, "prewarm", "--bytes", "1MiB"),
+            (daemon.target, "--namespace", NS, "hot")]  # --json: test_json_errors_...
     for run, done in zip(runs, admin_all(*runs), strict=True):
         assert failed(done) == "error: FAILED_PRECONDITION: L4 is off: set remote.url", run
         assert done.stdout == "", run  # no bar, no "prewarmed 0 blocks"
+
+
+def _json_error(done: subprocess.CompletedProcess[str], code: int) -> dict[str, object]:
+    """The one JSON object on stderr of a --json command that exited with code."""
+    assert done.returncode == code, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    error: dict[str, object] = json.loads(done.stderr)
+    assert set(error) == {"code", "reason", "message", "exit_code"}
+    assert error["exit_code"] == code
+    return error
+
+
+def test_json_errors_are_one_object_on_stderr_with_the_same_exit_code(daemon: Daemon) -> None:
+    """With --json every error is one JSON object (code, reason, message, exit_code) and the
+    exit code stays the plain one: a failed request 1, the daemon unreachable or a bad
+    command line 2. Before, they were the plain `error: ...` line."""
+    gone = f"127.0.0.1:{free_port()}"
+    bogus, off, unreachable, usage, bad_key = admin_all(
+        (daemon.target, "--json", "health", "--service", "bogus"),
+        (daemon.target, "prewarm", "--json"),
+        (gone, "--timeout", "3", "stats", "--json"),
+        (daemon.target, "--json", "evict"),
+        (daemon.target, "--json", "--namespace", NS, "lookup", "ab"))
+    assert _json_error(bogus, 1) == {
+        "code": "NOT_FOUND", "reason": "", "exit_code": 1,
+        "message": "the daemon has no health service 'bogus' (it serves '' and "
+                   "'kvstore.v1.KVStore')"}
+    assert _json_error(off, 1) == {"code": "FAILED_PRECONDITION", "reason": "FEATURE_OFF",
+                                   "message": "L4 is off: set remote.url", "exit_code": 1}
+    error = _json_error(unreachable, 2)
+    assert (error["code"], error["reason"]) == ("UNAVAILABLE", "UNREACHABLE")
+    assert str(error["message"]).startswith(f"the kvstore daemon at {gone} is unreachable")
+    assert _json_error(usage, 2) == {
+        "code": "INVALID_ARGUMENT", "reason": "USAGE", "exit_code": 2,
+        "message": "kvstore-admin: evict needs --bytes, --all or --key"}
+    error = _json_error(bad_key, 2)
+    assert (error["code"], error["reason"]) == ("INVALID_ARGUMENT", "USAGE")
+    assert error["message"] == ("kvstore-admin lookup: argument KEYHEX: key 'ab' is 1 bytes; "
+                                "keys are 32 bytes (64 hex)")
+
+
+def test_version_is_the_package_version_the_daemon_reports(daemon: Daemon,
+                                                           kv: KVStoreClient) -> None:
+    """`kvstore-admin --version` says kvstore.__version__, the version a daemon of the same
+    installation reports in Stats (and `kvstore-server --version`)."""
+    done = admin(None, "--version")
+    assert ok(done) == f"kvstore-admin {__version__}\n"
+    assert kv.stats().version == __version__
+
+
+def test_a_commands_help_shows_its_own_options_and_points_to_the_global_ones() -> None:
+    """`kvstore-admin pin --help` describes pin (its KEYHEX argument included) and names the
+    global options once, pointing to `kvstore-admin --help`, which describes each of them
+    once. Before, every command's help repeated all of them."""
+    top, pin, lookup = admin_all((None, "--help"), (None, "pin", "--help"),
+                                 (None, "lookup", "--help"))
+    globals_ = ("--target", "--namespace", "--timeout", "--json", "--token", "--token-file",
+                "--tls-ca", "--tls-cert", "--tls-key", "--tls-server-name")
+    described = ok(top).split("global options (before or after the command):")[1]
+    for flag in globals_:  # each described on a line of its own, once
+        rows = [line for line in described.splitlines() if line.strip().startswith(flag + " ")
+                or line.strip() == flag]
+        assert len(rows) == 1, (flag, rows)
+    assert "KVSTORE_TLS_CA_FILE" in ok(top)
+    for done in (pin, lookup):
+        text = ok(done)
+        assert "KVSTORE_" not in text  # no global option described here
+        assert "`kvstore-admin --help` describes each" in " ".join(text.split())
+        own, pointer = text.split("Global options, before or after the command:")
+        for flag in globals_:  # named once, in the pointer; not in the usage or the options
+            assert len(re.findall(rf"{flag}(?![\w-])", pointer)) == 1, (flag, text)
+            assert not re.search(rf"(\[|^ +){flag}(?![\w-])", own, re.MULTILINE), (flag, text)
+    assert "Needs --namespace. Exits 1, naming them, when any key is not stored." in " ".join(
+        ok(pin).split())
+    assert "KEYHEX      a block key: 64 hex digits" in ok(pin)
+    assert "--tokens TOKENS" in ok(lookup) and "tokens per block (16)" in ok(lookup)
