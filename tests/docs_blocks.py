@@ -115,14 +115,27 @@ def _directive_above(lines: list[str], fence: int, doc: str) -> str | None:
     """The body of the docs-run comment on the nearest non-blank line above the fence."""
     for j in range(fence - 1, -1, -1):
         if lines[j].strip():
-            if "docs-run" not in lines[j]:
-                return None
             found = _DIRECTIVE.match(lines[j])
-            if found is None:
-                raise DocsError(f"{doc}:{j + 1}: write the comment on one line, as "
+            if found is not None:
+                return found.group("body")
+            start = _comment_start(lines, j)
+            comment = "".join(lines[start:j + 1])
+            if "<!--" in comment and "docs-run" in comment:
+                raise DocsError(f"{doc}:{start + 1}: write the comment on one line, as "
                                 "<!-- docs-run: skip (why) -->")
-            return found.group("body")
+            return None
     return None
+
+
+def _comment_start(lines: list[str], end: int) -> int:
+    """The line where the HTML comment that closes on line end opens; end when it closes
+    nowhere there (the line is prose, or the comment is on it alone)."""
+    if "-->" not in lines[end]:
+        return end
+    for j in range(end, -1, -1):
+        if "<!--" in lines[j]:
+            return j
+    return end
 
 
 def _with_directive(block: Block, body: str | None) -> Block:

@@ -290,3 +290,55 @@ def test_readme_client_counts_prefix_hit_tokens(
     assert "6 of 6 blocks were cached" in second.stdout, second.stdout
     assert counter(daemon, "kvstore_lookup_tokens_total") == 192
     assert counter(daemon, "kvstore_prefix_hit_tokens_total") == 96
+
+
+# --- the harness itself: what it reads, and that a broken block fails ------------------------
+
+
+def test_the_walk_reads_fences_and_comments_as_a_reader_means_them(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n\n"
+                   "<!-- docs-run: skip (needs a GPU) -->\n```python\nimport cupy\n```\n\n"
+                   "1. a list item:\n\n   ```sh\n   echo one\n     echo two\n   ```\n"
+                   "<!-- docs-run: with tls-token -->\n\n````yaml\na: 1\n```\n````\n"
+                   "<!-- docs-run: continues -->\n~~~python\nx = 1\n~~~\n```\nplain\n```\n")
+    gpu, listed, fenced, cont, plain = find_blocks(doc, tmp_path)
+    assert (gpu.line, gpu.lang, gpu.skip, gpu.text) == (4, "python", "needs a GPU", "import cupy\n")
+    assert (listed.lang, listed.text, listed.skip) == ("sh", "echo one\n  echo two\n", None)
+    assert (fenced.setup, fenced.text, fenced.runner) == ("tls-token", "a: 1\n```\n", "yaml")
+    assert cont.continues and cont.text == "x = 1\n"
+    assert (plain.lang, plain.runner) == ("", None)
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("<!-- docs-run: skip -->\n```sh\ntrue\n```\n", "doc.md:2: docs-run: 'skip' is none of"),
+    ("<!-- docs-run: skp (typo) -->\n```sh\ntrue\n```\n", "none of 'skip (why)'"),
+    ("<!-- docs-run: skip (why)\n-->\n```sh\ntrue\n```\n", "doc.md:1: write the comment"),
+    ("text\n\n```python\nprint(1)\n", "doc.md:3: a code fence that is never closed"),
+])
+def test_a_doc_it_cannot_read_is_an_error_naming_the_line(tmp_path: Path, text: str,
+                                                          said: str) -> None:
+    """A skip without its reason, a typo, a comment over two lines or a fence left open would
+    each turn blocks off quietly: each is an error naming the doc and the line."""
+    from tests.docs_blocks import DocsError
+
+    doc = tmp_path / "doc.md"
+    doc.write_text(text)
+    with pytest.raises(DocsError, match=re.escape(said)):
+        find_blocks(doc, tmp_path)
+
+
+def test_a_block_that_drifted_from_the_code_fails(docs_daemon: Daemon, tmp_path: Path) -> None:
+    """A snippet calling a verb the client does not have fails, its traceback at the doc's
+    line; a YAML config with a misspelt field and a failing shell command fail too."""
+    stale = Block("README.md", 40, "python",
+                  "from kvstore.client import KVStoreClient\n"
+                  "with KVStoreClient('127.0.0.1:50051', 'docs-drift') as kv:\n"
+                  "    kv.lookup_prefix([])\n")
+    with pytest.raises(AssertionError, match=r'README_md\.py", line 43.*\n.*lookup_prefix'):
+        run_python([stale], docs_daemon, tmp_path)
+    with pytest.raises(ValueError, match="capacity_byte"):
+        load_yaml(Block("docs/x.md", 1, "yaml", "dram:\n  capacity_byte: 1GiB\n"), tmp_path)
+    with pytest.raises(AssertionError, match="exited 3"):
+        run_shell([Block("docs/x.md", 1, "sh", "true\nexit 3\necho never\n")], docs_daemon,
+                  tmp_path)
