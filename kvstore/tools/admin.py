@@ -139,10 +139,11 @@ def _add_entry_commands(command: NewCommand) -> None:
 
     evict = command("evict", "evict named keys, a number of bytes, or everything (in "
                     "--namespace, else every namespace)",
-                    "Pinned, leased and loading entries are skipped, and counted.")
+                    "What it cannot remove (pinned, leased, loading, or a block with "
+                    "cached children) it skips, counted by reason.")
     evict.add_argument("--tier", choices=TIER_LABELS, help="default: all")
     evict.add_argument("--bytes", type=opt.size, default=0, metavar="SIZE",
-                       help='at least this much, least recently used first, e.g. "64MiB"')
+                       help='at least this much, least recently used leaves first, e.g. "64MiB"')
     evict.add_argument("--all", action="store_true", help="everything evictable")
     evict.add_argument("--key", type=opt.key, nargs="+", action="extend", default=[],
                        metavar="HEX", help="these keys (needs --namespace)")
