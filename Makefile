@@ -123,7 +123,8 @@ lint: $(TEST_STAMP)
 
 ## bench: the whole suite (store, tiers, L4, engine, engine TTFT, vLLM TTFT, trace simulation;
 ## the GPU ones where CUDA is present), each printing `ours vs baseline = ratio` lines; the report goes to
-## bench/results/<date>.json and .md, with <date>-*.png plots (bench/plots.py) beside them
+## bench/results/<date>.json and .md, with <date>-*.png plots (bench/plots.py) beside them;
+## each figure is marked met or missed against its target, and it exits 3 when one missed
 bench: $(TEST_STAMP) $(VLLM_STAMP) redis
 	$(BIN)/python bench/run_all.py
 
