@@ -342,3 +342,6 @@ def test_a_block_that_drifted_from_the_code_fails(docs_daemon: Daemon, tmp_path:
     with pytest.raises(AssertionError, match="exited 3"):
         run_shell([Block("docs/x.md", 1, "sh", "true\nexit 3\necho never\n")], docs_daemon,
                   tmp_path)
+    # In a ```console block with prompts, the lines without one are output, never run.
+    shown = Block("docs/x.md", 1, "console", "$ echo 127.0.0.1:50051\nno-such-command\n")
+    assert run_shell([shown], docs_daemon, tmp_path).stdout == f"{docs_daemon.target}\n"
