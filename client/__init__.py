@@ -1,12 +1,18 @@
 """kvstore client library: `KVStoreClient` (blocking) and `AsyncKVStoreClient` (asyncio), the
 key helpers, result types, the exception tree and retry policy.
 
+    import numpy as np
     from kvstore.client import KVStoreClient, prefix_keys
 
+    tokens = list(range(64))  # a prompt's token ids: 4 blocks of 16 tokens
     keys = prefix_keys(tokens, block_size=16, namespace="llama3-8b/tp0")
+    blocks = [np.full(4096, i, np.uint8) for i in range(len(keys))]  # one KV block per key
+    buffers = [np.empty(4096, np.uint8) for _ in keys]  # writable, CPU, a block each
     with KVStoreClient("127.0.0.1:50051", "llama3-8b/tp0") as kv:
         kv.put(keys, blocks)
-        hits = kv.get_into(keys, buffers)
+        sizes = kv.get_into(keys, buffers)  # bytes per key, None for a miss
+
+README.md's "Using it" has the whole example, with real block sizes.
 
 With auth on, pass `token=` (or set KVSTORE_TOKEN / KVSTORE_TOKEN_FILE) and, for TLS or mTLS,
 `tls=TLS(ca_file, cert_file, key_file)` (or the KVSTORE_TLS_* variables); see `credentials`.
