@@ -71,7 +71,7 @@ def rss_section(samples: list[tuple[float, str, int, int, int]]) -> str:
              mib(samples[i][4])] for i in picks]
     return (f"VmRSS, one character per {max(1, math.ceil(len(rss) / 72))} s sample(s), "
             f"{mib(min(rss))} MiB (` `) to {mib(max(rss))} MiB (`@`):\n\n"
-            f"```\n{sparkline(rss)}\n```\n\n"
+            f"```text\n{sparkline(rss)}\n```\n\n"
             + table(["t (s)", "phase", "VmRSS MiB", "RssAnon MiB", "RssShmem MiB"], rows))
 
 
