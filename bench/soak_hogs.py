@@ -367,8 +367,8 @@ class SlowHandshakes(LocalHog):
                 sock, line, opened = entry
                 try:
                     sock.send(line[sent % len(line) : sent % len(line) + 1])
-                except OSError:
-                    pass
+                except OSError as exc:
+                    self.count("a trickled byte refused", exc)
                 if not still_open(sock):
                     self.count("answered or closed by the daemon within "
                                + _bucket(time.monotonic() - opened))

@@ -231,8 +231,8 @@ class ShmState:
         local = LocalPath(path, tickets, self.timeout_s, self._clock)
         try:
             local.probe()
-        except NoSessionNow:
-            pass  # paused, and logged, by the local path itself
+        except NoSessionNow as exc:  # paused, and logged at INFO, by the local path itself
+            logger.debug("kvstore: the local path's first session waits for its pause: %s", exc)
         except NoSession as exc:
             local.close()
             logger.info("kvstore: local path off, hot verbs use gRPC: %s", exc)

@@ -206,8 +206,8 @@ def _remove_scratch(folder: Path) -> None:
              folder)
     try:
         folder.parent.rmdir()
-    except OSError:
-        pass  # another daemon's folder is beside it (or something else): keep it
+    except OSError as exc:  # another daemon's folder is beside it (or something else): keep it
+        log.debug("kept %s: %s", folder.parent, exc)
 
 
 def _remove_stale_scratch(folder: Path) -> None:
@@ -233,7 +233,7 @@ def _remove_stale_scratch(folder: Path) -> None:
             log.info("removed the scratch L3 folder %s (%s) that a killed daemon left",
                      stale, format_size(size_bytes))
         except BlockingIOError:
-            pass  # its daemon runs
+            log.debug("scratch L3 folder %s belongs to a running daemon: kept", stale)
         except OSError as exc:
             log.warning("cannot remove the stale scratch L3 folder %s: %s", stale, exc)
         finally:
