@@ -30,20 +30,14 @@ import yaml
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.proto.localframe import GET, LOOKUP, RELEASE, REPLY, REQUEST, RESERVE, hello
+from kvstore.tools.testing import code_name, mutate, read_line
 
 A, B, ADMIN = "soak-a", "soak-b", "soak-admin"
 TOKENS = {A: "soak-token-of-a-0123456789", B: "soak-token-of-b-0123456789",
           ADMIN: "soak-token-of-admin-0123456789"}
 #: gRPC status names by number, for the local path's replies.
-CODES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-         "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-         "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-         "UNAUTHENTICATED")
 LOCAL_TIMEOUT_S = 5.0  # of every read on the socket; a hung exchange fails instead of hanging
 
-
-def code_name(status: int) -> str:
-    return CODES[status] if 0 <= status < len(CODES) else f"status {status}"
 
 
 # --- who calls as whom -----------------------------------------------------------------------
@@ -163,17 +157,6 @@ def open_channel(target: str, token: str | None,
 # --- the local path by hand -------------------------------------------------------------------
 
 
-def read_line(sock: socket.socket, limit: int = 65536) -> bytes:
-    """One line, a byte at a time (nothing past the newline is consumed); b"" when the
-    daemon closed first."""
-    data = bytearray()
-    while len(data) < limit:
-        b = sock.recv(1)
-        if not b or b == b"\n":
-            return bytes(data) if b else b""
-        data += b
-    return bytes(data)
-
 
 class LocalSession:
     """One hand-written session on the daemon's Unix socket: `HOT <ticket>`, the hello line
@@ -238,28 +221,6 @@ class LocalSession:
         with contextlib.suppress(OSError):
             self.sock.close()
 
-
-def mutate(data: bytes, rng: random.Random) -> bytes:
-    """data with 1-3 of: a bit flipped, a byte set, bytes inserted, deleted or duplicated, the
-    tail cut, garbage appended."""
-    b = bytearray(data)
-    for _ in range(rng.randint(1, 3)):
-        op, i = rng.randrange(7), rng.randrange(len(b) + 1)
-        if op == 0 and b:
-            b[i % len(b)] ^= 1 << rng.randrange(8)
-        elif op == 1 and b:
-            b[i % len(b)] = rng.randrange(256)
-        elif op == 2:
-            b[i:i] = rng.randbytes(rng.randint(1, 8))
-        elif op == 3:
-            del b[i : i + rng.randint(1, 8)]
-        elif op == 4:
-            b[i:i] = b[i : i + rng.randint(1, 16)]
-        elif op == 5:
-            del b[i:]
-        else:
-            b += rng.randbytes(rng.randint(1, 16))
-    return bytes(b)
 
 
 class LocalHostile:

@@ -54,15 +54,12 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.tools.testing import code_name, mutate, read_line
 
 REQUEST = struct.Struct("<IB")  # the local path's request header: length, verb
 REPLY = struct.Struct("<IBB")  # and its reply's: length, status, flags
 LOOKUP, GET, RESERVE, COMMIT, RELEASE = 1, 2, 3, 4, 5
 #: gRPC status codes by number, so that the attacker needs no gRPC to name them.
-CODES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-         "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-         "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-         "UNAUTHENTICATED")
 FAULTS = ("INTERNAL", "UNKNOWN")
 #: How long the attacker waits for any one answer: far more than a healthy daemon takes
 #: on a loaded 2-core machine (milliseconds), far less than the test's own bounds.
@@ -72,9 +69,6 @@ REPLY_TIMEOUT_S = 5.0
 #: catch, if the pace were per recv and not per line or frame.
 TRICKLE_S = 0.3
 
-
-def code_name(status: int) -> str:
-    return CODES[status] if 0 <= status < len(CODES) else f"status {status}"
 
 
 # --- the stop signal and the report --------------------------------------------------------
@@ -167,19 +161,6 @@ def connect(path: str, timeout_s: float = REPLY_TIMEOUT_S) -> socket.socket:
     sock.connect(path)
     return sock
 
-
-def read_line(sock: socket.socket, limit: int = 65536) -> bytes:
-    """One line, a byte at a time (nothing past the newline is consumed); b"" when the
-    daemon closed first."""
-    data = bytearray()
-    while len(data) < limit:
-        b = sock.recv(1)
-        if not b:
-            return b""
-        if b == b"\n":
-            return bytes(data)
-        data += b
-    return bytes(data)
 
 
 class Session:
@@ -291,28 +272,6 @@ def release_grant(session: Session, verb: int, body: bytes, report: Report) -> N
 
 # --- fuzz ------------------------------------------------------------------------------------
 
-
-def mutate(data: bytes, rng: random.Random) -> bytes:
-    """data with 1-3 of: a bit flipped, a byte set, bytes inserted, deleted or duplicated, the
-    tail cut, garbage appended."""
-    b = bytearray(data)
-    for _ in range(rng.randint(1, 3)):
-        op, i = rng.randrange(7), rng.randrange(len(b) + 1)
-        if op == 0 and b:
-            b[i % len(b)] ^= 1 << rng.randrange(8)
-        elif op == 1 and b:
-            b[i % len(b)] = rng.randrange(256)
-        elif op == 2:
-            b[i:i] = rng.randbytes(rng.randint(1, 8))
-        elif op == 3:
-            del b[i : i + rng.randint(1, 8)]
-        elif op == 4:
-            b[i:i] = b[i : i + rng.randint(1, 16)]
-        elif op == 5:
-            del b[i:]
-        else:
-            b += rng.randbytes(rng.randint(1, 16))
-    return bytes(b)
 
 
 def templates(namespace: str, rng: random.Random) -> dict[int, bytes]:

@@ -360,3 +360,48 @@ def start_redis_cluster(workdir: Path, nodes: int = 3, timeout_s: float = 30.0
         for s in servers:
             s.stop()
         raise
+
+
+# --- raw local-path and fuzzing helpers, shared by the attack tests and the soak --------------
+
+_CODE_NAMES: dict[int, str] = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def code_name(status: int) -> str:
+    """The gRPC status code's name for a local-path reply's status byte."""
+    return _CODE_NAMES.get(status, f"status {status}")
+
+
+def read_line(sock: socket.socket, limit: int = 65536) -> bytes:
+    """One line, a byte at a time (nothing past the newline is consumed); b"" when the
+    daemon closed first."""
+    data = bytearray()
+    while len(data) < limit:
+        b = sock.recv(1)
+        if not b or b == b"\n":
+            return bytes(data) if b else b""
+        data += b
+    return bytes(data)
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    """data with 1-3 of: a bit flipped, a byte set, bytes inserted, deleted or duplicated, the
+    tail cut, garbage appended."""
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 3)):
+        op, i = rng.randrange(7), rng.randrange(len(b) + 1)
+        if op == 0 and b:
+            b[i % len(b)] ^= 1 << rng.randrange(8)
+        elif op == 1 and b:
+            b[i % len(b)] = rng.randrange(256)
+        elif op == 2:
+            b[i:i] = rng.randbytes(rng.randint(1, 8))
+        elif op == 3:
+            del b[i : i + rng.randint(1, 8)]
+        elif op == 4:
+            b[i:i] = b[i : i + rng.randint(1, 16)]
+        elif op == 5:
+            del b[i:]
+        else:
+            b += rng.randbytes(rng.randint(1, 16))
+    return bytes(b)
