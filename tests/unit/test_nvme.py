@@ -179,12 +179,16 @@ _TINY_TMPFS_SCRIPT = textwrap.dedent("""
                        free() == held]
     (mnt / "old.bin").unlink()
     # tmpfs preallocates; a filesystem that cannot at all (EOPNOTSUPP) keeps the file sparse,
-    # and then a write that finds no room fails alone.
+    # and then a write that finds no room fails alone. Transfers of one batch run in parallel,
+    # so the one that succeeds rewrites a page already written: it needs no new room whichever
+    # of the two runs first.
     def cannot(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
     nvme.os.posix_fallocate = cannot
     tier = NvmeTier(mnt / "l3.bin", 8 << 20, 64 << 10, backend="posix")
     small, big = bytes(range(256)) * 256, b"\\1" * (2 << 20)
+    first = tier.write([Transfer((PageRun(0, 1),), len(small), [memoryview(bytes(len(small)))])])
+    assert first == [None], first
     results = tier.write([
         Transfer((PageRun(0, 1),), len(small), [memoryview(small)]),
         Transfer((PageRun(64, 32),), len(big), [memoryview(big)]),
