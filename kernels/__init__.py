@@ -1,10 +1,10 @@
 """Compute kernels for the engine's paged KV cache: the torch reference (`reference`, also the
-CPU implementation) and CUDA kernels (`cuda`, compiled from csrc/*.cu by NVRTC via cupy).
+CPU implementation) and Triton kernels (`gpu`, compiled by Triton for CUDA devices).
 
-Owns the choice between them: `ops_for(device)` returns the CUDA module when the device is a
-CUDA device, cupy imports and the sources compile there, else the reference; the choice is
-made once per device, logged, and cached. On CUDA, prefill_attention is the torch reference
-(one SDPA call per sequence) in both.
+Owns the choice between them: `ops_for(device)` returns kernels.gpu when the device is a
+CUDA device, Triton imports and a probe of its kernels there agrees with the reference, else
+the reference; the choice is made once per device, logged, and cached. On CUDA,
+prefill_attention is the torch reference (one SDPA call per sequence) in both.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class KernelOps(Protocol):
-    """What ops_for returns: kernels.reference or kernels.cuda (modules, same signatures)."""
+    """What ops_for returns: kernels.reference or kernels.gpu (modules, same signatures)."""
 
     def write_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
@@ -74,16 +74,16 @@ def _pick(dev: torch.device) -> KernelOps:
     if dev.type != "cuda":
         log.info("kernels for %s: torch reference", dev)
         return reference
-    from . import cuda
-
     try:
-        cuda.load(dev.index if dev.index is not None else 0)
-    except cuda.CudaKernelsUnavailable as exc:
-        log.warning("kernels for %s: torch reference, the CUDA kernels are unavailable (%s)",
-                    dev, exc)
+        from . import gpu
+
+        gpu.probe(dev)
+    except Exception as exc:  # no Triton, no driver, a compiler error: all mean "unusable"
+        log.warning("kernels for %s: torch reference, the Triton kernels are unavailable "
+                    "(%s: %s)", dev, type(exc).__name__, exc)
         return reference
-    log.info("kernels for %s: CUDA (kernels/csrc via cupy NVRTC)", dev)
-    return cuda
+    log.info("kernels for %s: Triton (kernels/gpu.py)", dev)
+    return gpu
 
 
 def ops_for(device: torch.device | str | int) -> KernelOps:

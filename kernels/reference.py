@@ -1,5 +1,5 @@
 """The paged KV-cache operations in plain torch: the reference every other implementation
-(kernels/cuda.py) is checked against, and the implementation the engine runs on CPU.
+(kernels/gpu.py, in Triton) is checked against, and the implementation the engine runs on CPU.
 
 Owns the layouts. One engine's cache is one tensor
 `kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 of dim 1
@@ -209,7 +209,7 @@ def scatter_blocks(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: Blo
 def copy_blocks(kv_cache: torch.Tensor, src_ids: BlockIds, dst_ids: BlockIds) -> None:
     """kv_cache[:, :, dst_ids[i]] = kv_cache[:, :, src_ids[i]] for every layer, K and V
     (copy-on-write of shared prefix blocks). Sources are read before any destination is
-    written; the CUDA version requires dst blocks to be distinct and not among the sources."""
+    written; the Triton version requires dst blocks to be distinct and not among the sources."""
     src = _ids(src_ids, kv_cache.device)
     dst = _ids(dst_ids, kv_cache.device)
     if src.shape != dst.shape or src.dim() != 1:

@@ -29,7 +29,8 @@ SUBPACKAGES = ("core", "daemon", "tools", "tiers", "client", "engine", "kernels"
                "integrations")
 IO_AND_THREADS = ("os", "io", "socket", "subprocess", "asyncio", "mmap", "fcntl", "signal",
                   "pathlib", "shutil", "tempfile", "logging", "threading", "concurrent", "time")
-HEAVY = ("grpc", "grpc_health", "grpc_reflection", "redis", "torch", "kvikio", "cupy")
+HEAVY = ("grpc", "grpc_health", "grpc_reflection", "redis", "torch", "kvikio", "cupy",
+         "triton")
 
 
 def _within(name: str, *prefixes: str) -> bool:
@@ -133,7 +134,7 @@ def test_the_walk_sees_every_part() -> None:
     names = {name for name, _ in modules()}
     for expected in ("kvstore.keys", "kvstore.core.index", "kvstore.daemon.store",
                      "kvstore.tools.admin", "kvstore.tiers.dram", "kvstore.client.sync",
-                     "kvstore.engine.connector", "kvstore.kernels.cuda", "kvstore.proto.frames"):
+                     "kvstore.engine.connector", "kvstore.kernels.gpu", "kvstore.proto.frames"):
         assert expected in names
 
 
