@@ -1,11 +1,11 @@
 """The paged decode-attention kernel against its baseline, in one run (GPU only).
 
-- decode_kernel: kvstore.kernels.cuda.decode_attention reading K/V through random,
+- decode_kernel: kvstore.kernels.gpu.decode_attention (Triton) reading K/V through random,
   non-contiguous block tables vs torch `scaled_dot_product_attention` (enable_gqa) on the
   same K/V already gathered into contiguous [seqs, kv_heads, context, head_dim] tensors, the
   gather not timed. Default shape: 32 sequences x 2048 tokens of context, 32 query heads / 8
   KV heads, head_dim 128, bfloat16, blocks of 16 tokens. The kernel takes ~0.1 ms, less than
-  Python and cupy take to launch it, so one launch between two events would time the host:
+  Python and Triton take to launch it, so one launch between two events would time the host:
   each sample is `--launches` back-to-back calls captured in a CUDA graph and replayed between
   CUDA events (per call = sample / launches); when capture fails, the same calls run eagerly
   back to back, and the JSON says which. Ours and the baseline alternate; the figure is the
@@ -91,7 +91,7 @@ def _graphed(fns: list[Callable[[], Any]], launches: int) -> list[Callable[[], N
 def _median_ms(runs: list[Callable[[], Any]], calls: int, reps: int) -> list[float]:
     """Median per-call time of each run (which makes `calls` calls), alternating the runs'
     order every rep."""
-    for run in runs:  # warm-up: compilation, allocator, cuBLAS/SDPA kernel choice
+    for run in runs:  # warm-up: Triton's compilation, allocator, cuBLAS/SDPA kernel choice
         run()
     torch.cuda.synchronize()
     samples: list[list[float]] = [[] for _ in runs]
@@ -103,7 +103,7 @@ def _median_ms(runs: list[Callable[[], Any]], calls: int, reps: int) -> list[flo
 
 
 def decode_kernel(shape: Shape) -> Figure:
-    from kvstore.kernels import cuda
+    from kvstore.kernels import gpu
     from kvstore.kernels import reference as ref
 
     dev, dtype = torch.device("cuda"), DTYPES[shape.dtype]
@@ -127,7 +127,7 @@ def decode_kernel(shape: Shape) -> Figure:
     q4 = query[:, :, None, :]
 
     def ours() -> torch.Tensor:
-        return cuda.decode_attention(query, k_cache, v_cache, tables, lens, scale)
+        return gpu.decode_attention(query, k_cache, v_cache, tables, lens, scale)
 
     def baseline() -> torch.Tensor:
         return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)[:, :, 0]
@@ -204,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench {NAME}: skipped (no CUDA device)")
         return 0
     try:
-        import cupy  # noqa: F401  (the kernels' only extra dependency)
+        import triton  # noqa: F401  (the kernels' only extra dependency)
     except ImportError:
-        print(f"bench {NAME}: skipped (cupy is not installed)")
+        print(f"bench {NAME}: skipped (triton is not installed)")
         return 0
     try:
         return run_main(args, run)

@@ -1,8 +1,9 @@
-"""The engine on a GPU (marked `gpu`, skipped without CUDA): with the CUDA kernels picked by
-ops_for, float32 greedy tokens equal the CPU reference run's (itself checked against
-transformers), through chunked prefill, prefix caching and copy-on-write forks; bfloat16 runs
-and agrees on the first tokens; the store connector stages a CUDA cache's blocks through pinned
-host memory, out to a real daemon and back, bit-exact. No transformers needed."""
+"""The engine on a GPU (marked `gpu`, skipped without CUDA): with the kernels ops_for picks there
+(the Triton ones, kernels/gpu.py, checked first), float32 greedy tokens equal the CPU
+reference run's (itself checked against transformers), through chunked prefill, prefix
+caching and copy-on-write forks; bfloat16 runs and agrees on the first tokens; the store
+connector stages a CUDA cache's blocks through pinned host memory (torch's, no cupy), out to
+a real daemon and back, bit-exact. No transformers needed."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def _run(path: Path, device: str, dtype: str = "float32", n: int = 1) -> list[li
     outs = llm.generate(_prompts(), params)
     outs += llm.generate(_prompts()[3:], params)  # prefix-cache hits this time
     return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_the_engine_on_cuda_runs_the_triton_kernels() -> None:
+    """Else the tests below would compare the reference with itself, and pass."""
+    from kvstore.kernels import _OPS, gpu
+
+    _OPS.clear()
+    assert ops_for("cuda") is gpu
 
 
 def test_cuda_float32_matches_the_cpu_reference(tmp_path: Path) -> None:
