@@ -54,8 +54,8 @@ DECODE_TILE_ELEMENTS = 4096
 # Tokens of context one decode program reads (rounded to whole tiles): 512, as vLLM's paged
 # attention v2 partitions, is 16 tiles at head_dim 128. Fewer would multiply the partial
 # results (head_dim + 2 floats per split, against 512 x head_dim x 2 elements of K/V read);
-# more would leave the device idle for a few long sequences (32 heads x 1 sequence x 8k
-# tokens is 512 programs at 512 tokens a split, 4 waves of an H100's 132 SMs).
+# more would leave the device idle for a few long sequences (1 sequence of 8k tokens x 32
+# heads is 512 programs at 512 tokens a split: about 4 for each of an H100's 132 SMs).
 DECODE_SPLIT_TOKENS = 512
 # Splits the merge kernel reads at once: 16 x head_dim 256 floats stay in registers.
 MERGE_CHUNK_SPLITS = 16
@@ -192,7 +192,8 @@ def _write_kernel(k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, slots_ptr,
     slot = tl.load(slots_ptr + token)
     elements = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     keep = (elements < row_elements) & (slot >= 0)
-    heads, dims = elements // head_dim, elements % head_dim
+    heads = elements // head_dim
+    dims = elements % head_dim
     key = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims,
                   mask=keep)
     value = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims,

@@ -20,9 +20,9 @@ requirement that destinations be distinct and not sources is a GPU-only hazard).
 bfloat16 as raw uint16 and supports only conversions of it, which is all these kernels do
 with it (every load is converted to float32 before arithmetic; copies move raw bits):
 bfloat16 arithmetic or a bfloat16 tl.dot gives garbage here (it multiplies the uint16 bit
-patterns) while it is right on the GPU, so the kernels do neither. And Triton 3.6's interpreter fails on a loop bound read from memory
-under numpy 2 (`int()` of a one-element array), which is why the decode loop has a fixed
-trip count.
+patterns) while it is right on the GPU, so the kernels do neither. And Triton 3.6's
+interpreter fails on a loop bound read from memory under numpy 2 (`int()` of a one-element
+array), which is why the decode loop has a fixed trip count.
 """
 
 from __future__ import annotations
