@@ -56,7 +56,7 @@ IMAGE = frozenset({
     "numpy", "pyyaml", "rich", "xxhash", "prometheus-client", "typing-extensions",
     "packaging", "requests", "tqdm",
     # engine and GPU
-    "torch", "cupy-cuda13x", "cuda-toolkit", "cuda-pathfinder", "nvidia-cufile",
+    "torch", "triton", "cupy-cuda13x", "cuda-toolkit", "cuda-pathfinder", "nvidia-cufile",
     "safetensors", "tokenizers", "jinja2", "markupsafe",
     # tests: the image's own stack (pytest, what it and hypothesis need, pytest-timeout for
     # per-test limits), never shadowed by carried copies
@@ -86,7 +86,8 @@ CARRY = {
 PREFLIGHT_IMPORTS = (
     "grpc", "google.protobuf", "kvstore.proto.kvstore.v1.kvstore_pb2_grpc", "kvstore.tools.testing",
     "kvstore.client", "kvstore.daemon.server", "kvstore.tiers.hbm", "kvstore.tiers.dram",
-    "kvstore.tiers.nvme", "kvstore.kernels.cuda", "kvstore.engine.llm",
+    "kvstore.tiers.nvme", "triton", "kvstore.kernels.gpu", "kvstore.integrations.device_copies",
+    "kvstore.engine.llm",
 )
 
 # Every test file with a test marked `gpu` (the unit test checks this against the suite).
@@ -94,7 +95,8 @@ GPU_TEST_FILES = (
     "tests/integration/test_gpu_pinned.py",
     "tests/integration/test_hbm.py",
     "tests/integration/test_tier_contract.py",
-    "tests/integration/test_cuda_kernels.py",
+    "tests/integration/test_gpu_kernels.py",
+    "tests/integration/test_device_copies_cuda.py",
     "tests/integration/test_engine_cuda.py",
 )
 
@@ -181,7 +183,7 @@ def preflight(gpu: bool) -> int:
     Returns 0, or 2 with one 'preflight: FAIL ...' line per problem."""
     problems = []
     print(f"preflight: python {sys.version.split()[0]} at {sys.executable}")
-    for module in ("torch", "cupy", "grpc", "google.protobuf", "kvikio", "numpy"):
+    for module in ("torch", "triton", "cupy", "grpc", "google.protobuf", "kvikio", "numpy"):
         print(f"preflight: {module} {_version(module)}")
     try:
         import torch
