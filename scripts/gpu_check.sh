@@ -2,21 +2,30 @@
 # `make gpu-check` (or `bash scripts/gpu_check.sh`): the tests marked `gpu` and the GPU
 # benchmarks, as one script for a lent, offline GPU machine.
 #
-# Stages, each under its own time limit, each reported in the summary:
+# Stages, each under its own time limit, each reported in the summary (the figures file):
 #   setup     install the carried wheels (.whl/, from `make gpu-wheels`) into /tmp/kvstore-site,
 #             put it first on PYTHONPATH, install this tree editable        (<= 60 s)
-#   preflight versions of torch, CUDA, cupy, grpcio, protobuf, kvikio; the imports every later
-#             stage needs; stops the run with the reason when one fails   (<= 60 s)
-#   pytest    the GPU test files (scripts/gpu_env.py test-files), -m gpu, 60 s a test (<= 150 s)
-#   gpu_bench l2_pinned_h2d, l2_to_l1, kvikio_read                         (<= 60 s)
-#   kernels   decode_kernel vs SDPA                                        (<= 45 s)
-# About 2 minutes when all goes well. The whole run also has a budget, GPU_CHECK_BUDGET_S
-# (default 230 s): each stage's limit is cut to what is left of it, so a run never takes more
-# than ~4 minutes of device time and a second try fits in a 15-minute lease.
+#   preflight versions of torch, Triton, CUDA, cupy, grpcio, protobuf, kvikio; the imports
+#             every later stage needs; stops the run with the reason when one fails   (<= 60 s)
+#   kernels   the Triton kernels against the torch reference on CUDA
+#             (tests/integration/test_gpu_kernels.py)                       (<= 75 s)
+#   ordering  device copies on real streams and events
+#             (tests/integration/test_device_copies_cuda.py)                (<= 30 s)
+#   engine    the engine end to end on CUDA (tests/integration/test_engine_cuda.py)  (<= 45 s)
+#   tiers     L1 HBM, the pinned L2 segment, the tier contract on CUDA      (<= 60 s)
+#   gpu_bench l2_pinned_h2d, l2_to_l1, kvikio_read                         (<= 45 s)
+#   kernel_bench  decode_kernel (Triton) vs torch SDPA over gathered blocks (<= 45 s)
+# The pytest stages are the files of scripts/gpu_env.py GPU_TEST_FILES, -m gpu, 60 s a test.
+# The first Triton launch of each kernel variant compiles it (seconds), hence kernels first:
+# the later stages find those variants in Triton's cache. The whole run has a budget,
+# GPU_CHECK_BUDGET_S (default 230 s): each stage's limit is cut to what is left of it, so a run
+# never takes more than ~4 minutes of device time and a second try fits in a 15-minute lease;
+# a stage the budget did not reach is reported "not run".
 #
 # Files under $OUT (./gpu-check-out when OUT is unset), written unbuffered as the run goes, so
-# a killed run keeps what it had: gpu-check.txt (the summary: stage statuses and every `bench`
-# line), setup.log, pytest.log, bench.log, gpu_bench.json, kernel_bench.json.
+# a killed run keeps what it had: gpu-check.txt (the summary: stage statuses, every `bench`
+# line and the tests' outcomes), setup.log, pytest-<stage>.log, bench.log, gpu_bench.json,
+# kernel_bench.json.
 # Exits 0 only when every stage passed.
 #
 # GPU_CHECK_WHEELS names another wheel folder (default .whl); GPU_CHECK_INSTALL=0 skips the
@@ -34,12 +43,19 @@ budget_end=$((SECONDS + ${GPU_CHECK_BUDGET_S:-230}))
 # limit N: N seconds, or what is left of the run's budget when that is less (at least 1).
 limit() { local left=$((budget_end - SECONDS)); ((left < 1)) && left=1; echo $((left < $1 ? left : $1)); }
 declare -A status=()
+stages=(setup preflight kernels ordering engine tiers gpu_bench kernel_bench)
 say() { echo "$*" | tee -a "$summary"; }
+# budget_left NAME: true when at least 5 s of the run's budget remain; else NAME is "not run".
+budget_left() {
+  ((budget_end - SECONDS >= 5)) && return 0
+  say "== $1: not run, the run's ${GPU_CHECK_BUDGET_S:-230} s budget is spent"
+  return 1
+}
 
 finish() {
   say "== summary"
   local failed=0 stage
-  for stage in setup preflight pytest gpu_bench kernels; do
+  for stage in "${stages[@]}"; do
     local rc=${status[$stage]:-not run}
     case $rc in
       0) say "   $stage: ok" ;;
@@ -49,8 +65,12 @@ finish() {
     esac
   done
   grep -h '^bench ' "$out/bench.log" 2>/dev/null | tee -a "$summary"
-  grep -hE '^(FAILED|ERROR) |passed|failed' "$out/pytest.log" 2>/dev/null | tail -n 30 \
-    | tee -a "$summary"
+  local log
+  for log in "$out"/pytest-*.log; do
+    [ -f "$log" ] || continue
+    grep -hE '^(FAILED|ERROR) |passed|failed|skipped' "$log" | tail -n 12 \
+      | sed "s|^|$(basename "$log" .log): |" | tee -a "$summary"
+  done
   exit "$failed"
 }
 
@@ -84,21 +104,42 @@ timeout "$(limit 60)" "$py" scripts/gpu_env.py preflight 2>&1 | tee -a "$out/set
 status[preflight]=${PIPESTATUS[0]}
 [ "${status[preflight]}" -eq 0 ] || finish
 
-say "== pytest -m gpu (log: pytest.log)"
-mapfile -t files < <("$py" scripts/gpu_env.py test-files)
 per_test=()
 "$py" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=60)
-timeout -k 5 "$(limit 150)" "$py" -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=10 \
-  --continue-on-collection-errors "${per_test[@]}" "${files[@]}" >"$out/pytest.log" 2>&1
-status[pytest]=$?
+# pytest_stage NAME LIMIT FILE...: the files' gpu tests, their log in pytest-NAME.log.
+pytest_stage() {
+  local name=$1 seconds=$2
+  shift 2
+  budget_left "$name" || return 0
+  say "== $name: pytest -m gpu $* (log: pytest-$name.log)"
+  timeout -k 5 "$(limit "$seconds")" "$py" -m pytest -m gpu -v -rfEs -p no:cacheprovider \
+    --durations=5 "${per_test[@]}" "$@" >"$out/pytest-$name.log" 2>&1
+  status[$name]=$?
+}
+mapfile -t files < <("$py" scripts/gpu_env.py test-files)
+tier_files=()
+for f in "${files[@]}"; do
+  case $f in
+    */test_gpu_kernels.py|*/test_device_copies_cuda.py|*/test_engine_cuda.py) ;;
+    *) tier_files+=("$f") ;;
+  esac
+done
+pytest_stage kernels 75 tests/integration/test_gpu_kernels.py
+pytest_stage ordering 30 tests/integration/test_device_copies_cuda.py
+pytest_stage engine 45 tests/integration/test_engine_cuda.py
+pytest_stage tiers 60 "${tier_files[@]}"
 
-say "== bench/gpu_bench.py (log: bench.log)"
-timeout -k 5 "$(limit 60)" "$py" bench/gpu_bench.py --moved-bytes $((1 << 30)) --repeats 5 --json \
+budget_left gpu_bench && {
+say "== gpu_bench: bench/gpu_bench.py (log: bench.log)"
+timeout -k 5 "$(limit 45)" "$py" bench/gpu_bench.py --moved-bytes $((1 << 30)) --repeats 5 --json \
   >>"$out/bench.log" 2>&1
 status[gpu_bench]=$?
 grep '^{' "$out/bench.log" | tail -n 1 >"$out/gpu_bench.json"
+}
 
-say "== bench/kernel_bench.py"
+budget_left kernel_bench && {
+say "== kernel_bench: bench/kernel_bench.py (log: bench.log)"
 timeout -k 5 "$(limit 45)" "$py" bench/kernel_bench.py --json "$out/kernel_bench.json" >>"$out/bench.log" 2>&1
-status[kernels]=$?
+status[kernel_bench]=$?
+}
 finish

@@ -197,8 +197,9 @@ def test_gpu_check_stops_at_a_failed_preflight_and_says_so(tmp_path: Path) -> No
     assert r.returncode == 1, r.stdout + r.stderr
     summary = (tmp_path / "gpu-check.txt").read_text()
     assert "preflight: FAIL torch sees no CUDA device" in summary
-    for line in ("setup: ok", "preflight: FAILED (exit 2)", "pytest: not run",
-                 "gpu_bench: not run", "kernels: not run"):
+    for line in ("setup: ok", "preflight: FAILED (exit 2)", "kernels: not run",
+                 "ordering: not run", "engine: not run", "tiers: not run",
+                 "gpu_bench: not run", "kernel_bench: not run"):
         assert f"   {line}\n" in summary, summary
     assert "run 'make gpu-wheels'" in (tmp_path / "setup.log").read_text()
     assert summary in r.stdout.replace("\r", "")  # what the device tool's tail shows
