@@ -11,9 +11,14 @@ kvstore.integrations.cost), unless the policy says always or never.
 
 The store-facing half (lookups, loads, the offload queue, the fail-safe) is
 `kvstore.integrations.link.StoreLink`, shared with the vLLM connector; this module adds the
-tensors: a staging buffer (pinned when the cache is on a GPU) and the kernels' gather and
-scatter. The store is an accelerator, never a dependency of correctness: any store error turns
-the link off (logged once), the engine keeps serving by recomputing, and the link turns itself
+tensors: staging buffers (pinned when the cache is on a GPU) and the kernels' gather and
+scatter, run through `kvstore.integrations.device_copies` in its stated order: a load's copy
+into the cache runs on a copy stream and is reported (`poll`) only once its event completed; an
+offload's copy out of the cache waits for the forward pass that wrote the blocks, and the link's
+writer reads the rows only once that copy completed. On the CPU every copy runs at once.
+
+The store is an accelerator, never a dependency of correctness: any store error turns the link
+off (logged once), the engine keeps serving by recomputing, and the link turns itself
 back on once the daemon answers again. Blocks that fail to load are recomputed from the first
 failure on.
 
@@ -45,6 +50,7 @@ from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.scheduler import LoadPlan, LookupPlan
 from kvstore.engine.sequence import StoreAnswer
 from kvstore.integrations.cost import POLICIES, PrefillModel, decide, slowest
+from kvstore.integrations.device_copies import DONE, DeviceCopies, Event, copies_for
 from kvstore.integrations.link import ConnectorStats, Hit, StoreLink
 from kvstore.kernels import KernelOps
 from kvstore.kernels.reference import staging_shape
@@ -71,10 +77,27 @@ class Loaded:
     arrived: int
 
 
+@dataclass(frozen=True)
+class _Landing:
+    """A load whose blocks were read and whose copy into the cache is enqueued: reported as
+    `loaded` once `event` completed."""
+
+    loaded: Loaded
+    event: Event
+
+
 def _byte_rows(staging: torch.Tensor) -> list[np.ndarray]:
     """One writable uint8 numpy view per staged block (bfloat16 has no numpy dtype)."""
     flat = staging.reshape(staging.shape[0], -1).view(torch.uint8)
     return [row.numpy() for row in flat]
+
+
+def _device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Block ids on the cache's device. On a GPU they go through pinned memory: a copy from
+    pageable memory may wait for the stream's earlier work, which on the copy stream is the
+    forward pass a save waits for, and this runs on the step loop."""
+    ids = torch.tensor(list(block_ids), dtype=torch.int64, pin_memory=device.type == "cuda")
+    return ids.to(device, non_blocking=True)
 
 
 class StoreConnector:
@@ -95,10 +118,13 @@ class StoreConnector:
         load_policy: str = "auto",
         prefill: PrefillModel | None = None,
         step_tokens: int = 2048,
+        copies: DeviceCopies | None = None,
     ) -> None:
         """load_policy: "auto" (load a hit when that is faster than computing it), "always",
         "never"; prefill: the engine's own step timings (it observes every forward pass);
-        step_tokens: most tokens one step computes (the scheduler's budget)."""
+        step_tokens: most tokens one step computes (the scheduler's budget); copies: how
+        copies reach the cache's device (default: `copies_for` its device; tests give a
+        simulated device)."""
         if load_policy not in POLICIES:
             raise InvalidRequestError(
                 f"store_load_policy must be one of {POLICIES}, got {load_policy!r}")
@@ -110,7 +136,10 @@ class StoreConnector:
         self.prefill = prefill or PrefillModel()
         self.step_tokens = step_tokens
         self.block_bytes = int(np.prod(staging_shape(kv_cache, 1))) * kv_cache.element_size()
-        self._events: queue.SimpleQueue[Looked | Loaded] = queue.SimpleQueue()
+        self.copies = copies or copies_for(kv_cache.device)
+        self._row_shape = staging_shape(kv_cache, 1)[1:]
+        self._events: queue.SimpleQueue[Looked | _Landing] = queue.SimpleQueue()
+        self._landing: list[_Landing] = []  # loads whose copy may still be in flight
         try:
             self.link = StoreLink(target, namespace, block_size, timeout_s=timeout_s,
                                   reconnect_s=reconnect_s,
@@ -146,55 +175,102 @@ class StoreConnector:
                            slowest(hit.tiers[: choice.load_blocks]))
 
     def start_load(self, plan: LoadPlan, tier: str = "") -> None:
-        """Read plan.keys into plan.block_ids of the KV cache on a loader thread (staged,
-        then scattered there); comes back as a Loaded event with the blocks that arrived."""
-        staging = self._staging(len(plan.keys))
+        """Read plan.keys into plan.block_ids of the KV cache: a loader thread reads them into
+        staging and enqueues the copy into the cache; `poll` reports a Loaded event with the
+        blocks that arrived once that copy completed."""
+        staging = self.copies.take(len(plan.keys), self._row_shape, self.kv_cache.dtype)
 
         def done(arrived: int) -> None:
+            event: Event = DONE
             try:
                 if arrived:
-                    ids = torch.tensor(plan.block_ids[:arrived], dtype=torch.int64)
-                    self.ops.scatter_blocks(staging[:arrived], self.kv_cache,
-                                            ids.to(self.kv_cache.device))
+                    rows, ids = staging[:arrived], plan.block_ids[:arrived]
+                    event = self.copies.load(staging, lambda: self._place(rows, ids))
             except Exception:  # blocks that cannot be placed are blocks to compute
                 logger.exception("kvstore: placing %d loaded blocks failed", arrived)
                 arrived = 0
-            self._events.put(Loaded(plan, arrived))
+            if event is DONE:
+                self.copies.give_back(staging, DONE)
+            self._events.put(_Landing(Loaded(plan, arrived), event))
 
         self.link.read_async(plan.keys, _byte_rows(staging), done, tier=tier)
 
-    def poll(self, timeout_s: float = 0.0) -> list[Looked | Loaded]:
-        """The lookups and loads that came back; waits up to timeout_s for the first."""
-        events: list[Looked | Loaded] = []
-        try:
-            events.append(self._events.get(timeout=timeout_s) if timeout_s > 0
-                          else self._events.get_nowait())
-        except queue.Empty:
-            return events
-        while True:
-            try:
-                events.append(self._events.get_nowait())
-            except queue.Empty:
-                return events
+    def _place(self, rows: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Staged rows into the cache's blocks (on the copy stream): the host-to-device copy
+        does not wait for the host (rows are pinned on a GPU), then the kernels' scatter."""
+        device = self.kv_cache.device
+        self.ops.scatter_blocks(rows.to(device, non_blocking=True), self.kv_cache,
+                                _device_ids(block_ids, device))
 
-    def _staging(self, count: int) -> torch.Tensor:
-        pin = self.kv_cache.device.type == "cuda"
-        return torch.empty(staging_shape(self.kv_cache, count), dtype=self.kv_cache.dtype,
-                           pin_memory=pin)
+    def poll(self, timeout_s: float = 0.0) -> list[Looked | Loaded]:
+        """The lookups and loads that came back (a load once its copy into the cache has
+        completed, asked without waiting); waits up to timeout_s for the first. A step loop
+        that waits here is idle: when only loads whose copy is in flight are left, it waits
+        for the oldest one's event (that copy alone, never the whole device)."""
+        events: list[Looked | Loaded] = []
+        self._drain(events, 0.0)
+        if timeout_s > 0 and not events and not self._landed():
+            if not self._landing:
+                self._drain(events, timeout_s)
+            if not events and self._landing and not self._landed():
+                self._landing[0].event.synchronize()
+        landed = [landing for landing in self._landing if landing.event.query()]
+        if landed:
+            self._landing = [landing for landing in self._landing if landing not in landed]
+            events.extend(landing.loaded for landing in landed)
+        return events
+
+    def _landed(self) -> bool:
+        """Whether a load's copy into the cache has completed (asked, never waited for)."""
+        return any(landing.event.query() for landing in self._landing)
+
+    def _drain(self, events: list[Looked | Loaded], timeout_s: float) -> None:
+        """Take what came back from the loader threads: lookups into events, loads into
+        _landing; waits up to timeout_s for the first."""
+        try:
+            item: Looked | _Landing | None = (self._events.get(timeout=timeout_s)
+                                              if timeout_s > 0 else self._events.get_nowait())
+        except queue.Empty:
+            return
+        while item is not None:
+            if isinstance(item, _Landing):
+                self._landing.append(item)
+            else:
+                events.append(item)
+            try:
+                item = self._events.get_nowait()
+            except queue.Empty:
+                item = None
 
     # -- offload and swap-out -------------------------------------------------------------
     def offload(self, keys: Sequence[BlockKey], block_ids: Sequence[int],
                 parent: BlockKey | None) -> bool:
-        """Copy the blocks out of the KV cache now (so the cache may reuse them at once) and
-        put them in the background. False when they were dropped (store off, queue full)."""
+        """Copy the blocks out of the KV cache (after the forward pass enqueued so far; the
+        next one waits for the copy, so the cache may reuse the blocks at once) and put them
+        in the background. False when they were dropped (store off, queue full)."""
         if not keys:
             return True
         if not self.link.available:
             return self.link.offload(keys, [], parent)  # counted as dropped
-        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.kv_cache.device)
         staging = self._staging(len(keys))
-        self.ops.gather_blocks(self.kv_cache, ids, out=staging)
-        return self.link.offload(keys, _byte_rows(staging), parent)
+        ids = list(block_ids)
+        event = self.copies.save(lambda: self._fill(staging, ids), staging)
+        return self.link.offload(keys, _byte_rows(staging), parent, ready=event.synchronize)
+
+    def _staging(self, count: int) -> torch.Tensor:
+        """A save's staging: the link's writer holds it until it has put the rows (pinned when
+        the cache is on a GPU)."""
+        return self.copies.staging(count, self._row_shape, self.kv_cache.dtype)
+
+    def _fill(self, staging: torch.Tensor, block_ids: list[int]) -> None:
+        """The cache's blocks into staging (on the copy stream): gathered on the cache's
+        device, then one copy to the host that does not wait for it (staging is pinned on a
+        GPU); on the CPU, gathered straight into staging."""
+        ids = _device_ids(block_ids, self.kv_cache.device)
+        if staging.device == self.kv_cache.device:
+            self.ops.gather_blocks(self.kv_cache, ids, out=staging)
+        else:
+            staging.copy_(self.ops.gather_blocks(self.kv_cache, ids), non_blocking=True)
 
     def swap_out(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> bool:
         """A preempted sequence's full blocks, before its block ids are reused."""

@@ -14,9 +14,11 @@
   here: every whole load, end to end, by the slowest tier it read from; the Lookup round trip;
   and, every few seconds while lookups come, the daemon's per-tier read figures (Stats). The
   connectors decide from it whether loading a hit beats computing it.
-- Offload: `offload` takes rows the caller already copied out of its KV cache (so the cache may
-  reuse the blocks at once) and puts them from a writer thread; while queued they are readable
-  by loads and lookups of this link.
+- Offload: `offload` takes rows the caller copied (or is copying) out of its KV cache (so the
+  cache may reuse the blocks at once) and puts them from a writer thread; while queued they are
+  readable by loads and lookups of this link. Rows filled by a device copy still in flight come
+  with `ready`, which waits for that copy (`device_copies`): the writer, and loads that read
+  queued rows, call it before they read, off the step loop.
 - Sharing: `shared_link` gives one process one link per daemon, namespace and options, so a
   scheduler and a worker in one process share its channel and its fail-safe state.
 - Fail-safe: the store is an accelerator, never a dependency of correctness. Any store error
@@ -90,11 +92,16 @@ class Hit:
 _MISS = Hit(0, [])
 
 
+def _filled() -> None:
+    """The `ready` of rows that are already filled."""
+
+
 @dataclass
 class _Batch:
     keys: list[BlockKey]
     rows: list[np.ndarray]
     parent: BlockKey | None
+    ready: Callable[[], object] = _filled
 
 
 class StoreLink:
@@ -125,7 +132,8 @@ class StoreLink:
         self._closing = threading.Event()
         self._reconnect_s = reconnect_s
         self._lock = threading.Lock()
-        self._pending: dict[BlockKey, np.ndarray] = {}  # offloads in flight, readable by loads
+        # Offloads in flight, readable by loads once their rows are ready.
+        self._pending: dict[BlockKey, tuple[np.ndarray, Callable[[], object]]] = {}
         self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=max_pending_batches)
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload", daemon=True)
         self._writer.start()
@@ -303,31 +311,39 @@ class StoreLink:
         return self._loader.submit(run)
 
     def _from_pending(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray]) -> int:
+        """Copy the leading keys still queued for offload into rows; how many. Each queued
+        row is read only after its copy out of the device completed (its `ready`), waited for
+        outside the lock, so the step loop's offloads never wait on a device copy."""
         with self._lock:
-            count = 0
+            found: list[tuple[np.ndarray, Callable[[], object]]] = []
             for key, row in zip(keys, rows, strict=True):
-                data = self._pending.get(key)
-                if data is None or data.nbytes != row.nbytes:
+                queued = self._pending.get(key)
+                if queued is None or queued[0].nbytes != row.nbytes:
                     break
-                row[:] = data
-                count += 1
-        return count
+                found.append(queued)
+        for ready in {id(ready): ready for _, ready in found}.values():
+            ready()
+        for (data, _), row in zip(found, rows, strict=False):
+            row[:] = data
+        return len(found)
 
     # -- offload --------------------------------------------------------------------------
     def offload(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray],
-                parent: BlockKey | None) -> bool:
+                parent: BlockKey | None, ready: Callable[[], object] = _filled) -> bool:
         """Put rows (copies the caller owns no more) under keys in the background; parent is
-        the key before keys[0] in its chain. False when they were dropped (link off, queue
-        full): a dropped offload is a future miss, never an error."""
+        the key before keys[0] in its chain; ready: waits until the rows are filled (a device
+        copy into them may still be in flight), called before anything here reads them. False
+        when they were dropped (link off, queue full): a dropped offload is a future miss,
+        never an error."""
         if not keys:
             return True
         if not self.available:
             self._count(offload_dropped_blocks=len(keys))
             return False
-        batch = _Batch(list(keys), list(rows), parent)
+        batch = _Batch(list(keys), list(rows), parent, ready)
         with self._lock:
             for key, row in zip(keys, rows, strict=True):
-                self._pending[key] = row
+                self._pending[key] = (row, ready)
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
@@ -352,6 +368,7 @@ class StoreLink:
             keys = batch.keys
             try:
                 if self.available:
+                    batch.ready()  # the device copy into the rows has completed
                     self.client.put(keys, batch.rows, parent=batch.parent)
                     self._count(offloaded_blocks=len(keys),
                                 offloaded_bytes=sum(r.nbytes for r in batch.rows))
@@ -360,6 +377,9 @@ class StoreLink:
             except KVStoreError as exc:
                 self._count(offload_dropped_blocks=len(keys))
                 self._failed("Put", exc)
+            except Exception:  # a failed device copy: these blocks are dropped, the writer lives
+                logger.exception("kvstore: offload of %d blocks failed", len(keys))
+                self._count(offload_dropped_blocks=len(keys))
             finally:
                 self._forget_pending(keys)
                 self._queue.task_done()

@@ -4,7 +4,9 @@ block dimension, in whatever layout the attention backend chose.
 One stored block is every layer's slice of one engine block, layer after layer, each slice in
 its tensor's own element order with the block dimension taken out (for vLLM's CPU backend a
 layer's slice is [kv_heads, block_size, 2 * head_dim]). `gather` copies blocks out into a
-staging buffer of such rows; `scatter` writes rows back. When the layers are views of one
+staging buffer of such rows; `scatter` writes rows back. Neither orders itself against the
+forward pass: the worker runs both through `device_copies`, on its copy stream. When the layers
+are views of one
 buffer with the block outermost (a cross-layer layout), a block's rows already lie contiguous
 in the cache: `direct_rows` gives views of them, so loads read straight into the cache with no
 staging and no scatter.
@@ -84,16 +86,28 @@ class PagedKV:
             self._base + b * self.block_bytes)) for b in block_ids]
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        """Block ids on the cache's device. On a GPU they go through pinned memory: a copy
+        from pageable memory may wait for the stream's earlier work (on the copy stream, the
+        forward pass a save waits for), and saves are enqueued from the step loop."""
+        pin = self.device.type == "cuda"
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, pin_memory=pin)
+        return ids.to(self.device, non_blocking=True)
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A staging copy of the blocks, one row each (on the host)."""
-        out = self.staging(len(block_ids))
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A staging copy of the blocks, one row each, on the host: into `out` (len(block_ids)
+        rows of block_bytes) when given. On a GPU the rows are gathered on the device and
+        copied to the host in one copy that does not wait for it (out is pinned): the caller
+        orders it (`device_copies`)."""
+        out = self.staging(len(block_ids)) if out is None else out
         ids = self._ids(block_ids)
+        rows = out if self.device == out.device else torch.empty(
+            out.shape, dtype=torch.uint8, device=self.device)
         for t, d, off, size in zip(self.tensors, self.dims, self.offsets, self.layer_bytes,
                                    strict=True):
             part = t.index_select(d, ids).movedim(d, 0).reshape(len(block_ids), -1)
-            out[:, off:off + size].copy_(part.view(torch.uint8))
+            rows[:, off:off + size].copy_(part.view(torch.uint8))
+        if rows is not out:
+            out.copy_(rows, non_blocking=True)
         return out
 
     def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:

@@ -3,11 +3,13 @@ tensor-parallel rank). It owns:
 
 - the paged KV tensors vLLM registers (`PagedKV`);
 - loads: a load reads its blocks on one of the link's loader threads into a staging buffer and
-  scatters them into the cache, or reads them straight into the cache when a block's layers
-  lie next to each other in one buffer. The blocks that did not arrive are reported, and vLLM
-  recomputes them;
-- saves: after the forward pass the blocks it filled are copied out, and the link's writer
-  thread puts them, so vLLM may reuse the blocks at once;
+  enqueues their copy into the cache, or reads them straight into the cache when a block's
+  layers lie next to each other in one buffer (on the CPU). A load is reported finished only
+  once its copy completed (`device_copies`: its event, asked without waiting). The blocks that
+  did not arrive are reported with it, and vLLM recomputes them;
+- saves: after the forward pass the blocks it filled are copied out on the copy stream (after
+  that forward pass; the next one waits for the copy, so vLLM may reuse the blocks at once),
+  and the link's writer thread puts them once the copy completed;
 - the timings the scheduler side's cost model learns from: each forward pass (on rank 0 only,
   since every rank runs the same steps) and each whole load, reported in its connector stats
   with the link's counters.
@@ -18,8 +20,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from kvstore.integrations.device_copies import DONE, DeviceCopies, Event, copies_for
 from kvstore.integrations.link import StoreLink
 from kvstore.integrations.paged import PagedKV
 from kvstore.integrations.vllm_steps import (
@@ -34,17 +41,39 @@ from kvstore.integrations.vllm_steps import (
 )
 
 if TYPE_CHECKING:
-    import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("kvstore.integrations.vllm")
 
+
+@dataclass(frozen=True)
+class _Landing:
+    """A load whose blocks were read and whose copy into the cache is enqueued: reported
+    finished once `event` completed."""
+
+    req_id: str
+    failed: list[int]
+    event: Event
+
+
+def _gather(paged: PagedKV, block_ids: list[int], staging: torch.Tensor) -> Callable[[], None]:
+    """A save's copy: the blocks into staging."""
+
+    def fill() -> None:
+        paged.gather(block_ids, out=staging)
+
+    return fill
+
+
 class WorkerSide:
     """What one worker's connector does and keeps: its loads, saves and timings."""
 
-    def __init__(self, link: StoreLink, rank: int) -> None:
+    def __init__(self, link: StoreLink, rank: int, copies: DeviceCopies | None = None) -> None:
+        """copies: how copies reach the cache's device (default: `copies_for` the device of
+        the caches registered; tests give a simulated device)."""
         self.link = link
         self.paged: PagedKV | None = None
+        self.copies = copies
         self.origin = load_origin(link)
         """Names this worker's link in the loads it reports (`vllm_steps.load_origin`)."""
         self._rank = rank
@@ -53,7 +82,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._load_done = threading.Condition(self._lock)
         self._loads_in_flight = 0
-        self._finished_loads: set[str] = set()
+        self._landing: list[_Landing] = []  # loads whose copy may still be in flight
         self._load_errors: set[int] = set()
         self._load_times: list[tuple[str, str, int, float]] = []
 
@@ -64,6 +93,8 @@ class WorkerSide:
         names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names
                  if n in kv_caches]
         self.paged = PagedKV([(n, kv_caches[n]) for n in names], kv_cache_config.num_blocks)
+        if self.copies is None:
+            self.copies = copies_for(self.paged.device)
         if self._rank == 0:  # every rank runs the same steps: one reports them
             self._timer = StepTimer(cuda=self.paged.device.type == "cuda")
         logger.info("kvstore: %d layers, %d-byte blocks, %s", len(names),
@@ -76,30 +107,35 @@ class WorkerSide:
             self._timer.start(meta.chunks)
 
     def start_load(self, spec: LoadSpec) -> None:
-        """Start one request's load on a loader thread; `finished` reports it once it is
-        done, and `load_errors` the blocks that did not arrive."""
-        paged = self.paged
-        if paged is None:
+        """Start one request's load on a loader thread; `finished` reports it once its copy
+        into the cache completed, and `load_errors` the blocks that did not arrive."""
+        paged, copies = self.paged, self.copies
+        if paged is None or copies is None:
             raise RuntimeError("KVStoreConnector: a load before register_kv_caches")
-        staging = None if paged.direct else paged.staging(len(spec.keys))
+        staging = (None if paged.direct
+                   else copies.take(len(spec.keys), (paged.block_bytes,), torch.uint8))
         rows = paged.direct_rows(spec.block_ids) if staging is None else paged.rows(staging)
         begun = time.perf_counter()
 
         def done(arrived: int) -> None:
             # From the start of the load to its arrival, as the request waits for it.
             seconds = time.perf_counter() - begun
+            event: Event = DONE
             try:
                 if staging is not None and arrived:
-                    paged.scatter(staging, spec.block_ids[:arrived])
+                    ids = spec.block_ids[:arrived]
+                    event = copies.load(staging, lambda: paged.scatter(staging, ids))
             except Exception:
                 logger.exception("kvstore: scattering %d loaded blocks failed", arrived)
                 arrived = 0
+            if staging is not None and event is DONE:
+                copies.give_back(staging, DONE)
             with self._lock:
                 if spec.tier and arrived == len(spec.keys):
                     self._load_times.append((self.origin, spec.tier,
                                              arrived * paged.block_bytes, seconds))
-                self._load_errors.update(spec.block_ids[arrived:])
-                self._finished_loads.add(spec.req_id)
+                self._landing.append(_Landing(spec.req_id, list(spec.block_ids[arrived:]),
+                                              event))
                 self._loads_in_flight -= 1
                 self._load_done.notify_all()
 
@@ -108,31 +144,44 @@ class WorkerSide:
         self.link.read_async(spec.keys, rows, done, tier=spec.tier)
 
     def save(self, meta: KVStoreMetadata | None) -> None:
-        """After the forward pass (its clock stops): copy the blocks it filled out, and put
-        them from the writer thread."""
+        """After the forward pass (its clock stops): copy the blocks it filled out on the copy
+        stream, after that forward pass, and put them from the writer thread once copied."""
         if self._timer is not None:
             self._timer.stop()
-        if meta is None or self.paged is None:
+        paged, copies = self.paged, self.copies
+        if meta is None or paged is None or copies is None:
             return
         for spec in meta.saves:
             if not self.link.available:
                 self.link.offload(spec.keys, [], spec.parent)  # counted as dropped
                 continue
-            staging = self.paged.gather(spec.block_ids)
-            self.link.offload(spec.keys, self.paged.rows(staging), spec.parent)
+            staging = copies.staging(len(spec.block_ids), (paged.block_bytes,), torch.uint8)
+            event = copies.save(_gather(paged, list(spec.block_ids), staging), staging)
+            self.link.offload(spec.keys, paged.rows(staging), spec.parent,
+                              ready=event.synchronize)
 
     def finished(self, meta: object) -> set[str]:
-        """The requests whose loads landed since the last call."""
+        """The requests whose loads landed (their copy into the cache completed) since the
+        last call."""
         idle = isinstance(meta, KVStoreMetadata) and meta.idle
         with self._lock:
-            if idle and self._loads_in_flight and not self._finished_loads:
+            if idle and self._loads_in_flight and not self._landing:
                 # Nothing to compute until a load lands: wait for it here rather than let
                 # vLLM's loop spin through empty steps, which starves the loader thread of
                 # the GIL (measured: hits 2-5x slower). Bounded, so a request arriving now
                 # is scheduled at most IDLE_WAIT_S late.
                 self._load_done.wait(IDLE_WAIT_S)
-            done, self._finished_loads = self._finished_loads, set()
-        return done
+            landing = list(self._landing)
+        if idle and landing and not any(x.event.query() for x in landing):
+            # Idle, and only copies in flight: wait for the oldest one's event (that copy
+            # alone, never the whole device), off the lock so loader threads go on.
+            landing[0].event.synchronize()
+        landed = [x for x in landing if x.event.query()]
+        with self._lock:
+            self._landing = [x for x in self._landing if x not in landed]
+            for x in landed:
+                self._load_errors.update(x.failed)
+        return {x.req_id for x in landed}
 
     def load_errors(self) -> set[int]:
         """The blocks that failed to load since the last call: vLLM recomputes them."""
