@@ -182,6 +182,7 @@ class StoreConnector:
 
         def done(arrived: int) -> None:
             event: Event = DONE
+            unread = not arrived  # no copy will read the staging: free for the next load now
             try:
                 if arrived:
                     rows, ids = staging[:arrived], plan.block_ids[:arrived]
@@ -189,7 +190,7 @@ class StoreConnector:
             except Exception:  # blocks that cannot be placed are blocks to compute
                 logger.exception("kvstore: placing %d loaded blocks failed", arrived)
                 arrived = 0
-            if event is DONE:
+            if unread:  # (a failed copy's staging is not pooled: part of it may be in flight)
                 self.copies.give_back(staging, DONE)
             self._events.put(_Landing(Loaded(plan, arrived), event))
 

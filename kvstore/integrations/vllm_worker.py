@@ -121,6 +121,7 @@ class WorkerSide:
             # From the start of the load to its arrival, as the request waits for it.
             seconds = time.perf_counter() - begun
             event: Event = DONE
+            unread = not arrived  # no copy will read the staging: free for the next load now
             try:
                 if staging is not None and arrived:
                     ids = spec.block_ids[:arrived]
@@ -128,7 +129,8 @@ class WorkerSide:
             except Exception:
                 logger.exception("kvstore: scattering %d loaded blocks failed", arrived)
                 arrived = 0
-            if staging is not None and event is DONE:
+            if staging is not None and unread:  # (a failed copy's staging is not pooled:
+                # part of that copy may still be in flight)
                 copies.give_back(staging, DONE)
             with self._lock:
                 if spec.tier and arrived == len(spec.keys):

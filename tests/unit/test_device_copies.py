@@ -383,3 +383,24 @@ def test_a_load_waits_for_queued_rows_to_be_ready(daemon: Daemon, ns: str) -> No
         assert link.flush(10.0) and link.stats.offloaded_blocks == 4
     finally:
         link.close()
+
+
+def test_a_load_gives_its_staging_back_once_whether_it_arrived_or_not(daemon: Daemon,
+                                                                      ns: str) -> None:
+    """The immediate connector's loads: each staging buffer goes back to the pool once, so
+    two loads never share one."""
+    keys, want = _store(daemon, ns, seed=9)
+    connector, cache = _connector(daemon, ns)
+    try:
+        for block_ids, load_keys, arrived in (([8, 9, 10, 11], keys, 4),
+                                              ([12, 13, 14, 15], _keys(ns, 10), 0)):
+            connector.start_load(LoadPlan(None, 0, load_keys, block_ids), "dram")
+            [loaded] = _loads(connector, 1)
+            assert loaded.arrived == arrived
+            assert len(connector.copies._pool) == 1
+        assert torch.equal(cache[:, :, 8:12], want)
+        first = connector.copies.take(4, connector._row_shape, cache.dtype)
+        second = connector.copies.take(4, connector._row_shape, cache.dtype)
+        assert first.data_ptr() != second.data_ptr()
+    finally:
+        connector.close()
