@@ -250,28 +250,47 @@ def _interpreted(fn: Any) -> Any:
 
 @contextmanager
 def _interpreter_scope() -> Iterator[None]:
-    """triton.language's own @triton.jit helpers (tl.sum, tl.max, tl.zeros...) interpreted
-    for the duration: Triton interprets them only when TRITON_INTERPRET=1 was set before it
-    was imported, and whoever imported it first (a GPU test, torch) decided that. Every
-    module binding of a helper gets the same wrapper, since the interpreter recognises its
-    fast reductions by identity (tl.standard._sum_combine)."""
+    """triton.language as the interpreter needs it for the duration, and as it was after.
+
+    Its own @triton.jit helpers (tl.sum, tl.max, tl.zeros...) are interpreted: Triton does
+    that only when TRITON_INTERPRET=1 was set before it was imported, and whoever imported
+    it first (a GPU test, torch) decided that. Every module binding of a helper gets the same
+    wrapper, since the interpreter recognises its fast reductions by identity
+    (tl.standard._sum_combine). And every attribute of the language's modules and classes is
+    put back afterwards: the interpreter patches them for each helper call and never
+    restores those patches, after which Triton could no longer compile a kernel in this
+    process."""
     # Imported lazily by the interpreter's argument handling, gluon copies tl's helpers
     # and insists they are compiled ones: it must be imported before the swap.
     import triton.experimental.gluon  # noqa: F401
     from triton.runtime.jit import JITFunction
 
     modules = [tl, tl.core, tl.standard, tl.math]
+    namespaces: list[Any] = [*modules, tl.tensor, tl.dtype, tl.core.tensor_descriptor_base]
     with _INTERPRETER_LOCK:
-        swapped = [(module, name, member) for module in modules
-                   for name, member in list(vars(module).items())
-                   if isinstance(member, JITFunction)]
-        for module, name, member in swapped:
-            setattr(module, name, _interpreted(member))
+        saved = [(space, dict(vars(space))) for space in namespaces]
+        for module in modules:
+            for name, member in list(vars(module).items()):
+                if isinstance(member, JITFunction):
+                    setattr(module, name, _interpreted(member))
         try:
             yield
         finally:
-            for module, name, member in swapped:
-                setattr(module, name, member)
+            for space, before in saved:
+                _restore(space, before)
+
+
+def _restore(space: Any, before: dict[str, Any]) -> None:
+    """Sets every attribute of `space` (a module or class) back to `before`. A class loses
+    what was added to it (the interpreter overrides inherited methods); a module keeps it,
+    since what the interpreter adds to a module is the globals its rewritten helpers run
+    with (and only names the module lacked)."""
+    if isinstance(space, type):
+        for name in [name for name in vars(space) if name not in before]:
+            delattr(space, name)
+    for name, value in before.items():
+        if vars(space).get(name) is not value:
+            setattr(space, name, value)
 
 
 def _launch(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any,

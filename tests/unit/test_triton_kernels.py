@@ -14,6 +14,12 @@ dozen tokens cross tiles and context splits and the merge kernel runs. Copies mu
 bit-exact; attention is compared with the reference in float32 on the same rounded inputs,
 within a tolerance per dtype.
 
+The interpreter runs Python, not what Triton's compiler makes of it: a value carried through
+the decode loop as an int on entry and a float after passes here and fails to compile. So
+every launch the ops make is also compiled, on this CPU, to a cubin for sm_80 and sm_90 by
+the ptxas Triton's wheel carries (test_every_launch_compiles_to_a_cubin): only running the
+binary needs a GPU (tests/integration/test_gpu_kernels.py).
+
 What the interpreter does not cover: it runs each program instance in numpy, so nothing
 here says anything about speed, occupancy or races between programs (copy_blocks'
 requirement that destinations be distinct and not sources is a GPU-only hazard). It keeps
@@ -27,8 +33,16 @@ array), which is why the decode loop has a fixed trip count.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
 
 from kvstore.kernels import gpu
 from kvstore.kernels import reference as ref
@@ -230,3 +244,67 @@ def test_the_interpreted_kernels_are_the_compiled_ones() -> None:
     for kernel in (gpu._decode_kernel, gpu._decode_merge_kernel, gpu._write_kernel,
                    gpu._copy_kernel):
         assert gpu._interpreted(kernel).fn is kernel.fn
+
+
+Launch = tuple[Any, tuple[Any, ...], dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def launches() -> Iterator[list[Launch]]:
+    """(kernel, arguments, constexprs) of every launch that a few small calls of each op
+    make, recorded on the way to the interpreter: the variants CUDA would compile (a float32
+    and a bfloat16 decode, split and not, block size and group 1; the copy kernel with its
+    source ids, its destination ids and both)."""
+    recorded: list[Launch] = []
+    launch = gpu._launch
+
+    def record(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any,
+               **constexprs: Any) -> None:
+        recorded.append((kernel, args, constexprs))
+        launch(kernel, grid, device, *args, **constexprs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gpu, "_launch", record)
+    try:
+        for dtype, block_size, kv_heads in ((torch.float32, 16, 2), (torch.bfloat16, 1, 4)):
+            query, k_cache, v_cache, tables, ctx = decode_case(dtype, 4, kv_heads, 64,
+                                                               block_size, [3, 0], seed=8)
+            gpu.decode_attention(query, k_cache, v_cache, tables, ctx, 0.1)
+            gpu._decode(query, k_cache, v_cache, tables, ctx, 0.1, split_tokens=2,
+                        tile_tokens=2)
+        cache = torch.zeros(1, 2, 4, 2, 2, 64, dtype=torch.bfloat16)
+        gpu.write_cache(torch.ones(2, 2, 64), torch.ones(2, 2, 64), cache[0, 0], cache[0, 1],
+                        torch.tensor([1, -1]))
+        gpu.copy_blocks(cache, [0], [1])
+        gpu.scatter_blocks(gpu.gather_blocks(cache, [2]), cache, [3])
+    finally:
+        mp.undo()
+    yield recorded
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_launch_compiles_to_a_cubin(arch: int, launches: list[Launch],
+                                          tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the interpreter cannot say, whether Triton's compiler takes the kernels (types,
+    values carried through loops and branches, pointer arithmetic), is checked without a GPU:
+    each recorded launch is compiled for sm_80 and sm_90 (A100, H100/H200) down to a cubin by
+    the ptxas Triton's wheel carries, with the argument types and the specialization (an int
+    of 1 becomes a constant) Triton's launcher would give it. An empty cache directory: a
+    binary cached by an earlier run must not hide an error. This also shows that running the
+    interpreter first left the language as the compiler needs it."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    compiled = set()
+    for kernel, args, constexprs in launches:
+        signature = {name: mangle_type(arg, True) for name, arg in zip(kernel.arg_names, args,
+                                                                        strict=False)}
+        constants = {name: arg for name, arg in zip(kernel.arg_names, args, strict=False)
+                     if signature[name] == "constexpr"}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        source = ASTSource(kernel, signature, constexprs={**constants, **constexprs})
+        binary = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        assert binary.asm["cubin"] and ".target sm_" in binary.asm["ptx"]
+        compiled.add(kernel.__name__)
+    assert compiled == {"_decode_kernel", "_decode_merge_kernel", "_write_kernel",
+                        "_copy_kernel"}
+    assert any(tmp_path.iterdir())  # compiled here, not loaded from another run's cache
