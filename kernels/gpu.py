@@ -47,12 +47,15 @@ __all__ = ["copy_blocks", "decode_attention", "gather_blocks", "prefill_attentio
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
-# Elements of K (and as many of V) one decode program holds per tile: 4096 fp32 values are
-# 32 registers a thread for 4 warps, which leaves room for V and the products; the tile is
-# then 32 tokens at head_dim 128 (two blocks of 16) and 16 at head_dim 256.
-DECODE_TILE_ELEMENTS = 4096
+# Elements of K (and as many of V) one decode program holds per tile: 16 tokens at head_dim
+# 128, 32 at 64, and the 16-token floor at 256. ptxas (sm_90, 4 warps, bfloat16) gives the
+# kernel 96 registers a thread at head_dim 64 and 128, 95 at 256, none spilled: 5 programs
+# (20 warps) an SM, each with 2 x 4 KiB of K/V loads in flight. Tiles of 4096 elements took
+# 168-197 registers, 2-3 programs an SM; the kernel is bound by memory, so warps to hide its
+# latency matter more than fewer, longer iterations.
+DECODE_TILE_ELEMENTS = 2048
 # Tokens of context one decode program reads (rounded to whole tiles): 512, as vLLM's paged
-# attention v2 partitions, is 16 tiles at head_dim 128. Fewer would multiply the partial
+# attention v2 partitions, is 32 tiles at head_dim 128. Fewer would multiply the partial
 # results (head_dim + 2 floats per split, against 512 x head_dim x 2 elements of K/V read);
 # more would leave the device idle for a few long sequences (1 sequence of 8k tokens x 32
 # heads is 512 programs at 512 tokens a split: about 4 for each of an H100's 132 SMs).
