@@ -167,7 +167,9 @@ class CudaStreams:
                 if tensor.is_cuda:
                     tensor.record_stream(self.copy)
             op()
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            # blocking: a thread that waits on it (the link's writer, a loader, an idle step
+            # loop) sleeps instead of spinning a core the step loop's thread may need.
+            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             event.record(self.copy)
         return _CudaEvent(event, keep)
 
