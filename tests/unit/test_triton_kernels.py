@@ -45,8 +45,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import mangle_type  # noqa: E402
+from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
 from kvstore.kernels import gpu  # noqa: E402
 from kvstore.kernels import reference as ref  # noqa: E402
@@ -293,19 +294,26 @@ def test_every_launch_compiles_to_a_cubin(arch: int, launches: list[Launch],
     """What the interpreter cannot say, whether Triton's compiler takes the kernels (types,
     values carried through loops and branches, pointer arithmetic), is checked without a GPU:
     each recorded launch is compiled for sm_80 and sm_90 (A100, H100/H200) down to a cubin by
-    the ptxas Triton's wheel carries, with the argument types and the specialization (an int
-    of 1 becomes a constant) Triton's launcher would give it. An empty cache directory: a
+    the ptxas Triton's wheel carries, with the argument types and the specializations (an int
+    of 1 becomes a constant, 16-byte alignment and divisibility) Triton's launcher would give
+    it. An empty cache directory: a
     binary cached by an earlier run must not hide an error. This also shows that running the
     interpreter first left the language as the compiler needs it."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     compiled = set()
     for kernel, args, constexprs in launches:
-        signature = {name: mangle_type(arg, True) for name, arg in zip(kernel.arg_names, args,
-                                                                        strict=False)}
-        constants = {name: arg for name, arg in zip(kernel.arg_names, args, strict=False)
-                     if signature[name] == "constexpr"}
+        signature, constants, attrs = {}, dict(constexprs), {}
+        for index, (name, arg) in enumerate(zip(kernel.arg_names, args, strict=False)):
+            # As Triton's launcher does: each argument's type and specialization key (an int
+            # of 1 becomes a constant; "D" marks a pointer or int divisible by 16).
+            kind, key = native_specialize_impl(CUDABackend, arg, False, True, True)
+            signature[name] = kind
+            if kind == "constexpr":
+                constants[name] = key
+            elif isinstance(key, str):
+                attrs[(index,)] = CUDABackend.parse_attr(key)
         signature.update(dict.fromkeys(constexprs, "constexpr"))
-        source = ASTSource(kernel, signature, constexprs={**constants, **constexprs})
+        source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
         binary = triton.compile(source, target=GPUTarget("cuda", arch, 32))
         assert binary.asm["cubin"] and ".target sm_" in binary.asm["ptx"]
         compiled.add(kernel.__name__)
