@@ -47,15 +47,17 @@ __all__ = ["copy_blocks", "decode_attention", "gather_blocks", "prefill_attentio
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
-# Elements of K (and as many of V) one decode program holds per tile: 16 tokens at head_dim
-# 128, 32 at 64, and the 16-token floor at 256. ptxas (sm_90, 4 warps, bfloat16) gives the
-# kernel 96 registers a thread at head_dim 64 and 128, 95 at 256, none spilled: 5 programs
-# (20 warps) an SM, each with 2 x 4 KiB of K/V loads in flight. Tiles of 4096 elements took
-# 168-197 registers, 2-3 programs an SM; the kernel is bound by memory, so warps to hide its
-# latency matter more than fewer, longer iterations.
-DECODE_TILE_ELEMENTS = 2048
+# Elements of K (and as many of V) one decode program holds per tile: 32 tokens at head_dim
+# 128, 64 at 64, 16 at 256. ptxas -v on the sm_90 cubins (bfloat16, 4 warps, pointers and
+# strides divisible by 16 as Triton specializes them for head_dim 64, 128 and 256): 56
+# registers a thread, nothing spilled (4 bytes in the split variant at 256), so 9 programs
+# (36 warps) an SM, each loading 8 KiB of K and 8 KiB of V a tile; 2048 elements took 48-56
+# registers too, for half the bytes in flight, and 8192 took 80-92. The kernel is bound by
+# memory: bytes in flight per SM are what matter. (Strides Triton cannot prove divisible,
+# head_dim 24 say, take 168 registers at 4096: such models are rare.)
+DECODE_TILE_ELEMENTS = 4096
 # Tokens of context one decode program reads (rounded to whole tiles): 512, as vLLM's paged
-# attention v2 partitions, is 32 tiles at head_dim 128. Fewer would multiply the partial
+# attention v2 partitions, is 16 tiles at head_dim 128. Fewer would multiply the partial
 # results (head_dim + 2 floats per split, against 512 x head_dim x 2 elements of K/V read);
 # more would leave the device idle for a few long sequences (1 sequence of 8k tokens x 32
 # heads is 512 programs at 512 tokens a split: about 4 for each of an H100's 132 SMs).
