@@ -227,6 +227,7 @@ def test_scattered_buffers_both_ways(tier: HbmTier) -> None:
 @pytest.mark.gpu
 @needs_torch_cuda
 def test_buffers_in_a_pinned_l2_segment() -> None:
+    pytest.importorskip("cupy", reason="pinning the L2 segment takes cupy")
     import torch
 
     from kvstore.tiers.dram import DramTier
