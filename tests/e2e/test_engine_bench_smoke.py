@@ -22,5 +22,5 @@ def test_engine_bench_quick_json(bench_run: BenchRun) -> None:
     for line in lines:
         assert line.startswith(("bench ", "#")), f"neither a figure nor an info line: {line!r}"
     report = run.report
-    check_report(report["figures"], printed_figures(lines), {"throughput_4", "ttft_1k_prefix"})
-    assert report["figures"]["ttft_1k_prefix"]["cached_tokens"] == 1024
+    check_report(report["figures"], printed_figures(lines), {"throughput_4", "ttft_256_prefix"})
+    assert report["figures"]["ttft_256_prefix"]["cached_tokens"] == 256
