@@ -3,6 +3,7 @@ tests skip cleanly without CUDA."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import secrets
 from collections.abc import Callable, Iterator
@@ -20,13 +21,11 @@ def _cuda_available() -> bool:
     """A CUDA device that torch or cupy reaches. Torch alone runs the engine's Triton kernels,
     the device copies and L1; the tests that need cupy (pinning the L2 segment) skip on
     their own without it."""
-    try:
+    if importlib.util.find_spec("torch") is not None:  # the engine's extra brings it
         import torch
 
         if torch.cuda.is_available():
             return True
-    except ImportError:  # the daemon's tests run without the engine's torch
-        pass
     try:
         import cupy  # type: ignore[import-not-found]
 
