@@ -33,19 +33,23 @@ log = logging.getLogger(__name__)
 
 
 class KernelOps(Protocol):
-    """What ops_for returns: kernels.reference or kernels.gpu (modules, same signatures)."""
+    """What ops_for returns: kernels.reference or kernels.gpu (modules, same signatures).
+    The attention ops take an optional sliding `window` and `sinks`, with the meaning
+    reference.attendable gives them."""
 
     def write_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
 
     def decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
+                         context_lens: torch.Tensor, scale: float, *,
+                         window: int | None = None, sinks: int = 0) -> torch.Tensor: ...
 
     def prefill_attention(self, query: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, block_tables: torch.Tensor,
                           query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                          scale: float) -> torch.Tensor: ...
+                          scale: float, *, window: int | None = None,
+                          sinks: int = 0) -> torch.Tensor: ...
 
     def gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor | Sequence[int],
                       out: torch.Tensor | None = None) -> torch.Tensor: ...

@@ -18,7 +18,9 @@ torch reference, which is orders of magnitude faster than the interpreter.
   block), with an fp32 online softmax; query head h reads KV head h // group. When the
   longest context has more than one split, a second kernel merges the splits' partial
   results (flash-decoding, as vLLM's paged attention v2), so a few long sequences still
-  fill the device. float32, float16, bfloat16; head_dim <= 256.
+  fill the device. With a sliding window (and sinks), the range walked is the attended
+  positions only (sinks, then the window), so the work and the splits are bounded by the
+  window, and blocks outside it are never read. float32, float16, bfloat16; head_dim <= 256.
 - write_cache, copy_blocks, gather_blocks, scatter_blocks: copies of raw bits (the tensors
   are viewed as integers of the element's width), so they are exact for every dtype, NaNs
   and all.
@@ -40,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import BlockIds, _group_size, _ids, prefill_attention
+from .reference import BlockIds, _group_size, _ids, check_window, prefill_attention
 
 __all__ = ["copy_blocks", "decode_attention", "gather_blocks", "prefill_attention",
            "scatter_blocks", "write_cache"]
@@ -67,6 +69,9 @@ MERGE_CHUNK_SPLITS = 16
 # Elements one copy program moves: 4096 two-byte elements are 8 KiB, a 16-token block of
 # 2 KV heads x 128 dims; a larger block takes several programs along grid axis 2.
 COPY_CHUNK_ELEMENTS = 4096
+# The window the kernel is given for "no window": longer than any context (int32 lengths),
+# so that the window's start, context_len - NO_WINDOW, is below 0 and clamps to 0.
+NO_WINDOW = 2**31 - 1
 # CUDA's limit on grid axes 1 and 2.
 MAX_GRID_YZ = 65535
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -79,16 +84,19 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @triton.jit
 def _decode_kernel(out_ptr, part_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale,
-                   stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
+                   window, sinks, stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
                    stride_cache_block, stride_cache_token, stride_cache_head, stride_table,
                    block_size, group,
                    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, TILE: tl.constexpr,
                    SPLIT_TILES: tl.constexpr, PARTIAL: tl.constexpr):
     """Attention of query head program_id(1) of sequence program_id(0) over context split
-    program_id(2): positions [start, end), the split's SPLIT_TILES tiles of the context
-    [0, context_len). Unless PARTIAL (one split covers every context), the normalized output
-    is stored; if PARTIAL, the split's running max, sum of weights and unnormalized
-    accumulator go to part_ptr for _decode_merge_kernel.
+    program_id(2): indexes [start, end), the split's SPLIT_TILES tiles of the attended
+    positions. Those are the context [0, context_len) when window >= context_len; else the
+    first num_sinks = min(sinks, lo) positions followed by the window [lo, context_len),
+    lo = context_len - window, numbered consecutively: index i reads position i below
+    num_sinks and i - num_sinks + lo from there. Unless PARTIAL (one split covers every
+    context), the normalized output is stored; if PARTIAL, the split's running max, sum of
+    weights and unnormalized accumulator go to part_ptr for _decode_merge_kernel.
 
     The loop runs a fixed SPLIT_TILES times and skips the tiles past `end`: a loop bound
     read from memory cannot be interpreted (Triton 3.6's interpreter takes int() of a
@@ -99,8 +107,11 @@ def _decode_kernel(out_ptr, part_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr,
     split = tl.program_id(2)
     kv_head = head // group
     context_len = tl.load(lens_ptr + seq)
+    lo = tl.maximum(context_len - window, 0)
+    num_sinks = tl.minimum(sinks, lo)
+    attended = num_sinks + context_len - lo
     start = split * (SPLIT_TILES * TILE)
-    end = tl.minimum(context_len, start + SPLIT_TILES * TILE)
+    end = tl.minimum(attended, start + SPLIT_TILES * TILE)
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + dims, mask=dim_ok,
@@ -112,8 +123,9 @@ def _decode_kernel(out_ptr, part_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr,
     for tile in range(SPLIT_TILES):
         tile_start = start + tile * TILE
         if tile_start < end:
-            pos = tile_start + tl.arange(0, TILE)
-            live = pos < end
+            index = tile_start + tl.arange(0, TILE)
+            live = index < end
+            pos = tl.where(index < num_sinks, index, index - num_sinks + lo)
             block = tl.load(tables_ptr + seq * stride_table + pos // block_size, mask=live,
                             other=0).to(tl.int64)
             rows = (block * stride_cache_block + (pos % block_size) * stride_cache_token
@@ -365,20 +377,24 @@ def _check_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """As reference.decode_attention, by the paged decode kernel (no gather of K/V)."""
+                     scale: float, *, window: int | None = None,
+                     sinks: int = 0) -> torch.Tensor:
+    """As reference.decode_attention (window and sinks included), by the paged decode kernel
+    (no gather of K/V; table entries of blocks outside the window and sinks are not read)."""
     return _decode(query, k_cache, v_cache, block_tables, context_lens, scale,
-                   DECODE_SPLIT_TOKENS)
+                   DECODE_SPLIT_TOKENS, window=window, sinks=sinks)
 
 
 def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-            split_tokens: int, tile_tokens: int | None = None) -> torch.Tensor:
+            split_tokens: int, tile_tokens: int | None = None, *,
+            window: int | None = None, sinks: int = 0) -> torch.Tensor:
     """decode_attention with contexts cut into splits of about `split_tokens` tokens (rounded
     to whole tiles of `tile_tokens`, a power of two; None: sized by head_dim). The unit
     tests pass small ones, so that contexts of a few dozen tokens cross tiles and splits."""
     device = _device_of(query, k_cache, v_cache)
     _check_decode(query, k_cache, v_cache, block_tables, context_lens)
+    check_window(window, sinks)
     num_seqs, num_heads, head_dim = query.shape
     block_size = k_cache.shape[1]
     if query.stride(2) != 1:
@@ -394,6 +410,8 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # The table's width bounds every context without reading the lengths (on the device:
     # reading them would wait for the work queued before).
     max_tokens = tables.shape[1] * block_size
+    if window is not None:  # a window attends to at most window + sinks positions
+        max_tokens = min(max_tokens, window + sinks)
     splits = max(1, -(-max_tokens // (split_tiles * tile)))
     if splits > MAX_GRID_YZ:
         raise ValueError(f"block_tables {tuple(tables.shape)} would need {splits} context "
@@ -404,6 +422,7 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            device=device)
     _launch(_decode_kernel, (num_seqs, num_heads, splits), device,
             out, part, query, k_cache, v_cache, tables, lens, float(scale),
+            NO_WINDOW if window is None else window, sinks,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
             block_size, num_heads // k_cache.shape[2],

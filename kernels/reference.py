@@ -60,13 +60,54 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache[blocks, offsets] = value
 
 
+def check_window(window: int | None, sinks: int) -> None:
+    """Raise ValueError for a window that is not a positive int (or None) or negative sinks."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+
+
+def attendable(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None,
+               sinks: int) -> torch.Tensor:
+    """Which keys each query attends to, broadcast over query_pos[:, None] and key_pos[None]:
+    key_pos <= query_pos, and, with a window, key_pos > query_pos - window (the window holds
+    the query itself and the window - 1 positions before it: transformers'
+    `sliding_window_overlay`, `kv_idx > q_idx - sliding_window`, the mask Mistral and Qwen2
+    use) or key_pos < sinks (the attention sinks kept beside the window, StreamingLLM)."""
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        near = key_pos[None, :] > query_pos[:, None] - window
+        if sinks:
+            near |= key_pos[None, :] < sinks
+        mask &= near
+    return mask
+
+
+def attended_blocks(context_len: int, num_new: int, block_size: int,
+                    window: int | None, sinks: int) -> list[int]:
+    """The blocks (indexes into a block table) a step's attention over a context of
+    context_len tokens, num_new of them new, reads: every one without a window; with one,
+    the blocks holding the sinks and those from the first new token's window start on.
+    Blocks between them may have been freed (their table entries are then stale or -1): no
+    kernel reads them."""
+    num_blocks = -(-context_len // block_size)
+    if window is None:
+        return list(range(num_blocks))
+    first = max(0, context_len - num_new - window + 1) // block_size
+    return [*range(min(first, -(-sinks // block_size))), *range(first, num_blocks)]
+
+
 def _gather_padded(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                   lens: torch.Tensor, num_blocks: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lens: torch.Tensor, num_blocks: int, first: torch.Tensor | None = None,
+                   sink_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K and V of every sequence as [num_seqs, num_blocks * block_size, kv_heads, head_dim]
     in one index_select each, and the [num_seqs, num_blocks * block_size] mask of real tokens.
-    Table entries past a sequence's last block may be anything (-1, stale ids): they are
-    replaced by block 0 before gathering and masked out after."""
+    Table entries past a sequence's last block, or between its first `sink_blocks` blocks and
+    its block `first[s]` (blocks that slid out of a window, maybe freed), may be anything (-1,
+    stale ids): they are replaced by block 0 before gathering, and the caller masks those
+    positions out."""
     num_seqs, width = block_tables.shape
     if width < num_blocks:
         raise ValueError(f"block_tables has {width} columns, the longest context needs "
@@ -76,7 +117,10 @@ def _gather_padded(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: t
     table = block_tables[:, :num_blocks].to(device=device, dtype=torch.long)
     used = (lens + block_size - 1) // block_size
     cols = torch.arange(num_blocks, device=device)
-    flat = torch.where(cols < used[:, None], table, 0).reshape(-1)
+    keep = cols < used[:, None]
+    if first is not None:
+        keep &= (cols >= first[:, None]) | (cols < sink_blocks)
+    flat = torch.where(keep, table, 0).reshape(-1)
     padded = (num_seqs, num_blocks * block_size, *k_cache.shape[2:])
     # index_select is several times faster than advanced indexing for this gather on CPU.
     k = torch.index_select(k_cache, 0, flat).view(padded)
@@ -87,13 +131,20 @@ def _gather_padded(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: t
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, *, window: int | None = None,
+                     sinks: int = 0) -> torch.Tensor:
     """One new token per sequence attends to positions 0..context_lens[s]-1 of its cache.
 
     query [num_seqs, num_heads, head_dim]; block_tables int32 [num_seqs, max_blocks];
     context_lens int32 [num_seqs] (the current token is already written). A sequence with
     context_len 0 (a padding row) gets zeros. Returns [num_seqs, num_heads, head_dim].
+
+    With a `window`, the token (at position context_len - 1) attends only to positions
+    context_len - window .. context_len - 1 (`window` tokens, itself included: see
+    `attendable`), plus the first `sinks` positions; table entries of blocks wholly before
+    that are never read (they may be -1).
     """
+    check_window(window, sinks)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = _group_size(num_heads, num_kv_heads)
@@ -101,8 +152,13 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     max_ctx = int(lens.max()) if num_seqs else 0
     if max_ctx <= 0:
         return torch.zeros_like(query)
+    first = None
+    if window is not None:
+        first = (lens - window).clamp(min=0) // block_size
     k, v, valid = _gather_padded(k_cache, v_cache, block_tables, lens,
-                                 -(-max_ctx // block_size))
+                                 -(-max_ctx // block_size), first, -(-sinks // block_size))
+    if window is not None:
+        valid &= _window_rows(lens, valid.shape[1], window, sinks)
     empty = lens <= 0
     valid[:, 0] |= empty  # an all-masked row would be NaN; its output is zeroed below
     # The `group` query heads of a KV head become its query rows: no K/V repeat is needed,
@@ -115,17 +171,32 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out.masked_fill(empty[:, None, None], 0.0)
 
 
+def _window_rows(lens: torch.Tensor, width: int, window: int, sinks: int) -> torch.Tensor:
+    """[num_seqs, width]: the positions the last token of each context (at lens - 1) may
+    attend to under the window and sinks, by `attendable`'s rule (causality aside: the
+    padding mask already stops at lens)."""
+    pos = torch.arange(width, device=lens.device)[None, :]
+    near = pos > (lens - 1 - window)[:, None]
+    if sinks:
+        near |= pos < sinks
+    return near
+
+
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                      context_lens: torch.Tensor, scale: float, *,
+                      window: int | None = None, sinks: int = 0) -> torch.Tensor:
     """Causal attention of the new tokens of several sequences, concatenated.
 
     query [num_tokens, num_heads, head_dim]; query_start_loc int32 [num_seqs + 1]
     (cumulative, from 0); context_lens [num_seqs]: tokens in the cache after this step's
     write (cached prefix + new tokens). New token j of a sequence with q_len new tokens sits
-    at position context_len - q_len + j and attends to positions 0..that one. One SDPA call
-    per sequence. Returns [num_tokens, num_heads, head_dim].
+    at position p = context_len - q_len + j and attends to positions 0..p; with a `window`,
+    only to p - window + 1 .. p (and the first `sinks` positions), as `attendable` says. One
+    SDPA call per sequence, over the blocks `attended_blocks` names (other table entries
+    are never read). Returns [num_tokens, num_heads, head_dim].
     """
+    check_window(window, sinks)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = _group_size(num_heads, num_kv_heads)
@@ -142,24 +213,30 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             continue
         if ctx < q_len:
             raise ValueError(f"sequence {seq}: context_len {ctx} < its {q_len} new tokens")
-        num_blocks = -(-ctx // block_size)
-        blocks = block_tables[seq, :num_blocks].to(device=device, dtype=torch.long)
-        k = torch.index_select(k_cache, 0, blocks).flatten(0, 1)[:ctx].to(query.dtype)
-        v = torch.index_select(v_cache, 0, blocks).flatten(0, 1)[:ctx].to(query.dtype)
-        if ctx == q_len:  # no cached prefix: plain causal attention
+        read = attended_blocks(ctx, q_len, block_size, window, sinks)
+        cols = torch.tensor(read, dtype=torch.long, device=device)
+        blocks = block_tables[seq].to(device=device, dtype=torch.long)[cols]
+        # The position of every key gathered; the last block may be partly past ctx.
+        key_pos = (cols[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
+        live = len(read) * block_size - (-(-ctx // block_size) * block_size - ctx)
+        key_pos = key_pos[:live]
+        k = torch.index_select(k_cache, 0, blocks).flatten(0, 1)[:live].to(query.dtype)
+        v = torch.index_select(v_cache, 0, blocks).flatten(0, 1)[:live].to(query.dtype)
+        windowed = window is not None and window < ctx
+        if ctx == q_len and not windowed:  # no cached prefix, no window: plain causal
             o = F.scaled_dot_product_attention(
                 query[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 is_causal=True, scale=scale, enable_gqa=True)
             out[start:end] = o.transpose(0, 1)
             continue
-        # A cached prefix: the causal diagonal is bottom-right aligned, so there is a mask
-        # anyway, and the `group` query heads of a KV head become its rows (token-major), as
-        # in decode_attention: SDPA's GQA path with a mask is several times slower on CPU
-        # (2.5x for 4 new tokens after 1k cached ones), and the result is the same.
+        # A cached prefix or a window: the mask is not plain causal, and the `group` query
+        # heads of a KV head become its rows (token-major), as in decode_attention: SDPA's
+        # GQA path with a mask is several times slower on CPU (2.5x for 4 new tokens after
+        # 1k cached ones), and the result is the same.
         rows = query[start:end].reshape(q_len, num_kv_heads, group, head_dim)
         rows = rows.permute(1, 0, 2, 3).reshape(num_kv_heads, q_len * group, head_dim)
         positions = torch.arange(ctx - q_len, ctx, device=device).repeat_interleave(group)
-        mask = torch.arange(ctx, device=device)[None, :] <= positions[:, None]
+        mask = attendable(positions, key_pos, window, sinks)
         o = F.scaled_dot_product_attention(rows, k.transpose(0, 1), v.transpose(0, 1),
                                            attn_mask=mask, scale=scale)
         out[start:end] = o.reshape(num_kv_heads, q_len, group, head_dim).permute(

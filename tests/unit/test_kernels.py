@@ -25,30 +25,48 @@ def make_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
 
 
 def oracle_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     table: torch.Tensor, positions: list[int], scale: float) -> torch.Tensor:
-    """q [n, heads, dim]: row i attends to cache positions 0..positions[i] of one sequence."""
+                     table: torch.Tensor, positions: list[int], scale: float,
+                     window: int | None = None, sinks: int = 0) -> torch.Tensor:
+    """q [n, heads, dim]: row i attends to cache positions 0..positions[i] of one sequence;
+    with a window, only to those t with positions[i] - window < t (transformers'
+    sliding-window rule), or t < sinks. Only attended positions are read from the table."""
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kv_heads
-    length = max(positions) + 1
-    keys = torch.stack([k_cache[int(table[p // block_size]), p % block_size]
-                        for p in range(length)]).double()
-    values = torch.stack([v_cache[int(table[p // block_size]), p % block_size]
-                          for p in range(length)]).double()
     out = torch.empty(q.shape, dtype=torch.float64)
     for i, pos in enumerate(positions):
+        seen = [t for t in range(pos + 1)
+                if window is None or t > pos - window or t < sinks]
+        keys = torch.stack([k_cache[int(table[t // block_size]), t % block_size]
+                            for t in seen]).double()
+        values = torch.stack([v_cache[int(table[t // block_size]), t % block_size]
+                              for t in seen]).double()
         for h in range(q.shape[1]):
             kv = h // group
-            scores = [float(q[i, h].double() @ keys[t, kv]) * scale for t in range(pos + 1)]
+            scores = [float(q[i, h].double() @ keys[j, kv]) * scale for j in range(len(seen))]
             top = max(scores)
             weights = torch.tensor([math.exp(x - top) for x in scores], dtype=torch.float64)
-            out[i, h] = (weights / weights.sum()) @ values[: pos + 1, kv]
+            out[i, h] = (weights / weights.sum()) @ values[:, kv]
     return out
 
 
+def free_outside_window(tables: torch.Tensor, lens: list[int], q_lens: list[int],
+                        block_size: int, window: int, sinks: int) -> torch.Tensor:
+    """tables with -1 in every entry no token of the step attends to (blocks that slid out
+    of the window, as the block manager frees them): the kernels must not read those."""
+    tables = tables.clone()
+    for s, (ctx, q_len) in enumerate(zip(lens, q_lens, strict=True)):
+        first = max(0, ctx - q_len - window + 1) // block_size
+        sink_blocks = -(-sinks // block_size)
+        for b in range(sink_blocks, first):
+            tables[s, b] = -1
+    return tables
+
+
 def oracle_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: list[int],
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int | None = None, sinks: int = 0) -> torch.Tensor:
     return torch.stack([oracle_attention(q[s : s + 1], kv[0, 0], kv[0, 1], tables[s],
-                                         [ctx - 1], scale)[0] for s, ctx in enumerate(lens)])
+                                         [ctx - 1], scale, window, sinks)[0]
+                        for s, ctx in enumerate(lens)])
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -151,6 +169,66 @@ def test_prefill_with_cached_prefix_matches_oracle(dtype: torch.dtype, group: in
                          list(range(ctx - q_len, ctx)), 0.4)
         for s, (q_len, ctx) in enumerate(zip(q_lens, lens, strict=True))])
     assert_close(out, expected, dtype)
+
+
+# Windows of one token, under a block, one block, between blocks, and longer than every
+# context (so nothing slides out); with and without two sink tokens.
+WINDOWS = [(1, 0), (3, 0), (4, 0), (6, 0), (64, 0), (3, 2), (6, 5)]
+
+
+@pytest.mark.parametrize(("window", "sinks"), WINDOWS)
+def test_decode_window_matches_oracle(window: int, sinks: int) -> None:
+    gen = torch.Generator().manual_seed(window * 10 + sinks)
+    block_size, lens = 4, [1, 7, 13, 4, 9, 22]
+    kv = make_cache(40, block_size, 2, 8, torch.float32, gen)
+    tables = random_tables(lens, block_size, 40, width=7, gen=gen)
+    q = torch.randn(len(lens), 4, 8, generator=gen)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    full = ref.decode_attention(q, kv[0, 0], kv[0, 1], tables, ctx, 0.3)
+    tables = free_outside_window(tables, lens, [1] * len(lens), block_size, window, sinks)
+    out = ref.decode_attention(q, kv[0, 0], kv[0, 1], tables, ctx, 0.3, window=window,
+                               sinks=sinks)
+    assert_close(out, oracle_decode(q, kv, tables, lens, 0.3, window, sinks), torch.float32)
+    # A context longer than window + sinks attends to less than the whole context.
+    changed = [s for s, n in enumerate(lens) if n > window + sinks]
+    unchanged = [s for s, n in enumerate(lens) if n <= window]
+    assert all((out[s] - full[s]).abs().max() > 1e-4 for s in changed)
+    assert torch.allclose(out[unchanged], full[unchanged], atol=1e-6)
+
+
+@pytest.mark.parametrize(("window", "sinks"), WINDOWS)
+def test_prefill_window_matches_oracle(window: int, sinks: int) -> None:
+    gen = torch.Generator().manual_seed(window * 10 + sinks + 1)
+    block_size, kv_heads, group = 4, 2, 2
+    # Cached prefixes of 6, 5, 0, 0 and 14 tokens: chunks that start inside, at and past
+    # the window's reach.
+    q_lens, lens = [5, 1, 7, 3, 9], [11, 6, 7, 3, 23]
+    kv = make_cache(40, block_size, kv_heads, 8, torch.float32, gen)
+    tables = random_tables(lens, block_size, 40, width=6, gen=gen)
+    tables = free_outside_window(tables, lens, q_lens, block_size, window, sinks)
+    q = torch.randn(sum(q_lens), kv_heads * group, 8, generator=gen)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    out = ref.prefill_attention(q, kv[0, 0], kv[0, 1], tables,
+                                torch.tensor(starts, dtype=torch.int32),
+                                torch.tensor(lens, dtype=torch.int32), 0.4, window=window,
+                                sinks=sinks)
+    expected = torch.cat([
+        oracle_attention(q[starts[s] : starts[s + 1]], kv[0, 0], kv[0, 1], tables[s],
+                         list(range(ctx - q_len, ctx)), 0.4, window, sinks)
+        for s, (q_len, ctx) in enumerate(zip(q_lens, lens, strict=True))])
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_window_must_be_a_positive_int(bad: object) -> None:
+    kv = torch.zeros(1, 2, 2, 4, 1, 8)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        ref.decode_attention(torch.zeros(1, 1, 8), kv[0, 0], kv[0, 1],
+                             torch.zeros(1, 1, dtype=torch.int32),
+                             torch.tensor([1], dtype=torch.int32), 1.0,
+                             window=bad)
 
 
 def test_prefill_of_one_token_equals_decode() -> None:

@@ -129,6 +129,54 @@ def test_decode_across_tiles_and_splits_matches_reference(
     check_decode(out, query, k_cache, v_cache, tables, ctx, scale)
 
 
+def freed_outside_window(tables: torch.Tensor, lens: torch.Tensor, block_size: int,
+                         window: int, sinks: int) -> torch.Tensor:
+    """tables with -1 for every block the decode token cannot attend to (blocks that slid
+    out of its window, past the sink blocks): what the block manager leaves there."""
+    tables = tables.clone()
+    for row, ctx in enumerate(lens.tolist()):
+        first = max(0, ctx - window) // block_size
+        tables[row, -(-sinks // block_size) : first] = -1
+    return tables
+
+
+# (window, sinks, split_tokens, tile_tokens) at block size 16, contexts from 0 to 50: a
+# window under a block, of one block, spanning two and three blocks; sinks of part of a
+# block and of more than one; the engine's split and tile sizes (None), and small ones so
+# that a window crosses tiles and splits.
+WINDOW_CASES = [
+    pytest.param(5, 0, None, None, id="w5"),
+    pytest.param(16, 0, 8, 4, id="w16-split"),
+    pytest.param(20, 0, None, None, id="w20"),
+    pytest.param(40, 0, 8, 4, id="w40-split"),
+    pytest.param(7, 3, 8, 4, id="w7-sinks3-split"),
+    pytest.param(20, 18, None, None, id="w20-sinks18"),
+]
+
+
+@pytest.mark.parametrize(("window", "sinks", "split_tokens", "tile_tokens"), WINDOW_CASES)
+def test_decode_with_a_window_matches_reference(window: int, sinks: int,
+                                                split_tokens: int | None,
+                                                tile_tokens: int | None) -> None:
+    """Contexts shorter than the window, as long and longer (up to 10x a 5-token one); the
+    blocks outside the window are -1 in the table, which must not be read."""
+    lens = [1, 17, 0, 33, 50, 5, 21]
+    query, k_cache, v_cache, tables, ctx = decode_case(torch.float32, 4, 2, 32, 16, lens,
+                                                       seed=window + sinks)
+    tables = freed_outside_window(tables, ctx, 16, window, sinks)
+    if split_tokens is None:
+        out = gpu.decode_attention(query, k_cache, v_cache, tables, ctx, 0.3, window=window,
+                                   sinks=sinks)
+    else:
+        out = gpu._decode(query, k_cache, v_cache, tables, ctx, 0.3, split_tokens,
+                          tile_tokens, window=window, sinks=sinks)
+    expected = ref.decode_attention(query, k_cache, v_cache, tables, ctx, 0.3, window=window,
+                                    sinks=sinks)
+    err = (out - expected).abs().max().item()
+    assert err <= TOLERANCE[torch.float32], f"max error {err}"
+    assert torch.equal(out[2], torch.zeros(4, 32))  # the padding row
+
+
 def test_decode_reads_a_strided_query_and_sees_the_last_token() -> None:
     query, k_cache, v_cache, tables, ctx = decode_case(torch.float32, 4, 2, 64, 16, [33], 3)
     fused = torch.cat([query, torch.randn(1, 2, 64)], dim=1)
@@ -277,6 +325,8 @@ def launches() -> Iterator[list[Launch]]:
             gpu.decode_attention(query, k_cache, v_cache, tables, ctx, 0.1)
             gpu._decode(query, k_cache, v_cache, tables, ctx, 0.1, split_tokens=2,
                         tile_tokens=2)
+            gpu._decode(query, k_cache, v_cache, tables, ctx, 0.1, split_tokens=2,
+                        tile_tokens=2, window=2, sinks=3)
         cache = torch.zeros(1, 2, 4, 2, 2, 64, dtype=torch.bfloat16)
         gpu.write_cache(torch.ones(2, 2, 64), torch.ones(2, 2, 64), cache[0, 0], cache[0, 1],
                         torch.tensor([1, -1]))
