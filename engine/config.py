@@ -3,7 +3,17 @@
 
 Pure: no torch, no I/O. Every bad value raises ModelLoadError naming the file and the field;
 a well-formed model the engine cannot run (another architecture, an unsupported RoPE type or
-activation, sliding-window attention) raises UnsupportedModelError naming what it lacks.
+activation, a sliding window on a layout transformers runs without one) raises
+UnsupportedModelError naming what it lacks.
+
+Sliding-window attention is read as transformers applies it (`layer_windows`): Mistral
+(`MistralForCausalLM` or model_type "mistral") windows every layer with `sliding_window`, as
+transformers' Mistral does whatever `use_sliding_window` or `layer_types` say (a
+`layer_types` with full-attention layers is refused: transformers' Mistral ignores it, its
+Ministral honours it); Qwen2 windows the layers `layer_types` calls "sliding_attention"
+(default: those from `max_window_layers` on) when `use_sliding_window` is true (default
+false); a Llama config with a `sliding_window` in use is refused, as transformers' Llama
+would ignore it.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from typing import Any
 
 from kvstore.engine.errors import ModelLoadError, UnsupportedModelError
 
-#: Hugging Face class name -> the engine's layout. Mistral is Llama without sliding window.
+#: Hugging Face class name -> the engine's layout. Mistral is Llama with an optional window.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -73,6 +83,23 @@ class ModelConfig:
     #: The weights' dtype: "float32", "bfloat16" or "float16". The loader sets it from the
     #: stored tensors (config.json may not say); GGUF weights are dequantised to float32.
     torch_dtype: str
+    #: Each layer's sliding window in tokens (None: full attention), or () when every layer
+    #: attends to the whole context. A query at position p of a windowed layer attends to
+    #: positions p - window + 1 .. p (transformers' `kv_idx > q_idx - sliding_window`).
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, or None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has the same one, else None: only then can a block
+        that slid out of the window be freed (a full-attention layer still reads it)."""
+        windows = set(self.layer_windows)
+        if len(windows) != 1:
+            return None
+        return next(iter(windows))
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], source: str) -> ModelConfig:
@@ -82,6 +109,7 @@ class ModelConfig:
         f = _Fields(config, source)
         architecture = _hf_architecture(config, source)
         _check_hf_features(config, source)
+        windows = _hf_windows(config, f, source)
         num_heads = f.integer("num_attention_heads")
         hidden_size = f.integer("hidden_size")
         max_pos = f.integer("max_position_embeddings")
@@ -109,6 +137,7 @@ class ModelConfig:
                 bos_token_id=f.integer("bos_token_id", None, minimum=0),
                 eos_token_ids=_eos_ids(config, source, "eos_token_id"),
                 torch_dtype=_hf_dtype(config, source),
+                layer_windows=windows,
             ),
             source,
         )
@@ -262,25 +291,67 @@ def _check_hf_features(config: Mapping[str, Any], source: str) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported; only 'silu'")
-    if config.get("sliding_window") is not None and (
-        config.get("use_sliding_window", True) or config.get("model_type") == "mistral"
-    ):
-        raise UnsupportedModelError(
-            f"{source}: sliding_window={config['sliding_window']!r}: sliding-window attention "
-            "is not supported; it must be null"
-        )
-    layer_types = config.get("layer_types")
-    if layer_types is not None and (
-        not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)
-    ):
-        raise UnsupportedModelError(
-            f"{source}: layer_types {layer_types!r}: only 'full_attention' layers are supported"
-        )
     partial = config.get("partial_rotary_factor", 1.0)
     if partial is not None and partial != 1.0:
         raise UnsupportedModelError(
             f"{source}: partial_rotary_factor={partial!r} is not supported; only 1.0"
         )
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _hf_family(config: Mapping[str, Any]) -> str:
+    """"mistral", "qwen2" or "llama": whose sliding-window rules apply (the first supported
+    class in `architectures`, else model_type), as transformers would pick the class."""
+    archs = config.get("architectures")
+    if isinstance(archs, list):
+        for name in archs:
+            if name in HF_ARCHITECTURES:
+                return {"MistralForCausalLM": "mistral",
+                        "Qwen2ForCausalLM": "qwen2"}.get(name, "llama")
+    return str(config.get("model_type"))
+
+
+def _hf_windows(config: Mapping[str, Any], f: _Fields, source: str
+                ) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers applies it (see the module docstring),
+    or () when no layer has one."""
+    family = _hf_family(config)
+    num_layers: int = f.integer("num_hidden_layers")
+    window: int | None = f.integer("sliding_window", None)
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        if (not isinstance(layer_types, list) or len(layer_types) != num_layers
+                or any(t not in LAYER_TYPES for t in layer_types)):
+            raise UnsupportedModelError(
+                f"{source}: layer_types {layer_types!r}: need one of {', '.join(LAYER_TYPES)} "
+                f"for each of the {num_layers} layers")
+    if family == "mistral":
+        if window is None:
+            return ()
+        if layer_types is not None and "full_attention" in layer_types:
+            raise UnsupportedModelError(
+                f"{source}: layer_types {layer_types!r} with sliding_window={window}: "
+                "transformers' Mistral windows every layer whatever layer_types says (its "
+                "Ministral does not); only all 'sliding_attention' is supported")
+        return (window,) * num_layers
+    use = f.flag("use_sliding_window", family != "qwen2")
+    if family == "qwen2":
+        if window is None or not use:
+            return ()
+        if layer_types is None:
+            first = f.integer("max_window_layers", 28, minimum=0)
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(num_layers)]
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        return windows if any(w is not None for w in windows) else ()
+    if (window is not None and use) or (layer_types and "sliding_attention" in layer_types):
+        raise UnsupportedModelError(
+            f"{source}: sliding_window={window!r}, layer_types={layer_types!r}: transformers' "
+            "Llama runs without a window; a windowed checkpoint should name "
+            "MistralForCausalLM (sliding-window attention is supported for Mistral and Qwen2)")
+    return ()
 
 
 def _hf_rope(

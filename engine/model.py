@@ -1,7 +1,9 @@
 """The Llama-family decoder in torch: RMSNorm, RoPE, grouped-query attention over the paged KV
 cache, SwiGLU MLP, tied or untied embeddings; Qwen2's q/k/v biases. Module and parameter names
 are Hugging Face's, so a checkpoint's state dict loads as it is. Attention reads and writes
-the cache through the kernels chosen for the device (kvstore.kernels)."""
+the cache through the kernels chosen for the device (kvstore.kernels), each layer with its
+sliding window (ModelConfig.layer_windows; Mistral's and Qwen2's) and the engine's attention
+sinks, if any."""
 
 from __future__ import annotations
 
@@ -47,8 +49,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        #: This layer's sliding window (None: full attention), and the attention sinks kept
+        #: beside it (set by CausalLM.set_attention_sinks; 0 = none, what the model computes).
+        self.window = config.window(layer)
+        self.sinks = 0
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -87,6 +93,8 @@ class Attention(nn.Module):
                     batch.decode_block_tables,
                     batch.decode_context_lens,
                     self.scale,
+                    window=self.window,
+                    sinks=self.sinks,
                 )
             )
         if tokens > decodes:
@@ -99,6 +107,8 @@ class Attention(nn.Module):
                     batch.prefill_query_start_loc,
                     batch.prefill_context_lens,
                     self.scale,
+                    window=self.window,
+                    sinks=self.sinks,
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -120,10 +130,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -137,7 +147,7 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -173,6 +183,15 @@ class CausalLM(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.rope = cos_sin_table(config, max_positions, device)
         return model.eval()
+
+    def set_attention_sinks(self, sinks: int) -> None:
+        """Keep the first `sinks` positions attendable beside every layer's sliding window
+        (StreamingLLM's attention sinks): an approximation, not what the model computes.
+        Layers without a window attend to everything anyway."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            assert isinstance(attn, Attention)
+            attn.sinks = sinks if attn.window is not None else 0
 
     @torch.inference_mode()
     def forward(

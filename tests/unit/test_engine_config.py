@@ -169,6 +169,39 @@ def test_mistral_without_sliding_window_is_llama() -> None:
     assert ModelConfig.from_hf(cfg, SRC).architecture == "llama"
 
 
+def test_full_attention_models_have_no_windows() -> None:
+    c = ModelConfig.from_hf(llama(), SRC)
+    assert c.layer_windows == () and c.window(3) is None and c.uniform_window is None
+
+
+def test_mistral_windows_every_layer_as_transformers_does() -> None:
+    """transformers' Mistral applies sliding_window to every layer, use_sliding_window or
+    not."""
+    for extra in ({}, {"use_sliding_window": False},
+                  {"layer_types": ["sliding_attention"] * 30}):
+        cfg = llama(architectures=["MistralForCausalLM"], model_type="mistral",
+                    sliding_window=32, **extra)
+        c = ModelConfig.from_hf(cfg, SRC)
+        assert c.layer_windows == (32,) * 30 and c.window(0) == 32 and c.uniform_window == 32
+
+
+def test_qwen2_windows_follow_use_sliding_window_and_layer_types() -> None:
+    base = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 16}
+    assert ModelConfig.from_hf(llama(**base), SRC).layer_windows == ()  # default: off
+    mixed = ["full_attention", "sliding_attention"] * 15
+    c = ModelConfig.from_hf(llama(**base, use_sliding_window=True, layer_types=mixed), SRC)
+    assert c.layer_windows == (None, 16) * 15 and c.uniform_window is None
+    # Without layer_types, transformers windows the layers from max_window_layers on.
+    c = ModelConfig.from_hf(llama(**base, use_sliding_window=True, max_window_layers=28), SRC)
+    assert c.layer_windows == (None,) * 28 + (16, 16)
+
+
+def test_a_bad_sliding_window_is_named() -> None:
+    cfg = llama(architectures=["MistralForCausalLM"], sliding_window=0)
+    with pytest.raises(ModelLoadError, match="sliding_window"):
+        ModelConfig.from_hf(cfg, SRC)
+
+
 def test_model_type_alone_is_enough() -> None:
     assert ModelConfig.from_hf(llama(architectures=None), SRC).architecture == "llama"
 
@@ -185,8 +218,18 @@ def test_model_type_alone_is_enough() -> None:
             {"rope_scaling": {"rope_type": "linear", "factor": 2, "partial_rotary_factor": 0.5}},
             "partial_rotary_factor",
         ),
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding_window"),
+        ({"sliding_window": 4096}, "sliding_window"),  # transformers' Llama ignores it
         ({"layer_types": ["sliding_attention"] * 30}, "layer_types"),
+        ({"layer_types": ["chunked_attention"] * 30}, "layer_types"),
+        ({"layer_types": ["full_attention"] * 29}, "layer_types"),
+        (
+            {
+                "architectures": ["MistralForCausalLM"],
+                "sliding_window": 64,
+                "layer_types": ["full_attention", "sliding_attention"] * 15,
+            },
+            "Ministral",
+        ),
         ({"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
         ({"quantization_config": {"quant_method": "awq"}}, "quantization_config (awq)"),
     ],
