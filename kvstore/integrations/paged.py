@@ -20,6 +20,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+KV = "kv"
+LATENT = "latent"
+LAYOUTS = (KV, LATENT)
+
 
 def _block_dim(tensor: torch.Tensor, num_blocks: int, name: str) -> int:
     dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
@@ -30,10 +34,16 @@ def _block_dim(tensor: torch.Tensor, num_blocks: int, name: str) -> int:
 
 
 class PagedKV:
-    def __init__(self, layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int) -> None:
-        """layers: (name, tensor) in model order; num_blocks: the cache's block count."""
+    def __init__(self, layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int,
+                 layout: str = KV) -> None:
+        """layers: (name, tensor) in model order; num_blocks: the cache's block count;
+        layout: `KV` or `LATENT` (the module's docstring)."""
         if not layers:
             raise ValueError("no KV cache layers to register")
+        if layout not in LAYOUTS:
+            raise ValueError(f"KV cache layout must be one of {', '.join(LAYOUTS)}, "
+                             f"got {layout!r}")
+        self.layout = layout
         self.names = [name for name, _ in layers]
         self.tensors = [tensor for _, tensor in layers]
         self.num_blocks = num_blocks
@@ -44,6 +54,13 @@ class PagedKV:
                             for shape, t in zip(self.shapes, self.tensors, strict=True)]
         self.offsets = [sum(self.layer_bytes[:i]) for i in range(len(self.layer_bytes))]
         self.block_bytes = sum(self.layer_bytes)
+        if layout == LATENT:
+            for name, shape in zip(self.names, self.shapes, strict=True):
+                # [block_size, latent width], after any dimensions of 1 (vLLM's CPU MLA
+                # backend keeps a head dimension of 1): a K/V split or KV heads are not latent.
+                if len(shape) < 2 or any(size != 1 for size in shape[:-2]):
+                    raise ValueError(f"KV cache {name}: a latent (MLA) block is [block_size, "
+                                     f"latent width], got {tuple(shape)}")
         self.device = self.tensors[0].device
         self._base = self._cross_layer_base()
 
@@ -65,10 +82,11 @@ class PagedKV:
         return self._base is not None
 
     def signature(self) -> str:
-        """The layout a stored block depends on: dtypes and per-layer block shapes."""
+        """The layout a stored block depends on: K/V or latent, the layer count, dtypes and
+        per-layer block shapes (`latent 2L/torch.float32:128x576`)."""
         shapes = {f"{t.dtype}:{'x'.join(map(str, s))}" for t, s in zip(self.tensors,
                                                                        self.shapes, strict=True)}
-        return f"{len(self.tensors)}L/" + "+".join(sorted(shapes))
+        return f"{self.layout} {len(self.tensors)}L/" + "+".join(sorted(shapes))
 
     def staging(self, count: int) -> torch.Tensor:
         """count rows of block_bytes, pinned when the cache is on a GPU."""

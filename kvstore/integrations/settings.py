@@ -158,19 +158,26 @@ class ModelShape:
     kv_layout: str
     tp_rank: int = 0
     tp_size: int = 1
+    latent: bool = False
+    """Multi-head Latent Attention (DeepSeek V2/V3): the cache holds one latent vector per
+    token, replicated on every tensor-parallel rank rather than split by KV head."""
 
 
 def namespace_for(settings: Settings, shape: ModelShape) -> str:
     """The namespace of the blocks a connector saves and loads:
     prefix + vllm/<model>@<revision>/<dtype>/<layers>x<kv heads>x<head dim>/bs<n>/<layout>/
-    tp<rank>of<size>[/<salt>]. When the model name would make it longer than the namespace
-    limit, the name is replaced by its SHA-256, and the rest stays readable."""
+    tp<rank>of<size>[/<salt>]. An MLA model's latent cache is the same on every rank and for
+    every tensor-parallel size, so its blocks are named `latent` in place of
+    tp<rank>of<size>: one copy that every rank of any size loads. When the model name would
+    make it longer than the namespace limit, the name is replaced by its SHA-256, and the rest
+    stays readable."""
     model = f"{shape.model}@{shape.revision or 'main'}"
 
     def build(name: str) -> str:
         parts = [f"{settings.namespace_prefix}vllm", name, shape.kv_dtype,
                  f"{shape.num_layers}x{shape.num_kv_heads}x{shape.head_dim}",
-                 f"bs{shape.block_size}", shape.kv_layout, f"tp{shape.tp_rank}of{shape.tp_size}"]
+                 f"bs{shape.block_size}", shape.kv_layout,
+                 "latent" if shape.latent else f"tp{shape.tp_rank}of{shape.tp_size}"]
         if settings.namespace_salt:
             parts.append(settings.namespace_salt)
         return "/".join(parts)
@@ -195,7 +202,8 @@ def model_shape(vllm_config: Any, tp_rank: int) -> ModelShape:
         num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
         head_dim=mc.get_head_size(), block_size=cc.block_size,
         kv_layout=str(getattr(layout, "name", layout) or "default"),
-        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size)
+        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
+        latent=bool(getattr(mc, "use_mla", False)))
 
 
 def chain_root(namespace: str, request: Any) -> BlockKey:

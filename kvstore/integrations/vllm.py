@@ -69,8 +69,8 @@ def _tp_rank() -> int:
 
 class KVStoreConnector(KVConnectorBase_V1):
     """vLLM's connector object for one role. It refuses what it does not support (a hybrid
-    model, pipeline parallelism), opens the link, and hands each call to its role's half
-    (`scheduler` or `worker`)."""
+    model, pipeline or decode context parallelism), opens the link, and hands each call to
+    its role's half (`scheduler` or `worker`)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -83,6 +83,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                              f"this model has {len(groups)} (a hybrid model)")
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism")
+        if getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) > 1:
+            # Each rank's block then holds every n-th token of the block (interleaved), not
+            # a prefix's whole block, which neither the keys nor the latent namespace name.
+            raise ValueError("KVStoreConnector does not support decode context parallelism "
+                             "(decode_context_parallel_size > 1)")
         if role == KVConnectorRole.SCHEDULER and transfer.kv_load_failure_policy != "recompute":
             # A store is a cache: a block that fails to load is recomputed, never an error.
             # The scheduler reads the policy after it builds its connector.

@@ -9,7 +9,9 @@ tensor-parallel rank). It owns:
   did not arrive are reported with it, and vLLM recomputes them;
 - saves: after the forward pass the blocks it filled are copied out on the copy stream (after
   that forward pass; the next one waits for the copy, so vLLM may reuse the blocks at once),
-  and the link's writer thread puts them once the copy completed;
+  and the link's writer thread puts them once the copy completed. An MLA model's latent cache
+  is the same on every tensor-parallel rank and lives in one namespace for all of them
+  (`settings.namespace_for`): rank 0 alone saves it, and every rank loads it;
 - the timings the scheduler side's cost model learns from: each forward pass (on rank 0 only,
   since every rank runs the same steps) and each whole load, reported in its connector stats
   with the link's counters.
@@ -25,10 +27,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from kvstore.integrations.device_copies import DONE, DeviceCopies, Event, copies_for
 from kvstore.integrations.link import StoreLink
-from kvstore.integrations.paged import PagedKV
+from kvstore.integrations.paged import KV, LATENT, PagedKV
 from kvstore.integrations.vllm_steps import (
     IDLE_WAIT_S,
     WORKER_FIELDS,
@@ -89,16 +92,19 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, torch.Tensor],
                  kv_cache_config: KVCacheConfig) -> None:
         """Learn the layout of vLLM's KV cache: one paged tensor per layer of the cache's one
-        group."""
-        names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names
-                 if n in kv_caches]
-        self.paged = PagedKV([(n, kv_caches[n]) for n in names], kv_cache_config.num_blocks)
+        group, K/V or MLA's latent vectors (`paged.LATENT`)."""
+        groups = kv_cache_config.kv_cache_groups
+        names = [n for g in groups for n in g.layer_names if n in kv_caches]
+        latent = bool(groups) and all(isinstance(g.kv_cache_spec, MLAAttentionSpec)
+                                      for g in groups)
+        self.paged = PagedKV([(n, kv_caches[n]) for n in names], kv_cache_config.num_blocks,
+                             LATENT if latent else KV)
         if self.copies is None:
             self.copies = copies_for(self.paged.device)
         if self._rank == 0:  # every rank runs the same steps: one reports them
             self._timer = StepTimer(cuda=self.paged.device.type == "cuda")
-        logger.info("kvstore: %d layers, %d-byte blocks, %s", len(names),
-                    self.paged.block_bytes,
+        logger.info("kvstore: %d layers, %d-byte blocks (%s), %s", len(names),
+                    self.paged.block_bytes, self.paged.signature(),
                     "loads straight into the cache" if self.paged.direct else "staged loads")
 
     def begin_step(self, meta: object) -> None:
@@ -147,11 +153,15 @@ class WorkerSide:
 
     def save(self, meta: KVStoreMetadata | None) -> None:
         """After the forward pass (its clock stops): copy the blocks it filled out on the copy
-        stream, after that forward pass, and put them from the writer thread once copied."""
+        stream, after that forward pass, and put them from the writer thread once copied.
+        A latent cache is saved by rank 0 only: every rank holds the same bytes under the same
+        keys."""
         if self._timer is not None:
             self._timer.stop()
         paged, copies = self.paged, self.copies
         if meta is None or paged is None or copies is None:
+            return
+        if paged.layout == LATENT and self._rank != 0:
             return
         for spec in meta.saves:
             if not self.link.available:

@@ -3,9 +3,9 @@ is a fresh prefix cache): `python run_llm.py '<json>'` prints one JSON line.
 
 Input: model (folder), prompts (token id lists), max_tokens, connector (kv_connector_extra_config,
 or null for a run without the store), role (kv_both / kv_producer / kv_consumer), dump_kv (also
-write every layer's paged KV to this .pt file), inprocess (VLLM_ENABLE_V1_MULTIPROCESSING=0,
-so the test can reach the connector; false runs vLLM's engine-core and worker processes as
-users do).
+write every layer's paged KV, with its layout, to this .pt file), inprocess
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, so the test can reach the connector; false runs vLLM's
+engine-core and worker processes as users do).
 Output: tokens (greedy, per prompt), cached_tokens (per prompt: tokens not computed),
 stats (the connector's counters, in-process runs only), namespace, shared_memory (whether
 its data calls went through the daemon's shared memory), prefill_steps (forward steps the
@@ -64,7 +64,7 @@ def main() -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         paged = get_kv_transfer_group().paged
-        torch.save({"num_blocks": paged.num_blocks,
+        torch.save({"num_blocks": paged.num_blocks, "layout": paged.layout,
                     "layers": {n: t.clone() for n, t in zip(paged.names, paged.tensors,
                                                             strict=True)}}, args["dump_kv"])
     print("RESULT " + json.dumps(result), flush=True)
