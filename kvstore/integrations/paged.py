@@ -6,10 +6,22 @@ its tensor's own element order with the block dimension taken out (for vLLM's CP
 layer's slice is [kv_heads, block_size, 2 * head_dim]). `gather` copies blocks out into a
 staging buffer of such rows; `scatter` writes rows back. Neither orders itself against the
 forward pass: the worker runs both through `device_copies`, on its copy stream. When the layers
-are views of one
-buffer with the block outermost (a cross-layer layout), a block's rows already lie contiguous
-in the cache: `direct_rows` gives views of them, so loads read straight into the cache with no
-staging and no scatter.
+are views of one buffer with the block outermost (a cross-layer layout), a block's rows already
+lie contiguous in the cache: `direct_rows` gives views of them, so loads read straight into
+the cache with no staging and no scatter.
+
+Two layouts of a layer's block are known, and a `PagedKV` is told which it holds (`layout`):
+
+- `KV`: every layer holds a key and a value per token and KV head, in whatever order the
+  backend chose (vLLM's CPU backend: [kv_heads, block_size, K|V head_dim]);
+- `LATENT`: Multi-head Latent Attention (DeepSeek V2/V3, Kimi K2): one compressed latent
+  vector per token, shared by every head, with no K/V split (vLLM's MLA backends:
+  [block_size, kv_lora_rank + qk_rope_head_dim], its CPU one with a head dimension of 1).
+  It is the same on every tensor-parallel rank, which is why the connector stores it once
+  (`vllm_worker`).
+
+Both are copied the same way, byte for byte; the layout is named in `signature` so that a
+block of one is never mistaken for a block of the other.
 """
 
 from __future__ import annotations
