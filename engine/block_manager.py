@@ -20,6 +20,19 @@ multiple of block_size) and other tables hold it too, the sequence gets a fresh 
 `take_copies` hands the pair to the runner, so a preemption in the same scheduling step cannot
 recycle it before it is read. The pin is not a table reference: the sibling that still holds
 the source sees refcount 1 and writes in place.
+
+Sliding window: built with `window` (the model's, when every layer has that same window) and
+`sinks`, the manager releases a sequence's blocks that no later token can attend to as the
+sequence grows. A write at token index t attends to t - window + 1 .. t, so when an
+`allocate` sets the next write at index n (its recorded num_tokens), every block wholly
+before n - window + 1 is released, except the first ceil(sinks / block_size) blocks (the
+attention sinks). Its table entry becomes FREED (-1), which no kernel reads (the kernels read
+only the blocks a step attends to), and positions keep their table index. A released block is
+released as `free` releases one: a keyed block stays in the prefix cache as
+cached-unreferenced (another sequence with the same prefix may still take it as a hit; a
+later allocation may evict it), an unkeyed one returns to the free pool. So a long sequence
+holds at most ceil(sinks / block_size) + ceil((window - 1 + new) / block_size) + 1 blocks,
+`new` being the tokens of its step (1 for a decode): `max_blocks_held`.
 """
 
 from __future__ import annotations
@@ -71,6 +84,7 @@ class _SeqState:
     table: list[int]
     keys: list[BlockKey] = field(default_factory=list)
     num_tokens: int = 0  # tokens the table covers; the next write lands at this index
+    slid: int = 0  # table entries below this index (past the sinks) are FREED
 
 
 def _chained_keys(
@@ -81,6 +95,10 @@ def _chained_keys(
     for i in range(first, stop):
         parent = chain_key(parent, token_ids[i * block_size : (i + 1) * block_size])
         yield parent
+
+
+#: A block table entry whose block was released (slid out of the window): never read.
+FREED = -1
 
 
 def _check_count(name: str, value: int) -> None:
@@ -95,12 +113,19 @@ class BlockManager:
     queued copy)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, namespace: str, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, namespace: str, enable_prefix_caching: bool = True,
+        *, window: int | None = None, sinks: int = 0,
     ) -> None:
         if num_blocks <= 0:
             raise BlockRequestError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise BlockRequestError(f"block_size must be positive, got {block_size}")
+        if window is not None and (isinstance(window, bool) or window < 1):
+            raise BlockRequestError(f"window must be a positive int or None, got {window!r}")
+        if sinks < 0:
+            raise BlockRequestError(f"sinks must be >= 0, got {sinks}")
+        self._window = window
+        self._sink_blocks = -(-sinks // block_size)
         self._num_blocks = num_blocks
         self._block_size = block_size
         self._root = namespace_root(namespace)  # raises InvalidKeyError naming the namespace
@@ -141,6 +166,16 @@ class BlockManager:
     @property
     def block_size(self) -> int:
         return self._block_size
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a sequence of up to num_tokens tokens holds at once, when a step
+        computes at most step_tokens of its tokens: all of them without a window; with one,
+        the sink blocks plus those spanning the window before a step and the step itself."""
+        every = self._blocks_for(num_tokens)
+        if self._window is None:
+            return every
+        span = self._window - 1 + max(1, step_tokens)
+        return min(every, self._sink_blocks + self._blocks_for(span) + 1)
 
     # -- prefix caching -------------------------------------------------------------------
     def extend_keys(self, keys: list[BlockKey], token_ids: Sequence[int]) -> list[BlockKey]:
@@ -208,6 +243,7 @@ class BlockManager:
         if cow:
             self._copy_last_block(seq)
         self._grow(seq, num_new - int(cow))
+        self._slide(seq)
         seq.num_tokens = num_tokens
         return list(seq.table)
 
@@ -242,7 +278,8 @@ class BlockManager:
                 )
         for i, key in new:
             seq.keys.append(key)
-            self._register(seq.table[i], key)
+            if seq.table[i] != FREED:  # (never: a block is keyed before it slides out)
+                self._register(seq.table[i], key)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """child shares every block of parent (refcount +1 each), and its computed keys and
@@ -252,8 +289,10 @@ class BlockManager:
         if child_id in self._seqs:
             raise BlockRequestError(f"child_id {child_id} already has a block table")
         for block_id in parent.table:
-            self._refcounts[block_id] += 1
-        self._seqs[child_id] = _SeqState(list(parent.table), list(parent.keys), parent.num_tokens)
+            if block_id != FREED:
+                self._refcounts[block_id] += 1
+        self._seqs[child_id] = _SeqState(list(parent.table), list(parent.keys), parent.num_tokens,
+                                         parent.slid)
 
     def free(self, seq_id: int) -> None:
         """Drop seq_id's references. A block reaching refcount 0 becomes cached-unreferenced
@@ -264,8 +303,9 @@ class BlockManager:
         if seq is None:
             return
         for block_id in reversed(seq.table):
-            self._refcounts[block_id] -= 1
-            self._release_if_unused(block_id)
+            if block_id != FREED:
+                self._refcounts[block_id] -= 1
+                self._release_if_unused(block_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-unreferenced block (it returns to the free pool); blocks that
@@ -292,8 +332,13 @@ class BlockManager:
 
     # -- inspection -----------------------------------------------------------------------
     def block_table(self, seq_id: int) -> list[int]:
-        """seq_id's block table (a copy); UnknownSequenceError if it has none."""
+        """seq_id's block table (a copy; FREED where a block slid out of the window);
+        UnknownSequenceError if it has none."""
         return list(self._seq(seq_id).table)
+
+    def num_blocks_held(self, seq_id: int) -> int:
+        """How many blocks seq_id's table holds (FREED entries not counted)."""
+        return sum(1 for b in self._seq(seq_id).table if b != FREED)
 
     def refcount(self, block_id: int) -> int:
         """How many block tables hold block_id (queued copies' pins not included)."""
@@ -357,6 +402,7 @@ class BlockManager:
             self._refcounts[block_id] += 1
         seq = _SeqState(hit_blocks, hit_keys, len(hit_blocks) * self._block_size)
         self._grow(seq, num_new)
+        self._slide(seq)
         seq.num_tokens = max(seq.num_tokens, num_tokens)
         self._seqs[seq_id] = seq
         return list(seq.table)
@@ -382,6 +428,21 @@ class BlockManager:
                     "call find_prefix again"
                 )
         return list(hit.keys)
+
+    def _slide(self, seq: _SeqState) -> None:
+        """Release seq's blocks that its next write (at index seq.num_tokens, set before this
+        allocate's growth) and every later one cannot attend to: those wholly before
+        seq.num_tokens - window + 1, sink blocks kept (see the module docstring)."""
+        if self._window is None:
+            return
+        first = min(max(0, seq.num_tokens - self._window + 1) // self._block_size,
+                    len(seq.table))
+        for i in range(max(self._sink_blocks, seq.slid), first):
+            block_id = seq.table[i]
+            seq.table[i] = FREED
+            self._refcounts[block_id] -= 1
+            self._release_if_unused(block_id)
+        seq.slid = max(seq.slid, first)
 
     def _grow(self, seq: _SeqState, num_new: int) -> None:
         for _ in range(num_new):

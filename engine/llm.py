@@ -72,6 +72,12 @@ class EngineConfig:
     prewarm_bytes: int | None = None
     """At start, pull this namespace's hottest L4 blocks into the daemon (0: its default);
     None: no pre-warm."""
+    attention_sinks: int = 0
+    """Keep the first this many tokens attendable beside a sliding-window model's window
+    (StreamingLLM's attention sinks), for streaming generation past max_position_embeddings
+    with bounded KV blocks: an approximation that changes outputs (the model was not trained
+    to attend that way; positions past its context length are unseen RoPE angles). With it,
+    max_model_len may exceed max_position_embeddings. Needs a model with a sliding window."""
     dtype: str = "auto"
     """auto: float32 on CPU; on CUDA the checkpoint's dtype, bfloat16 for a float32 one."""
     device: str = "auto"
@@ -137,11 +143,19 @@ class LLM:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
         mc = checkpoint.config
+        sinks = config.attention_sinks
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise InvalidRequestError(f"attention_sinks must be an int >= 0, got {sinks!r}")
+        if sinks and not mc.layer_windows:
+            raise InvalidRequestError(
+                f"attention_sinks={sinks} needs a model with a sliding window; this one "
+                "attends to its whole context in every layer")
         max_model_len = config.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
+        if max_model_len > mc.max_position_embeddings and not sinks:
             raise InvalidRequestError(
                 f"max_model_len {max_model_len} exceeds the model's "
-                f"max_position_embeddings ({mc.max_position_embeddings})"
+                f"max_position_embeddings ({mc.max_position_embeddings}); only "
+                "attention_sinks (streaming past the context length) allows that"
             )
         if config.block_size < 1:
             raise InvalidRequestError(f"block_size must be positive, got {config.block_size}")
@@ -166,13 +180,21 @@ class LLM:
             device=self.device,
             max_positions=max_model_len,
         )
+        model.set_attention_sinks(sinks)
         num_blocks = config.num_blocks or self._blocks_for(model, config)
         self.namespace = (
             f"{checkpoint.name}|{mc.architecture}-{mc.num_layers}L-{mc.num_kv_heads}x"
             f"{mc.head_dim}-{str(self.dtype).removeprefix('torch.')}-bs{config.block_size}"
         )
+        if sinks:
+            # Sinks change every K/V past the window in the layers above the first: such
+            # blocks must never meet those of the plain model, locally or in the store.
+            self.namespace += f"-sinks{sinks}"
+        # Blocks that slid out of the window are released only when every layer has the same
+        # window: a full-attention layer (or a wider window) still reads them.
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, self.namespace, config.enable_prefix_caching
+            num_blocks, config.block_size, self.namespace, config.enable_prefix_caching,
+            window=mc.uniform_window, sinks=sinks,
         )
         self.runner = ModelRunner(
             model, ops_for(self.device), num_blocks, config.block_size, self.dtype, self.device

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from kvstore.engine.block_manager import BlockManager, PrefixHit
+from kvstore.engine.block_manager import FREED, BlockManager, PrefixHit
 from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.sequence import SeqStatus, Sequence, StoreAnswer
 from kvstore.keys import BlockKey
@@ -160,7 +160,12 @@ class Scheduler:
                 f"({self.config.max_num_batched_tokens}) with chunked prefill off"
             )
         longest = min(prompt_len + max_tokens, limit)
-        need = -(-longest // self.block_size)
+        # With a sliding window the blocks that slid out are released as it grows: it needs
+        # only those its window and one step span at once.
+        # (A step may compute up to the whole budget of its tokens: a recompute after a
+        # preemption does, so the window's bound includes one step's worth.)
+        need = self.blocks.max_blocks_held(
+            longest, min(longest, self.config.max_num_batched_tokens))
         total = self.blocks.stats.num_blocks
         if need > total:
             raise InvalidRequestError(
@@ -324,7 +329,13 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             keys = self.blocks.keys_of(seq.seq_id)
             table = self.blocks.block_table(seq.seq_id)[: len(keys)]
-            out.swapped_out.append(BlockRun(keys, table, None))
+            # Only the run of blocks it still holds after the last one that slid out of its
+            # window (all of them without a window): the store has the older ones already,
+            # offloaded as they filled.
+            first = next((i + 1 for i in range(len(table) - 1, -1, -1) if table[i] == FREED), 0)
+            if first == 0 or first < len(table):
+                out.swapped_out.append(BlockRun(keys[first:], table[first:],
+                                                keys[first - 1] if first else None))
         self.blocks.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.store_answer = None

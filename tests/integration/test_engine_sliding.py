@@ -1,7 +1,9 @@
 """Sliding-window attention in the included engine, against transformers on the same tiny
 random Mistral checkpoint (every layer windowed, as transformers' Mistral does): greedy
 generations match token for token past the window, for prompts shorter and longer than it,
-with chunked prefill, with prefix caching serving a second run, and in a batch."""
+with chunked prefill, with prefix caching serving a second run, and in a batch; a long
+generation holds only the window's blocks; attention sinks stream past the context length
+with bounded blocks."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
 from tests.engine.models import save_tiny
@@ -85,3 +88,73 @@ def test_prefix_cache_serves_a_windowed_model(mistral: Path, oracle: Any) -> Non
     [third] = llm.generate([diverged], _greedy(30))
     assert third.metrics.cached_prompt_tokens == 32
     assert third.outputs[0].token_ids == hf_greedy(oracle, diverged, 30)
+
+
+def test_a_long_generation_holds_the_window_s_blocks(mistral: Path, oracle: Any) -> None:
+    """300 tokens would take 19 blocks; the pool has 6 and the sequence holds at most
+    ceil(24 / 16) + 1 = 3 at any decode step (a 32-token prefill chunk and the window
+    before it: 5), and its tokens still equal transformers'."""
+    prompt = _prompt(40, seed=8)
+    llm = _llm(mistral, num_blocks=6, max_num_batched_tokens=32)
+    held: list[int] = []
+    [out] = llm.generate([prompt], _greedy(260),
+                         on_step=lambda _: held.append(llm.block_manager.num_referenced_blocks))
+    assert out.outputs[0].token_ids == hf_greedy(oracle, prompt, 260)
+    bound = -(-WINDOW // BLOCK) + 1
+    decode_steps = held[2:]
+    assert max(decode_steps) <= bound and decode_steps.count(bound) > 0
+    assert max(held[:2]) <= llm.block_manager.max_blocks_held(300, 32) == 5
+
+
+def test_without_a_window_a_long_generation_does_not_fit(tmp_path: Path) -> None:
+    """The 6-block pool above is too small for the same request on a full-attention model:
+    the bound is the window's doing."""
+    full = save_tiny(tmp_path / "full", arch="mistral", sliding_window=None)
+    with pytest.raises(InvalidRequestError, match="needs 19 KV blocks"):
+        _llm(full, num_blocks=6, max_num_batched_tokens=32).generate(
+            [_prompt(40, seed=8)], _greedy(260))
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same weights with a 64-token context, windowed and not."""
+    folder = tmp_path_factory.mktemp("short")
+    save_tiny(folder / "full", arch="mistral", sliding_window=None,
+              max_position_embeddings=64)
+    return save_tiny(folder / "windowed", arch="mistral", sliding_window=WINDOW,
+                     max_position_embeddings=64)
+
+
+SINKS = 4
+
+
+def test_attention_sinks_stream_past_the_context_with_bounded_blocks(
+        short_context: Path) -> None:
+    """With 4 sinks, a 64-token-context model generates 4 x 64 tokens holding at most
+    1 + ceil(24 / 16) + 1 = 4 blocks (5 in the pool: what a 16-token step needs). Up to
+    position window + sinks - 1 the sinks and the window cover the whole context, so the
+    first tokens equal the full-attention model's (transformers'); after that they are the
+    approximation's own, and differ from the windowed model's."""
+    prompt = _prompt(10, seed=9)
+    llm = _llm(short_context, num_blocks=5, attention_sinks=SINKS, max_model_len=4 * 64,
+               max_num_batched_tokens=16)
+    held: list[int] = []
+    [out] = llm.generate([prompt], _greedy(4 * 64 - 10),
+                         on_step=lambda _: held.append(llm.block_manager.num_referenced_blocks))
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == 4 * 64 - 10 and out.outputs[0].finish_reason == "length"
+    assert max(held) <= 1 + -(-WINDOW // BLOCK) + 1
+    exact = WINDOW + SINKS - len(prompt) + 1  # tokens sampled by queries that see everything
+    full = hf_greedy(load_hf(str(short_context.parent / "full")), prompt, exact + 10)
+    assert tokens[:exact] == full[:exact]
+    windowed = hf_greedy(load_hf(str(short_context)), prompt, 60)
+    assert tokens[:60] != windowed
+
+
+def test_attention_sinks_need_a_window_and_change_the_namespace(short_context: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="needs a model with a sliding window"):
+        _llm(short_context.parent / "full", attention_sinks=2)
+    with pytest.raises(InvalidRequestError, match="max_position_embeddings"):
+        _llm(short_context, max_model_len=65)
+    plain = _llm(short_context).namespace
+    assert _llm(short_context, attention_sinks=2).namespace == plain + "-sinks2"
