@@ -3,11 +3,12 @@ random Mistral checkpoint (every layer windowed, as transformers' Mistral does):
 generations match token for token past the window, for prompts shorter and longer than it,
 with chunked prefill, with prefix caching serving a second run, and in a batch; a long
 generation holds only the window's blocks; attention sinks stream past the context length
-with bounded blocks."""
+with bounded blocks; a windowed model's blocks go through the store."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
+from kvstore.tools.testing import Daemon
 from tests.engine.models import save_tiny
 from tests.engine.oracle import hf_greedy, load_hf
 
@@ -158,3 +160,29 @@ def test_attention_sinks_need_a_window_and_change_the_namespace(short_context: P
         _llm(short_context, max_model_len=65)
     plain = _llm(short_context).namespace
     assert _llm(short_context, attention_sinks=2).namespace == plain + "-sinks2"
+
+
+LOCAL = ("dram.capacity_bytes=32MiB", "dram.page_size_bytes=8KiB", "hbm.mode=off",
+         "nvme.enabled=false")
+
+
+def test_a_windowed_model_through_the_store_matches_transformers(
+        mistral: Path, oracle: Any, daemon_factory: Callable[..., Daemon]) -> None:
+    """A writer with an 8-block pool offloads every block as it fills (before it slides out
+    of the window and is released); a fresh reader loads the prompts' blocks from the store
+    and generates transformers' tokens. (The connector still asks for every block up to the
+    cut, as for full attention: a hit that needs only the window's blocks is not built.)"""
+    d = daemon_factory(*LOCAL)
+    prompts = [_prompt(75, seed=10), _prompt(90, seed=11)]
+    want = [hf_greedy(oracle, p, 40) for p in prompts]
+    writer = _llm(mistral, store=d.target, num_blocks=8, max_num_batched_tokens=32)
+    assert [o.outputs[0].token_ids for o in writer.generate(prompts, _greedy(40))] == want
+    writer.close()  # waits for the offloads
+    assert writer.connector is not None and writer.connector.stats.offloaded_blocks >= 2 * 7
+    reader = _llm(mistral, store=d.target)
+    try:
+        outs = reader.generate(prompts, _greedy(40))
+    finally:
+        reader.close()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.metrics.store_prompt_tokens for o in outs] == [64, 80]
