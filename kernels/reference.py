@@ -214,12 +214,19 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if ctx < q_len:
             raise ValueError(f"sequence {seq}: context_len {ctx} < its {q_len} new tokens")
         read = attended_blocks(ctx, q_len, block_size, window, sinks)
-        cols = torch.tensor(read, dtype=torch.long, device=device)
-        blocks = block_tables[seq].to(device=device, dtype=torch.long)[cols]
-        # The position of every key gathered; the last block may be partly past ctx.
-        key_pos = (cols[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
         live = len(read) * block_size - (-(-ctx // block_size) * block_size - ctx)
-        key_pos = key_pos[:live]
+        if read[-1] - read[0] + 1 == len(read):
+            # One run of blocks (always, without sinks): a slice of the table, and the keys'
+            # positions are a range.
+            blocks = block_tables[seq, read[0] : read[-1] + 1].to(device=device,
+                                                                  dtype=torch.long)
+            key_pos = None  # a range from read[0] * block_size, made only if a mask needs it
+        else:  # the sink blocks, then the window's: a gap between them
+            cols = torch.tensor(read, dtype=torch.long, device=device)
+            blocks = block_tables[seq].to(device=device, dtype=torch.long)[cols]
+            # The position of every key gathered; the last block may be partly past ctx.
+            key_pos = (cols[:, None] * block_size
+                       + torch.arange(block_size, device=device)).flatten()[:live]
         k = torch.index_select(k_cache, 0, blocks).flatten(0, 1)[:live].to(query.dtype)
         v = torch.index_select(v_cache, 0, blocks).flatten(0, 1)[:live].to(query.dtype)
         windowed = window is not None and window < ctx
@@ -236,6 +243,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         rows = query[start:end].reshape(q_len, num_kv_heads, group, head_dim)
         rows = rows.permute(1, 0, 2, 3).reshape(num_kv_heads, q_len * group, head_dim)
         positions = torch.arange(ctx - q_len, ctx, device=device).repeat_interleave(group)
+        if key_pos is None:
+            key_pos = torch.arange(read[0] * block_size, ctx, device=device)
         mask = attendable(positions, key_pos, window, sinks)
         o = F.scaled_dot_product_attention(rows, k.transpose(0, 1), v.transpose(0, 1),
                                            attn_mask=mask, scale=scale)
