@@ -162,6 +162,41 @@ def test_attention_sinks_need_a_window_and_change_the_namespace(short_context: P
     assert _llm(short_context, attention_sinks=2).namespace == plain + "-sinks2"
 
 
+def test_preemption_and_forks_with_released_blocks_match(mistral: Path, oracle: Any) -> None:
+    """Six sequences in a 9-block pool are preempted (5 times) and recomputed while their
+    early blocks are released: their tokens equal a roomy pool's run without preemption
+    (the tests above tie that to transformers; one is checked against it here too). Greedy
+    n = 3 forks share tables with released entries and copy on write."""
+    prompts = [_prompt(30 + 7 * i, seed=30 + i) for i in range(6)]
+    llm = _llm(mistral, num_blocks=9, max_num_batched_tokens=32)
+    outs = llm.generate(prompts, _greedy(50))
+    assert sum(o.metrics.preemptions for o in outs) > 0
+    roomy = _llm(mistral).generate(prompts, _greedy(50))
+    assert sum(o.metrics.preemptions for o in roomy) == 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    assert outs[-1].outputs[0].token_ids == hf_greedy(oracle, prompts[-1], 50)
+    assert llm.block_manager.num_referenced_blocks == 0
+    prompt = _prompt(29, seed=40)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, n=3)
+    [out] = _llm(mistral, num_blocks=16).generate([prompt], params)
+    assert [c.token_ids for c in out.outputs] == [hf_greedy(oracle, prompt, 30)] * 3
+
+
+def test_qwen2_with_mixed_layers_matches_and_keeps_its_blocks(tmp_path: Path) -> None:
+    """Qwen2 windows only the layers from max_window_layers on: the full layer still reads
+    every block, so none is released."""
+    path = save_tiny(tmp_path / "qwen2", arch="qwen2", use_sliding_window=True,
+                     sliding_window=WINDOW, max_window_layers=1, num_hidden_layers=2)
+    llm = _llm(path)
+    assert llm.model_config.layer_windows == (None, WINDOW)
+    prompt = _prompt(50, seed=12)
+    held: list[int] = []
+    [out] = llm.generate([prompt], _greedy(40),
+                         on_step=lambda _: held.append(llm.block_manager.num_referenced_blocks))
+    assert out.outputs[0].token_ids == hf_greedy(load_hf(str(path)), prompt, 40)
+    assert max(held) == 6  # ceil(90 / 16): every block of the sequence
+
+
 LOCAL = ("dram.capacity_bytes=32MiB", "dram.page_size_bytes=8KiB", "hbm.mode=off",
          "nvme.enabled=false")
 
