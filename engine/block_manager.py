@@ -32,7 +32,9 @@ released as `free` releases one: a keyed block stays in the prefix cache as
 cached-unreferenced (another sequence with the same prefix may still take it as a hit; a
 later allocation may evict it), an unkeyed one returns to the free pool. So a long sequence
 holds at most ceil(sinks / block_size) + ceil((window - 1 + new) / block_size) + 1 blocks,
-`new` being the tokens of its step (1 for a decode): `max_blocks_held`.
+`new` being the tokens of its step (1 for a decode): `max_blocks_held`. The release comes
+before the room for the step's new blocks is counted, so a pool of that many blocks suffices
+(counted after, a prefill chunk would transiently need the blocks it is about to release).
 """
 
 from __future__ import annotations
@@ -220,7 +222,10 @@ class BlockManager:
         cached-unreferenced block (its key is dropped). If the sequence's last block is shared
         (refcount > 1) and will be written (num_tokens reaches into it), it is replaced by a
         fresh copy: the (src, dst) pair is queued for `take_copies`. Returns the whole block
-        table (a copy), or None when there are not enough blocks -- then nothing changed.
+        table (a copy), or None when there are not enough blocks -- then nothing changed but
+        the release of blocks that slid out of the window (which no later write reads; it
+        comes first, so that their room counts). A hit's blocks that are already out of the
+        window are not taken at all (FREED in the table from the start).
 
         A num_tokens the table already covers is a no-op. Raises BlockRequestError for a
         negative num_tokens or a hit on a later call; StaleHitError for a hit whose blocks no
@@ -236,6 +241,7 @@ class BlockManager:
             )
         if num_tokens <= seq.num_tokens:
             return list(seq.table)
+        self._slide(seq)
         cow = seq.num_tokens % self._block_size != 0 and self._refcounts[seq.table[-1]] > 1
         num_new = self._blocks_for(num_tokens) - len(seq.table) + int(cow)
         if num_new > self.num_free_blocks:
@@ -243,7 +249,6 @@ class BlockManager:
         if cow:
             self._copy_last_block(seq)
         self._grow(seq, num_new - int(cow))
-        self._slide(seq)
         seq.num_tokens = num_tokens
         return list(seq.table)
 
@@ -391,18 +396,24 @@ class BlockManager:
     ) -> list[int] | None:
         hit_blocks = [] if hit is None else list(hit.block_ids)
         hit_keys = [] if hit is None else self._check_hit(num_tokens, hit)
+        hit_tokens = len(hit_blocks) * self._block_size
+        # The hit's blocks before the window of its first write (at hit_tokens), sinks
+        # aside, are never read: they are not taken.
+        first = self._window_start(hit_tokens)
+        table = [FREED if self._sink_blocks <= i < first else b
+                 for i, b in enumerate(hit_blocks)]
+        kept = [b for b in table if b != FREED]
         # Reviving a cached-unreferenced hit block takes it out of the pool the new blocks
         # come from, so it counts against the room left (vLLM's num_evictable_computed_blocks).
-        revived = sum(1 for b in hit_blocks if b in self._evictable)
+        revived = sum(1 for b in kept if b in self._evictable)
         num_new = max(0, self._blocks_for(num_tokens) - len(hit_blocks))
         if num_new > self.num_free_blocks - revived:
             return None
-        for block_id in hit_blocks:
+        for block_id in kept:
             self._evictable.pop(block_id, None)
             self._refcounts[block_id] += 1
-        seq = _SeqState(hit_blocks, hit_keys, len(hit_blocks) * self._block_size)
+        seq = _SeqState(table, hit_keys, hit_tokens, first)
         self._grow(seq, num_new)
-        self._slide(seq)
         seq.num_tokens = max(seq.num_tokens, num_tokens)
         self._seqs[seq_id] = seq
         return list(seq.table)
@@ -429,14 +440,18 @@ class BlockManager:
                 )
         return list(hit.keys)
 
-    def _slide(self, seq: _SeqState) -> None:
-        """Release seq's blocks that its next write (at index seq.num_tokens, set before this
-        allocate's growth) and every later one cannot attend to: those wholly before
-        seq.num_tokens - window + 1, sink blocks kept (see the module docstring)."""
+    def _window_start(self, next_write: int) -> int:
+        """The first block a write at token index next_write (and every later one) attends
+        to, sinks aside: 0 without a window."""
         if self._window is None:
-            return
-        first = min(max(0, seq.num_tokens - self._window + 1) // self._block_size,
-                    len(seq.table))
+            return 0
+        return max(0, next_write - self._window + 1) // self._block_size
+
+    def _slide(self, seq: _SeqState) -> None:
+        """Release seq's blocks that its next write (at index seq.num_tokens, the previous
+        allocate's end) and every later one cannot attend to: those wholly before
+        seq.num_tokens - window + 1, sink blocks kept (see the module docstring)."""
+        first = min(self._window_start(seq.num_tokens), len(seq.table))
         for i in range(max(self._sink_blocks, seq.slid), first):
             block_id = seq.table[i]
             seq.table[i] = FREED

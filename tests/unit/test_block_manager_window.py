@@ -61,6 +61,25 @@ def test_released_blocks_stay_cached_for_another_sequence() -> None:
     # Only the window of the next write (token 36: tokens 31..36) is held by sequence 2.
     assert [b == FREED for b in table] == [True] * 7 + [False] * 3
     assert bm.num_blocks_held(2) == 3
+    # The hit's blocks out of the window were not taken: nobody references them.
+    assert all(bm.refcount(b) == 0 for b in hit.block_ids[:7])
+
+
+@pytest.mark.parametrize(("window", "sinks", "step"),
+                         [(1, 0, 1), (6, 0, 1), (6, 0, 8), (5, 0, 3), (9, 0, 5), (6, 5, 8)])
+def test_a_pool_of_exactly_the_bound_suffices(window: int, sinks: int, step: int) -> None:
+    """Blocks that slid out are released before the room for the new ones is counted, so
+    a pool of max_blocks_held blocks carries a sequence computed `step` tokens at a time
+    forever (were they released after, a chunk would need more room than the bound and
+    every one of these but step 1 would fail)."""
+    bound = BlockManager(1, BS, NS, window=window, sinks=sinks).max_blocks_held(10**6, step)
+    bm = BlockManager(bound, BS, NS, window=window, sinks=sinks)
+    tokens = list(range(150))
+    keys = bm.extend_keys([], tokens)
+    for n in range(step, len(tokens) + 1, step):
+        assert bm.allocate(1, n) is not None, n
+        bm.cache_full_blocks(1, keys, n)
+        assert bm.num_blocks_held(1) <= bound
 
 
 def test_no_window_releases_nothing() -> None:
