@@ -2,11 +2,19 @@
 sequence's window are released as it grows, so a long sequence holds a bounded number of
 blocks; attention sinks stay; released blocks stay in the prefix cache (another sequence
 with the same prefix still hits them); forks, frees and copy-on-write skip the released
-entries."""
+entries; and a simulation of the KV memory under random starts, steps, forks and frees
+reads back every attended position's own token."""
 
 from __future__ import annotations
 
+import itertools
+import random
+from collections import Counter
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.engine.block_manager import FREED, BlockManager, BlockRequestError
 
@@ -119,3 +127,104 @@ def test_bad_window_is_named() -> None:
         BlockManager(4, BS, NS, window=0)
     with pytest.raises(BlockRequestError, match="sinks"):
         BlockManager(4, BS, NS, window=4, sinks=-1)
+
+
+class _Sim:
+    """Sequences driven through a windowed BlockManager with the KV memory simulated: each
+    slot holds the token id written there. After every operation, every position a
+    sequence's next write attends to (its window and its sinks) must read back that
+    sequence's own token, through its table: a block released while still needed, reused by
+    another sequence, or shared wrongly by a hit or a fork would show there."""
+
+    def __init__(self, rng: random.Random, num_blocks: int, window: int, sinks: int) -> None:
+        self.rng = rng
+        self.bm = BlockManager(num_blocks, BS, NS, window=window, sinks=sinks)
+        self.window, self.sinks = window, sinks
+        self.memory: dict[int, dict[int, int]] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.keys: dict[int, list[Any]] = {}
+        self.done: dict[int, int] = {}  # tokens written
+        self.ids = itertools.count(1)
+
+    def start(self) -> None:
+        """A new sequence: a prefix of a live one's tokens (a hit, often) or fresh tokens."""
+        base: list[int] = []
+        if self.tokens and self.rng.random() < 0.6:
+            other = self.rng.choice(list(self.tokens))
+            base = self.tokens[other][: self.rng.randrange(0, self.done[other] + 1)]
+        tokens = base + [self.rng.randrange(1000) for _ in range(80)]
+        keys = self.bm.extend_keys([], tokens)
+        seq = next(self.ids)
+        first = len(base) + self.rng.randrange(1, 9)
+        hit = self.bm.find_prefix(keys, first)
+        if self.bm.allocate(seq, first, hit) is None:
+            return
+        self.tokens[seq], self.keys[seq], self.done[seq] = tokens, keys, hit.num_tokens
+        self._write(seq, first)
+
+    def step(self, seq: int) -> None:
+        end = min(len(self.tokens[seq]), self.done[seq] + self.rng.choice([1, 1, 1, 3, 7]))
+        if end > self.done[seq] and self.bm.allocate(seq, end) is not None:
+            self._write(seq, end)
+
+    def fork(self, seq: int) -> None:
+        child = next(self.ids)
+        self.bm.fork(seq, child)
+        n = self.done[seq]
+        self.tokens[child] = self.tokens[seq][:n] + [self.rng.randrange(1000) for _ in range(40)]
+        self.keys[child] = self.bm.extend_keys([], self.tokens[child])
+        self.done[child] = n
+
+    def free(self, seq: int) -> None:
+        self.bm.free(seq)
+        for table in (self.tokens, self.keys, self.done):
+            del table[seq]
+
+    def _write(self, seq: int, end: int) -> None:
+        for src, dst in self.bm.take_copies():
+            self.memory[dst] = dict(self.memory.get(src, {}))
+        table = self.bm.block_table(seq)
+        for pos in range(self.done[seq], end):
+            assert table[pos // BS] != FREED, f"seq {seq} writes {pos} into a released block"
+            self.memory.setdefault(table[pos // BS], {})[pos % BS] = self.tokens[seq][pos]
+        self.done[seq] = end
+        self.bm.cache_full_blocks(seq, self.keys[seq], end)
+
+    def check(self) -> None:
+        bm = self.bm
+        refs: Counter[int] = Counter()
+        for seq, n in self.done.items():
+            table = bm.block_table(seq)
+            refs.update(b for b in table if b != FREED)
+            attended = [p for p in range(n)
+                        if p > n - self.window or p < self.sinks]  # the next write's reach
+            for pos in attended:
+                block = table[pos // BS]
+                assert block != FREED, f"seq {seq}: position {pos} was released"
+                assert self.memory[block][pos % BS] == self.tokens[seq][pos], (seq, pos)
+        assert all(bm.refcount(b) == refs[b] for b in range(bm.num_blocks))
+        assert bm.num_referenced_blocks == len(refs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), window=st.sampled_from([1, 3, 4, 6, 9]),
+       sinks=st.sampled_from([0, 0, 2, 5]), num_blocks=st.integers(6, 24))
+def test_windowed_sequences_read_back_what_they_wrote(seed: int, window: int, sinks: int,
+                                                      num_blocks: int) -> None:
+    rng = random.Random(seed)
+    sim = _Sim(rng, num_blocks, window, sinks)
+    for _ in range(80):
+        live = list(sim.tokens)
+        op = rng.random()
+        if not live or op < 0.15:
+            sim.start()
+        elif op < 0.8:
+            sim.step(rng.choice(live))
+        elif op < 0.88:
+            sim.fork(rng.choice(live))
+        else:
+            sim.free(rng.choice(live))
+        sim.check()
+    for seq in list(sim.tokens):
+        sim.free(seq)
+    assert sim.bm.num_referenced_blocks == 0
