@@ -22,6 +22,13 @@ Two layouts of a layer's block are known, and a `PagedKV` is told which it holds
 
 Both are copied the same way, byte for byte; the layout is named in `signature` so that a
 block of one is never mistaken for a block of the other.
+
+A hybrid model (vLLM's hybrid KV-cache manager: sliding-window layers beside full-attention
+ones) keeps its layers in several KV-cache groups, each with block ids of its own (the groups
+may even share one buffer). A stored block is still every layer's slice of one block position,
+in model order; `gather` and `scatter` take the first group's block ids and `more_groups`, the
+other groups' ids for the same positions. A negative id marks a position where that group
+holds no block (a sliding window's blocks that slid out): `scatter` writes nothing there.
 """
 
 from __future__ import annotations
@@ -47,11 +54,17 @@ def _block_dim(tensor: torch.Tensor, num_blocks: int, name: str) -> int:
 
 class PagedKV:
     def __init__(self, layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int,
-                 layout: str = KV) -> None:
+                 layout: str = KV, groups: Sequence[int] | None = None) -> None:
         """layers: (name, tensor) in model order; num_blocks: the cache's block count;
-        layout: `KV` or `LATENT` (the module's docstring)."""
+        layout: `KV` or `LATENT` (the module's docstring); groups: each layer's KV-cache
+        group, 0 to n - 1 (default: one group)."""
         if not layers:
             raise ValueError("no KV cache layers to register")
+        self.groups = list(groups) if groups is not None else [0] * len(layers)
+        self.num_groups = max(self.groups) + 1
+        if len(self.groups) != len(layers) or set(self.groups) != set(range(self.num_groups)):
+            raise ValueError(f"KV cache groups {self.groups}: one per layer, numbered 0 to "
+                             f"n - 1 with none empty")
         if layout not in LAYOUTS:
             raise ValueError(f"KV cache layout must be one of {', '.join(LAYOUTS)}, "
                              f"got {layout!r}")
@@ -74,7 +87,8 @@ class PagedKV:
                     raise ValueError(f"KV cache {name}: a latent (MLA) block is [block_size, "
                                      f"latent width], got {tuple(shape)}")
         self.device = self.tensors[0].device
-        self._base = self._cross_layer_base()
+        # Several groups address one position by different block ids: never one buffer row.
+        self._base = self._cross_layer_base() if self.num_groups == 1 else None
 
     def _cross_layer_base(self) -> int | None:
         """The address of block 0 when every block's layers lie contiguous, one after another,
@@ -123,31 +137,57 @@ class PagedKV:
         ids = torch.tensor(list(block_ids), dtype=torch.int64, pin_memory=pin)
         return ids.to(self.device, non_blocking=True)
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    def _per_group(self, block_ids: Sequence[int],
+                   more_groups: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Every group's block ids for the same positions."""
+        per_group = [list(block_ids), *(list(g) for g in more_groups)]
+        if len(per_group) != self.num_groups or any(len(g) != len(block_ids)
+                                                    for g in per_group):
+            raise ValueError(f"block ids for {len(per_group)} groups of "
+                             f"{[len(g) for g in per_group]} positions; the cache has "
+                             f"{self.num_groups} groups")
+        return per_group
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None, *,
+               more_groups: Sequence[Sequence[int]] = ()) -> torch.Tensor:
         """A staging copy of the blocks, one row each, on the host: into `out` (len(block_ids)
-        rows of block_bytes) when given. On a GPU the rows are gathered on the device and
+        rows of block_bytes) when given. more_groups: the other groups' block ids for the
+        same positions, every one held. On a GPU the rows are gathered on the device and
         copied to the host in one copy that does not wait for it (out is pinned): the caller
         orders it (`device_copies`)."""
+        per_group = self._per_group(block_ids, more_groups)
         out = self.staging(len(block_ids)) if out is None else out
-        ids = self._ids(block_ids)
+        ids = [self._ids(g) for g in per_group]
         rows = out if self.device == out.device else torch.empty(
             out.shape, dtype=torch.uint8, device=self.device)
-        for t, d, off, size in zip(self.tensors, self.dims, self.offsets, self.layer_bytes,
-                                   strict=True):
-            part = t.index_select(d, ids).movedim(d, 0).reshape(len(block_ids), -1)
+        for t, d, off, size, g in zip(self.tensors, self.dims, self.offsets, self.layer_bytes,
+                                      self.groups, strict=True):
+            part = t.index_select(d, ids[g]).movedim(d, 0).reshape(len(block_ids), -1)
             rows[:, off:off + size].copy_(part.view(torch.uint8))
         if rows is not out:
             out.copy_(rows, non_blocking=True)
         return out
 
-    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Write staged rows into the blocks (the first len(block_ids) rows)."""
+    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int], *,
+                more_groups: Sequence[Sequence[int]] = ()) -> None:
+        """Write staged rows into the blocks (the first len(block_ids) rows). more_groups:
+        the other groups' block ids for the same positions; a negative id (in any group)
+        is a position that group does not hold, and gets nothing."""
         if not block_ids:
             return
+        per_group = self._per_group(block_ids, more_groups)
         count = len(block_ids)
-        ids = self._ids(block_ids)
         rows = staging[:count].to(self.device, non_blocking=True)
-        for t, d, off, size, shape in zip(self.tensors, self.dims, self.offsets,
-                                          self.layer_bytes, self.shapes, strict=True):
-            part = rows[:, off:off + size].contiguous().view(t.dtype)
-            t.index_copy_(d, ids, part.reshape(count, *shape).movedim(0, d))
+        held = [[i for i, b in enumerate(g) if b >= 0] for g in per_group]
+        picks = [None if len(h) == count else self._ids(h) for h in held]
+        ids = [self._ids([g[i] for i in h]) for g, h in zip(per_group, held, strict=True)]
+        for t, d, off, size, shape, g in zip(self.tensors, self.dims, self.offsets,
+                                             self.layer_bytes, self.shapes, self.groups,
+                                             strict=True):
+            if not held[g]:
+                continue
+            pick = picks[g]
+            part = rows[:, off:off + size] if pick is None else rows.index_select(
+                0, pick)[:, off:off + size]
+            part = part.contiguous().view(t.dtype)
+            t.index_copy_(d, ids[g], part.reshape(len(held[g]), *shape).movedim(0, d))

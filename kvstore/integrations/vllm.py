@@ -32,8 +32,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.client.errors import KVStoreError
@@ -56,6 +58,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvstore.integrations.vllm")
 
+_GROUP_KINDS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+"""The KV-cache groups the connector stores, by vLLM's spec class: full attention (MLA too)
+and sliding-window attention, alone or side by side (a hybrid model under vLLM's hybrid
+KV-cache manager). Others (Mamba state, chunked local attention, ...) are refused at start."""
+
+
+def _check_groups(kv_cache_config: KVCacheConfig) -> None:
+    """Refuse KV-cache groups the connector does not store, naming them."""
+    groups = kv_cache_config.kv_cache_groups
+    for group in groups:
+        kind = type(group.kv_cache_spec)
+        if kind not in _GROUP_KINDS:
+            raise ValueError(f"KVStoreConnector stores full and sliding-window attention; "
+                             f"layers {group.layer_names[:3]} are {kind.__name__}")
+    sizes = {group.kv_cache_spec.block_size for group in groups}
+    if len(sizes) > 1:
+        raise ValueError(f"KVStoreConnector needs one block size across KV cache groups, "
+                         f"got {sorted(sizes)}")
+
 
 def _tp_rank() -> int:
     """This process's tensor-parallel rank."""
@@ -67,20 +88,19 @@ def _tp_rank() -> int:
         return 0
 
 
-class KVStoreConnector(KVConnectorBase_V1):
-    """vLLM's connector object for one role. It refuses what it does not support (a hybrid
-    model, pipeline or decode context parallelism), opens the link, and hands each call to
-    its role's half (`scheduler` or `worker`)."""
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's connector object for one role. It refuses what it does not support (state-space
+    layers, pipeline or decode context parallelism), opens the link, and hands each call to
+    its role's half (`scheduler` or `worker`). It supports vLLM's hybrid KV-cache manager
+    (`SupportsHMA`): a model with sliding-window and full-attention layers keeps vLLM's
+    memory savings, and the store still holds every layer of each block."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = parse_settings(transfer.kv_connector_extra_config)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) > 1:
-            raise ValueError(f"KVStoreConnector supports one KV cache group (full attention); "
-                             f"this model has {len(groups)} (a hybrid model)")
+        _check_groups(kv_cache_config)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism")
         if getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) > 1:
@@ -160,6 +180,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # False: vLLM may free the blocks at once, since a save copies its blocks out during
         # its own step and none is read after this.
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """request_finished, for vLLM's hybrid KV-cache manager: each group's blocks may be
+        freed at once, for the same reason."""
         self.scheduler.request_finished(request)
         return False, None
 

@@ -101,18 +101,27 @@ class RequestState:
     """vLLM's latest answer about the request, until `update_state_after_alloc` takes it."""
     sources: list[str] = field(default_factory=list)
     """The tier of each block in that answer, until vLLM asks which tiers its hit came from."""
-    block_ids: list[int] | None = None
-    """The request's blocks in vLLM's KV cache; None until vLLM first allocates them."""
+    block_ids: list[list[int]] | None = None
+    """The request's blocks in vLLM's KV cache, per KV-cache group (one for a model whose
+    layers all attend alike); None until vLLM first allocates them."""
     saved: int = 0
     """How many of the request's leading blocks the store holds, or has a save scheduled."""
 
 
+_NULL_BLOCK = 0
+"""The block id vLLM's block pool gives the null block: the place of a sliding window's
+blocks that slid out (and were freed), which a group no longer holds."""
+
+
 def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
-    """The bytes of one stored block on one rank: one page of every layer."""
-    groups = kv_cache_config.kv_cache_groups
-    if not groups:
-        return 0
-    return int(groups[0].kv_cache_spec.page_size_bytes) * len(groups[0].layer_names)
+    """The bytes of one stored block on one rank: one page of every layer of every group."""
+    return sum(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+               for g in kv_cache_config.kv_cache_groups)
+
+
+def _held(block_ids: list[int]) -> list[int]:
+    """Block ids as a load writes them: -1 where the group holds no block (vLLM's null)."""
+    return [-1 if b == _NULL_BLOCK else b for b in block_ids]
 
 
 class SchedulerSide:
@@ -251,7 +260,7 @@ class SchedulerSide:
         answer (num_external_tokens) become a load for the next step, and the blocks the store
         holds already are not saved again."""
         state = self._state(request)
-        state.block_ids = list(blocks.get_block_ids()[0])
+        state.block_ids = [list(g) for g in blocks.get_block_ids()]
         match, state.match = state.match, None
         if match is None:  # the second call, after an async load: more blocks only
             return
@@ -267,9 +276,9 @@ class SchedulerSide:
                 saved += choice.recompute_blocks
         if count:
             keys = self._keys_of(state, first + count)[first:]
-            self._loads.append(LoadSpec(request.request_id, keys,
-                                        state.block_ids[first:first + count],
-                                        slowest(match.tiers[:count])))
+            ids = [_held(g[first:first + count]) for g in state.block_ids]
+            self._loads.append(LoadSpec(request.request_id, keys, ids[0],
+                                        slowest(match.tiers[:count]), more_groups=ids[1:]))
         state.saved = saved
 
     # -- each step ------------------------------------------------------------------------
@@ -285,7 +294,7 @@ class SchedulerSide:
             meta.chunks.append((scheduled.get(new.req_id, 0), new.num_computed_tokens))
             state = self._requests.get(new.req_id)
             if state is not None and state.block_ids is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = [list(g) for g in new.block_ids]
                 self._save(meta, state, state.block_ids, new.num_computed_tokens,
                            scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
@@ -296,9 +305,11 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = ([list(g) for g in new_ids] if new_ids
+                                   else [[] for _ in state.block_ids])
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                for held, added in zip(state.block_ids, new_ids, strict=True):
+                    held.extend(added)
             self._save(meta, state, state.block_ids, cached.num_computed_tokens[i],
                        scheduler_output)
         return meta
@@ -315,23 +326,29 @@ class SchedulerSide:
                 self._answered.wait(timeout_s)
             self._fresh_answers = 0
 
-    def _save(self, meta: KVStoreMetadata, state: RequestState, block_ids: list[int],
+    def _save(self, meta: KVStoreMetadata, state: RequestState, block_ids: list[list[int]],
               num_computed: int, scheduler_output: SchedulerOutput) -> None:
         """Schedule for saving the request's blocks that this step fills, whose tokens are
-        then all known. block_ids: the request's blocks in vLLM's KV cache."""
+        then all known. block_ids: the request's blocks in vLLM's KV cache, per group. Every
+        group holds a block the step fills (a sliding window frees it only in a later
+        step); should one not, the save stops before it, and those blocks stay unsaved."""
         request = state.request
         if not self.saves or not cacheable(request):
             return
         scheduled = scheduler_output.num_scheduled_tokens.get(request.request_id, 0)
         full = min(num_computed + scheduled, request.num_tokens) // self.block_size
-        full = min(full, len(block_ids))
+        full = min(full, *(len(g) for g in block_ids))
         if full <= state.saved:
             return
         keys = self._keys_of(state, full)
         start = state.saved
-        meta.saves.append(SaveSpec(keys[start:full], block_ids[start:full],
-                                   keys[start - 1] if start else None))
         state.saved = full
+        end = next((i for i in range(start, full) if any(g[i] == _NULL_BLOCK
+                                                          for g in block_ids)), full)
+        if end > start:
+            meta.saves.append(SaveSpec(keys[start:end], block_ids[0][start:end],
+                                       keys[start - 1] if start else None,
+                                       more_groups=[g[start:end] for g in block_ids[1:]]))
 
     def request_finished(self, request: Request) -> None:
         """The request is done: its state goes. A save copies its blocks out during its own
@@ -347,8 +364,8 @@ class SchedulerSide:
         if not invalid:
             return
         for state in self._requests.values():
-            for index, block in enumerate((state.block_ids or [])[:state.saved]):
-                if block in invalid:
+            for index in range(state.saved):
+                if any(index < len(g) and g[index] in invalid for g in state.block_ids or []):
                     state.saved = index
                     break
 

@@ -43,6 +43,9 @@ class LoadSpec:
     block_ids: list[int]
     tier: str = ""
     """The slowest tier the blocks were found in: a whole load teaches that tier's cost."""
+    more_groups: list[list[int]] = field(default_factory=list)
+    """A hybrid model's other KV-cache groups: each group's blocks for the same positions as
+    block_ids, -1 where the group holds none (a sliding window's blocks that slid out)."""
 
 
 @dataclass
@@ -54,6 +57,9 @@ class SaveSpec:
     block_ids: list[int]
     parent: BlockKey | None
     """The key before keys[0] in its chain; None when keys[0] is the chain's first block."""
+    more_groups: list[list[int]] = field(default_factory=list)
+    """A hybrid model's other KV-cache groups: each group's blocks for the same positions as
+    block_ids (all held: the step just filled them)."""
 
 
 @dataclass

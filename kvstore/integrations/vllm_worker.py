@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from kvstore.integrations.device_copies import DONE, DeviceCopies, Event, copies_for
@@ -39,6 +40,7 @@ from kvstore.integrations.vllm_steps import (
     KVStoreMetadata,
     KVStoreStats,
     LoadSpec,
+    SaveSpec,
     StepTimer,
     load_origin,
 )
@@ -59,11 +61,11 @@ class _Landing:
     event: Event
 
 
-def _gather(paged: PagedKV, block_ids: list[int], staging: torch.Tensor) -> Callable[[], None]:
+def _gather(paged: PagedKV, spec: SaveSpec, staging: torch.Tensor) -> Callable[[], None]:
     """A save's copy: the blocks into staging."""
 
     def fill() -> None:
-        paged.gather(block_ids, out=staging)
+        paged.gather(spec.block_ids, out=staging, more_groups=spec.more_groups)
 
     return fill
 
@@ -91,14 +93,19 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor],
                  kv_cache_config: KVCacheConfig) -> None:
-        """Learn the layout of vLLM's KV cache: one paged tensor per layer of the cache's one
-        group, K/V or MLA's latent vectors (`paged.LATENT`)."""
+        """Learn the layout of vLLM's KV cache: one paged tensor per layer, K/V or MLA's
+        latent vectors (`paged.LATENT`), in one KV-cache group or (a hybrid model) several.
+        A stored block holds the layers in model order, so a hybrid model's blocks are the
+        same with vLLM's hybrid manager on or off."""
         groups = kv_cache_config.kv_cache_groups
-        names = [n for g in groups for n in g.layer_names if n in kv_caches]
+        group_of = {n: i for i, g in enumerate(groups) for n in g.layer_names if n in kv_caches}
+        names = list(group_of)
+        if len(groups) > 1:
+            names.sort(key=extract_layer_index)
         latent = bool(groups) and all(isinstance(g.kv_cache_spec, MLAAttentionSpec)
                                       for g in groups)
         self.paged = PagedKV([(n, kv_caches[n]) for n in names], kv_cache_config.num_blocks,
-                             LATENT if latent else KV)
+                             LATENT if latent else KV, groups=[group_of[n] for n in names])
         if self.copies is None:
             self.copies = copies_for(self.paged.device)
         if self._rank == 0:  # every rank runs the same steps: one reports them
@@ -118,7 +125,8 @@ class WorkerSide:
         paged, copies = self.paged, self.copies
         if paged is None or copies is None:
             raise RuntimeError("KVStoreConnector: a load before register_kv_caches")
-        staging = (None if paged.direct
+        # A sliding window's position it does not hold (-1) goes through staging: skipped.
+        staging = (None if paged.direct and min(spec.block_ids, default=0) >= 0
                    else copies.take(len(spec.keys), (paged.block_bytes,), torch.uint8))
         rows = paged.direct_rows(spec.block_ids) if staging is None else paged.rows(staging)
         begun = time.perf_counter()
@@ -131,7 +139,9 @@ class WorkerSide:
             try:
                 if staging is not None and arrived:
                     ids = spec.block_ids[:arrived]
-                    event = copies.load(staging, lambda: paged.scatter(staging, ids))
+                    more = [g[:arrived] for g in spec.more_groups]
+                    event = copies.load(staging, lambda: paged.scatter(staging, ids,
+                                                                       more_groups=more))
             except Exception:
                 logger.exception("kvstore: scattering %d loaded blocks failed", arrived)
                 arrived = 0
@@ -142,8 +152,9 @@ class WorkerSide:
                 if spec.tier and arrived == len(spec.keys):
                     self._load_times.append((self.origin, spec.tier,
                                              arrived * paged.block_bytes, seconds))
-                self._landing.append(_Landing(spec.req_id, list(spec.block_ids[arrived:]),
-                                              event))
+                failed = [b for g in (spec.block_ids, *spec.more_groups)
+                          for b in g[arrived:] if b >= 0]
+                self._landing.append(_Landing(spec.req_id, failed, event))
                 self._loads_in_flight -= 1
                 self._load_done.notify_all()
 
@@ -168,7 +179,7 @@ class WorkerSide:
                 self.link.offload(spec.keys, [], spec.parent)  # counted as dropped
                 continue
             staging = copies.staging(len(spec.block_ids), (paged.block_bytes,), torch.uint8)
-            event = copies.save(_gather(paged, list(spec.block_ids), staging), staging)
+            event = copies.save(_gather(paged, spec, staging), staging)
             self.link.offload(spec.keys, paged.rows(staging), spec.parent,
                               ready=event.synchronize)
 

@@ -9,7 +9,9 @@ engine-core and worker processes as users do).
 Output: tokens (greedy, per prompt), cached_tokens (per prompt: tokens not computed),
 stats (the connector's counters, in-process runs only), namespace, shared_memory (whether
 its data calls went through the daemon's shared memory), prefill_steps (forward steps the
-workers timed that reached the scheduler side's cost model, in-process runs only).
+workers timed that reached the scheduler side's cost model, in-process runs only), groups
+(the KV-cache groups the worker's connector registered: more than one when vLLM's hybrid
+manager is on, in-process runs only).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main() -> None:
         result["stats"] = connector.link.stats.as_dict()
         result["namespace"] = connector.namespace
         result["shared_memory"] = connector.link.client.uses_shared_memory
+        result["groups"] = connector.paged.num_groups
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
         result["prefill_steps"] = scheduler.connector.scheduler.prefill.steps
     if args.get("dump_kv"):
