@@ -1,8 +1,8 @@
-"""A hybrid model (a tiny random Gemma-3: three sliding-window layers, window 32, and one
-full-attention layer) with vLLM's hybrid KV-cache manager on, which the connector supports
-(`SupportsHMA`): a fresh engine loads what another computed, and its greedy tokens are those
-of plain vLLM. Prompts end one token past a block edge, mid-block, and one token before the
-next edge."""
+"""Sliding-window models with vLLM's hybrid KV-cache manager on, which the connector supports
+(`SupportsHMA`): a hybrid (a tiny random Gemma-3: three sliding-window layers, window 32, and
+one full-attention layer) and a tiny random Mistral whose every layer slides (window 32). A
+fresh engine loads what another computed, and its greedy tokens are those of plain vLLM.
+Prompts end one token past a block edge, mid-block, and one token before the next edge."""
 
 from __future__ import annotations
 
@@ -43,6 +43,21 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         max_position_embeddings=4096, tie_word_embeddings=True, torch_dtype="float32")
     folder = tmp_path_factory.mktemp("gemma3") / "tiny"
     Gemma3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mistral, 2 layers, every one sliding (window 32), head_dim 64."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=WINDOW,
+        max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="float32")
+    folder = tmp_path_factory.mktemp("mistral") / "tiny"
+    MistralForCausalLM(config).save_pretrained(folder)
     return folder
 
 
@@ -93,3 +108,32 @@ def test_a_hybrid_model_with_vllms_hybrid_manager_on_loads_and_generates_the_sam
                             "not what the first engine computed"
                         assert part in loaded[layer], f"block {index} layer {layer}: " \
                             "not in the second engine's cache"
+
+
+def test_a_model_whose_every_layer_slides_loads_only_the_window_and_generates_the_same(
+        store: StoreView, mistral_dir: Path, llm_run: Run, tmp_path: Path) -> None:
+    plain, _ = llm_run({"model": str(mistral_dir), "prompts": PROMPTS,
+                        "max_tokens": MAX_TOKENS, "connector": None})
+    args = {"model": str(mistral_dir), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "connector": store.options(load_policy="always")}
+    first, _ = llm_run(args)
+    store.evict_at_end(first["namespace"])
+    assert first["groups"] == 1
+    assert first["tokens"] == plain["tokens"]
+    second, _ = llm_run({**args, "dump_kv": str(tmp_path / "second.pt")})
+    assert second["tokens"] == plain["tokens"]
+    assert second["cached_tokens"] == [STORED * BLOCK] * len(PROMPTS)
+    assert second["stats"]["loaded_blocks"] == STORED * len(PROMPTS)
+    # vLLM holds only the window's block of each hit: the loads wrote that block alone (its
+    # null block for the others is skipped), so a stored block's bytes are in the cache
+    # only for the last block of each prompt (older ones are neither loaded nor computed).
+    loaded = _slices(tmp_path / "second.pt")
+    with KVStoreClient(store.target, second["namespace"]) as client:
+        for prompt in PROMPTS:
+            stored = client.get(prefix_keys(prompt[: STORED * BLOCK], BLOCK,
+                                            second["namespace"]))
+            width = len(stored[0]) // len(loaded)
+            for index, block in enumerate(stored):
+                present = [bytes(block[i * width:(i + 1) * width]) in loaded[i]
+                           for i in range(len(loaded))]
+                assert present == [index == STORED - 1] * len(loaded), index
