@@ -74,7 +74,8 @@ class StaleHitError(BlockRequestError):
 class PrefixHit:
     """The longest cached prefix of a token list: its block ids, in order, how many tokens
     they hold (a multiple of block_size), and their keys. Taking no references: `allocate`
-    takes them."""
+    takes them. With a window, a block id is FREED where the hit does not need the block
+    (out of the window of the first token computed after it)."""
 
     block_ids: list[int]
     num_tokens: int
@@ -195,7 +196,14 @@ class BlockManager:
         least one token is left to compute (its logits are needed), so at most
         (num_tokens - 1) // block_size blocks. Empty when prefix caching is off. Counts a query
         and the hit tokens in `stats` (queries are counted with caching off too, so the hit
-        rate reads 0 rather than undefined)."""
+        rate reads 0 rather than undefined).
+
+        With a window, a hit needs only the blocks its first computed token attends to: the
+        cut may be at any block boundary c * block_size whose window's blocks (those from
+        c * block_size - window + 1 on) and sink blocks are cached, whatever became of the
+        blocks between (evicted, or never cached); the longest such cut is the hit, and its
+        block_ids hold FREED for the blocks it does not need (as vLLM's sliding-window
+        prefix cache decides a hit)."""
         _check_count("num_tokens", num_tokens)
         self._prefix_queries += 1
         self._prefix_query_tokens += num_tokens
@@ -203,11 +211,14 @@ class BlockManager:
             return PrefixHit([], 0)
         max_blocks = max(0, (num_tokens - 1) // self._block_size)
         block_ids: list[int] = []
-        for key in keys[:max_blocks]:
-            block_id = self._key_to_block.get(key)
-            if block_id is None:
-                break
-            block_ids.append(block_id)
+        if self._window is not None:
+            block_ids = self._windowed_prefix(keys[:max_blocks])
+        else:
+            for key in keys[:max_blocks]:
+                block_id = self._key_to_block.get(key)
+                if block_id is None:
+                    break
+                block_ids.append(block_id)
         num_tokens = len(block_ids) * self._block_size
         self._prefix_hit_tokens += num_tokens
         return PrefixHit(block_ids, num_tokens, list(keys[: len(block_ids)]))
@@ -431,7 +442,10 @@ class BlockManager:
             raise StaleHitError(
                 f"hit covers {hit.num_tokens} tokens, more than the {num_tokens} allocated"
             )
+        unread = range(self._sink_blocks, self._window_start(hit.num_tokens))
         for i, (block_id, key) in enumerate(zip(hit.block_ids, hit.keys, strict=True)):
+            if block_id == FREED and i in unread:
+                continue  # out of the window: not needed, not taken
             self._check_block(block_id)
             if self._key_to_block.get(key) != block_id:
                 raise StaleHitError(
@@ -439,6 +453,23 @@ class BlockManager:
                     "call find_prefix again"
                 )
         return list(hit.keys)
+
+    def _windowed_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
+        """find_prefix's block ids under a window (see there): the longest cut whose window
+        and sink blocks are all cached, FREED for the blocks between."""
+        found = [self._key_to_block.get(key) for key in keys]
+        lead = next((i for i, b in enumerate(found) if b is None), len(found))
+        best, run_start = 0, 0  # run_start: where the run of cached blocks up to c - 1 began
+        for c in range(1, len(found) + 1):
+            if found[c - 1] is None:
+                run_start = c
+                continue
+            start = self._window_start(c * self._block_size)
+            if run_start <= start and lead >= min(self._sink_blocks, start):
+                best = c
+        start = self._window_start(best * self._block_size)
+        ids = [FREED if self._sink_blocks <= i < start else found[i] for i in range(best)]
+        return [FREED if b is None else b for b in ids]  # (None never remains: typing)
 
     def _window_start(self, next_write: int) -> int:
         """The first block a write at token index next_write (and every later one) attends

@@ -17,6 +17,7 @@ import pytest
 from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
+from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
 from tests.engine.models import save_tiny
 from tests.engine.oracle import hf_greedy, load_hf
@@ -90,6 +91,24 @@ def test_prefix_cache_serves_a_windowed_model(mistral: Path, oracle: Any) -> Non
     [third] = llm.generate([diverged], _greedy(30))
     assert third.metrics.cached_prompt_tokens == 32
     assert third.outputs[0].token_ids == hf_greedy(oracle, diverged, 30)
+
+
+def test_a_hit_with_its_early_blocks_evicted_still_serves(mistral: Path, oracle: Any) -> None:
+    """In a 10-block pool, a second prompt evicts the first one's earliest blocks (they slid
+    out first, so they are the least recently used); the first prompt again still hits 96
+    tokens, as only the window before the cut (blocks 4 and 5) is needed, and its tokens
+    equal transformers'."""
+    first, other = _prompt(100, seed=13), _prompt(80, seed=14)
+    llm = _llm(mistral, num_blocks=10, max_num_batched_tokens=32)
+    llm.generate([first], _greedy(5))
+    llm.generate([other], _greedy(5))
+    keys = prefix_keys(first, BLOCK, llm.namespace)
+    cached = [llm.block_manager.find_prefix(keys[: i + 1], BLOCK * (i + 1) + 1).num_tokens > 0
+              for i in range(len(keys))]
+    assert llm.block_manager.stats.evictions > 0 and not cached[0]
+    [again] = llm.generate([first], _greedy(20))
+    assert again.metrics.cached_prompt_tokens == 96
+    assert again.outputs[0].token_ids == hf_greedy(oracle, first, 20)
 
 
 def test_a_long_generation_holds_the_window_s_blocks(mistral: Path, oracle: Any) -> None:

@@ -64,13 +64,44 @@ def test_released_blocks_stay_cached_for_another_sequence() -> None:
     keys = bm.extend_keys([], tokens)
     hit = bm.find_prefix(keys, len(tokens))
     assert hit.num_tokens == 36  # every full block but the one holding the last token
+    # The hit names only the blocks the window of its first computed token (36: tokens
+    # 31..36) needs; the others are not taken, and stay cached-unreferenced.
+    assert hit.block_ids[:7] == [FREED] * 7 and FREED not in hit.block_ids[7:]
+    evictable = bm.num_evictable_blocks
     table = bm.allocate(2, 40, hit)
     assert table is not None
-    # Only the window of the next write (token 36: tokens 31..36) is held by sequence 2.
     assert [b == FREED for b in table] == [True] * 7 + [False] * 3
+    # Block 7 (which sequence 1 released) is revived; the 7 before it stay unreferenced.
+    assert bm.num_blocks_held(2) == 3 and bm.num_evictable_blocks == evictable - 1
+
+
+def test_a_windowed_hit_needs_only_the_window_s_blocks() -> None:
+    """With the early blocks of a prefix evicted, a hit still covers the prefix up to the
+    last cut whose window's blocks are cached (vLLM's rule for a sliding-window group)."""
+    bm = BlockManager(11, BS, NS, window=6)
+    tokens = list(range(41))
+    grow(bm, 1, tokens)  # 11 blocks; 0..7 slid out in that order
+    bm.free(1)  # LRU order: 0..7, then 9, 8 (the tail first); 10 (partial) is free
+    keys = bm.extend_keys([], tokens)
+    assert bm.allocate(99, 16) is not None  # block 10, then evicts blocks 0, 1, 2
+    assert bm.find_prefix(keys[:4], 17).num_tokens == 0  # cut 16 needs block 2: gone
+    hit = bm.find_prefix(keys, 41)  # cut 40: the window of token 40 is 35..40, blocks 8, 9
+    assert hit.num_tokens == 40 and hit.block_ids[:8] == [FREED] * 8
+    assert bm.allocate(2, 41, hit) == [FREED] * 8 + hit.block_ids[8:] + [bm.block_table(2)[10]]
     assert bm.num_blocks_held(2) == 3
-    # The hit's blocks out of the window were not taken: nobody references them.
-    assert all(bm.refcount(b) == 0 for b in hit.block_ids[:7])
+
+
+@pytest.mark.parametrize(("sinks", "want"), [(0, 40), (2, 0)])
+def test_sinks_must_be_cached_for_a_windowed_hit(sinks: int, want: int) -> None:
+    """The first key stands for a missing block 0: without sinks the hit does not need it;
+    with sinks in block 0 no cut past it can be taken."""
+    bm = BlockManager(16, BS, NS, window=6, sinks=sinks)
+    tokens = list(range(41))
+    grow(bm, 1, tokens)
+    bm.free(1)
+    keys = bm.extend_keys([], tokens)
+    assert bm.find_prefix(keys, 41).num_tokens == 40
+    assert bm.find_prefix([b"missing" * 4, *keys[1:]], 41).num_tokens == want
 
 
 @pytest.mark.parametrize(("window", "sinks", "step"),
