@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -228,6 +229,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
         return None, self.worker.finished(self._connector_metadata) or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The loads that landed, with those of a hybrid model that failed (by request: vLLM
+        cannot take a hybrid model's failed blocks by id, and recomputes such a request)."""
+        landed = self.worker.finished(self._connector_metadata)
+        return KVConnectorTransferResults(finished_recving=landed,
+                                          failed_recving=self.worker.failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()

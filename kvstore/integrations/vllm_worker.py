@@ -89,6 +89,7 @@ class WorkerSide:
         self._loads_in_flight = 0
         self._landing: list[_Landing] = []  # loads whose copy may still be in flight
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests, for several KV-cache groups
         self._load_times: list[tuple[str, str, int, float]] = []
 
     def register(self, kv_caches: dict[str, torch.Tensor],
@@ -203,8 +204,20 @@ class WorkerSide:
         with self._lock:
             self._landing = [x for x in self._landing if x not in landed]
             for x in landed:
-                self._load_errors.update(x.failed)
+                if x.failed and self.paged is not None and self.paged.num_groups > 1:
+                    # Block ids repeat across groups, so vLLM takes a hybrid model's load
+                    # failures by request (it recomputes the whole request), never by block.
+                    self._failed_loads.add(x.req_id)
+                else:
+                    self._load_errors.update(x.failed)
         return {x.req_id for x in landed}
+
+    def failed_loads(self) -> set[str]:
+        """The requests (of a model with several KV-cache groups) whose load did not wholly
+        arrive since the last call: vLLM recomputes them. They are reported finished too."""
+        with self._lock:
+            failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def load_errors(self) -> set[int]:
         """The blocks that failed to load since the last call: vLLM recomputes them."""

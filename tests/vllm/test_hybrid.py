@@ -6,17 +6,29 @@ Prompts end one token past a block edge, mid-block, and one token before the nex
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 
 from kvstore.client import KVStoreClient
 from kvstore.integrations.paged import PagedKV
+from kvstore.integrations.vllm import KVStoreConnector
+from kvstore.integrations.vllm_steps import KVStoreMetadata, LoadSpec, SaveSpec
 from kvstore.keys import prefix_keys
 from tests.vllm.conftest import StoreView
+from tests.vllm.harness import BLOCK as HARNESS_BLOCK
+from tests.vllm.harness import HEAD_DIM, KV_HEADS, LAYERS, vllm_config
 
 BLOCK = 128  # vLLM's CPU default
 WINDOW = 32
@@ -137,3 +149,63 @@ def test_a_model_whose_every_layer_slides_loads_only_the_window_and_generates_th
                 present = [bytes(block[i * width:(i + 1) * width]) in loaded[i]
                            for i in range(len(loaded))]
                 assert present == [index == STORED - 1] * len(loaded), index
+
+
+def _hybrid_cache_config(num_blocks: int) -> KVCacheConfig:
+    """The harness's two layers as vLLM's hybrid manager groups them for a hybrid model:
+    group 0 the full-attention layer (layer 1), group 1 the sliding-window one (layer 0)."""
+    full = FullAttentionSpec(block_size=HARNESS_BLOCK, num_kv_heads=KV_HEADS,
+                             head_size=HEAD_DIM, dtype=torch.float32)
+    sliding = SlidingWindowSpec(block_size=HARNESS_BLOCK, num_kv_heads=KV_HEADS,
+                                head_size=HEAD_DIM, dtype=torch.float32, sliding_window=WINDOW)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec([LAYERS[1]], full),
+                                          KVCacheGroupSpec([LAYERS[0]], sliding)])
+
+
+def _hybrid_worker(config: Any, seed: int | None) -> tuple[KVStoreConnector,
+                                                           dict[str, torch.Tensor]]:
+    shape = (32, KV_HEADS, HARNESS_BLOCK, 2 * HEAD_DIM)
+    gen = torch.Generator().manual_seed(seed or 0)
+    caches = {name: (torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32,
+                                   generator=gen).view(torch.float32)
+                     if seed is not None else torch.zeros(shape)) for name in LAYERS}
+    connector = KVStoreConnector(config, KVConnectorRole.WORKER, _hybrid_cache_config(32))
+    connector.register_kv_caches(caches)
+    return connector, caches
+
+
+def test_a_hybrid_load_writes_each_group_at_its_ids_and_reports_a_failure_by_request(
+        store: StoreView, model_dir: Path) -> None:
+    """vLLM cannot take a hybrid model's failed blocks by id (ids repeat across groups: it
+    raises), so a load that did not wholly arrive is reported by request, and recomputed."""
+    config = vllm_config(model_dir, store.options())
+    saver, saved = _hybrid_worker(config, seed=7)
+    keys = prefix_keys(list(range(9, 9 + 4 * HARNESS_BLOCK)), HARNESS_BLOCK, saver.namespace)
+    saver.bind_connector_metadata(KVStoreMetadata(saves=[SaveSpec(
+        keys[:2], [1, 2], None, more_groups=[[5, 6]])]))  # blocks 2 and 3 never stored
+    saver.wait_for_save()
+    saver.clear_connector_metadata()
+    assert saver.link.flush(10.0)
+    saver.shutdown()
+
+    loader, loaded = _hybrid_worker(config, seed=None)
+    assert loader.paged is not None and loader.paged.names == list(LAYERS)  # model order
+    # The sliding group holds no block at position 0 (slid out of its window): -1.
+    loader.bind_connector_metadata(KVStoreMetadata(loads=[LoadSpec(
+        "r1", keys, [10, 11, 12, 13], "dram", more_groups=[[-1, 20, 21, 22]])]))
+    loader.start_load_kv(None)  # type: ignore[arg-type]
+    loader.clear_connector_metadata()
+    deadline = time.monotonic() + 10.0
+    while not (results := loader.get_transfer_results(set())).finished_recving:
+        assert time.monotonic() < deadline, "the load never finished"
+        time.sleep(0.01)
+    assert results.finished_recving == {"r1"} and results.failed_recving == {"r1"}
+    assert loader.get_block_ids_with_load_errors() == set()
+    full, sliding = loaded[LAYERS[1]], loaded[LAYERS[0]]
+    assert torch.equal(full[[10, 11]].view(torch.int32),
+                       saved[LAYERS[1]][[1, 2]].view(torch.int32))
+    assert torch.equal(sliding[20].view(torch.int32), saved[LAYERS[0]][6].view(torch.int32))
+    assert not full[[b for b in range(32) if b not in (10, 11)]].any()
+    assert not sliding[[b for b in range(32) if b != 20]].any()
+    loader.shutdown()
