@@ -287,6 +287,8 @@ class BlockManager:
         first = len(seq.keys)
         new = list(enumerate(keys[first : num_tokens // self._block_size], start=first))
         for i, key in new:  # check them all first: a refused call changes nothing
+            if seq.table[i] == FREED:
+                continue
             current = self._block_keys[seq.table[i]]
             if current is not None and current != key:
                 raise BlockRequestError(
@@ -294,7 +296,9 @@ class BlockManager:
                 )
         for i, key in new:
             seq.keys.append(key)
-            if seq.table[i] != FREED:  # (never: a block is keyed before it slides out)
+            # A FREED entry is one a windowed store load skipped (a block is keyed before
+            # it slides out otherwise): the key is the sequence's, no block holds it.
+            if seq.table[i] != FREED:
                 self._register(seq.table[i], key)
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -351,6 +355,24 @@ class BlockManager:
         """seq_id's block table (a copy; FREED where a block slid out of the window);
         UnknownSequenceError if it has none."""
         return list(self._seq(seq_id).table)
+
+    @property
+    def sink_blocks(self) -> int:
+        """Leading blocks of a sequence kept for its attention sinks (0 without sinks)."""
+        return self._sink_blocks
+
+    def window_start(self, next_write: int) -> int:
+        """The first block (past the sink blocks) that a write at token index next_write,
+        and every later one, attends to: 0 without a window."""
+        return self._window_start(next_write)
+
+    def release_out_of_window(self, seq_id: int) -> list[int]:
+        """Release now the blocks of seq_id that a write at the end of its table (where its
+        next write lands) cannot attend to, as the next allocate would, and return the
+        table: for a store load that fills only the window before its cut."""
+        seq = self._seq(seq_id)
+        self._slide(seq)
+        return list(seq.table)
 
     def num_blocks_held(self, seq_id: int) -> int:
         """How many blocks seq_id's table holds (FREED entries not counted)."""

@@ -271,11 +271,19 @@ class Scheduler:
             return "admit"
         if len(self._loads) + len(self.running) >= self.config.max_num_seqs:
             return "full"
-        table = self.blocks.allocate(seq.seq_id, (first + count) * self.block_size, hit)
+        cut = first + count
+        table = self.blocks.allocate(seq.seq_id, cut * self.block_size, hit)
         if table is None:
             return "full"
-        plan = LoadPlan(seq, first, seq.block_keys[first : first + count],
-                        table[first : first + count])
+        # Under a sliding window only the blocks the window covers before the cut are
+        # loaded (when the sink blocks, if any, are in the local hit already); the others
+        # are released at once, and the re-admission's windowed hit does not need them.
+        start = first
+        if self.blocks.sink_blocks <= first:
+            start = min(max(first, self.blocks.window_start(cut * self.block_size)), cut - 1)
+        if start > first:
+            table = self.blocks.release_out_of_window(seq.seq_id)
+        plan = LoadPlan(seq, start, seq.block_keys[start:cut], table[start:cut])
         seq.status = SeqStatus.LOADING
         self._loads[seq.seq_id] = plan
         out.loads.append(plan)
@@ -305,15 +313,20 @@ class Scheduler:
         if seq.status is not SeqStatus.LOADING:
             return  # finished while loading
         seq.status = SeqStatus.WAITING
+        missing = len(plan.keys) - arrived
         if seq.num_preemptions == 0:
             seq.num_store_tokens = arrived * self.block_size
-            missing = len(plan.keys) - arrived
             seq.num_store_recomputed_tokens += missing * self.block_size
             if missing:
                 seq.store_reason = (f"{seq.store_reason}; {missing} blocks did not arrive: "
                                     "computed").lstrip("; ")
-        if seq.store_answer is not None:  # nothing more to load from here
-            seq.store_answer = replace(seq.store_answer, first_block=plan.first_block,
+        answer = seq.store_answer
+        if answer is not None and plan.first_block > answer.first_block and missing:
+            # A windowed load that fell short: what did arrive may not make a hit (its
+            # window is incomplete), so compute from the local hit rather than ask again.
+            seq.store_answer = replace(answer, load_blocks=0)
+        elif answer is not None:  # nothing more to load from here
+            seq.store_answer = replace(answer, first_block=plan.first_block,
                                        load_blocks=arrived)
 
     def _samples(self, seq: Sequence, num_new: int) -> int:

@@ -223,9 +223,10 @@ LOCAL = ("dram.capacity_bytes=32MiB", "dram.page_size_bytes=8KiB", "hbm.mode=off
 def test_a_windowed_model_through_the_store_matches_transformers(
         mistral: Path, oracle: Any, daemon_factory: Callable[..., Daemon]) -> None:
     """A writer with an 8-block pool offloads every block as it fills (before it slides out
-    of the window and is released); a fresh reader loads the prompts' blocks from the store
-    and generates transformers' tokens. (The connector still asks for every block up to the
-    cut, as for full attention: a hit that needs only the window's blocks is not built.)"""
+    of the window and is released); a fresh reader hits 64 and 80 prompt tokens in the
+    store but loads only the blocks the window covers before each cut (2 of 4, 2 of 5), and
+    generates transformers' tokens. (The lookup still needs every block up to the cut in the
+    store, as for full attention.)"""
     d = daemon_factory(*LOCAL)
     prompts = [_prompt(75, seed=10), _prompt(90, seed=11)]
     want = [hf_greedy(oracle, p, 40) for p in prompts]
@@ -239,4 +240,7 @@ def test_a_windowed_model_through_the_store_matches_transformers(
     finally:
         reader.close()
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert [o.metrics.store_prompt_tokens for o in outs] == [64, 80]
+    assert [o.metrics.cached_prompt_tokens for o in outs] == [64, 80]
+    # Cut 64: the window of token 64 is 41..64, blocks 2 and 3; cut 80: 57..80, blocks 3, 4.
+    assert [o.metrics.store_prompt_tokens for o in outs] == [32, 32]
+    assert reader.connector is not None and reader.connector.stats.loaded_blocks == 4
