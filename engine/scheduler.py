@@ -13,6 +13,10 @@ sequence waits LOADING (`SchedulerOutput.loads`) while the batch keeps stepping;
 registers the blocks that arrived in the prefix cache and releases the sequence's table, so its
 next admission takes them as a local hit and computes the rest, from the first block that did
 not arrive. Several sequences load at once; none of it changes a token of the output.
+
+With a sliding window (the block manager's), a sequence needs only the blocks its window and
+one step span (admission counts that bound), and a load fills only the blocks the window
+covers before its cut.
 """
 
 from __future__ import annotations
@@ -161,9 +165,9 @@ class Scheduler:
             )
         longest = min(prompt_len + max_tokens, limit)
         # With a sliding window the blocks that slid out are released as it grows: it needs
-        # only those its window and one step span at once.
-        # (A step may compute up to the whole budget of its tokens: a recompute after a
-        # preemption does, so the window's bound includes one step's worth.)
+        # only those its window and one step span at once. A step may compute up to the
+        # whole budget of its tokens (a recompute after a preemption does), so the bound
+        # includes one step's worth.
         need = self.blocks.max_blocks_held(
             longest, min(longest, self.config.max_num_batched_tokens))
         total = self.blocks.stats.num_blocks
