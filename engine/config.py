@@ -6,8 +6,9 @@ a well-formed model the engine cannot run (another architecture, an unsupported 
 activation, a sliding window on a layout transformers runs without one) raises
 UnsupportedModelError naming what it lacks.
 
-Sliding-window attention is read as transformers applies it (`layer_windows`): Mistral
-(`MistralForCausalLM` or model_type "mistral") windows every layer with `sliding_window`, as
+Sliding-window attention is read as transformers applies it (`layer_windows`; the family
+is model_type's, as AutoModelForCausalLM picks the class by it, else the class named in
+`architectures`): Mistral windows every layer with `sliding_window`, as
 transformers' Mistral does whatever `use_sliding_window` or `layer_types` say (a
 `layer_types` with full-attention layers is refused: transformers' Mistral ignores it, its
 Ministral honours it); Qwen2 windows the layers `layer_types` calls "sliding_attention"
@@ -302,8 +303,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _hf_family(config: Mapping[str, Any]) -> str:
-    """"mistral", "qwen2" or "llama": whose sliding-window rules apply (the first supported
-    class in `architectures`, else model_type), as transformers would pick the class."""
+    """"mistral", "qwen2" or "llama": whose sliding-window rules apply. transformers'
+    AutoModelForCausalLM picks the class by model_type, so that decides; the first supported
+    class in `architectures` only when model_type is missing."""
+    model_type = config.get("model_type")
+    if model_type in _HF_MODEL_TYPES:
+        return str(model_type)
     archs = config.get("architectures")
     if isinstance(archs, list):
         for name in archs:

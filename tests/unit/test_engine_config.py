@@ -196,6 +196,15 @@ def test_qwen2_windows_follow_use_sliding_window_and_layer_types() -> None:
     assert c.layer_windows == (None,) * 28 + (16, 16)
 
 
+def test_model_type_decides_the_window_rules_as_automodel_does() -> None:
+    """AutoModelForCausalLM builds the class of model_type: a Llama-named checkpoint of
+    model_type mistral is run as Mistral, windowed; without model_type the class decides."""
+    cfg = llama(model_type="mistral", sliding_window=32)
+    assert ModelConfig.from_hf(cfg, SRC).layer_windows == (32,) * 30
+    cfg = llama(architectures=["MistralForCausalLM"], model_type=None, sliding_window=32)
+    assert ModelConfig.from_hf(cfg, SRC).layer_windows == (32,) * 30
+
+
 def test_a_bad_sliding_window_is_named() -> None:
     cfg = llama(architectures=["MistralForCausalLM"], sliding_window=0)
     with pytest.raises(ModelLoadError, match="sliding_window"):
@@ -225,6 +234,7 @@ def test_model_type_alone_is_enough() -> None:
         (
             {
                 "architectures": ["MistralForCausalLM"],
+                "model_type": "mistral",
                 "sliding_window": 64,
                 "layer_types": ["full_attention", "sliding_attention"] * 15,
             },
