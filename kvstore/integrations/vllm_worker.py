@@ -96,8 +96,9 @@ class WorkerSide:
                  kv_cache_config: KVCacheConfig) -> None:
         """Learn the layout of vLLM's KV cache: one paged tensor per layer, K/V or MLA's
         latent vectors (`paged.LATENT`), in one KV-cache group or (a hybrid model) several.
-        A stored block holds the layers in model order, so a hybrid model's blocks are the
-        same with vLLM's hybrid manager on or off."""
+        With several groups a stored block holds the layers in model order (by layer index),
+        whatever vLLM's grouping; one group keeps vLLM's order, so the blocks of a model
+        stored before groups existed here still hit."""
         groups = kv_cache_config.kv_cache_groups
         group_of = {n: i for i, g in enumerate(groups) for n in g.layer_names if n in kv_caches}
         names = list(group_of)
