@@ -226,7 +226,8 @@ def _hit_bytes_figure(got: dict[str, Any], model: Model) -> Figure:
           f"{len(model.layer_types)} layers ({full_layers} full, "
           f"{len(model.layer_types) - full_layers} sliding, window {model.window}) x "
           f"{model.layer_block_bytes // 1024} KiB a layer's block; vLLM's KV-cache groups "
-          f"{got['groups']}", flush=True)
+          f"{got['groups']} (its hybrid manager {'on' if got['groups'] > 1 else 'off'})",
+          flush=True)
     figure = Figure("vllm_hybrid_hit_bytes", ours, "every layer full", full, "MiB",
                     lower_is_better=True,
                     target=f">= {floor:.2f}x, the full layers' share plus the windows",
