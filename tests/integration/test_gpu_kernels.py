@@ -67,6 +67,22 @@ def test_decode_matches_reference(dtype: torch.dtype, head_dim: int, heads: int,
     assert torch.equal(out[2].float().cpu(), torch.zeros(heads, head_dim))
 
 
+@pytest.mark.parametrize(("window", "sinks"), [(7, 0), (16, 0), (40, 0), (600, 0), (40, 4)],
+                         ids=["under-a-block", "a-block", "across-blocks", "across-splits",
+                              "with-sinks"])
+def test_windowed_decode_matches_reference(window: int, sinks: int) -> None:
+    # Contexts shorter and longer than each window, one past a block edge, and 2500 tokens,
+    # whose window of 600 spans two of the 512-token splits the merge kernel combines.
+    lens = [1, 17, 0, 39, 41, 300, 2500]
+    q, k, v, tables, ctx = decode_case(torch.bfloat16, 128, 8, 2, 16, lens, seed=3)
+    scale = 128**-0.5
+    out = gpu.decode_attention(q, k, v, tables, ctx, scale, window=window, sinks=sinks)
+    expected = ref.decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(),
+                                    tables.cpu(), ctx.cpu(), scale, window=window, sinks=sinks)
+    err = (out.float().cpu() - expected).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16], f"max error {err}"
+
+
 def test_decode_reads_a_strided_query_on_a_side_stream() -> None:
     q, k, v, tables, ctx = decode_case(torch.bfloat16, 128, 8, 2, 16, [40, 7, 300])
     qkv = torch.cat([q, torch.randn(3, 4, 128, device=DEV, dtype=q.dtype)], dim=1)
