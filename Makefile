@@ -15,6 +15,9 @@ PYTEST_ARGS ?=
 # The main suite runs on this many pytest-xdist workers, whole files to a worker (loadfile),
 # so a file's shared daemons start once; 0 runs it in this process alone.
 TEST_WORKERS ?= 2
+# torch threads per worker: the workers already fill the cores, and two threads each fight
+# over them (the sliding-window engine tests took ~70 s that way against 8 s with one).
+TEST_THREADS ?= 1
 # Node tooling for `make test`: buf (tools/buf) and, once it exists, the Node client
 # (examples/node); each is `npm ci`-ed from its lockfile, again when the lockfile changes.
 NODE_DIRS   := tools/buf $(patsubst %/package-lock.json,%,$(wildcard examples/node/package-lock.json))
@@ -105,7 +108,7 @@ node: $(NODE_STAMPS)
 ## the Node tooling is installed, run the whole suite: the main one, then the vLLM connector's
 ## tests (tests/vllm) under vLLM
 test: $(TEST_STAMP) $(VLLM_STAMP) redis node
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
 ## test-vllm: only the vLLM connector's tests (real vLLM on the CPU, real daemons)
