@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-size", default="1GiB")
     gen.add_argument("--max-num-seqs", type=int, default=32)
     gen.add_argument("--no-prefix-caching", action="store_true")
+    gen.add_argument("--max-model-len", type=int,
+                     help="prompt + output of one sequence (default: the model's context)")
+    gen.add_argument("--attention-sinks", type=int, default=0, metavar="K",
+                     help="keep the first K tokens beside a sliding window (StreamingLLM), so "
+                     "generation may run past the model's context; an approximation that "
+                     "changes outputs")
     gen.add_argument("--store", metavar="HOST[:PORT]",
                      help="a kvstore daemon (no port: 50051): load cached prompts from it, "
                      "offload to it (with auth on, credentials from KVSTORE_TOKEN or "
@@ -78,6 +84,8 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
         kv_cache_size=args.kv_cache_size,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_model_len=args.max_model_len,
+        attention_sinks=args.attention_sinks,
         store=args.store,
         dtype=args.dtype,
         device=args.device,

@@ -115,6 +115,14 @@ def test_cli_names_the_problem_and_exits_2(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "temperature" in bad.stderr
 
 
+def test_cli_refuses_attention_sinks_on_a_model_without_a_window(tmp_path: Path) -> None:
+    model = save_tiny(tmp_path / "llama", max_position_embeddings=128)
+    proc = _cli("generate", "--model", str(model), "--prompt", "hi", "--attention-sinks", "4",
+                "--kv-cache-size", "8MiB", "--device", "cpu")
+    assert proc.returncode == 2, proc.stderr
+    assert "attention_sinks=4" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_failed_run_releases_its_blocks(llm: LLM) -> None:
     free = llm.block_manager.num_free_blocks
 
