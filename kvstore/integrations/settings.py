@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,6 +219,16 @@ def chain_root(namespace: str, request: Any) -> BlockKey:
     if not any(extra):
         return root
     return BlockKey(hashlib.sha256(root + "\0".join(extra).encode()).digest())
+
+
+def group_root(root: BlockKey, kind: str, window: int, layers: Sequence[int]) -> BlockKey:
+    """The chain root of one KV-cache group of a model with several (vLLM's hybrid manager):
+    derived from the request's root, the group's attention kind, its window (0 for full
+    attention) and its layers' indices, so that no two groups (and no group and a model with
+    one group) ever share a key. A model with one group keeps the request's root itself: its
+    keys, and the blocks stored under them before groups existed, do not change."""
+    name = f"group:{kind}:{window}:{','.join(map(str, layers))}"
+    return BlockKey(hashlib.sha256(root + b"\0" + name.encode()).digest())
 
 
 def cacheable(request: Any) -> bool:

@@ -94,7 +94,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     layers, pipeline or decode context parallelism), opens the link, and hands each call to
     its role's half (`scheduler` or `worker`). It supports vLLM's hybrid KV-cache manager
     (`SupportsHMA`): a model with sliding-window and full-attention layers keeps vLLM's
-    memory savings, and the store still holds every layer of each block."""
+    memory savings, and each KV-cache group is stored under its own keys, so a hit loads a
+    sliding group's window only."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:

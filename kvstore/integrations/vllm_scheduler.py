@@ -6,7 +6,9 @@ to it.
   request's full blocks past vLLM's own prefix-cache hit go out in one Lookup on a loader
   thread, with a Prefetch to L2 of the hit's blocks that lie in L3 or L4 started in the
   background. Until the answer is back vLLM hears "ask again later" (None), so the rest of the
-  batch runs meanwhile.
+  batch runs meanwhile. A model with several KV-cache groups (vLLM's hybrid manager) keeps one
+  key chain per group, and its hit is the longest cut every group serves (`_find`): a full
+  group needs every block before the cut, a sliding group only its window's.
 - Decision: from the answer, `cost.decide` picks how much of the hit to load (`load_policy`):
   the leading blocks whose load is estimated to beat computing them. Its figures are vLLM's
   own forward steps, which the workers time (`PrefillModel`), and the link's load rates per
@@ -28,11 +30,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.integrations.cost import Decision, PrefillModel, decide, slowest
 from kvstore.integrations.link import Hit, StoreLink
-from kvstore.integrations.settings import cacheable, chain_root
+from kvstore.integrations.settings import cacheable, chain_root, group_root
 from kvstore.integrations.vllm_steps import (
     IDLE_WAIT_S,
     SCHEDULER_FIELDS,
@@ -75,11 +79,23 @@ class Match:
 
 
 @dataclass
+class Found:
+    """What the store can serve of a request, every KV-cache group together (`_find`)."""
+
+    cut: int
+    """The hit ends before this block (an index in the request's chain)."""
+    tiers: list[str]
+    """Per block from the Lookup's first up to the cut, the slowest tier a group loads it
+    from ("pending", the cheapest, where no group loads it: a sliding group's block before
+    its window, in a model with no full-attention group)."""
+
+
+@dataclass
 class Lookup:
     """One Lookup of a request's chain, from block `first` on."""
 
     first: int
-    hit: Hit | None = None
+    hit: Found | None = None
     """What the store holds; None while the Lookup is out. A loader thread sets it."""
     decided: Match | None = None
     """The answer made from the hit. It is kept for vLLM's later asks with the same first
@@ -91,9 +107,9 @@ class RequestState:
     """All the scheduler side keeps about one request."""
 
     request: Request
-    keys: list[BlockKey] = field(default_factory=list)
-    """The keys of the request's chain from its first block on, as far as they were needed.
-    They grow with the request, and none is computed twice."""
+    keys: list[list[BlockKey]] = field(default_factory=list)
+    """Per KV-cache group, the keys of the request's chain from its first block on, as far
+    as they were needed. They grow with the request, and none is computed twice."""
     lookup: Lookup | None = None
     """The request's Lookup while it waits to be admitted, out or answered. Admission clears
     it, so a request admitted again later (after a preemption) is looked up afresh."""
@@ -113,10 +129,21 @@ _NULL_BLOCK = 0
 blocks that slid out (and were freed), which a group no longer holds."""
 
 
-def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
-    """The bytes of one stored block on one rank: one page of every layer of every group."""
-    return sum(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
-               for g in kv_cache_config.kv_cache_groups)
+def _group_bytes(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Per KV-cache group, the bytes of one stored block on one rank: a page of every layer
+    of the group."""
+    return [int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+            for g in kv_cache_config.kv_cache_groups]
+
+
+def _window_blocks(spec: Any, block_size: int) -> int:
+    """How many blocks before a cut a group needs for a hit there: 0 for "all of them" (full
+    attention); for a sliding window of w tokens, the ceil((w - 1) / block_size) blocks that
+    vLLM's `SlidingWindowManager.find_longest_cache_hit` asks for (the token at the cut sees
+    the w - 1 tokens before it)."""
+    if not isinstance(spec, SlidingWindowSpec):
+        return 0
+    return -(-(int(spec.sliding_window) - 1) // block_size)
 
 
 def _held(block_ids: list[int]) -> list[int]:
@@ -137,7 +164,21 @@ class SchedulerSide:
         self.saves = saves
         self.policy = policy
         self.block_size = link.block_size
-        self.block_bytes = _block_bytes(kv_cache_config)
+        groups = kv_cache_config.kv_cache_groups
+        self.group_bytes = _group_bytes(kv_cache_config)
+        self.block_bytes = sum(self.group_bytes)
+        """The bytes of one block position, every group's layers: what a full hit loads."""
+        self.windows = [_window_blocks(g.kv_cache_spec, self.block_size) for g in groups]
+        """Per group, the blocks before a cut it loads: 0 for all (`_window_blocks`)."""
+        # Several groups: each keeps its own chain, rooted in its kind, window and layers, so
+        # no two groups share a key. One group keeps the request's root (today's keys).
+        self._group_names = [] if len(groups) <= 1 else [
+            (type(g.kv_cache_spec).__name__, int(getattr(g.kv_cache_spec, "sliding_window",
+                                                          0) or 0),
+             sorted(extract_layer_index(n) for n in g.layer_names)) for g in groups]
+        # Full groups are looked up first: they fix the longest cut, which the sliding ones
+        # can only shorten.
+        self._order = sorted(range(len(self.windows)), key=lambda g: self.windows[g] != 0)
         self.step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.prefill = PrefillModel()
         """vLLM's forward steps, timed by the workers: what computing tokens costs."""
@@ -160,13 +201,20 @@ class SchedulerSide:
                 self._requests[request.request_id] = state
         return state
 
-    def _keys_of(self, state: RequestState, num_blocks: int) -> list[BlockKey]:
-        """The first num_blocks keys of the request's chain. The keys computed before are
-        kept, so each call computes only the keys it adds."""
-        keys = state.keys
+    def _keys_of(self, state: RequestState, num_blocks: int, group: int = 0) -> list[BlockKey]:
+        """The first num_blocks keys of the request's chain in a KV-cache group. The keys
+        computed before are kept, so each call computes only the keys it adds."""
+        while len(state.keys) < len(self.windows):
+            state.keys.append([])
+        keys = state.keys[group]
         tokens = state.request.all_token_ids
         bs = self.block_size
-        parent = keys[-1] if keys else chain_root(self.link.namespace, state.request)
+        if keys:
+            parent = keys[-1]
+        else:
+            parent = chain_root(self.link.namespace, state.request)
+            if self._group_names:
+                parent = group_root(parent, *self._group_names[group])
         for i in range(len(keys), num_blocks):
             parent = chain_key(parent, tokens[i * bs:(i + 1) * bs])
             keys.append(parent)
@@ -218,26 +266,90 @@ class SchedulerSide:
         """Start the Lookup of the request's blocks first to max_blocks - 1. Its answer lands
         in the request's state (or in nothing, if the request has finished by then)."""
         looked = Lookup(first)
+        keys = [self._keys_of(state, max_blocks, g) for g in range(len(self.windows))]
+        lead = self._order[0]
+        start = self._start(lead, first, max_blocks)
 
         def done(hit: Hit) -> None:  # on a loader thread
+            try:
+                found = self._find(keys, first, max_blocks, hit)
+            except Exception:  # a bug here must not strand the request waiting for its answer
+                logger.exception("kvstore: the hit of %d blocks failed", max_blocks - first)
+                found = Found(first, [])
             with self._answered:
-                looked.hit = hit
+                looked.hit = found
                 self._fresh_answers += 1
                 self._answered.notify_all()
 
         with self._answered:
             state.lookup = looked
-        self.link.lookup_async(self._keys_of(state, max_blocks)[first:], done, prefetch=True)
+        self.link.lookup_async(keys[lead][start:max_blocks], done, prefetch=True)
 
-    def _decide(self, request: Request, looked_from: int, hit: Hit, first: int) -> Match:
+    def _start(self, group: int, first: int, cut: int) -> int:
+        """The first block a group loads for a hit from first to cut: first for a full
+        group, the window's first block before the cut for a sliding one."""
+        window = self.windows[group]
+        return first if window == 0 else max(first, cut - window)
+
+    def _find(self, keys: list[list[BlockKey]], first: int, last: int, lead_hit: Hit) -> Found:
+        """The longest hit from first up to last that every group can serve, as vLLM's hybrid
+        prefix cache decides it: a full group needs every block before the cut, a sliding one
+        only its window's blocks just before the cut. lead_hit: the Lookup of the first
+        group in `_order`. Runs on a loader thread; the other groups' Lookups run here."""
+        cut = last
+        tiers: dict[tuple[int, int], str] = {}
+        for group in self._order:
+            if self.windows[group]:
+                break  # the full groups come first in _order
+            hit = lead_hit if group == self._order[0] else self.link.lookup(
+                keys[group][first:cut], prefetch=True)
+            tiers.update({(group, first + i): t for i, t in enumerate(hit.tiers)})
+            cut = min(cut, first + hit.blocks)
+        settled = not any(self.windows)
+        while not settled and cut > first:
+            # A missing block in a window moves the cut to it: any cut between it and the
+            # old one has a window that holds it. Every group is asked again until none
+            # moves the cut.
+            settled = True
+            for group in [g for g in self._order if self.windows[g]]:
+                start = self._start(group, first, cut)
+                if start >= cut:
+                    continue
+                if group == self._order[0] and cut == last:
+                    hit = lead_hit
+                else:
+                    hit = self.link.lookup(keys[group][start:cut], prefetch=True)
+                tiers.update({(group, start + i): t for i, t in enumerate(hit.tiers)})
+                if hit.blocks < cut - start:
+                    cut = start + hit.blocks
+                    settled = False
+                    break
+        per_block = []
+        for index in range(first, max(cut, first)):
+            loading = [tiers.get((g, index), "") for g in range(len(self.windows))
+                       if self._start(g, first, cut) <= index]
+            per_block.append(slowest(loading) if loading else "pending")
+        return Found(max(cut, first), per_block)
+
+    def _decide(self, request: Request, looked_from: int, hit: Found, first: int) -> Match:
         """The answer to give from a hit that a Lookup from block looked_from found, for the
         blocks from first on."""
-        tiers = hit.tiers[first - looked_from:hit.blocks]
-        choice = decide(tiers=tiers, block_bytes=self.block_bytes, block_size=self.block_size,
-                        first_block=first, num_tokens=request.num_tokens, policy=self.policy,
+        tiers = hit.tiers[first - looked_from:] if first < hit.cut else []
+        count = len(tiers)
+        # The bytes a block really loads, on average: sliding groups load their window only.
+        loaded = sum(nbytes * (hit.cut - self._start(g, first, hit.cut))
+                     for g, nbytes in enumerate(self.group_bytes))
+        choice = decide(tiers=tiers, block_bytes=max(1, loaded // max(1, count)),
+                        block_size=self.block_size, first_block=first,
+                        num_tokens=request.num_tokens, policy=self.policy,
                         prefill=self.prefill, rates=self.link.rates,
                         step_tokens=self.step_tokens)
-        return Match(first, tiers[:choice.load_blocks], choice)
+        load = choice.load_blocks
+        if 0 < load < count and any(self.windows):
+            # A shorter cut needs other window blocks, which were not looked up: the hit
+            # is taken whole or not at all.
+            load = 0
+        return Match(first, tiers[:load], choice)
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -275,10 +387,13 @@ class SchedulerSide:
             if count == choice.load_blocks:  # the store holds them: computed, not saved again
                 saved += choice.recompute_blocks
         if count:
-            keys = self._keys_of(state, first + count)[first:]
-            ids = [_held(g[first:first + count]) for g in state.block_ids]
-            self._loads.append(LoadSpec(request.request_id, keys, ids[0],
-                                        slowest(match.tiers[:count]), more_groups=ids[1:]))
+            cut, tier = first + count, slowest(match.tiers[:count])
+            for group, ids in enumerate(state.block_ids):
+                start = self._start(group, first, cut)
+                if start < cut:  # what vLLM allocated: it nulls a window's older blocks
+                    self._loads.append(LoadSpec(
+                        request.request_id, self._keys_of(state, cut, group)[start:],
+                        _held(ids[start:cut]), tier, group=group))
         state.saved = saved
 
     # -- each step ------------------------------------------------------------------------
@@ -331,7 +446,8 @@ class SchedulerSide:
         """Schedule for saving the request's blocks that this step fills, whose tokens are
         then all known. block_ids: the request's blocks in vLLM's KV cache, per group. Every
         group holds a block the step fills (a sliding window frees it only in a later
-        step); should one not, the save stops before it, and those blocks stay unsaved."""
+        step); should one not, that group's block stays unsaved. Each group's blocks go
+        under its own keys."""
         request = state.request
         if not self.saves or not cacheable(request):
             return
@@ -340,15 +456,19 @@ class SchedulerSide:
         full = min(full, *(len(g) for g in block_ids))
         if full <= state.saved:
             return
-        keys = self._keys_of(state, full)
         start = state.saved
         state.saved = full
-        end = next((i for i in range(start, full) if any(g[i] == _NULL_BLOCK
-                                                          for g in block_ids)), full)
-        if end > start:
-            meta.saves.append(SaveSpec(keys[start:end], block_ids[0][start:end],
-                                       keys[start - 1] if start else None,
-                                       more_groups=[g[start:end] for g in block_ids[1:]]))
+        for group, ids in enumerate(block_ids):
+            keys = self._keys_of(state, full, group)
+            index = start
+            while index < full:  # each run of held blocks, in one save
+                if ids[index] == _NULL_BLOCK:
+                    index += 1
+                    continue
+                end = next((i for i in range(index, full) if ids[i] == _NULL_BLOCK), full)
+                meta.saves.append(SaveSpec(keys[index:end], ids[index:end],
+                                           keys[index - 1] if index else None, group=group))
+                index = end
 
     def request_finished(self, request: Request) -> None:
         """The request is done: its state goes. A save copies its blocks out during its own

@@ -43,9 +43,10 @@ class LoadSpec:
     block_ids: list[int]
     tier: str = ""
     """The slowest tier the blocks were found in: a whole load teaches that tier's cost."""
-    more_groups: list[list[int]] = field(default_factory=list)
-    """A hybrid model's other KV-cache groups: each group's blocks for the same positions as
-    block_ids, -1 where the group holds none (a sliding window's blocks that slid out)."""
+    group: int = 0
+    """The KV-cache group the blocks belong to (vLLM's hybrid manager keeps several, each
+    stored under its own keys). A request's load is one spec per group that loads anything;
+    block_ids may hold -1 where the group holds no block (a sliding window's that slid out)."""
 
 
 @dataclass
@@ -57,9 +58,8 @@ class SaveSpec:
     block_ids: list[int]
     parent: BlockKey | None
     """The key before keys[0] in its chain; None when keys[0] is the chain's first block."""
-    more_groups: list[list[int]] = field(default_factory=list)
-    """A hybrid model's other KV-cache groups: each group's blocks for the same positions as
-    block_ids (all held: the step just filled them)."""
+    group: int = 0
+    """The KV-cache group the blocks belong to, each stored under its own keys."""
 
 
 @dataclass

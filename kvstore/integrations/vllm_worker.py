@@ -6,7 +6,8 @@ tensor-parallel rank). It owns:
   enqueues their copy into the cache, or reads them straight into the cache when a block's
   layers lie next to each other in one buffer (on the CPU). A load is reported finished only
   once its copy completed (`device_copies`: its event, asked without waiting). The blocks that
-  did not arrive are reported with it, and vLLM recomputes them;
+  did not arrive are reported with it, and vLLM recomputes them. A hybrid model's request
+  has one load per KV-cache group, and is reported once all of them landed;
 - saves: after the forward pass the blocks it filled are copied out on the copy stream (after
   that forward pass; the next one waits for the copy, so vLLM may reuse the blocks at once),
   and the link's writer thread puts them once the copy completed. An MLA model's latent cache
@@ -65,7 +66,7 @@ def _gather(paged: PagedKV, spec: SaveSpec, staging: torch.Tensor) -> Callable[[
     """A save's copy: the blocks into staging."""
 
     def fill() -> None:
-        paged.gather(spec.block_ids, out=staging, more_groups=spec.more_groups)
+        paged.gather(spec.block_ids, out=staging)
 
     return fill
 
@@ -78,6 +79,10 @@ class WorkerSide:
         the caches registered; tests give a simulated device)."""
         self.link = link
         self.paged: PagedKV | None = None
+        """Every layer, in model order, with its group: what the cache holds (for a look)."""
+        self.group_paged: list[PagedKV] = []
+        """One `PagedKV` per KV-cache group, its layers in model order: what loads and saves
+        copy, each group's blocks under its own keys."""
         self.copies = copies
         self.origin = load_origin(link)
         """Names this worker's link in the loads it reports (`vllm_steps.load_origin`)."""
@@ -90,15 +95,23 @@ class WorkerSide:
         self._landing: list[_Landing] = []  # loads whose copy may still be in flight
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()  # requests, for several KV-cache groups
+        # Per request, its group loads not landed yet, and whether one of them fell short:
+        # a request is reported finished once all its groups' loads landed.
+        self._open_loads: dict[str, int] = {}
+        self._short_loads: set[str] = set()
+        self.loaded_group_bytes: list[int] = []
+        """Per KV-cache group, the bytes its loads brought in since registration."""
+        self._reported_group_bytes: list[int] = []
         self._load_times: list[tuple[str, str, int, float]] = []
 
     def register(self, kv_caches: dict[str, torch.Tensor],
                  kv_cache_config: KVCacheConfig) -> None:
         """Learn the layout of vLLM's KV cache: one paged tensor per layer, K/V or MLA's
         latent vectors (`paged.LATENT`), in one KV-cache group or (a hybrid model) several.
-        With several groups a stored block holds the layers in model order (by layer index),
-        whatever vLLM's grouping; one group keeps vLLM's order, so the blocks of a model
-        stored before groups existed here still hit."""
+        Each group gets its own `PagedKV` (`group_paged`): a stored block is one group's
+        layers, in model order (by layer index), under that group's keys. One group keeps
+        vLLM's order, so the blocks of a model stored before groups existed here still hit.
+        `paged` holds every layer with its group, for a look at the whole cache."""
         groups = kv_cache_config.kv_cache_groups
         group_of = {n: i for i, g in enumerate(groups) for n in g.layer_names if n in kv_caches}
         names = list(group_of)
@@ -106,8 +119,14 @@ class WorkerSide:
             names.sort(key=extract_layer_index)
         latent = bool(groups) and all(isinstance(g.kv_cache_spec, MLAAttentionSpec)
                                       for g in groups)
+        layout = LATENT if latent else KV
         self.paged = PagedKV([(n, kv_caches[n]) for n in names], kv_cache_config.num_blocks,
-                             LATENT if latent else KV, groups=[group_of[n] for n in names])
+                             layout, groups=[group_of[n] for n in names])
+        self.group_paged = [self.paged] if len(groups) == 1 else [
+            PagedKV([(n, kv_caches[n]) for n in names if group_of[n] == g],
+                    kv_cache_config.num_blocks, layout) for g in range(len(groups))]
+        self.loaded_group_bytes = [0] * len(self.group_paged)
+        self._reported_group_bytes = [0] * len(self.group_paged)
         if self.copies is None:
             self.copies = copies_for(self.paged.device)
         if self._rank == 0:  # every rank runs the same steps: one reports them
@@ -124,9 +143,10 @@ class WorkerSide:
     def start_load(self, spec: LoadSpec) -> None:
         """Start one request's load on a loader thread; `finished` reports it once its copy
         into the cache completed, and `load_errors` the blocks that did not arrive."""
-        paged, copies = self.paged, self.copies
-        if paged is None or copies is None:
+        copies = self.copies
+        if not self.group_paged or copies is None:
             raise RuntimeError("KVStoreConnector: a load before register_kv_caches")
+        paged = self.group_paged[spec.group]
         # A sliding window's position it does not hold (-1) goes through staging: skipped.
         staging = (None if paged.direct and min(spec.block_ids, default=0) >= 0
                    else copies.take(len(spec.keys), (paged.block_bytes,), torch.uint8))
@@ -141,9 +161,7 @@ class WorkerSide:
             try:
                 if staging is not None and arrived:
                     ids = spec.block_ids[:arrived]
-                    more = [g[:arrived] for g in spec.more_groups]
-                    event = copies.load(staging, lambda: paged.scatter(staging, ids,
-                                                                       more_groups=more))
+                    event = copies.load(staging, lambda: paged.scatter(staging, ids))
             except Exception:
                 logger.exception("kvstore: scattering %d loaded blocks failed", arrived)
                 arrived = 0
@@ -154,14 +172,15 @@ class WorkerSide:
                 if spec.tier and arrived == len(spec.keys):
                     self._load_times.append((self.origin, spec.tier,
                                              arrived * paged.block_bytes, seconds))
-                failed = [b for g in (spec.block_ids, *spec.more_groups)
-                          for b in g[arrived:] if b >= 0]
+                failed = [b for b in spec.block_ids[arrived:] if b >= 0]
+                self.loaded_group_bytes[spec.group] += arrived * paged.block_bytes
                 self._landing.append(_Landing(spec.req_id, failed, event))
                 self._loads_in_flight -= 1
                 self._load_done.notify_all()
 
         with self._lock:
             self._loads_in_flight += 1
+            self._open_loads[spec.req_id] = self._open_loads.get(spec.req_id, 0) + 1
         self.link.read_async(spec.keys, rows, done, tier=spec.tier)
 
     def save(self, meta: KVStoreMetadata | None) -> None:
@@ -171,12 +190,13 @@ class WorkerSide:
         keys."""
         if self._timer is not None:
             self._timer.stop()
-        paged, copies = self.paged, self.copies
-        if meta is None or paged is None or copies is None:
+        copies = self.copies
+        if meta is None or not self.group_paged or copies is None:
             return
-        if paged.layout == LATENT and self._rank != 0:
+        if self.group_paged[0].layout == LATENT and self._rank != 0:
             return
         for spec in meta.saves:
+            paged = self.group_paged[spec.group]
             if not self.link.available:
                 self.link.offload(spec.keys, [], spec.parent)  # counted as dropped
                 continue
@@ -202,16 +222,26 @@ class WorkerSide:
             # alone, never the whole device), off the lock so loader threads go on.
             landing[0].event.synchronize()
         landed = [x for x in landing if x.event.query()]
+        done: set[str] = set()
         with self._lock:
             self._landing = [x for x in self._landing if x not in landed]
             for x in landed:
-                if x.failed and self.paged is not None and self.paged.num_groups > 1:
+                if x.failed and len(self.group_paged) > 1:
                     # Block ids repeat across groups, so vLLM takes a hybrid model's load
                     # failures by request (it recomputes the whole request), never by block.
-                    self._failed_loads.add(x.req_id)
+                    self._short_loads.add(x.req_id)
                 else:
                     self._load_errors.update(x.failed)
-        return {x.req_id for x in landed}
+                left = self._open_loads.get(x.req_id, 1) - 1
+                if left > 0:  # another group's load of the request is still on its way
+                    self._open_loads[x.req_id] = left
+                    continue
+                self._open_loads.pop(x.req_id, None)
+                done.add(x.req_id)
+                if x.req_id in self._short_loads:
+                    self._short_loads.discard(x.req_id)
+                    self._failed_loads.add(x.req_id)
+        return done
 
     def failed_loads(self) -> set[str]:
         """The requests (of a model with several KV-cache groups) whose load did not wholly
@@ -232,6 +262,12 @@ class WorkerSide:
         empty."""
         data: dict[str, Any] = {**self._reported.take(self.link.stats.as_dict()),
                                 **self._timings()}
+        if len(self.loaded_group_bytes) > 1:  # a hybrid model: what each group's hits loaded
+            with self._lock:
+                now = list(self.loaded_group_bytes)
+            for group, nbytes in enumerate(now):
+                data[f"loaded_bytes_group{group}"] = nbytes - self._reported_group_bytes[group]
+            self._reported_group_bytes = now
         return KVStoreStats(data=data) if any(data.values()) else None
 
     def _timings(self) -> dict[str, Any]:

@@ -62,6 +62,9 @@ def main() -> None:
         result["groups"] = connector.paged.num_groups
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
         result["prefill_steps"] = scheduler.connector.scheduler.prefill.steps
+        result["group_names"] = scheduler.connector.scheduler._group_names
+        result["group_bytes"] = connector.worker.loaded_group_bytes
+        result["group_block_bytes"] = [p.block_bytes for p in connector.worker.group_paged]
     if args.get("dump_kv"):
         import torch
         from vllm.distributed.kv_transfer import get_kv_transfer_group
