@@ -200,8 +200,9 @@ def _ttft_figure(name: str, got: dict[str, Any], args: argparse.Namespace, targe
     ours, base = statistics.median(got["hit_ms"]), statistics.median(got["recompute_ms"])
     want = (args.prompt_tokens - 1) // BLOCK
     print(f"# {name}: hit ms {[round(x) for x in got['hit_ms']]}, recompute ms "
-          f"{[round(x) for x in got['recompute_ms']]}, blocks loaded per hit "
-          f"{got['loaded_blocks']} (of {want}, {got['block_bytes'] // 1024} KiB each)",
+          f"{[round(x) for x in got['recompute_ms']]}, group blocks loaded per hit "
+          f"{got['loaded_blocks']} (a prefix of {want} blocks, "
+          f"{got['block_bytes'] // 1024} KiB each over all layers)",
           flush=True)
     figure = Figure(name, ours, "recompute", base, "ms", lower_is_better=True, target=target,
                     extra={"loaded_blocks": got["loaded_blocks"]})
@@ -209,16 +210,20 @@ def _ttft_figure(name: str, got: dict[str, Any], args: argparse.Namespace, targe
     return figure
 
 
-def _hit_bytes_figure(got: dict[str, Any], model: Model) -> Figure:
-    """vllm_hybrid_hit_bytes: the median hit's loaded bytes against what the same blocks
-    would weigh if every layer were full attention; the target is what vLLM's hybrid rule
-    needs of them (`Model.needed_bytes`, the module docstring), as a ratio."""
-    blocks = statistics.median_low(got["loaded_blocks"])
+def _hit_bytes_figure(got: dict[str, Any], model: Model, prompt_tokens: int) -> Figure:
+    """vllm_hybrid_hit_bytes: the median hit's loaded bytes against what the prompt's whole
+    prefix blocks would weigh if every layer were full attention; the target is what vLLM's
+    hybrid rule needs of them (`Model.needed_bytes`, the module docstring), as a ratio. The
+    hit's blocks are the prompt's whole blocks before its last token, not the connector's
+    loaded_blocks: with each KV-cache group stored on its own, that counts one block per group
+    a load moved (a full group's every block, a sliding group's window). A hit that fell short
+    shows as loaded bytes below `needed_bytes` in the JSON."""
+    blocks = (prompt_tokens - 1) // BLOCK
     ours = statistics.median(got["loaded_bytes"]) / MiB
     full = blocks * model.layer_block_bytes * len(model.layer_types) / MiB
     if not blocks or not ours:
         raise RuntimeError(f"the hybrid model's hits loaded nothing ({got['loaded_blocks']} "
-                           "blocks): no hit to weigh")
+                           "group blocks): no hit to weigh")
     floor = math.floor(full / (model.needed_bytes(blocks) / MiB) * 100) / 100
     full_layers = model.layer_types.count("full_attention")
     print(f"# vllm_hybrid_hit_bytes: loaded MiB per hit "
@@ -258,7 +263,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
                                    max_position_embeddings=8192)
         got = _run_tier(args, gemma, workdir, "dram")
         figures.append(_ttft_figure("vllm_ttft_l2_hybrid", got, args, ">= 3x"))
-        figures.append(_hit_bytes_figure(got, gemma))
+        figures.append(_hit_bytes_figure(got, gemma, args.prompt_tokens))
     setup = {"hidden": args.hidden, "layers": args.layers, "prompt_tokens": args.prompt_tokens,
              "reps": args.reps, "block_size": BLOCK, "device": "cpu", "cpus": os.cpu_count(),
              "hybrid_layer_types": list(gemma.layer_types), "hybrid_window": args.window}
