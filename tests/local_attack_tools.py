@@ -316,8 +316,8 @@ def _mutated_frame(cfg: dict[str, Any], tickets: Tickets, report: Report,
         session.sock.shutdown(socket.SHUT_WR)
         while (answer := session.reply()) is not None:
             report.count(f"mutated frame: {code_name(answer[0])}")
-    except OSError:
-        pass
+    except OSError as exc:  # the daemon cut the session: counted, as an answer would be
+        report.count(f"mutated frame: {type(exc).__name__}")
     report.count("mutated frames")
     session.close()
 

@@ -138,6 +138,7 @@ class Slowloris:
         self.interval_s = interval_s
         self.conns = [self._connect() for _ in range(n)]
         self.reconnects = 0
+        self.send_errors = 0  # sends the daemon cut short (it closed the connection)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="slowloris", daemon=True)
         self._thread.start()
@@ -155,8 +156,8 @@ class Slowloris:
                     if not closed(s):
                         s.send(b"x")
                         continue
-                except OSError:
-                    pass
+                except OSError:  # the daemon closed it mid-send: reconnected like a close
+                    self.send_errors += 1
                 s.close()
                 self.conns[i] = self._connect()
                 self.reconnects += 1
