@@ -50,7 +50,13 @@ from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.scheduler import LoadPlan, LookupPlan
 from kvstore.engine.sequence import StoreAnswer
 from kvstore.integrations.cost import POLICIES, PrefillModel, decide, slowest
-from kvstore.integrations.device_copies import DONE, DeviceCopies, Event, copies_for
+from kvstore.integrations.device_copies import (
+    DONE,
+    DeviceCopies,
+    Event,
+    copies_for,
+    device_ids,
+)
 from kvstore.integrations.link import ConnectorStats, Hit, StoreLink
 from kvstore.kernels import KernelOps
 from kvstore.kernels.reference import staging_shape
@@ -90,14 +96,6 @@ def _byte_rows(staging: torch.Tensor) -> list[np.ndarray]:
     """One writable uint8 numpy view per staged block (bfloat16 has no numpy dtype)."""
     flat = staging.reshape(staging.shape[0], -1).view(torch.uint8)
     return [row.numpy() for row in flat]
-
-
-def _device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Block ids on the cache's device. On a GPU they go through pinned memory: a copy from
-    pageable memory may wait for the stream's earlier work, which on the copy stream is the
-    forward pass a save waits for, and this runs on the step loop."""
-    ids = torch.tensor(list(block_ids), dtype=torch.int64, pin_memory=device.type == "cuda")
-    return ids.to(device, non_blocking=True)
 
 
 class StoreConnector:
@@ -201,7 +199,7 @@ class StoreConnector:
         does not wait for the host (rows are pinned on a GPU), then the kernels' scatter."""
         device = self.kv_cache.device
         self.ops.scatter_blocks(rows.to(device, non_blocking=True), self.kv_cache,
-                                _device_ids(block_ids, device))
+                                device_ids(block_ids, device))
 
     def poll(self, timeout_s: float = 0.0) -> list[Looked | Loaded]:
         """The lookups and loads that came back (a load once its copy into the cache has
@@ -267,7 +265,7 @@ class StoreConnector:
         """The cache's blocks into staging (on the copy stream): gathered on the cache's
         device, then one copy to the host that does not wait for it (staging is pinned on a
         GPU); on the CPU, gathered straight into staging."""
-        ids = _device_ids(block_ids, self.kv_cache.device)
+        ids = device_ids(block_ids, self.kv_cache.device)
         if staging.device == self.kv_cache.device:
             self.ops.gather_blocks(self.kv_cache, ids, out=staging)
         else:

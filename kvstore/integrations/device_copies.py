@@ -52,7 +52,7 @@ from typing import Protocol
 import torch
 
 __all__ = ["DONE", "CudaStreams", "DeviceCopies", "Event", "ImmediateStreams", "SimDevice",
-           "SimStreams", "Streams", "copies_for"]
+           "SimStreams", "Streams", "copies_for", "device_ids"]
 
 POOLED_BUFFERS = 4
 """Load staging buffers the pool keeps when they are idle: one per loader thread
@@ -383,6 +383,14 @@ class DeviceCopies:
         event = self.streams.on_copy(fill, after=after, keep=(staging,), name="save")
         self.streams.forward_waits(event)
         return event
+
+
+def device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Block ids as int64 on the cache's device. On a GPU they go through pinned memory: a
+    copy from pageable memory may wait for the stream's earlier work (on the copy stream, the
+    forward pass a save waits for), and saves are enqueued from the step loop."""
+    ids = torch.tensor(list(block_ids), dtype=torch.int64, pin_memory=device.type == "cuda")
+    return ids.to(device, non_blocking=True)
 
 
 def copies_for(device: torch.device) -> DeviceCopies:

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvstore.integrations.device_copies import device_ids
+
 KV = "kv"
 LATENT = "latent"
 LAYOUTS = (KV, LATENT)
@@ -129,14 +131,6 @@ class PagedKV:
         return [np.ctypeslib.as_array((ctypes.c_uint8 * self.block_bytes).from_address(
             self._base + b * self.block_bytes)) for b in block_ids]
 
-    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Block ids on the cache's device. On a GPU they go through pinned memory: a copy
-        from pageable memory may wait for the stream's earlier work (on the copy stream, the
-        forward pass a save waits for), and saves are enqueued from the step loop."""
-        pin = self.device.type == "cuda"
-        ids = torch.tensor(list(block_ids), dtype=torch.int64, pin_memory=pin)
-        return ids.to(self.device, non_blocking=True)
-
     def _per_group(self, block_ids: Sequence[int],
                    more_groups: Sequence[Sequence[int]]) -> list[list[int]]:
         """Every group's block ids for the same positions."""
@@ -157,7 +151,7 @@ class PagedKV:
         orders it (`device_copies`)."""
         per_group = self._per_group(block_ids, more_groups)
         out = self.staging(len(block_ids)) if out is None else out
-        ids = [self._ids(g) for g in per_group]
+        ids = [device_ids(g, self.device) for g in per_group]
         rows = out if self.device == out.device else torch.empty(
             out.shape, dtype=torch.uint8, device=self.device)
         for t, d, off, size, g in zip(self.tensors, self.dims, self.offsets, self.layer_bytes,
@@ -179,8 +173,9 @@ class PagedKV:
         count = len(block_ids)
         rows = staging[:count].to(self.device, non_blocking=True)
         held = [[i for i, b in enumerate(g) if b >= 0] for g in per_group]
-        picks = [None if len(h) == count else self._ids(h) for h in held]
-        ids = [self._ids([g[i] for i in h]) for g, h in zip(per_group, held, strict=True)]
+        picks = [None if len(h) == count else device_ids(h, self.device) for h in held]
+        ids = [device_ids([g[i] for i in h], self.device)
+               for g, h in zip(per_group, held, strict=True)]
         for t, d, off, size, shape, g in zip(self.tensors, self.dims, self.offsets,
                                              self.layer_bytes, self.shapes, self.groups,
                                              strict=True):
