@@ -108,6 +108,6 @@ def test_dockerignore_keeps_the_build_inputs_and_drops_the_rest() -> None:
                 if line.strip() and not line.startswith("#")]
     for dropped in (".git", ".venv", "tests", "**/__pycache__"):
         assert dropped in patterns, dropped
-    for needed in ("pyproject.toml", "README.md", "kvstore", "tiers", "client", "kernels",
+    for needed in ("pyproject.toml", "README.md", "kvstore", "tiers", "client",
                    "engine", "proto"):
         assert needed not in patterns, needed

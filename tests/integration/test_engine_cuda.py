@@ -1,5 +1,5 @@
 """The engine on a GPU (marked `gpu`, skipped without CUDA): with the kernels ops_for picks there
-(the Triton ones, kernels/gpu.py, checked first), float32 greedy tokens equal the CPU
+(the Triton ones, kvstore/kernels/gpu.py, checked first), float32 greedy tokens equal the CPU
 reference run's (itself checked against transformers), through chunked prefill, prefix
 caching and copy-on-write forks; bfloat16 runs and agrees on the first tokens; the store
 connector stages a CUDA cache's blocks through pinned host memory (torch's, no cupy), out to

@@ -86,7 +86,7 @@ def _pick(dev: torch.device) -> KernelOps:
         log.warning("kernels for %s: torch reference, the Triton kernels are unavailable "
                     "(%s: %s)", dev, type(exc).__name__, exc)
         return reference
-    log.info("kernels for %s: Triton (kernels/gpu.py)", dev)
+    log.info("kernels for %s: Triton (kvstore/kernels/gpu.py)", dev)
     return gpu
 
 

@@ -1,5 +1,6 @@
 """The paged KV-cache operations in plain torch: the reference every other implementation
-(kernels/gpu.py, in Triton) is checked against, and the implementation the engine runs on CPU.
+(kvstore/kernels/gpu.py, in Triton) is checked against, and the implementation the engine runs
+on CPU.
 
 Owns the layouts. One engine's cache is one tensor
 `kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 of dim 1

@@ -2,7 +2,7 @@
 # they stay unannotated, and triton.jit is untyped. The host functions are fully typed.
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 """The paged KV-cache operations in Triton, with the signatures and semantics of
-kernels/reference.py: what `ops_for` picks for a CUDA device.
+kvstore/kernels/reference.py: what `ops_for` picks for a CUDA device.
 
 Owns the kernels and their launches. Every kernel is written once, below, as a `@triton.jit`
 function; on CUDA tensors it is compiled by Triton and launched on torch's current stream of
