@@ -34,6 +34,17 @@ class PrefetchProgress:
     prefix_length: int = 0  # keys[0:prefix_length] are all in the target tier
     deadline_exceeded: bool = False
 
+    def count(self, outcome: str) -> None:
+        """Count the next key in order: "done", "missing" or "failed"."""
+        if outcome == "done":
+            # in the ready prefix when every key before it is
+            self.prefix_length += self.prefix_length == self.done + self.missing + self.failed
+            self.done += 1
+        elif outcome == "missing":
+            self.missing += 1
+        else:
+            self.failed += 1
+
 
 def prefetch(
     lock: threading.RLock, index: Index, tiering: Tiering, namespace: str,
@@ -42,17 +53,20 @@ def prefetch(
 ) -> Iterator[PrefetchProgress]:
     """Bring keys up to target, in key order, with at most window loads in flight; yield
     the progress whenever the next key is not there yet, and once at the end. Past deadline
-    (a clock() reading) the last progress says deadline_exceeded; once cancelled() is true
-    it returns without a last message. The caller has checked the keys."""
+    (a clock() reading) no load is started and the last progress says deadline_exceeded;
+    once cancelled() is true it returns without a last message. The caller has checked the
+    keys."""
     progress = PrefetchProgress(total=len(keys))
     pending: deque[str | Load] = deque()  # per key, in order: "done", "missing" or a load
     started = 0
-    prefix_open = True
     while started < len(keys) or pending:
-        with lock:
-            while started < len(keys) and len(pending) < window:
-                pending.append(_start(index, tiering, namespace, keys[started], target))
-                started += 1
+        if deadline is None or clock() < deadline:  # past it, no load is started
+            with lock:
+                while started < len(keys) and len(pending) < window:
+                    pending.append(_start(index, tiering, namespace, keys[started], target))
+                    started += 1
+        if not pending:
+            break
         head = pending[0]
         if isinstance(head, Load):
             if not head.done:
@@ -66,16 +80,10 @@ def prefetch(
                     return
             head = "done" if head.ok else "failed"
         pending.popleft()
-        if head == "done":
-            progress.done += 1
-        elif head == "missing":
-            progress.missing += 1
-        else:
-            progress.failed += 1
-        prefix_open = prefix_open and head == "done"
-        progress.prefix_length += prefix_open
+        progress.count(head)
         if cancelled():
             return
+    progress.deadline_exceeded = started < len(keys)
     yield progress
 
 

@@ -42,13 +42,14 @@ def value(name: str, size: int = PAGE) -> bytes:
 def make_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
     opened: list[Store] = []
 
-    def make(*settings: str, l3: str = "l3") -> Store:
+    def make(*settings: str, l3: str = "l3",
+             clock: Callable[[], float] = time.monotonic) -> Store:
         config = load_config(env={}, overrides=[
             f"nvme.dir={tmp_path / l3}", "dram.capacity_bytes=1MiB", "dram.page_size_bytes=64KiB",
             "nvme.capacity_bytes=2MiB", "nvme.page_size_bytes=64KiB", "server.port=0",
             "dram.pin_memory=false", *settings,
         ])
-        store = Store(config)
+        store = Store(config, clock)
         opened.append(store)
         return store
 
@@ -245,6 +246,13 @@ def chain_in_l3(store: Store, n: int) -> list[str]:
     return names
 
 
+def settle(store: Store) -> None:
+    """Wait (up to 5 s) until no load is in flight, so what was started has landed."""
+    deadline = time.monotonic() + 5
+    while store.tiering._loads and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_prefetch_loads_in_prefix_order_and_reports_each_key(
     make_store: Callable[..., Store],
 ) -> None:
@@ -257,6 +265,8 @@ def test_prefetch_loads_in_prefix_order_and_reports_each_key(
     assert [r.prefix_length for r in reports] == sorted(r.prefix_length for r in reports)
     assert tiers(store, names) == ["dram"] * 4
     assert get(store, names) == [value(n) for n in names]
+    gap_first = list(store.prefetch(NS, [key(n) for n in ["absent", *names]], Tier.DRAM))[-1]
+    assert (gap_first.done, gap_first.missing, gap_first.prefix_length) == (4, 1, 0)
 
 
 def test_prefetch_stops_at_its_deadline_with_the_ready_prefix(
@@ -271,6 +281,21 @@ def test_prefetch_stops_at_its_deadline_with_the_ready_prefix(
     assert ready == ["dram"] * last.prefix_length
 
 
+def test_prefetch_starts_no_load_once_its_deadline_has_passed(
+    make_store: Callable[..., Store],
+) -> None:
+    now = [0.0]
+    store = make_store("movers.low_watermark=0.5", clock=lambda: now[0])
+    names = chain_in_l3(store, 6)
+    progress = store.prefetch(NS, [key(n) for n in names], Tier.DRAM, deadline_s=1.0)
+    now[0] = 2.0  # the deadline passes before the first load could start
+    last = list(progress)[-1]
+    assert (last.deadline_exceeded, last.done, last.prefix_length) == (True, 0, 0)
+    settle(store)
+    assert tiers(store, names) == ["nvme"] * 6
+    assert stat(store, "dram", "promotions") == 0
+
+
 def test_prefetch_stops_starting_loads_when_the_caller_goes_away(
     make_store: Callable[..., Store],
 ) -> None:
@@ -281,9 +306,7 @@ def test_prefetch_stops_starting_loads_when_the_caller_goes_away(
     next(progress)
     gone.set()
     assert list(progress) == []
-    deadline = time.monotonic() + 5
-    while store.tiering._loads and time.monotonic() < deadline:
-        time.sleep(0.01)
+    settle(store)
     assert stat(store, "dram", "promotions") <= 3  # the window, not the chain of 7
 
 
