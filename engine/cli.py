@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvstore.engine.errors import EngineError
 from kvstore.engine.llm import LLM, EngineConfig, StepInfo
 from kvstore.engine.sampling import SamplingParams
+from kvstore.units import format_size
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -136,10 +137,13 @@ def _answer(args: argparse.Namespace, llm: LLM, prompts: list[str], params: Samp
         for completion in out.outputs:
             print(completion.text if completion.text is not None else completion.token_ids)
         m = out.metrics
+        loaded = (f", {m.store_prompt_tokens} loaded from the store: "
+                  f"{format_size(m.store_loaded_bytes)}" if m.store_prompt_tokens else "")
         err.print(
-            f"[dim]{m.prompt_tokens} prompt tokens ({m.cached_prompt_tokens} cached), "
+            f"[dim]{m.prompt_tokens} prompt tokens ({m.cached_prompt_tokens} cached{loaded}), "
             f"{m.generated_tokens} generated, TTFT {m.ttft_s * 1000:.1f} ms, "
-            f"TPOT {m.tpot_s * 1000:.1f} ms[/dim]"
+            f"TPOT {m.tpot_s * 1000:.1f} ms[/dim]",
+            soft_wrap=True,  # one line however wide: the terminal wraps it, not rich
         )
 
 

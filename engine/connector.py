@@ -81,6 +81,9 @@ class Loaded:
 
     plan: LoadPlan
     arrived: int
+    nbytes: int = 0
+    """The bytes those blocks took from the store: arrived x the connector's block_bytes
+    (every layer's K and V of one block, the engine's one KV-cache group)."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,8 @@ class StoreConnector:
         self.prefill = prefill or PrefillModel()
         self.step_tokens = step_tokens
         self.block_bytes = int(np.prod(staging_shape(kv_cache, 1))) * kv_cache.element_size()
+        """Bytes of one stored block: every layer's K and V of one engine block (all layers are
+        one KV-cache group here, windowed or not)."""
         self.copies = copies or copies_for(kv_cache.device)
         self._row_shape = staging_shape(kv_cache, 1)[1:]
         self._events: queue.SimpleQueue[Looked | _Landing] = queue.SimpleQueue()
@@ -190,7 +195,7 @@ class StoreConnector:
                 arrived = 0
             if unread:  # (a failed copy's staging is not pooled: part of it may be in flight)
                 self.copies.give_back(staging, DONE)
-            self._events.put(_Landing(Loaded(plan, arrived), event))
+            self._events.put(_Landing(Loaded(plan, arrived, arrived * self.block_bytes), event))
 
         self.link.read_async(plan.keys, _byte_rows(staging), done, tier=tier)
 

@@ -396,7 +396,7 @@ class LLM:
             if isinstance(event, Looked):
                 self.scheduler.lookup_done(event.plan.seq, connector.decide(event))
             else:
-                self.scheduler.load_done(event.plan.seq, event.arrived)
+                self.scheduler.load_done(event.plan.seq, event.arrived, event.nbytes)
 
     def reset_prefix_cache(self) -> int:
         """Drop the engine's own cached blocks (as if they had been evicted); the store keeps

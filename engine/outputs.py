@@ -1,5 +1,6 @@
 """What `LLM.generate` returns: per request its completions (text, token ids, why they ended)
-and metrics (TTFT, TPOT, prompt tokens served from the prefix cache)."""
+and metrics (TTFT, TPOT, prompt tokens served from the prefix cache or the store, the bytes
+loaded from it)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ class RequestMetrics:
     """Mean time between generated tokens after the first (0 for one token)."""
     latency_s: float
     preemptions: int
+    store_loaded_bytes: int = 0
+    """The bytes the store's hit loaded for this request: the blocks that arrived from the
+    store times the connector's block bytes (one block is every layer's K and V of
+    block_size tokens). The engine keeps all its layers in one KV-cache group, so this one
+    number is that group's (vLLM's connector counts per group). Under a sliding window only
+    the blocks the window covers before the cut are loaded, which can be fewer than the hit
+    has (0 without a load)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,7 @@ def build_output(
         prompt_tokens=head.num_prompt_tokens,
         cached_prompt_tokens=head.num_cached_tokens,
         store_prompt_tokens=head.num_store_tokens,
+        store_loaded_bytes=head.store_loaded_bytes,
         store_recomputed_tokens=head.num_store_recomputed_tokens,
         store_decision=head.store_reason,
         generated_tokens=sum(len(s.output_token_ids) for s in seqs),

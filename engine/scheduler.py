@@ -305,10 +305,11 @@ class Scheduler:
                 (answer.hit_blocks - answer.load_blocks) * self.block_size)
             seq.store_reason = answer.reason
 
-    def load_done(self, seq: Sequence, arrived: int) -> None:
-        """A LoadPlan finished: its first `arrived` blocks hold their keys' K/V. They join the
-        prefix cache, the table is released (blocks that did not arrive go back to the pool),
-        and the sequence waits for admission again, which takes them as a local hit."""
+    def load_done(self, seq: Sequence, arrived: int, nbytes: int = 0) -> None:
+        """A LoadPlan finished: its first `arrived` blocks hold their keys' K/V (nbytes: what
+        they took from the store, for the request's metrics). They join the prefix cache, the
+        table is released (blocks that did not arrive go back to the pool), and the sequence
+        waits for admission again, which takes them as a local hit."""
         plan = self._loads.pop(seq.seq_id)
         if arrived:
             self.blocks.cache_full_blocks(
@@ -320,6 +321,7 @@ class Scheduler:
         missing = len(plan.keys) - arrived
         if seq.num_preemptions == 0:
             seq.num_store_tokens = arrived * self.block_size
+            seq.store_loaded_bytes = nbytes
             seq.num_store_recomputed_tokens += missing * self.block_size
             if missing:
                 seq.store_reason = (f"{seq.store_reason}; {missing} blocks did not arrive: "
@@ -420,6 +422,7 @@ class Scheduler:
                 num_computed_tokens=parent.num_computed_tokens,
                 num_cached_tokens=parent.num_cached_tokens,
                 num_store_tokens=parent.num_store_tokens,
+                store_loaded_bytes=parent.store_loaded_bytes,
                 num_stored_blocks=parent.num_stored_blocks,
                 status=SeqStatus.RUNNING,
                 forked=True,

@@ -48,6 +48,9 @@ class Sequence:
     """Prompt tokens served from the prefix cache or the store at first admission."""
     num_store_tokens: int = 0
     """Of those, the tokens loaded from the store."""
+    store_loaded_bytes: int = 0
+    """The bytes those loaded blocks took from the store (blocks x the connector's block
+    bytes; under a sliding window only the window's blocks are loaded)."""
     num_store_recomputed_tokens: int = 0
     """Prompt tokens the store held that were computed instead (loading them was slower)."""
     store_reason: str = ""

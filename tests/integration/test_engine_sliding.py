@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
 from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
-from tests.engine.models import save_tiny
+from tests.engine.models import TINY, save_tiny
 from tests.engine.oracle import hf_greedy, load_hf
 
 # A window that is not a multiple of the 16-token block: its start moves through blocks.
@@ -224,9 +225,9 @@ def test_a_windowed_model_through_the_store_matches_transformers(
         mistral: Path, oracle: Any, daemon_factory: Callable[..., Daemon]) -> None:
     """A writer with an 8-block pool offloads every block as it fills (before it slides out
     of the window and is released); a fresh reader hits 64 and 80 prompt tokens in the
-    store but loads only the blocks the window covers before each cut (2 of 4, 2 of 5), and
-    generates transformers' tokens. (The lookup still needs every block up to the cut in the
-    store, as for full attention.)"""
+    store but loads only the blocks the window covers before each cut (2 of 4, 2 of 5), says
+    so in its request metrics (tokens and bytes), and generates transformers' tokens. (The
+    lookup still needs every block up to the cut in the store, as for full attention.)"""
     d = daemon_factory(*LOCAL)
     prompts = [_prompt(75, seed=10), _prompt(90, seed=11)]
     want = [hf_greedy(oracle, p, 40) for p in prompts]
@@ -243,4 +244,14 @@ def test_a_windowed_model_through_the_store_matches_transformers(
     assert [o.metrics.cached_prompt_tokens for o in outs] == [64, 80]
     # Cut 64: the window of token 64 is 41..64, blocks 2 and 3; cut 80: 57..80, blocks 3, 4.
     assert [o.metrics.store_prompt_tokens for o in outs] == [32, 32]
+    # The bytes: the window's 2 blocks each, not the hit's 4 and 5. One block is every
+    # layer's K and V of 16 tokens: 3 layers x 2 x 16 x 2 kv heads x 16 dims x 4 bytes
+    # (float32 on the CPU), worked out from the checkpoint's shape, not the engine's.
+    block_bytes = 3 * 2 * BLOCK * TINY["num_key_value_heads"] * (
+        TINY["hidden_size"] // TINY["num_attention_heads"]) * 4
+    assert reader.dtype == torch.float32 and block_bytes == 12288
+    loaded = [o.metrics.store_loaded_bytes for o in outs]
+    assert loaded == [2 * block_bytes, 2 * block_bytes]
+    hit = [o.metrics.cached_prompt_tokens // BLOCK * block_bytes for o in outs]
+    assert hit == [4 * block_bytes, 5 * block_bytes] and loaded[0] < hit[0] and loaded[1] < hit[1]
     assert reader.connector is not None and reader.connector.stats.loaded_blocks == 4

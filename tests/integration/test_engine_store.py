@@ -1,5 +1,6 @@
 """The engine with a real kvstore daemon: prompts found in the store are loaded instead of
-computed and the tokens do not change; a second engine process hits what the first wrote;
+computed and the tokens do not change (and each request's metrics count the bytes loaded);
+a second engine process hits what the first wrote;
 preemption by swap gives the tokens of a run without preemption; a fresh daemon pre-warmed
 from L4 serves the first request; a daemon killed mid-run costs nothing but speed."""
 
@@ -29,12 +30,16 @@ from kvstore.keys import prefix_keys
 from kvstore.tools.slowlink import SlowLink
 from kvstore.tools.testing import Daemon, RedisServer, start_redis_on
 from tests.conftest import REPO
-from tests.engine.models import save_tiny
+from tests.engine.models import TINY, save_tiny
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LOCAL = ("dram.capacity_bytes=32MiB", "dram.page_size_bytes=8KiB", "hbm.mode=off",
          "nvme.enabled=false")
 Make = Callable[..., Daemon]
+# One stored block of the tiny Llama as the engine runs it on the CPU (float32): every
+# layer's K and V of 16 tokens, worked out from the checkpoint's shape, not the engine's.
+BLOCK_BYTES = (TINY["num_hidden_layers"] * 2 * 16 * TINY["num_key_value_heads"]
+               * (TINY["hidden_size"] // TINY["num_attention_heads"]) * 4)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +160,9 @@ def _prefix_from_tier(tiny: Path, d: Daemon, daemon_factory: Make,
     prompts = _prompts()
     want = _tokens(engines(tiny).generate(prompts, GREEDY))  # no store at all
     writer = engines(tiny, store=d.target)
-    assert _tokens(writer.generate(prompts, GREEDY)) == want
+    written = writer.generate(prompts, GREEDY)
+    assert _tokens(written) == want
+    assert [o.metrics.store_loaded_bytes for o in written] == [0, 0, 0]  # nothing to load
     writer.close()  # waits for the offloads
     assert writer.connector is not None and writer.connector.stats.offloaded_blocks > 0
     keys = [k for p in prompts for k in prefix_keys(p, 16, writer.namespace)]
@@ -175,6 +182,10 @@ def _prefix_from_tier(tiny: Path, d: Daemon, daemon_factory: Make,
                                                              for p in prompts]
     assert [o.metrics.cached_prompt_tokens for o in outs] == [o.metrics.store_prompt_tokens
                                                               for o in outs]
+    # The bytes: every block that arrived, each all 2 layers' K and V (8 KiB here).
+    assert reader.dtype == torch.float32 and BLOCK_BYTES == 8192
+    assert [o.metrics.store_loaded_bytes for o in outs] == [(len(p) - 1) // 16 * BLOCK_BYTES
+                                                            for p in prompts]
     # Greedy tokens of a random model barely depend on far context: check the loaded K/V
     # themselves, bit for bit, against the blocks the writer computed.
     for prompt in prompts:
@@ -263,6 +274,7 @@ def test_a_block_lost_before_its_load_is_recomputed(
     [out] = reader.generate([prompt], GREEDY)
     assert out.outputs[0].token_ids == want[0]
     assert out.metrics.store_prompt_tokens == 32  # blocks 0 and 1 arrived; 2.. recomputed
+    assert out.metrics.store_loaded_bytes == 2 * BLOCK_BYTES  # what arrived, not the plan's 6
     assert reader.connector.stats.load_failures == 1
 
 
