@@ -36,7 +36,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.client.errors import KVStoreError
@@ -62,21 +67,33 @@ logger = logging.getLogger("kvstore.integrations.vllm")
 _GROUP_KINDS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
 """The KV-cache groups the connector stores, by vLLM's spec class: full attention (MLA too)
 and sliding-window attention, alone or side by side (a hybrid model under vLLM's hybrid
-KV-cache manager). Others (Mamba state, chunked local attention, ...) are refused at start."""
+KV-cache manager). State-space groups (`MambaSpec`: Mamba, gated delta net, short
+convolutions) are accepted but not stored (`_check_groups`); others (chunked local attention,
+...) are refused at start."""
 
 
-def _check_groups(kv_cache_config: KVCacheConfig) -> None:
-    """Refuse KV-cache groups the connector does not store, naming them."""
-    groups = kv_cache_config.kv_cache_groups
-    for group in groups:
-        kind = type(group.kv_cache_spec)
-        if kind not in _GROUP_KINDS:
+def _check_groups(kv_cache_config: KVCacheConfig) -> list[str]:
+    """Refuse KV-cache groups the connector neither stores nor can run beside, naming them,
+    and return the layers that keep a recurrent state (`MambaSpec` groups). Such a model's
+    hit would need every state layer's state at the cut, which vLLM keeps only at the end of
+    a scheduler step that lands on a block edge (`mamba_cache_mode="align"`), so the connector
+    stores nothing for it: storing its attention groups alone would cost writes for hits
+    that could never be served."""
+    state_layers: list[str] = []
+    sizes = set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            state_layers += group.layer_names
+            continue
+        if type(spec) not in _GROUP_KINDS:
             raise ValueError(f"KVStoreConnector stores full and sliding-window attention; "
-                             f"layers {group.layer_names[:3]} are {kind.__name__}")
-    sizes = {group.kv_cache_spec.block_size for group in groups}
+                             f"layers {group.layer_names[:3]} are {type(spec).__name__}")
+        sizes.add(spec.block_size)
     if len(sizes) > 1:
         raise ValueError(f"KVStoreConnector needs one block size across KV cache groups, "
                          f"got {sorted(sizes)}")
+    return state_layers
 
 
 def _tp_rank() -> int:
@@ -90,19 +107,20 @@ def _tp_rank() -> int:
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
-    """vLLM's connector object for one role. It refuses what it does not support (state-space
-    layers, pipeline or decode context parallelism), opens the link, and hands each call to
-    its role's half (`scheduler` or `worker`). It supports vLLM's hybrid KV-cache manager
-    (`SupportsHMA`): a model with sliding-window and full-attention layers keeps vLLM's
-    memory savings, and each KV-cache group is stored under its own keys, so a hit loads a
-    sliding group's window only."""
+    """vLLM's connector object for one role. It refuses what it does not support (chunked
+    local attention, pipeline or decode context parallelism), opens the link, and hands each
+    call to its role's half (`scheduler` or `worker`). It supports vLLM's hybrid KV-cache
+    manager (`SupportsHMA`): a model with sliding-window and full-attention layers keeps
+    vLLM's memory savings, and each KV-cache group is stored under its own keys, so a hit
+    loads a sliding group's window only. A model with state-space layers runs with nothing
+    loaded or saved (`_check_groups`)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = parse_settings(transfer.kv_connector_extra_config)
-        _check_groups(kv_cache_config)
+        self.state_layers = _check_groups(kv_cache_config)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism")
         if getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) > 1:
@@ -116,8 +134,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("kvstore: kv_load_failure_policy %r -> 'recompute' (a failed load "
                         "is a miss)", transfer.kv_load_failure_policy)
             transfer.kv_load_failure_policy = "recompute"
-        loads = self.settings.load and transfer.is_kv_consumer
-        saves = self.settings.offload and transfer.is_kv_producer
+        loads = self.settings.load and transfer.is_kv_consumer and not self.state_layers
+        saves = self.settings.offload and transfer.is_kv_producer and not self.state_layers
+        if self.state_layers and role == KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "kvstore: %d layers keep a recurrent state (%s, ...), which the store does "
+                "not hold; a hit needs every layer's state at the cut, so this model neither "
+                "loads from nor saves to the store, and runs as it would without it",
+                len(self.state_layers), ", ".join(self.state_layers[:2]))
         # The scheduler looks up under rank 0's namespace; every rank saves and loads its own.
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         self.namespace = namespace_for(self.settings, model_shape(vllm_config, rank))
@@ -202,6 +226,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.paged
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.state_layers:
+            return  # nothing is loaded or saved (_check_groups), so no layout is needed
         self.worker.register(kv_caches, self._kv_cache_config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

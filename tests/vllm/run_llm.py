@@ -1,17 +1,17 @@
 """One vLLM engine run in its own process (vLLM starts its workers with spawn; a fresh process
 is a fresh prefix cache): `python run_llm.py '<json>'` prints one JSON line.
 
-Input: model (folder), prompts (token id lists), max_tokens, connector (kv_connector_extra_config,
-or null for a run without the store), role (kv_both / kv_producer / kv_consumer), dump_kv (also
-write every layer's paged KV, with its layout, to this .pt file), inprocess
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, so the test can reach the connector; false runs vLLM's
-engine-core and worker processes as users do).
+Input: model (folder), dtype (float32 unless given), prompts (token id lists), max_tokens,
+connector (kv_connector_extra_config, or null for a run without the store), role (kv_both /
+kv_producer / kv_consumer), dump_kv (also write every layer's paged KV, with its layout, to
+this .pt file), inprocess (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the test can reach the
+connector; false runs vLLM's engine-core and worker processes as users do).
 Output: tokens (greedy, per prompt), cached_tokens (per prompt: tokens not computed),
 stats (the connector's counters, in-process runs only), namespace, shared_memory (whether
 its data calls went through the daemon's shared memory), prefill_steps (forward steps the
 workers timed that reached the scheduler side's cost model, in-process runs only), groups
 (the KV-cache groups the worker's connector registered: more than one when vLLM's hybrid
-manager is on, in-process runs only).
+manager is on, None when it registered none, in-process runs only).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
             kv_role=args.get("role", "kv_both"),
             kv_connector_extra_config=args["connector"],
         )
-    llm = LLM(model=args["model"], skip_tokenizer_init=True, dtype="float32",
+    llm = LLM(model=args["model"], skip_tokenizer_init=True, dtype=args.get("dtype", "float32"),
               max_model_len=args.get("max_model_len", 2048), enforce_eager=True, seed=0,
               kv_cache_memory_bytes=args.get("kv_cache_bytes", 64 << 20),
               max_num_batched_tokens=args.get("max_num_batched_tokens", 2048),
@@ -59,7 +59,8 @@ def main() -> None:
         result["stats"] = connector.link.stats.as_dict()
         result["namespace"] = connector.namespace
         result["shared_memory"] = connector.link.client.uses_shared_memory
-        result["groups"] = connector.paged.num_groups
+        # None: vLLM registered no layout (a model the connector stores nothing for)
+        result["groups"] = connector.paged.num_groups if connector.paged is not None else None
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
         result["prefill_steps"] = scheduler.connector.scheduler.prefill.steps
         result["group_names"] = scheduler.connector.scheduler._group_names

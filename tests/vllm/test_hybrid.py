@@ -20,7 +20,6 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    MambaSpec,
     SlidingWindowSpec,
 )
 
@@ -327,12 +326,3 @@ def test_a_full_groups_missing_block_cuts_the_hit_there(
            list(range(HIT_BLOCKS)), size)
     assert matched(conn, request(tokens)) == (7 * HARNESS_BLOCK, True)
     conn.shutdown()
-
-
-def test_a_state_space_group_is_refused_at_start(store: StoreView, model_dir: Path) -> None:
-    config = vllm_config(model_dir, store.options())
-    mamba = MambaSpec(block_size=HARNESS_BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
-    kv_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([LAYERS[0]], mamba)])
-    with pytest.raises(ValueError, match="MambaSpec"):
-        KVStoreConnector(config, KVConnectorRole.SCHEDULER, kv_config)
