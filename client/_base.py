@@ -94,6 +94,7 @@ class ClientBase(ABC):
         token: str | None = None,
         tls: TLS | bool | None = None,
         unix_socket: str | None = None,
+        read_table: bool = True,
     ) -> None:
         """shared_memory: None uses the daemon's shared memory when co-located, False never,
         True requires it (FailedPrecondition on the first data call when it cannot be used).
@@ -105,6 +106,10 @@ class ClientBase(ABC):
         the cert is set, else plaintext. unix_socket: the daemon's Unix socket (for Attach)
         as this process sees it; None reads KVSTORE_UNIX_SOCKET, else the daemon's own path.
         Files are read here: a bad token or an unreadable file is InvalidArgument naming it.
+
+        read_table: on the daemon's host, look up and read L2 blocks through the read table
+        the daemon publishes (dram.read_table), with no round trip, when it offers one;
+        False: every lookup and read asks the daemon (docs/local-path.md).
 
         target: host:port, [v6]:port, dns:///host:port, unix:PATH or any gRPC target; one
         without a port means port 50051, the daemon's default (see `_target`)."""
@@ -137,7 +142,7 @@ class ClientBase(ABC):
             response_deserializer=decode_get_response,
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._shm = ShmState(shared_memory, socket_path, timeout_s)
+        self._shm = ShmState(shared_memory, socket_path, timeout_s, read_table=read_table)
         self._daemon_limits: res.Limits | None = None  # the daemon's, asked once (Limits)
         self._closed = False
 
@@ -339,6 +344,30 @@ class ClientBase(ABC):
         finish: Callable[[list[bytes], Fetched, list[ByteArray] | None],
                          tuple[list[R | None], list[bytes]]],
     ) -> Steps[list[R | None]]:
+        """The blocks read through the read table where it shows them and their copies
+        hold (client/_readtable.py); the others asked of the daemon (`_ask`)."""
+        tables = None
+        if self._shm.read_table and len(set(keys)) == len(keys):  # repeats: the daemon says
+            if (yield from self._segment()) is not None:
+                tables = self._shm.tables
+        if tables is None:
+            return (yield from self._ask(keys, arrays, finish))
+        out: list[R | None] = yield Offload(partial(
+            tables.read, self.namespace, keys, arrays, self.verify_checksums,
+            self._shm.report_post()))
+        rest = [i for i, got in enumerate(out) if got is None]
+        if rest:
+            asked = yield from self._ask([keys[i] for i in rest],
+                                         None if arrays is None else [arrays[i] for i in rest],
+                                         finish)
+            merge_reread(out, rest, asked)
+        return out
+
+    def _ask(
+        self, keys: list[bytes], arrays: list[ByteArray] | None,
+        finish: Callable[[list[bytes], Fetched, list[ByteArray] | None],
+                         tuple[list[R | None], list[bytes]]],
+    ) -> Steps[list[R | None]]:
         """The blocks fetched and judged by their checksums (finish: finish_get or
         finish_get_into): per key, its result or None. Blocks that failed their checksum on
         a read the daemon did not hold (a verifying client's shared-memory Get, unleased) are
@@ -424,6 +453,25 @@ class ClientBase(ABC):
         key_list = check_keys(keys)
         if not key_list:
             return res.LookupResult(prefix_length=0, tiers=[])
+        tables = self._shm.tables if self._shm.read_table else None
+        if tables is None:
+            return (yield from self._lookup_asked(key_list, block_tokens))
+        local = yield Offload(partial(tables.lookup, self.namespace, key_list, block_tokens,
+                                      self._shm.report_post()))
+        if local is None:
+            return (yield from self._lookup_asked(key_list, block_tokens))
+        found, tiers = local
+        if found == len(key_list):
+            return res.LookupResult(prefix_length=found, tiers=tiers)
+        # The daemon answers from the first key the table does not show on (L3, L4, or a
+        # block the table leaves out), authoritatively.
+        rest = yield from self._lookup_asked(key_list[found:], block_tokens)
+        return res.LookupResult(prefix_length=found + rest.prefix_length,
+                                tiers=[*tiers, *rest.tiers])
+
+    def _lookup_asked(self, key_list: list[bytes],
+                      block_tokens: int) -> Steps[res.LookupResult]:
+        """A Lookup answered by the daemon."""
         request = rq.lookup_request(self.namespace, key_list, block_tokens)
         # Over the local path once a data call has opened it (with the shared memory).
         response = yield Retried(lambda: self._local_first(

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -59,6 +60,7 @@ from kvstore.proto.localframe import (
     VERB_NAMES,
     hello,
 )
+from kvstore.readtable import TABLES_OPTION
 
 from ._attach import TicketKeeper, connect
 from ._pause import (
@@ -79,6 +81,7 @@ from .errors import (
 
 logger = logging.getLogger("kvstore.client")
 
+MAX_TABLES = 16  # read tables one handshake may pass (one per arena of the tenant)
 MAX_IDLE_SESSIONS = 16  # kept open between calls; more threads at once open extra ones
 
 #: The verbs sent once more on a fresh session when a reused one breaks before any byte of
@@ -215,19 +218,41 @@ class LocalPath:
         response: M = response_type.FromString(reply)  # type: ignore[attr-defined]
         return response
 
-    def post(self, verb: int, request: Any) -> None:
+    def post(self, verb: int, request: Any, *, answered: bool = True) -> bool:
         """Send a request without waiting for its reply (a Release): its reply is read and
-        dropped before the session's next one. Sent once more on a fresh session when a
-        reused one is found closed; any failure is logged, never raised."""
+        dropped before the session's next one; answered=False for a verb the daemon never
+        answers (the read table's reports). Sent once more on a fresh session when a reused
+        one is found closed; any failure is logged, never raised. Whether it was sent."""
         body = request.SerializeToString()
         try:
             session, reused = self._take()
-            if not self._post_on(session, verb, body) and reused:
-                self._post_on(self._new(), verb, body)
+            if self._post_on(session, verb, body, answered):
+                return True
+            return reused and self._post_on(self._new(), verb, body, answered)
         except KVStoreError as exc:
             logger.debug("kvstore: a posted local request was not sent: %s", exc)
+            return False
 
-    def _post_on(self, session: _Session, verb: int, body: bytes) -> bool:
+    def report(self, verb: int, request: Any) -> bool:
+        """Post a report the daemon never answers (see post)."""
+        return self.post(verb, request, answered=False)
+
+    def open_tables(self) -> list[tuple[str, int, int]]:
+        """As probe, with the session opened asking for the read tables (`HOT <ticket>
+        tables`): (arena, descriptor, size in bytes) of each table the daemon passed (none
+        when it publishes none). The caller closes the descriptors."""
+        got: list[list[tuple[str, int, int]]] = []
+
+        def with_tables(ticket: str) -> _Session:
+            session, tables = self._open_asking(ticket)
+            got.append(tables)
+            return session
+
+        self._give_back(self._new(with_tables))
+        return got[-1] if got else []
+
+    def _post_on(self, session: _Session, verb: int, body: bytes,
+                 answered: bool = True) -> bool:
         """Send a posted request on session: True when it went (the session is pooled again),
         False when the session was closed under it (and is dropped)."""
         if len(body) > session.max_frame_bytes:
@@ -240,7 +265,8 @@ class LocalPath:
             session.close()
             logger.debug("kvstore: a posted local request was not sent: %s", exc)
             return False
-        session.posted += 1
+        if answered:
+            session.posted += 1
         self._give_back(session)
         return True
 
@@ -288,10 +314,11 @@ class LocalPath:
                 return
         session.close()
 
-    def _new(self) -> _Session:
-        """A new session. NoSessionNow while paused (or while another caller opens the first
-        one after a pause), or when the daemon refuses for now, which starts a pause;
-        NoSession when it never will."""
+    def _new(self, opener: Callable[[str], _Session] | None = None) -> _Session:
+        """A new session (opened by opener(ticket), by default a plain handshake).
+        NoSessionNow while paused (or while another caller opens the first one after a
+        pause), or when the daemon refuses for now, which starts a pause; NoSession when it
+        never will."""
         with self._lock:
             if self._closed:
                 raise NoSession("the local path is closed")
@@ -302,7 +329,7 @@ class LocalPath:
                                        "refusal has passed")
                 self._probing = True
         try:
-            session = self._tickets.use(self._open)
+            session = self._tickets.use(opener or self._open)
         except NoSession:
             raise
         except KVStoreError as exc:  # a refusal, or the Attach call for a ticket failed
@@ -343,7 +370,25 @@ class LocalPath:
     def _open(self, ticket: str) -> _Session:
         """A new session, opened with ticket: TryLater (TicketRefused for a bad ticket) when
         the daemon refuses for now, NoSession when it never will."""
-        reply, sock = self._handshake(hello(ticket))
+        reply, sock, _ = self._handshake(hello(ticket))
+        return self._session_of(reply, sock)
+
+    def _open_asking(self, ticket: str) -> tuple[_Session, list[tuple[str, int, int]]]:
+        """As _open, asking for the read tables too: the session, and the tables passed
+        (arena, descriptor, size)."""
+        line = f"{hello(ticket).decode().rstrip()} {TABLES_OPTION}\n".encode()
+        reply, sock, fds = self._handshake(line)
+        try:
+            session = self._session_of(reply, sock)
+            listed = reply["hot"].get("tables")
+            named = _tables(listed, len(fds)) if listed is not None else []
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return session, [(name, fd, size) for (name, size), fd in zip(named, fds, strict=True)]
+
+    def _session_of(self, reply: dict[str, Any], sock: socket.socket | None) -> _Session:
         hot = reply.get("hot")
         if sock is not None and isinstance(hot, dict) and isinstance(
                 hot.get("max_frame_bytes"), int):
@@ -358,21 +403,25 @@ class LocalPath:
             raise TryLater(why, ticket_unused=True)
         raise NoSession(why)
 
-    def _handshake(self, line: bytes) -> tuple[dict[str, Any], socket.socket | None]:
+    def _handshake(self, line: bytes
+                   ) -> tuple[dict[str, Any], socket.socket | None, list[int]]:
         """The daemon's JSON answer to line on a new connection, and the connection when
         the answer opens a session (else it is closed). TryLater when no answer comes (the
         socket not there, the connection closed or timed out first); NoSession when the
         answer is not a JSON object."""
         sock = connect(self.path, self._timeout_s, "no local session")
+        fds: list[int] = []
         try:
             sock.sendall(line)
-            text = _read_line(sock)
+            text = _read_line(sock, fds)
         except OSError as exc:
             sock.close()
+            _close_fds(fds)
             raise TryLater(f"no local session on {self.path}: {exc}",
                            ticket_unused=True) from None
         if not text:
             sock.close()
+            _close_fds(fds)
             raise TryLater(f"no local session on {self.path}: the daemon closed the "
                            "connection without an answer (its handshakes may all be taken)",
                            ticket_unused=True)
@@ -382,12 +431,14 @@ class LocalPath:
             reply = None
         if not isinstance(reply, dict):
             sock.close()
+            _close_fds(fds)
             raise NoSession(f"no local session on {self.path}: the daemon answered the "
                             f"handshake with {text[:200]!r}")
         if isinstance(reply.get("hot"), dict):
-            return reply, sock
+            return reply, sock, fds
         sock.close()
-        return reply, None
+        _close_fds(fds)
+        return reply, None, []
 
     def probe(self) -> None:
         """Open one session and keep it idle: NoSession (or NoSessionNow, the path then
@@ -411,12 +462,39 @@ def _error(status: int, body: bytes) -> KVStoreError:
         return from_status(status, body.decode(errors="replace"))
 
 
-def _read_line(sock: socket.socket, limit: int = 4096) -> str:
-    """One line, read a byte at a time: nothing past the newline may be consumed."""
+def _read_line(sock: socket.socket, fds: list[int] | None = None, limit: int = 4096) -> str:
+    """One line, read a byte at a time: nothing past the newline may be consumed. With fds,
+    the descriptors sent with it are received into it (at most MAX_TABLES; more, and the
+    line is refused as not the protocol)."""
     data = bytearray()
     while len(data) < limit:
-        b = sock.recv(1)
+        if fds is None:
+            b = sock.recv(1)
+        else:
+            b, got, flags, _ = socket.recv_fds(sock, 1, MAX_TABLES)
+            fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                raise OSError(f"the daemon passed more than {MAX_TABLES} descriptors")
         if not b or b == b"\n":
             break
         data += b
     return data.decode(errors="replace")
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+
+
+def _tables(listed: object, num_fds: int) -> list[tuple[str, int]]:
+    """(arena, size in bytes) of each table the handshake's answer names, in descriptor
+    order; NoSession when the list is malformed or does not match the descriptors."""
+    if not isinstance(listed, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("arena"), str)
+            and isinstance(t.get("size_bytes"), int) and t["size_bytes"] > 0 for t in listed):
+        raise NoSession(f"the daemon named its read tables malformed: {listed!r:.200}")
+    if len(listed) != num_fds:
+        raise NoSession(f"the daemon named {len(listed)} read tables and passed {num_fds} "
+                        "descriptors")
+    return [(t["arena"], t["size_bytes"]) for t in listed]

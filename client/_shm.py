@@ -19,6 +19,7 @@ The copies themselves are `_segment`'s; what passes and how long a path stays of
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from ._attach import Arena, FetchAttach, TicketKeeper, receive_arenas
 from ._buffers import ByteArray
 from ._localpath import LocalPath, NoSession, NoSessionNow
 from ._pause import Pause, TryLater, passes
+from ._readtable import MappedTable, Post, TableReads
 from ._segment import SharedSegment, attach, only_header, read_shm_get, write_reserved
 from ._wire import Fetched, capacities, parse_get_header
 from .errors import DataLoss, DeadlineExceeded, FailedPrecondition, KVStoreError, Unavailable
@@ -88,8 +90,14 @@ class ShmState:
     """
 
     def __init__(self, mode: bool | None, unix_socket: str | None = None,
-                 timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 read_table: bool = True) -> None:
+        """read_table: ask for the daemon's read tables with the local path, and read L2
+        through them (client/_readtable.py); False: every read asks the daemon."""
         self.mode = mode
+        self.read_table = read_table
+        # The read table of this client's arena, opened with the local path; None: none.
+        self._tables: TableReads | None = None
         self.unix_socket = unix_socket
         self.timeout_s = timeout_s
         self._clock = clock
@@ -229,8 +237,12 @@ class ShmState:
         if not path:
             return
         local = LocalPath(path, tickets, self.timeout_s, self._clock)
+        given: list[tuple[str, int, int]] | None = None
         try:
-            local.probe()
+            if self.read_table:  # the first session brings the read tables
+                given = local.open_tables()
+            else:
+                local.probe()
         except NoSessionNow as exc:  # paused, and logged at INFO, by the local path itself
             logger.debug("kvstore: the local path's first session waits for its pause: %s", exc)
         except NoSession as exc:
@@ -241,6 +253,53 @@ class ShmState:
             old, self._local = self._local, local
         if old is not None:
             old.close()
+        if given is not None:
+            self._map_tables(given)
+
+    def _map_tables(self, given: list[tuple[str, int, int]]) -> None:
+        """Map the read table the daemon passed with the first session (arena, descriptor,
+        size), over the arena (or named segment) it describes, and close the descriptors;
+        without one (the daemon publishes none: dram.read_table off, or it passed several)
+        every read asks the daemon."""
+        tables: TableReads | None = None
+        try:
+            if len(given) == 1:
+                arena, fd, size_bytes = given[0]
+                segment = self._segment_of(arena)
+                if segment is not None:
+                    tables = TableReads(MappedTable(arena, fd, size_bytes), segment)
+            else:
+                logger.debug("kvstore: the daemon passed %d read tables; reads ask it",
+                             len(given))
+        except (OSError, ValueError) as exc:
+            logger.info("kvstore: read table not mapped, reads ask the daemon: %s", exc)
+        finally:
+            for _, fd, _ in given:
+                os.close(fd)
+        with self._lock:
+            old, self._tables = self._tables, tables
+        if old is not None:
+            old.close()
+
+    def _segment_of(self, arena: str) -> SharedSegment | None:
+        """The memory a table of arena describes: the named segment, or the arena."""
+        return self.segment if self.segment is not None else self.arenas.get(arena)
+
+    @property
+    def tables(self) -> TableReads | None:
+        """The read table to read through now: None when there is none, or when the memory
+        it was opened over has been replaced (the daemon restarted: its next table comes
+        with the next decision)."""
+        tables = self._tables
+        if tables is None or self._segment_of(tables.table.arena) is not tables.segment:
+            return None
+        return tables
+
+    def report_post(self) -> Post | None:
+        """How reports of reads through the table reach the daemon: the local path's
+        unanswered posts; None while it is off."""
+        local = self._local
+        return local.report if local is not None else None
 
     def local_off(self, exc: NoSession) -> None:
         """A local session could not be had: for this call only when that passes
@@ -250,6 +309,9 @@ class ShmState:
             return
         with self._lock:
             local, self._local = self._local, None
+            tables, self._tables = self._tables, None
+        if tables is not None:  # its reads could no longer be reported
+            tables.close()
         if local is not None:
             logger.info("kvstore: local path off, hot verbs use gRPC: %s", exc)
             local.close()
@@ -410,12 +472,16 @@ class ShmState:
         _close(held)
 
     def close(self) -> None:
-        """Let go of everything attached; nothing is tried again."""
+        """Let go of everything attached (what was read through the table is reported
+        first); nothing is tried again."""
+        tables, post = self._tables, self.report_post()
+        if tables is not None and post is not None:
+            tables.reports.flush(post)
         with self._lock:
             held = self._end()
         _close(held)
 
-    def _end(self) -> list[SharedSegment | LocalPath]:
+    def _end(self) -> list[SharedSegment | LocalPath | TableReads]:
         """Off for good: no pause, no kept ticket, what is attached taken out (returned, for
         the caller to close outside the lock). Under the lock."""
         self._for_good = True
@@ -423,19 +489,21 @@ class ShmState:
         self._tickets.clear()
         return self._release()
 
-    def _release(self) -> list[SharedSegment | LocalPath]:
+    def _release(self) -> list[SharedSegment | LocalPath | TableReads]:
         """Take what is attached out of the state; the caller closes it, outside the lock.
         Under the lock."""
-        held: list[SharedSegment | LocalPath] = [*self.arenas.values()]
+        held: list[SharedSegment | LocalPath | TableReads] = [*self.arenas.values()]
         if self.segment is not None:
             held.append(self.segment)
         if self._local is not None:
             held.append(self._local)
-        self.segment, self.arenas, self._local = None, {}, None
+        if self._tables is not None:
+            held.append(self._tables)
+        self.segment, self.arenas, self._local, self._tables = None, {}, None, None
         return held
 
 
-def _close(held: list[SharedSegment | LocalPath]) -> None:
+def _close(held: list[SharedSegment | LocalPath | TableReads]) -> None:
     for item in held:
         item.close()
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain
+from typing import Protocol
 
 from kvstore.core.children import ChildCounts
 from kvstore.core.ghosts import GhostFilter
@@ -50,6 +51,19 @@ from kvstore.core.usage import UsageBook
 from kvstore.extents import Arena
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier
+
+
+class Published(Protocol):
+    """Who mirrors the index's entries outside it (the daemon's read tables,
+    kvstore.daemon.readtable): told of every entry linked, whose copies changed, or removed,
+    from the bookkeeping below, in the same call (under the store's lock), so that a block's
+    mirror is withdrawn before its pages can be reused."""
+
+    def added(self, entry: Entry) -> None: ...
+
+    def changed(self, entry: Entry, before: Tier) -> None: ...
+
+    def removed(self, entry: Entry) -> None: ...
 
 
 def one_arena(namespace: str) -> str | None:
@@ -97,6 +111,8 @@ class Index:
         self._ghosts = GhostFilter()  # keys removed lately: put again, they come back hot
         self.leases = Leases(self)
         self.moves = Moves(self)
+        # Told of every change of the entries' copies (the daemon's read tables); None: none.
+        self.published: Published | None = None
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -446,6 +462,8 @@ class Index:
         """Make entry visible: the map, usage, and parent/child counts."""
         self._entries.setdefault(entry.namespace, {})[entry.key] = entry
         self._tiers.added(entry)
+        if self.published is not None:
+            self.published.added(entry)
         self._num_entries += 1
         for tier in entry.copies:
             self._usage.count(entry, tier, +1)
@@ -486,6 +504,8 @@ class Index:
         the key tables and child counts follow, and when entry left a tier its cached parent
         is queued again (a copy of the parent may have become a leaf)."""
         self._tiers.changed(entry, before)
+        if self.published is not None:
+            self.published.changed(entry, before)
         parent = self._children.moved(entry, before)
         if parent is not None:
             self._order.push(parent)
@@ -497,6 +517,8 @@ class Index:
         bucket = self._entries[entry.namespace]
         del bucket[entry.key]
         self._tiers.removed(entry)
+        if self.published is not None:  # before the pages are freed below
+            self.published.removed(entry)
         if not bucket:
             del self._entries[entry.namespace]
         self._num_entries -= 1

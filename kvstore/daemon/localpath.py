@@ -37,11 +37,13 @@ import contextlib
 import json
 import logging
 import mmap
+import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from kvstore.core.errors import (
@@ -51,6 +53,7 @@ from kvstore.core.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvstore.core.prefixhits import MAX_BLOCK_TOKENS
 from kvstore.core.tenants import OPEN
 from kvstore.daemon.attach import Tickets
 from kvstore.daemon.auth import Auth, Caller
@@ -71,6 +74,7 @@ from kvstore.proto.localframe import (
     VERB_NAMES,
     VERSION,
 )
+from kvstore.readtable import LOOKUPS_READ, NO_REPLY, READS, TABLES_OPTION
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +129,31 @@ def _verbs(v: Verbs) -> dict[int, tuple[str, Callable[[bytes], Any], Handler]]:
         COMMIT: (decoder(pb.PutRequest), v.commit),
         RELEASE: (decoder(pb.ReleaseRequest), v.release),
     }
-    return {verb: (VERB_NAMES[verb], *handler) for verb, handler in handlers.items()}
+    named = {verb: (VERB_NAMES[verb], *handler) for verb, handler in handlers.items()}
+    named[READS] = ("ReportReads", decoder(pb.LookupRequest), partial(_reads, v))
+    named[LOOKUPS_READ] = ("ReportLookups", decoder(pb.LookupRequest), partial(_lookups, v))
+    return named
+
+
+def _reads(v: Verbs, caller: Caller, request: pb.LookupRequest) -> pb.LookupResponse:
+    """Reads a client made through its read table, reported in a batch: touched in the
+    eviction order and counted as hits. Only the caller's tenant's namespaces (and so only
+    its own arena's blocks) can be named."""
+    caller.data(request.namespace)
+    v.store.reader.reads_reported(request.namespace, request.keys)
+    return pb.LookupResponse()
+
+
+def _lookups(v: Verbs, caller: Caller, request: pb.LookupRequest) -> pb.LookupResponse:
+    """Keys a client's Lookups found through its read table, reported in a batch: counted
+    in its tenant's prefix hits."""
+    caller.data(request.namespace)
+    if request.block_tokens > MAX_BLOCK_TOKENS:
+        raise InvalidArgument(f"block_tokens {request.block_tokens} exceeds "
+                              f"{MAX_BLOCK_TOKENS}", field="block_tokens",
+                              limit=MAX_BLOCK_TOKENS)
+    v.store.lookups_reported(request.namespace, request.keys, request.block_tokens)
+    return pb.LookupResponse()
 
 
 def peer_client(conn: socket.socket) -> str:
@@ -168,6 +196,7 @@ class LocalSessions:
                  idle_limit_s: float = IDLE_LIMIT_S,
                  reap_idle_s: float = REAP_IDLE_S) -> None:
         self._verbs = _verbs(verbs)
+        self._store = verbs.store
         self._auth = auth
         self._tickets = tickets
         self._metrics = metrics
@@ -184,7 +213,8 @@ class LocalSessions:
     def open(self, conn: socket.socket, ticket: str) -> bool:
         """Answer a `HOT <ticket>` handshake; on success the session runs on its own thread
         and owns conn (True). Else the refusal is sent and the caller closes conn."""
-        ticket = (ticket.split() or ["-"])[0]
+        words = ticket.split() or ["-"]
+        ticket = words[0]
         try:
             caller = self._caller(conn, ticket)
             session = self._admit(conn, caller.client, ticket)
@@ -192,8 +222,7 @@ class LocalSessions:
             _send_line(conn, {"error": str(exc), "reason": exc.reason})
             return False
         try:
-            _send_line(conn, {"hot": {"version": VERSION,
-                                      "max_frame_bytes": self.max_frame_bytes}})
+            self._welcome(conn, caller, TABLES_OPTION in words[1:])
             threading.Thread(target=self._serve, args=(session, caller),
                              name="local-session", daemon=True).start()
         except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
@@ -201,6 +230,27 @@ class LocalSessions:
             self._forget(session)
             return False
         return True
+
+    def _welcome(self, conn: socket.socket, caller: Caller, tables: bool) -> None:
+        """The handshake's answer. Asked for tables (`HOT <ticket> tables`), it also names
+        the caller's tenant's read tables, one read-only descriptor each sent with the line
+        (an empty list when the daemon publishes none: dram.read_table off)."""
+        hot: dict[str, object] = {"version": VERSION, "max_frame_bytes": self.max_frame_bytes}
+        if not tables:
+            _send_line(conn, {"hot": hot})
+            return
+        published = self._store.read_tables
+        given = published.fds(caller.tenant.name) if published is not None else []
+        hot["tables"] = [{"arena": name, "size_bytes": size} for name, _, size in given]
+        try:
+            payload = (json.dumps({"hot": hot}) + "\n").encode()
+            if given:
+                socket.send_fds(conn, [payload], [fd for _, fd, _ in given])
+            else:
+                conn.sendall(payload)
+        finally:
+            for _, fd, _ in given:
+                os.close(fd)
 
     def close(self) -> None:
         """End every session (the daemon stops): their clients see the socket close."""
@@ -304,8 +354,10 @@ class LocalSessions:
             if not begun:
                 return
             verb, body = frames.read()
-            closing = self._clock() - born >= SESSION_MAX_S
             status, reply = self._answer(caller, verb, body)
+            if verb in NO_REPLY:  # a posted report: nobody waits, nothing is sent
+                continue
+            closing = self._clock() - born >= SESSION_MAX_S
             flags = (CLOSING if closing else 0) | (STATUS_BODY if status else 0)
             session.conn.sendall(REPLY.pack(len(reply), status, flags) + reply)
             if closing:
@@ -324,7 +376,7 @@ class LocalSessions:
                                         Reason.MESSAGE_TOO_LARGE, limit=self.max_frame_bytes,
                                         setting="server.max_message_bytes")
             if entry is None:
-                raise InvalidArgument(f"verb {verb} is not a local verb (1..5)", field="verb")
+                raise InvalidArgument(f"verb {verb} is not a local verb (1..7)", field="verb")
             if self._draining.is_set() and method != "Release":
                 raise Unavailable("the daemon is draining (it is stopping): retry on another "
                                   "replica or after its restart", Reason.DRAINING)

@@ -174,6 +174,23 @@ class Reader:
             remote.touch(namespace, [k for k, e in zip(checked, entries, strict=True) if e])
         return result
 
+    def reads_reported(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Take in reads a client made through its read table without asking (reported in
+        batches: kvstore.daemon.localpath): each key still in L2 is touched (seen once more,
+        the most recent in the eviction order) and counted as an L2 hit, in one hold of the
+        lock. Keys no longer in L2 are passed over. How many were touched."""
+        checked = checks.keys(namespace, keys, self._state.config.server.max_batch_keys)
+        dram = self._state.stats[Tier.DRAM]
+        with self._state.lock:
+            found = [e for e in self._state.index.touch(namespace, checked, need=Tier.DRAM)
+                     if e is not None]
+            dram.hits += len(found)
+            dram.bytes_out += sum(e.size_bytes for e in found)
+        remote = self._state.remote
+        if remote is not None and found:
+            remote.touch(namespace, [e.key for e in found])
+        return len(found)
+
     def fetch_remote(self, namespace: str, keys: Sequence[BlockKey]) -> None:
         """Bring the keys no local tier has from L4 into L2 (one batched round trip)."""
         remote = self._state.remote

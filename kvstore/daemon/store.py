@@ -38,6 +38,7 @@ from kvstore.daemon.config import Config
 from kvstore.daemon.movers import Mover
 from kvstore.daemon.prefetch import PrefetchProgress, prefetch
 from kvstore.daemon.reader import Reader
+from kvstore.daemon.readtable import ReadTables
 from kvstore.daemon.remote import Remote
 from kvstore.daemon.storestate import StoreState
 from kvstore.daemon.tier_setup import open_tiers, split_arenas
@@ -95,6 +96,9 @@ class Store:
                            arenas=arenas or None, arena_of=self.auth.arena_of,
                            head_start=self._head_start)
         self._prefix_hits = PrefixHits()  # what Lookups asked and found, by tenant
+        # Where each L2 block lies, for clients that read without a round trip; None: off.
+        self.read_tables = self._read_tables(dram_arenas)
+        self.index.published = self.read_tables
         self.state = self._build_state(clock)
         self.tiering = self.state.tiering
         self.writer = Writer(self.state)
@@ -106,6 +110,20 @@ class Store:
         except BaseException:
             self.close()
             raise
+
+    def _read_tables(self, dram_arenas: list[Arena] | None) -> ReadTables | None:
+        """One read table per L2 arena (kvstore.daemon.readtable) when dram.read_table is
+        on and L2 is a shared-memory tier; None otherwise."""
+        dram = self._opened.tiers.get(Tier.DRAM)
+        if not self.config.dram.read_table or not isinstance(dram, DramTier):
+            return None
+        arenas = dram_arenas or [Arena("", 0, dram.num_pages)]
+        try:
+            return ReadTables(arenas, dram.page_size_bytes)
+        except OSError as exc:  # no memfd or sealing here: reads ask the daemon, as before
+            log.warning("dram.read_table: no read tables (%s); every read asks the daemon",
+                        exc)
+            return None
 
     def _build_state(self, clock: Callable[[], float]) -> StoreState:
         """The state the store shares with its reader and writer: the lock, the tiering and
@@ -171,6 +189,10 @@ class Store:
         with self.state.lock:
             self._opened.close()
             self.state.dram = None
+            if self.read_tables is not None:
+                self.index.published = None
+                self.read_tables.close()
+                self.read_tables = None
 
     def _check_keys(self, namespace: str, keys: Sequence[bytes]) -> list[BlockKey]:
         """The keys of a request as BlockKeys, after checking the namespace, each key's
@@ -198,6 +220,14 @@ class Store:
         with self.state.lock:
             self._count_lookup(namespace, len(checked), prefix, block_tokens)
         return prefix, tiers
+
+    def lookups_reported(self, namespace: str, keys: Sequence[bytes], block_tokens: int) -> None:
+        """Count keys a client found through its read table (a prefix of each of its
+        Lookups, reported in batches: kvstore.daemon.localpath) in the prefix hits, as found;
+        the rest of such a Lookup came to the daemon and was counted then."""
+        checked = self._check_keys(namespace, keys)
+        with self.state.lock:
+            self._count_lookup(namespace, len(checked), len(checked), block_tokens)
 
     def _count_lookup(self, namespace: str, keys: int, prefix: int, block_tokens: int) -> None:
         """Count a Lookup in the prefix hits of the tenant owning namespace; the caller holds

@@ -55,7 +55,9 @@ def test_the_client_moves_hot_verbs_over_the_socket_and_the_bytes_round_trip(
     rng = np.random.default_rng(1)
     blocks = [rng.integers(0, 256, size, dtype=np.uint8) for size in (3 * MiB, 1, 70_000)]
     ks = keys(3)
-    with KVStoreClient(daemon.target, ns) as kv:
+    # read_table=False: every Lookup and Get goes over the socket (the read table's own
+    # path is test_table_reads.py's).
+    with KVStoreClient(daemon.target, ns, read_table=False) as kv:
         assert not kv.uses_local_path  # nothing decided before the first data call
         assert kv.put(ks, blocks).stored == 3
         assert kv.uses_local_path  # opened with the shared memory
@@ -75,7 +77,7 @@ def test_a_reader_without_checksums_posts_its_release_and_holds_no_lease(
         daemon: Daemon, ns: str) -> None:
     released = local_requests(daemon, "Release")
     ks = keys(4)
-    with KVStoreClient(daemon.target, ns, verify_checksums=False) as kv:
+    with KVStoreClient(daemon.target, ns, verify_checksums=False, read_table=False) as kv:
         kv.put(ks, [b"v" * 5000] * 4)
         for _ in range(3):
             assert kv.get(ks) == [b"v" * 5000] * 4  # leased, released without a wait

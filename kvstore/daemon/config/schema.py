@@ -93,6 +93,10 @@ class DramConfig:
     #: all (every block: one more pass over the bytes) or none. A commit without checksums
     #: is always checksummed whole.
     verify_commits: str = "sample"
+    #: Publish, per arena, a table of where each L2 block lies, which co-located clients map
+    #: read-only and read L2 blocks through without a round trip (docs/local-path.md, "Reads
+    #: through the table"); false: every read asks the daemon.
+    read_table: bool = True
 
 
 @dataclass(frozen=True)

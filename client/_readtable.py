@@ -1,0 +1,219 @@
+"""Reads through the daemon's read table: lookups and L2 copies with no round trip.
+
+The daemon publishes, per arena, a table of where each L2 block lies (kvstore/readtable.py
+is the layout); a client receives its tenant's table as a read-only descriptor with a local
+session's handshake (`HOT <ticket> tables`, client/_localpath.py) and maps it read-only here.
+Then:
+
+- a lookup probes the table for all its keys at once; the keys from the first one the table
+  does not show on are asked of the daemon (L3, L4, and blocks the table leaves out);
+- a read probes, copies each block the table shows from the arena into the caller's buffer
+  (hashing it on the way when checksums are verified), checks the hash against the writer's
+  checksum in the table, and re-reads each slot's version: a block whose slot changed while it
+  was copied (its pages freed, maybe reused), whose hash differs, or that the table does not
+  show, is read through the daemon's Get as before.
+
+Nothing here is trusted for more than the copy it guards: a table the client damaged in its
+own private copy could only make its own reads miss or fail their checksum.
+
+What was read and looked up is reported to the daemon in batches (`Reports`): posted frames on
+the local path that the daemon never answers, so that the blocks read stay recent in its
+eviction order and its hit counts stay true.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.readtable import (
+    LOOKUPS_READ,
+    READS,
+    TableView,
+    namespace_hash,
+    offsets_of,
+    tiers_of,
+)
+
+from ._buffers import ByteArray
+from ._segment import SharedSegment
+from .results import TIER_NAMES
+
+logger = logging.getLogger("kvstore.client")
+
+#: Keys reported in one frame; a batch is sent when this many are pending, or when the
+#: oldest pending report is REPORT_EVERY_S old at the next call (and at close).
+REPORT_KEYS = 1024
+REPORT_EVERY_S = 0.05
+#: Reported keys kept at most while no frame can be sent; past it, the oldest are dropped
+#: (recency is a hint: the daemon's eviction order only ages them sooner).
+MAX_PENDING_KEYS = 16 * REPORT_KEYS
+
+Post = Callable[[int, Any], bool]  # (verb, request) -> whether it was sent
+
+
+class MappedTable:
+    """One arena's read table, mapped read-only from the descriptor the daemon passed."""
+
+    def __init__(self, arena: str, fd: int, size_bytes: int) -> None:
+        self.arena = arena
+        self._map = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        try:
+            self.view = TableView(memoryview(self._map))
+        except ValueError:
+            self._map.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:  # the view's arrays still export it: unmapped when collected
+            logger.debug("kvstore: read table %r still in use; unmapped later", self.arena)
+
+
+class Reports:
+    """Reads and lookups answered through the table, waiting to be reported to the daemon
+    in batches. Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, str, int], list[bytes]] = {}
+        self._count = 0
+        self._since = 0.0
+        self.dropped = 0  # keys never reported (no session to send them on)
+
+    def add(self, verb: int, namespace: str, keys: Sequence[bytes], block_tokens: int,
+            post: Post | None) -> None:
+        """Queue keys to report under verb; send what is due with post (None: the local
+        path is off, so they wait)."""
+        if not keys:
+            return
+        with self._lock:
+            if not self._count:
+                self._since = self._clock()
+            self._pending.setdefault((verb, namespace, block_tokens), []).extend(keys)
+            self._count += len(keys)
+            due = self._count >= REPORT_KEYS or self._clock() - self._since >= REPORT_EVERY_S
+            if self._count > MAX_PENDING_KEYS:
+                self._trim()
+        if due and post is not None:
+            self.flush(post)
+
+    def flush(self, post: Post) -> None:
+        """Send everything pending, REPORT_KEYS keys a frame."""
+        with self._lock:
+            pending, self._pending, self._count = self._pending, {}, 0
+        for (verb, namespace, block_tokens), keys in pending.items():
+            for at in range(0, len(keys), REPORT_KEYS):
+                request = pb.LookupRequest(namespace=namespace, keys=keys[at:at + REPORT_KEYS],
+                                           block_tokens=block_tokens)
+                if not post(verb, request):
+                    self.dropped += len(keys) - at
+                    break
+
+    def _trim(self) -> None:
+        """Drop the oldest batch while over MAX_PENDING_KEYS. Under the lock."""
+        while self._count > MAX_PENDING_KEYS and self._pending:
+            dropped = len(self._pending.pop(next(iter(self._pending))))
+            self._count -= dropped
+            self.dropped += dropped
+
+
+class TableReads:
+    """Lookups and reads of one arena through its read table, copying from `segment` (the
+    arena, or the named segment, the table describes)."""
+
+    def __init__(self, table: MappedTable, segment: SharedSegment) -> None:
+        self.table = table
+        self.segment = segment
+        self.reports = Reports()
+        self._ns: dict[str, int] = {}
+
+    def lookup(self, namespace: str, keys: Sequence[bytes], block_tokens: int,
+               post: Post | None) -> tuple[int, list[str | None]] | None:
+        """(how many keys from the first the table shows, their tiers' names); None when
+        the keys cannot be probed (not all 32 bytes)."""
+        probe = self.table.view.probe(self._tag(namespace), keys)
+        if probe is None:
+            return None
+        found = probe.prefix()
+        tiers = [TIER_NAMES.get(t) for t in tiers_of(probe.locs[:found]).tolist()]
+        self.reports.add(LOOKUPS_READ, namespace, keys[:found], block_tokens, post)
+        return found, tiers
+
+    def read(self, namespace: str, keys: Sequence[bytes], arrays: Sequence[ByteArray] | None,
+             verify: bool, post: Post | None) -> list[Any]:
+        """Per key: the block (bytes, arrays None) or its size (copied into arrays[i]) when
+        the table shows it and the copy held, else None (ask the daemon)."""
+        out: list[Any] = [None] * len(keys)
+        probe = self.table.view.probe(self._tag(namespace), keys)
+        if probe is None:
+            return out
+        hits = np.flatnonzero(probe.slots >= 0)
+        if not hits.size:
+            return out
+        offsets = offsets_of(probe.locs.take(hits)).tolist()
+        lengths = probe.lengths.take(hits).tolist()
+        sums = probe.sums.take(hits).tolist() if verify else None
+        copied = self._copy(hits.tolist(), offsets, lengths, sums, arrays, out)
+        if not copied:
+            return out
+        # The versions again, after every copy: a slot that moved on was rewritten (its
+        # pages freed, maybe reused) while it was copied, and its copy does not count.
+        kept = self.table.view.unchanged(probe.slots.take(copied), probe.versions.take(copied))
+        read: list[bytes] = []
+        for i, ok in zip(copied, kept.tolist(), strict=True):
+            if ok:
+                read.append(keys[i])
+            else:
+                out[i] = None
+        self.reports.add(READS, namespace, read, 0, post)
+        return out
+
+    def _copy(self, hits: list[int], offsets: list[int], lengths: list[int],
+              sums: list[int] | None, arrays: Sequence[ByteArray] | None,
+              out: list[Any]) -> list[int]:
+        """Copy each hit out of the segment into out (its bytes, or its size once copied into
+        arrays[i]), checking its hash against sums when given; the request indexes copied."""
+        segment, limit = self.segment, self.segment.size_bytes
+        copied: list[int] = []
+        for j, i in enumerate(hits):
+            offset, length = offsets[j], lengths[j]
+            if offset + length > limit:
+                continue  # not this arena's: leave it to the daemon
+            if arrays is None:
+                payload = segment.read_bytes([(offset, length)])
+                if sums is not None and xxhash.xxh3_64_intdigest(payload) != sums[j]:
+                    continue
+                out[i] = payload
+            else:
+                dst = arrays[i]
+                if dst.nbytes < length:
+                    continue  # the daemon's Get says what is wrong with the buffer
+                digest = segment.read_into([(offset, length)], dst[:length],
+                                           digest=sums is not None)
+                if sums is not None and digest != sums[j]:
+                    continue
+                out[i] = length
+            copied.append(i)
+        return copied
+
+    def _tag(self, namespace: str) -> int:
+        tag = self._ns.get(namespace)
+        if tag is None:
+            tag = self._ns[namespace] = namespace_hash(namespace)
+        return tag
+
+    def close(self) -> None:
+        """Unmap the table (reports still pending are the caller's to flush first)."""
+        self.table.close()
+
