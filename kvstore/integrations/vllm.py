@@ -53,7 +53,10 @@ from kvstore.integrations.vllm_steps import KVStoreMetadata, KVStoreStats
 from kvstore.integrations.vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -215,6 +218,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         freed at once, for the same reason."""
         self.scheduler.request_finished(request)
         return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The blocks saved to and loaded from the store since the last call, as vLLM
+        `BlockStored` events (`vllm_events`), which vLLM publishes with its own."""
+        return self.scheduler.take_events()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(connector_output)

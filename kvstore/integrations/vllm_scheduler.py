@@ -18,6 +18,8 @@ to it.
   asynchronously while the batch runs; the request waits for it.
 - Saves: each step, the blocks the step fills are scheduled for saving, keys included, along
   with what the step computes (for the workers' step timings).
+- Events: when vLLM publishes KV events, the blocks saved and loaded are announced as vLLM
+  `BlockStored` events (`vllm_events`), so routers learn what the store holds.
 
 The side keeps one `RequestState` per request: it is created when vLLM first asks about the
 request and forgotten when the request finishes.
@@ -37,6 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore.integrations.cost import Decision, PrefillModel, decide, slowest
 from kvstore.integrations.link import Hit, StoreLink
 from kvstore.integrations.settings import cacheable, chain_root, group_root
+from kvstore.integrations.vllm_events import StoreEvents
 from kvstore.integrations.vllm_steps import (
     IDLE_WAIT_S,
     SCHEDULER_FIELDS,
@@ -51,6 +54,7 @@ from kvstore.keys import BlockKey, chain_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -190,6 +194,11 @@ class SchedulerSide:
         self._answered = threading.Condition()
         self._fresh_answers = 0
         self._loads: list[LoadSpec] = []  # the loads to start in the next step
+        events = vllm_config.kv_events_config
+        self.events = (StoreEvents(kv_cache_config, self.block_size)
+                       if events is not None and events.enable_kv_cache_events else None)
+        """The blocks saved and loaded, as vLLM KV events (`vllm_events`), when vLLM
+        publishes KV events; None otherwise."""
         self._recomputed_by_choice_tokens = 0
 
     def _state(self, request: Request) -> RequestState:
@@ -394,6 +403,7 @@ class SchedulerSide:
                     self._loads.append(LoadSpec(
                         request.request_id, self._keys_of(state, cut, group)[start:],
                         _held(ids[start:cut]), tier, group=group))
+                    self._announce(request, first, start, cut, group, match.tiers)
         state.saved = saved
 
     # -- each step ------------------------------------------------------------------------
@@ -468,7 +478,25 @@ class SchedulerSide:
                 end = next((i for i in range(index, full) if ids[i] == _NULL_BLOCK), full)
                 meta.saves.append(SaveSpec(keys[index:end], ids[index:end],
                                            keys[index - 1] if index else None, group=group))
+                if self.events is not None:  # a save lands in L2
+                    self.events.stored(request, index, end, group, "dram")
                 index = end
+
+    def _announce(self, request: Request, first: int, start: int, cut: int, group: int,
+                  tiers: list[str]) -> None:
+        """Announce a group's loaded blocks start..cut-1 (vllm_events), one event per run
+        of blocks found in one tier; tiers[i] is the tier of block first + i."""
+        if self.events is None:
+            return
+        while start < cut:
+            tier = tiers[start - first]
+            end = next((i for i in range(start, cut) if tiers[i - first] != tier), cut)
+            self.events.stored(request, start, end, group, tier)
+            start = end
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events since vLLM last took them (none when vLLM publishes none)."""
+        return self.events.take() if self.events is not None else []
 
     def request_finished(self, request: Request) -> None:
         """The request is done: its state goes. A save copies its blocks out during its own

@@ -3,9 +3,10 @@ is a fresh prefix cache): `python run_llm.py '<json>'` prints one JSON line.
 
 Input: model (folder), dtype (float32 unless given), prompts (token id lists), max_tokens,
 connector (kv_connector_extra_config, or null for a run without the store), role (kv_both /
-kv_producer / kv_consumer), dump_kv (also write every layer's paged KV, with its layout, to
-this .pt file), inprocess (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the test can reach the
-connector; false runs vLLM's engine-core and worker processes as users do).
+kv_producer / kv_consumer), kv_events (a ZMQ endpoint: vLLM publishes its KV events there,
+topic "kv"), dump_kv (also write every layer's paged KV, with its layout, to this .pt file),
+inprocess (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the test can reach the connector; false runs
+vLLM's engine-core and worker processes as users do).
 Output: tokens (greedy, per prompt), cached_tokens (per prompt: tokens not computed),
 stats (the connector's counters, in-process runs only), namespace, shared_memory (whether
 its data calls went through the daemon's shared memory), prefill_steps (forward steps the
@@ -38,11 +39,17 @@ def main() -> None:
             kv_role=args.get("role", "kv_both"),
             kv_connector_extra_config=args["connector"],
         )
+    events = None
+    if args.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                endpoint=args["kv_events"], topic="kv")
     llm = LLM(model=args["model"], skip_tokenizer_init=True, dtype=args.get("dtype", "float32"),
               max_model_len=args.get("max_model_len", 2048), enforce_eager=True, seed=0,
               kv_cache_memory_bytes=args.get("kv_cache_bytes", 64 << 20),
               max_num_batched_tokens=args.get("max_num_batched_tokens", 2048),
-              kv_transfer_config=transfer)
+              kv_transfer_config=transfer, kv_events_config=events)
     params = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0,
                             ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
