@@ -137,6 +137,11 @@ class TableReads:
         self.segment = segment
         self.reports = Reports()
         self._ns: dict[str, int] = {}
+        # Blocks read through the table, and those it showed whose copy did not hold (their
+        # slot changed while copied, their checksum failed, or they lay out of bounds): read
+        # through the daemon instead. Counts for tests and benchmarks; races may lose some.
+        self.hits = 0
+        self.rejected = 0
 
     def lookup(self, namespace: str, keys: Sequence[bytes], block_tokens: int,
                post: Post | None) -> tuple[int, list[str | None]] | None:
@@ -166,6 +171,7 @@ class TableReads:
         sums = probe.sums.take(hits).tolist() if verify else None
         copied = self._copy(hits.tolist(), offsets, lengths, sums, arrays, out)
         if not copied:
+            self.rejected += hits.size
             return out
         # The versions again, after every copy: a slot that moved on was rewritten (its
         # pages freed, maybe reused) while it was copied, and its copy does not count.
@@ -176,6 +182,8 @@ class TableReads:
                 read.append(keys[i])
             else:
                 out[i] = None
+        self.hits += len(read)
+        self.rejected += hits.size - len(read)
         self.reports.add(READS, namespace, read, 0, post)
         return out
 
