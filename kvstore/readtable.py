@@ -140,6 +140,11 @@ class TableWriter:
     def __len__(self) -> int:
         return len(self._slot_of)
 
+    def retire(self) -> None:
+        """The daemon stops: readers from now on find nothing (the magic goes), and ask the
+        daemon, which a restarted daemon answers from its own memory."""
+        self._mem.header[H_MAGIC] = 0
+
     def put(self, ident: Ident, record: Record) -> None:
         """Publish where ident's block lies now (a new block, or one whose place or tier
         changed): its slot is rewritten under its seqlock."""
@@ -248,6 +253,7 @@ class TableView:
         if capacity < 1 or capacity & (capacity - 1) or raw.nbytes < table_bytes(capacity):
             raise ValueError(f"a read table of {raw.nbytes} bytes claims {capacity} slots")
         self._mem = _Layout(buf, capacity)
+        self._header = header
         self.capacity = capacity
         self.arena_bytes = int(header[H_ARENA_BYTES])
         self._shift = np.uint64(int(header[H_SHIFT]))
@@ -257,9 +263,10 @@ class TableView:
         self._versions = self._mem.slots[:, W_VERSION]
 
     def probe(self, ns: int, keys: Sequence[bytes]) -> Probe | None:
-        """Every key's slot, probed at once; None when the keys are not all 32 bytes."""
+        """Every key's slot, probed at once; None when the keys are not all 32 bytes, or
+        the table is retired (ask the daemon)."""
         joined = b"".join(keys)
-        if len(joined) != KEY_BYTES * len(keys):
+        if len(joined) != KEY_BYTES * len(keys) or not self.live:
             return None
         words = np.frombuffer(joined, _U64).reshape(-1, 4)
         with np.errstate(over="ignore"):
@@ -273,6 +280,11 @@ class TableView:
                 for name in Probe.__slots__:
                     getattr(found, name)[rest] = getattr(again, name)
         return found
+
+    @property
+    def live(self) -> bool:
+        """Whether the daemon still publishes the table (it retires it when it stops)."""
+        return int(self._header[H_MAGIC]) == MAGIC
 
     def unchanged(self, slots: np.ndarray, versions: np.ndarray) -> np.ndarray:
         """Whether each slot's version is still the one probed (after the bytes were copied:

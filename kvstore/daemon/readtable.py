@@ -73,6 +73,7 @@ class _Table:
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
+        self.writer.retire()  # clients still mapping it find nothing from now on
         os.close(self.fd)
         try:
             self._map.close()

@@ -153,3 +153,13 @@ def test_a_view_refuses_memory_that_is_no_table() -> None:
     _, _, memory = table(100)
     with pytest.raises(ValueError, match="claims"):
         TableView(memoryview(memory)[: HEADER_BYTES + 64])
+
+
+def test_a_retired_table_answers_nothing() -> None:
+    writer, view, _ = table(100)
+    k = keys(2)
+    for i, key in enumerate(k):
+        writer.put((NS, key), record(i))
+    assert view.live and view.probe(NS, k) is not None
+    writer.retire()  # the daemon stops
+    assert not view.live and view.probe(NS, k) is None
