@@ -35,6 +35,7 @@ import xxhash
 
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.readtable import (
+    LOOKED,
     LOOKUPS_READ,
     READS,
     TableView,
@@ -58,6 +59,7 @@ REPORT_EVERY_S = 0.05
 MAX_PENDING_KEYS = 16 * REPORT_KEYS
 
 Post = Callable[[int, Any], bool]  # (verb, request) -> whether it was sent
+_TIER_NAMES = np.array([TIER_NAMES.get(t) for t in range(256)], dtype=object)
 
 
 class MappedTable:
@@ -81,51 +83,77 @@ class MappedTable:
 
 class Reports:
     """Reads and lookups answered through the table, waiting to be reported to the daemon
-    in batches. Thread-safe."""
+    in batches: the keys read (verb READS: the daemon touches them), and how many keys
+    lookups found (verb LOOKUPS_READ: it counts them). Thread-safe."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._pending: dict[tuple[int, str, int], list[bytes]] = {}
-        self._count = 0
-        self._since = 0.0
-        self.dropped = 0  # keys never reported (no session to send them on)
+        self._reads: dict[str, list[bytes]] = {}  # namespace -> keys read
+        self._found: dict[tuple[str, int], int] = {}  # (namespace, block_tokens) -> keys
+        self._count = 0  # keys in _reads
+        self._since: float | None = None  # when the oldest report pending was made
+        self.dropped = 0  # keys read never reported (no session to send them on)
 
-    def add(self, verb: int, namespace: str, keys: Sequence[bytes], block_tokens: int,
-            post: Post | None) -> None:
-        """Queue keys to report under verb; send what is due with post (None: the local
-        path is off, so they wait)."""
-        if not keys:
-            return
+    def read(self, namespace: str, keys: Sequence[bytes], post: Post | None) -> None:
+        """Keys read through the table; what is due is sent with post (None: the local path
+        is off, so they wait)."""
+        if keys:
+            with self._lock:
+                self._reads.setdefault(namespace, []).extend(keys)
+                self._count += len(keys)
+                if self._count > MAX_PENDING_KEYS:
+                    self._trim()
+            self._added(post)
+
+    def looked(self, namespace: str, found: int, block_tokens: int, post: Post | None) -> None:
+        """A lookup found its first `found` keys through the table."""
+        if found:
+            with self._lock:
+                key = (namespace, block_tokens)
+                self._found[key] = self._found.get(key, 0) + found
+            self._added(post)
+
+    def _added(self, post: Post | None) -> None:
+        now = self._clock()
         with self._lock:
-            if not self._count:
-                self._since = self._clock()
-            self._pending.setdefault((verb, namespace, block_tokens), []).extend(keys)
-            self._count += len(keys)
-            due = self._count >= REPORT_KEYS or self._clock() - self._since >= REPORT_EVERY_S
-            if self._count > MAX_PENDING_KEYS:
-                self._trim()
+            if self._since is None:
+                self._since = now
+            due = self._count >= REPORT_KEYS or now - self._since >= REPORT_EVERY_S
         if due and post is not None:
             self.flush(post)
 
     def flush(self, post: Post) -> None:
-        """Send everything pending, REPORT_KEYS keys a frame."""
+        """Send everything pending: the keys read REPORT_KEYS a frame, the lookups' counts
+        one frame per namespace and block size."""
         with self._lock:
-            pending, self._pending, self._count = self._pending, {}, 0
-        for (verb, namespace, block_tokens), keys in pending.items():
+            reads, self._reads, self._count = self._reads, {}, 0
+            found, self._found, self._since = self._found, {}, None
+        for namespace, keys in reads.items():
             for at in range(0, len(keys), REPORT_KEYS):
-                request = pb.LookupRequest(namespace=namespace, keys=keys[at:at + REPORT_KEYS],
-                                           block_tokens=block_tokens)
-                if not post(verb, request):
+                request = pb.LookupRequest(namespace=namespace, keys=keys[at:at + REPORT_KEYS])
+                if not post(READS, request):
                     self.dropped += len(keys) - at
                     break
+        for (namespace, block_tokens), count in found.items():
+            post(LOOKUPS_READ, _Looked(count, block_tokens, namespace))
 
     def _trim(self) -> None:
-        """Drop the oldest batch while over MAX_PENDING_KEYS. Under the lock."""
-        while self._count > MAX_PENDING_KEYS and self._pending:
-            dropped = len(self._pending.pop(next(iter(self._pending))))
+        """Drop the oldest namespace's keys while over MAX_PENDING_KEYS. Under the lock."""
+        while self._count > MAX_PENDING_KEYS and self._reads:
+            dropped = len(self._reads.pop(next(iter(self._reads))))
             self._count -= dropped
             self.dropped += dropped
+
+
+class _Looked:
+    """Verb 7's body (kvstore.readtable.LOOKED and the namespace), as a message is posted."""
+
+    def __init__(self, found: int, block_tokens: int, namespace: str) -> None:
+        self._body = LOOKED.pack(found, block_tokens) + namespace.encode("utf-8")
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (posted as the protobuf messages are)
+        return self._body
 
 
 class TableReads:
@@ -151,8 +179,8 @@ class TableReads:
         if probe is None:
             return None
         found = probe.prefix()
-        tiers = [TIER_NAMES.get(t) for t in tiers_of(probe.locs[:found]).tolist()]
-        self.reports.add(LOOKUPS_READ, namespace, keys[:found], block_tokens, post)
+        tiers: list[str | None] = _TIER_NAMES.take(tiers_of(probe.locs[:found])).tolist()
+        self.reports.looked(namespace, found, block_tokens, post)
         return found, tiers
 
     def read(self, namespace: str, keys: Sequence[bytes], arrays: Sequence[ByteArray] | None,
@@ -184,7 +212,7 @@ class TableReads:
                 out[i] = None
         self.hits += len(read)
         self.rejected += hits.size - len(read)
-        self.reports.add(READS, namespace, read, 0, post)
+        self.reports.read(namespace, read, post)
         return out
 
     def _copy(self, hits: list[int], offsets: list[int], lengths: list[int],

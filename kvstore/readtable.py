@@ -40,12 +40,15 @@ import xxhash
 
 from kvstore.keys import KEY_BYTES
 
-# The local path's verbs for reports (kvstore/proto/localframe.py has the others): the body
-# is a LookupRequest, and the daemon sends no reply, so a client posts them and never waits.
-READS = 6  #: keys read through the table: touched in the eviction order, counted as hits
-LOOKUPS_READ = 7  #: keys Lookups found through the table (and block_tokens): prefix hits
+# The local path's verbs for reports (kvstore/proto/localframe.py has the others): the
+# daemon sends no reply, so a client posts them and never waits.
+READS = 6  #: a LookupRequest of keys read through the table: touched, counted as hits
+LOOKUPS_READ = 7  #: how many keys Lookups found through the table: prefix hits (LOOKED)
 NO_REPLY = frozenset({READS, LOOKUPS_READ})
 TABLES_OPTION = "tables"  #: `HOT <ticket> tables`: the handshake's answer carries the tables
+#: Verb 7's body, not a protobuf: the keys found (u64) and the tokens each covers (u32),
+#: then the namespace in UTF-8. Only counts: a lookup's keys are not needed to count it.
+LOOKED = struct.Struct("<QI")
 
 MAGIC = 0x3130_5442_5452_564B  # b"KVRTBT01" read as a little-endian u64
 HEADER_BYTES = 4096  # the slots start on their own page
@@ -260,7 +263,6 @@ class TableView:
         self._dot = header[H_MULT:H_MULT + 4].copy()
         self._ns_mult = int(header[H_NS_MULT])
         self._mix = header[H_MIX].copy()
-        self._versions = self._mem.slots[:, W_VERSION]
 
     def probe(self, ns: int, keys: Sequence[bytes]) -> Probe | None:
         """Every key's slot, probed at once; None when the keys are not all 32 bytes, or
@@ -289,16 +291,22 @@ class TableView:
     def unchanged(self, slots: np.ndarray, versions: np.ndarray) -> np.ndarray:
         """Whether each slot's version is still the one probed (after the bytes were copied:
         then nobody rewrote them meanwhile)."""
-        ok: np.ndarray = self._versions.take(slots) == versions
+        ok: np.ndarray = self._version_of(slots) == versions
         return ok
+
+    def _version_of(self, slots: np.ndarray) -> np.ndarray:
+        """The slots' versions, gathered where they lie (a take of the version column would
+        copy the whole strided column first)."""
+        versions: np.ndarray = self._mem.slots[slots, W_VERSION]
+        return versions
 
     def _read(self, slots: np.ndarray, words: np.ndarray, ns: int) -> Probe:
         """The slots' contents for these keys under the seqlock; a slot that does not hold
         its key, or changed while read, is -1."""
-        before = self._versions.take(slots)
+        before = self._version_of(slots)
         rows = self._mem.slots.take(slots, axis=0)
         sums = self._mem.sums.take(slots)
-        after = self._versions.take(slots)
+        after = self._version_of(slots)
         same = (rows[:, W_KEY:W_KEY + 4] == words).view(np.uint32)[:, 0] == 0x01010101
         locs = rows[:, W_LOC]
         ok = same & (rows[:, W_NS] == np.uint64(ns)) & (before == after) \
@@ -308,7 +316,7 @@ class TableView:
 
 def tiers_of(locs: np.ndarray) -> np.ndarray:
     """The tier numbers in location words."""
-    out: np.ndarray = (locs & np.uint64(0xFF)).astype(np.int64)
+    out: np.ndarray = (locs & np.uint64(0xFF)).astype(np.intp)
     return out
 
 

@@ -57,7 +57,7 @@ from kvstore.core.prefixhits import MAX_BLOCK_TOKENS
 from kvstore.core.tenants import OPEN
 from kvstore.daemon.attach import Tickets
 from kvstore.daemon.auth import Auth, Caller
-from kvstore.daemon.faults import FaultLog, code_of, decoder, described, parsed
+from kvstore.daemon.faults import FaultLog, Undecodable, code_of, decoder, described, parsed
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.verbs import Verbs
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
@@ -74,7 +74,7 @@ from kvstore.proto.localframe import (
     VERB_NAMES,
     VERSION,
 )
-from kvstore.readtable import LOOKUPS_READ, NO_REPLY, READS, TABLES_OPTION
+from kvstore.readtable import LOOKED, LOOKUPS_READ, NO_REPLY, READS, TABLES_OPTION
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,9 @@ STANDING_BYTES = 64 * 1024
 #: while freed heap is kept and reused (kvstore/memory.py) -- so what slow partial frames
 #: can leave the heap holding is bounded by 256 sessions x 256 KiB = 64 MiB.
 HEAP_FRAME_BYTES = 256 * 1024
+#: The most keys one lookups report may count: a client sends one every 50 ms at most, of
+#: what its lookups found meanwhile (a million keys is 20 million a second).
+MAX_REPORTED_KEYS = 1 << 20
 LOCAL_CLIENT = "unix:local"  #: whom a peer the socket cannot name is charged to (auth off)
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (SO_PEERCRED)
@@ -131,8 +134,21 @@ def _verbs(v: Verbs) -> dict[int, tuple[str, Callable[[bytes], Any], Handler]]:
     }
     named = {verb: (VERB_NAMES[verb], *handler) for verb, handler in handlers.items()}
     named[READS] = ("ReportReads", decoder(pb.LookupRequest), partial(_reads, v))
-    named[LOOKUPS_READ] = ("ReportLookups", decoder(pb.LookupRequest), partial(_lookups, v))
+    named[LOOKUPS_READ] = ("ReportLookups", _looked, partial(_lookups, v))
     return named
+
+
+def _looked(body: bytes) -> tuple[int, int, str] | Undecodable:
+    """Verb 7's body (kvstore.readtable.LOOKED, then the namespace): keys found, tokens each
+    covers, namespace."""
+    if len(body) < LOOKED.size:
+        return Undecodable(f"a lookups report is {LOOKED.size} bytes and a namespace; got "
+                           f"{len(body)} bytes")
+    found, block_tokens = LOOKED.unpack_from(body)
+    try:
+        return found, block_tokens, body[LOOKED.size:].decode("utf-8")
+    except UnicodeDecodeError:
+        return Undecodable("a lookups report's namespace is not UTF-8")
 
 
 def _reads(v: Verbs, caller: Caller, request: pb.LookupRequest) -> pb.LookupResponse:
@@ -144,15 +160,18 @@ def _reads(v: Verbs, caller: Caller, request: pb.LookupRequest) -> pb.LookupResp
     return pb.LookupResponse()
 
 
-def _lookups(v: Verbs, caller: Caller, request: pb.LookupRequest) -> pb.LookupResponse:
-    """Keys a client's Lookups found through its read table, reported in a batch: counted
-    in its tenant's prefix hits."""
-    caller.data(request.namespace)
-    if request.block_tokens > MAX_BLOCK_TOKENS:
-        raise InvalidArgument(f"block_tokens {request.block_tokens} exceeds "
-                              f"{MAX_BLOCK_TOKENS}", field="block_tokens",
-                              limit=MAX_BLOCK_TOKENS)
-    v.store.lookups_reported(request.namespace, request.keys, request.block_tokens)
+def _lookups(v: Verbs, caller: Caller, report: tuple[int, int, str]) -> pb.LookupResponse:
+    """How many keys a client's Lookups found through its read table, reported in a batch:
+    counted in its tenant's prefix hits. Counts only: nothing else changes."""
+    found, block_tokens, namespace = report
+    caller.data(namespace)
+    if block_tokens > MAX_BLOCK_TOKENS:
+        raise InvalidArgument(f"block_tokens {block_tokens} exceeds {MAX_BLOCK_TOKENS}",
+                              field="block_tokens", limit=MAX_BLOCK_TOKENS)
+    if found > MAX_REPORTED_KEYS:
+        raise InvalidArgument(f"a lookups report counts {found} keys, over "
+                              f"{MAX_REPORTED_KEYS}", field="found", limit=MAX_REPORTED_KEYS)
+    v.store.lookups_reported(namespace, found, block_tokens)
     return pb.LookupResponse()
 
 

@@ -221,13 +221,13 @@ class Store:
             self._count_lookup(namespace, len(checked), prefix, block_tokens)
         return prefix, tiers
 
-    def lookups_reported(self, namespace: str, keys: Sequence[bytes], block_tokens: int) -> None:
+    def lookups_reported(self, namespace: str, found: int, block_tokens: int) -> None:
         """Count keys a client found through its read table (a prefix of each of its
         Lookups, reported in batches: kvstore.daemon.localpath) in the prefix hits, as found;
         the rest of such a Lookup came to the daemon and was counted then."""
-        checked = self._check_keys(namespace, keys)
+        checks.namespace(namespace)
         with self.state.lock:
-            self._count_lookup(namespace, len(checked), len(checked), block_tokens)
+            self._count_lookup(namespace, found, found, block_tokens)
 
     def _count_lookup(self, namespace: str, keys: int, prefix: int, block_tokens: int) -> None:
         """Count a Lookup in the prefix hits of the tenant owning namespace; the caller holds
