@@ -66,6 +66,33 @@ class Published(Protocol):
     def removed(self, entry: Entry) -> None: ...
 
 
+class Mirrors:
+    """Several `Published` mirrors (the read tables, the block events) told of each change
+    in turn, in the order given."""
+
+    def __init__(self, mirrors: Sequence[Published]) -> None:
+        self._mirrors = tuple(mirrors)
+
+    def added(self, entry: Entry) -> None:
+        for mirror in self._mirrors:
+            mirror.added(entry)
+
+    def changed(self, entry: Entry, before: Tier) -> None:
+        for mirror in self._mirrors:
+            mirror.changed(entry, before)
+
+    def removed(self, entry: Entry) -> None:
+        for mirror in self._mirrors:
+            mirror.removed(entry)
+
+
+def mirrored(*mirrors: Published | None) -> Published | None:
+    """What the index tells of its changes: the one mirror given (not None), `Mirrors` of
+    several, or None for none."""
+    present = [m for m in mirrors if m is not None]
+    return None if not present else present[0] if len(present) == 1 else Mirrors(present)
+
+
 def one_arena(namespace: str) -> str | None:
     """The arena of every namespace when tiers are not split: the one arena ""."""
     return ""

@@ -62,6 +62,9 @@ def handlers(s: KVStoreServicer) -> grpc.GenericRpcHandler:
         "Drain": unary(s.Drain, pb.DrainRequest, pb.DrainResponse),
         "Attach": unary(s.Attach, pb.AttachRequest, pb.AttachResponse),
         "Limits": unary(s.Limits, pb.LimitsRequest, pb.LimitsResponse),
+        "WatchEvents": grpc.unary_stream_rpc_method_handler(
+            s.WatchEvents, request_deserializer=decoder(pb.WatchEventsRequest),
+            response_serializer=pb.WatchEventsResponse.SerializeToString),
     }
     declared = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
     if set(table) != declared:  # the .proto grew a method this table does not serve

@@ -322,6 +322,19 @@ class KVStoreServicer:
             return self.store.prewarm(request.bytes, namespaces)
         return self._streamed("Prewarm", context, progress, pb.PrewarmProgress, request)
 
+    def WatchEvents(self, request: pb.WatchEventsRequest,
+                    context: grpc.ServicerContext) -> Iterator[pb.WatchEventsResponse]:
+        """The caller's tenant's block events (kvstore.daemon.events), from
+        request.from_sequence, until the caller leaves."""
+        def batches(caller: Caller) -> Iterator[Any]:
+            if self.store.events is None:
+                raise FailedPrecondition("block events are off (events.buffer_events is 0)",
+                                         setting="events.buffer_events")
+            tenant = caller.tenant.name if self.auth.on else ""
+            return self.store.events.stream(tenant, request.from_sequence, context.is_active)
+        return self._streamed("WatchEvents", context, batches, pb.WatchEventsResponse,
+                              request)
+
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:
         return self._unary("Reserve", context,

@@ -28,13 +28,14 @@ from kvstore.core import checks
 from kvstore.core.errors import FailedPrecondition, InvalidArgument, StartupError
 from kvstore.core.headstart import HeadStart
 from kvstore.core.holdings import Caps, Holding
-from kvstore.core.index import Index
+from kvstore.core.index import Index, mirrored
 from kvstore.core.pages import PageAllocator
 from kvstore.core.prefixhits import PrefixCounts, PrefixHits
 from kvstore.core.records import Entry, EvictResult, PrewarmState, Skipped, StoreStats
 from kvstore.core.tenants import Tenant
 from kvstore.daemon.auth import Auth
 from kvstore.daemon.config import Config
+from kvstore.daemon.events import EventLog
 from kvstore.daemon.movers import Mover
 from kvstore.daemon.prefetch import PrefetchProgress, prefetch
 from kvstore.daemon.reader import Reader
@@ -98,7 +99,10 @@ class Store:
         self._prefix_hits = PrefixHits()  # what Lookups asked and found, by tenant
         # Where each L2 block lies, for clients that read without a round trip; None: off.
         self.read_tables = self._read_tables(dram_arenas)
-        self.index.published = self.read_tables
+        # Each tenant's blocks stored, moved and removed, for routers; None: events off.
+        self.events = (EventLog(self.config.events.buffer_events, self.auth.arena_of)
+                       if self.config.events.buffer_events else None)
+        self.index.published = mirrored(self.read_tables, self.events)
         self.state = self._build_state(clock)
         self.tiering = self.state.tiering
         self.writer = Writer(self.state)

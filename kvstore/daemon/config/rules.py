@@ -70,6 +70,8 @@ def _server(cfg: Config, out: _Problems) -> None:
         out.need(0 <= port <= 65535, path, "must be 0..65535 (0 = pick a free port)")
     out.need(bool(s.host.strip()), "server.host", "must not be empty; use e.g. 0.0.0.0")
     out.need(bool(m.host.strip()), "metrics.host", "must not be empty; use e.g. 0.0.0.0")
+    out.need(cfg.events.buffer_events >= 0, "events.buffer_events",
+             "must be >= 0 (0 = events off); use e.g. 65536")
     out.need(s.chunk_bytes >= 64 * KiB, "server.chunk_bytes", "must be >= 64KiB; use e.g. 4MiB")
     if out.fine("server.chunk_bytes"):
         floor = s.chunk_bytes + 64 * KiB

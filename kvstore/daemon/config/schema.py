@@ -209,6 +209,15 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    """Block events for routers, the WatchEvents verb (section `events`)."""
+
+    #: Events kept per tenant for subscribers to read and replay (docs/routing.md); a
+    #: subscriber that falls further behind is told how many it missed. 0 turns events off.
+    buffer_events: int = 65536
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole daemon configuration; build it with load_config()."""
 
@@ -222,6 +231,7 @@ class Config:
     clients: ClientConfig = field(default_factory=ClientConfig)  #: What one client may hold.
     auth: AuthConfig = field(default_factory=AuthConfig)  #: Tenants and their credentials.
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  #: Prometheus exporter.
+    events: EventsConfig = field(default_factory=EventsConfig)  #: Block events for routers.
     log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR.
 
 
@@ -236,6 +246,7 @@ SECTIONS: dict[str, type[Any]] = {
     "clients": ClientConfig,
     "auth": AuthConfig,
     "metrics": MetricsConfig,
+    "events": EventsConfig,
 }
 
 

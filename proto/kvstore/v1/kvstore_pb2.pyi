@@ -19,6 +19,14 @@ class GetMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     GET_MODE_INLINE: _ClassVar[GetMode]
     GET_MODE_SHARED_MEMORY: _ClassVar[GetMode]
+
+class BlockEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_EVENT_KIND_UNSPECIFIED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_STORED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_MOVED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_REMOVED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_CLEARED: _ClassVar[BlockEventKind]
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
@@ -26,6 +34,11 @@ TIER_NVME: Tier
 TIER_REMOTE: Tier
 GET_MODE_INLINE: GetMode
 GET_MODE_SHARED_MEMORY: GetMode
+BLOCK_EVENT_KIND_UNSPECIFIED: BlockEventKind
+BLOCK_EVENT_KIND_STORED: BlockEventKind
+BLOCK_EVENT_KIND_MOVED: BlockEventKind
+BLOCK_EVENT_KIND_REMOVED: BlockEventKind
+BLOCK_EVENT_KIND_CLEARED: BlockEventKind
 
 class LimitsRequest(_message.Message):
     __slots__ = ()
@@ -464,3 +477,37 @@ class PrewarmProgress(_message.Message):
     target_bytes: int
     done: bool
     def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., target_bytes: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("from_sequence",)
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    from_sequence: int
+    def __init__(self, from_sequence: _Optional[int] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("sequence", "kind", "namespace", "key", "tier", "from_tier", "parent")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    FROM_TIER_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    kind: BlockEventKind
+    namespace: str
+    key: bytes
+    tier: Tier
+    from_tier: Tier
+    parent: bytes
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[BlockEventKind, str]] = ..., namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., from_tier: _Optional[_Union[Tier, str]] = ..., parent: _Optional[bytes] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("events", "dropped", "daemon_id")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    dropped: int
+    daemon_id: str
+    def __init__(self, events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ..., dropped: _Optional[int] = ..., daemon_id: _Optional[str] = ...) -> None: ...

@@ -109,6 +109,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvstore.v1.KVStore/WatchEvents',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -299,6 +304,23 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """What the caller's tenant's blocks do in this daemon's tiers, as it happens: each block
+        stored (with its fastest tier), moved to another fastest tier (promotion, demotion, L2
+        eviction that leaves an L3 or L4 copy), or removed from every tier this daemon holds;
+        for routers that place requests by what a node holds (docs/routing.md). Each tenant's
+        events are numbered 1, 2, ... in one stream per daemon run, the first one CLEARED
+        (forget what an earlier run of this daemon announced; `daemon_id` changes too). With
+        auth off every caller sees the one stream of every namespace. The daemon holds the last
+        events.buffer_events of each tenant: from_sequence replays from there, and a subscriber
+        that falls behind the buffer, or asks for a sequence no longer held, is told how many it
+        missed (`dropped`), never stalls the store. FAILED_PRECONDITION (FEATURE_OFF) when
+        events.buffer_events is 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -376,6 +398,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Limits,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.WatchEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -783,6 +810,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Limits',
             kvstore_dot_v1_dot_kvstore__pb2.LimitsRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.LimitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/WatchEvents',
+            kvstore_dot_v1_dot_kvstore__pb2.WatchEventsRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

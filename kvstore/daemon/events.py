@@ -1,0 +1,164 @@
+"""The daemon's block events, for routers (the WatchEvents verb, docs/routing.md): each
+tenant's blocks stored, moved to another fastest tier, or removed, numbered 1, 2, ... per
+tenant and daemon run, the first event of each stream CLEARED.
+
+The index tells `EventLog` of every entry it links, whose fastest tier changes, or that it
+removes (`kvstore.core.index.Published`), under the store's lock; each becomes one event
+appended to its tenant's ring of the last `capacity` events. That is all the data path pays:
+no I/O, no wake-up unless a subscriber waits. A subscriber reads from a sequence number of its
+own; the ring never waits for it, so one that falls behind by more than the ring, or asks for a
+sequence no longer held, is told how many events it missed and goes on from the oldest held.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+
+from kvstore.core.records import Entry
+from kvstore.tier import Tier
+
+
+class Kind(IntEnum):
+    """What happened to a block, numbered as `kvstore.v1.BlockEventKind`."""
+
+    STORED = 1
+    MOVED = 2
+    REMOVED = 3
+    CLEARED = 4
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """One event of a tenant's stream. `tier` is the block's fastest tier now (STORED,
+    MOVED) or the one it left (REMOVED); `from_tier` the one before a MOVED; 0 otherwise."""
+
+    sequence: int
+    kind: Kind
+    namespace: str = ""
+    key: bytes = b""
+    tier: int = 0
+    from_tier: int = 0
+    parent: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """What a subscriber gets at once: events in sequence order, after `dropped` it missed;
+    `daemon_id` names the daemon run (as `kvstore.v1.WatchEventsResponse`)."""
+
+    events: list[BlockEvent]
+    dropped: int = 0
+    daemon_id: str = ""
+
+
+class _Ring:
+    """One tenant's last events; the next sequence number to hand out."""
+
+    __slots__ = ("events", "next_sequence")
+
+    def __init__(self, capacity: int) -> None:
+        self.events: deque[BlockEvent] = deque(maxlen=capacity)
+        self.next_sequence = 1
+
+    def append(self, kind: Kind, namespace: str = "", key: bytes = b"", tier: int = 0,
+               from_tier: int = 0, parent: bytes = b"") -> None:
+        self.events.append(BlockEvent(self.next_sequence, kind, namespace, key, tier,
+                                      from_tier, parent))
+        self.next_sequence += 1
+
+
+class EventLog:
+    """Every tenant's ring, fed by the index (it is the index's `published` mirror, beside
+    or instead of the read tables) and read by WatchEvents streams."""
+
+    def __init__(self, capacity: int, tenant_of: Callable[[str], str | None]) -> None:
+        """capacity: events kept per tenant (> 0). tenant_of: the tenant owning a namespace
+        ("" for everyone with auth off; None for a namespace no tenant owns, whose events
+        are not kept)."""
+        self.capacity = capacity
+        self.daemon_id = uuid.uuid4().hex
+        """One value per daemon run, in every batch: a subscriber seeing it change forgets."""
+        self._tenant_of = tenant_of
+        self._tenants: dict[str, str | None] = {}  # namespace -> its tenant, as first seen
+        self._rings: dict[str, _Ring] = {}
+        self._lock = threading.Condition()
+        self._waiting = 0
+        self.dropped = 0
+        """Events subscribers missed because they fell behind (a counter for metrics)."""
+
+    # --- the index's side (under the store's lock) ---------------------------------------
+
+    def added(self, entry: Entry) -> None:
+        self._emit(entry.namespace, Kind.STORED, entry.key, int(entry.tier), 0,
+                   entry.parent or b"")
+
+    def changed(self, entry: Entry, before: Tier) -> None:
+        if entry.tier != before:
+            self._emit(entry.namespace, Kind.MOVED, entry.key, int(entry.tier), int(before))
+
+    def removed(self, entry: Entry) -> None:
+        self._emit(entry.namespace, Kind.REMOVED, entry.key, int(entry.tier))
+
+    def _emit(self, namespace: str, kind: Kind, key: bytes, tier: int, from_tier: int = 0,
+              parent: bytes = b"") -> None:
+        tenant = self._tenants.get(namespace, "\0")
+        if tenant == "\0":
+            tenant = self._tenants[namespace] = self._tenant_of(namespace)
+        if tenant is None:
+            return
+        with self._lock:
+            self._ring(tenant).append(kind, namespace, key, tier, from_tier, parent)
+            if self._waiting:
+                self._lock.notify_all()
+
+    def _ring(self, tenant: str) -> _Ring:
+        """The tenant's ring, made on first use with its CLEARED event (held: _lock)."""
+        ring = self._rings.get(tenant)
+        if ring is None:
+            ring = self._rings[tenant] = _Ring(self.capacity)
+            ring.append(Kind.CLEARED)
+        return ring
+
+    # --- subscribers --------------------------------------------------------------------
+
+    def read(self, tenant: str, sequence: int, limit: int, timeout_s: float) -> EventBatch:
+        """The tenant's events from `sequence` on (at most limit), waiting up to timeout_s
+        for the first; `dropped` counts those before the oldest held that sequence asked
+        for. An empty batch: nothing new within timeout_s."""
+        with self._lock:
+            ring = self._ring(tenant)
+            if ring.next_sequence <= sequence:
+                self._waiting += 1
+                try:
+                    self._lock.wait_for(lambda: ring.next_sequence > sequence, timeout_s)
+                finally:
+                    self._waiting -= 1
+            events = ring.events
+            oldest = events[0].sequence if events else ring.next_sequence
+            dropped = max(0, oldest - sequence)
+            start = max(sequence, oldest) - oldest
+            batch = [events[i] for i in range(start, min(len(events), start + limit))]
+            self.dropped += dropped
+        return EventBatch(batch, dropped, self.daemon_id)
+
+    def next_sequence(self, tenant: str) -> int:
+        """The sequence the tenant's next event will have."""
+        with self._lock:
+            return self._ring(tenant).next_sequence
+
+    def stream(self, tenant: str, from_sequence: int, active: Callable[[], bool],
+               limit: int = 1024, poll_s: float = 0.5) -> Iterator[EventBatch]:
+        """The tenant's batches from from_sequence (0: from the next event) for as long as
+        active() holds; an idle stream sends nothing."""
+        sequence = from_sequence or self.next_sequence(tenant)
+        while active():
+            batch = self.read(tenant, sequence, limit, poll_s)
+            if batch.events or batch.dropped:
+                sequence = (batch.events[-1].sequence + 1 if batch.events
+                            else sequence + batch.dropped)
+                yield batch
