@@ -271,16 +271,16 @@ class TableView:
         if len(joined) != KEY_BYTES * len(keys) or not self.live:
             return None
         words = np.frombuffer(joined, _U64).reshape(-1, 4)
-        with np.errstate(over="ignore"):
-            hashes = words @ self._dot + np.uint64(ns * self._ns_mult & _MASK64)
-            first = (hashes >> self._shift).view(np.int64)
-            found = self._read(first, words, ns)
-            rest = np.flatnonzero(found.slots < 0)
-            if rest.size:
-                second = ((hashes.take(rest) * self._mix) >> self._shift).view(np.int64)
-                again = self._read(second, words.take(rest, axis=0), ns)
-                for name in Probe.__slots__:
-                    getattr(found, name)[rest] = getattr(again, name)
+        # uint64 arrays wrap around silently (numpy warns about scalars only).
+        hashes = words @ self._dot + np.uint64(ns * self._ns_mult & _MASK64)
+        first = (hashes >> self._shift).view(np.int64)
+        found = self._read(first, words, ns)
+        rest = np.flatnonzero(found.slots < 0)
+        if rest.size:
+            second = ((hashes.take(rest) * self._mix) >> self._shift).view(np.int64)
+            again = self._read(second, words.take(rest, axis=0), ns)
+            for name in Probe.__slots__:
+                getattr(found, name)[rest] = getattr(again, name)
         return found
 
     @property
@@ -309,9 +309,10 @@ class TableView:
         after = self._version_of(slots)
         same = (rows[:, W_KEY:W_KEY + 4] == words).view(np.uint32)[:, 0] == 0x01010101
         locs = rows[:, W_LOC]
+        # Equal and even versions, the namespace, a tier (0: empty), in one pass each.
         ok = same & (rows[:, W_NS] == np.uint64(ns)) & (before == after) \
-            & ((before & np.uint64(1)) == 0) & ((locs & np.uint64(0xFF)) != 0)
-        return Probe(np.where(ok, slots, -1), before, locs, rows[:, W_LENGTH].copy(), sums)
+            & ((before & np.uint64(1)) == 0) & (locs.astype(np.uint8) != 0)
+        return Probe(np.where(ok, slots, -1), before, locs, rows[:, W_LENGTH], sums)
 
 
 def tiers_of(locs: np.ndarray) -> np.ndarray:
