@@ -44,8 +44,8 @@ from kvstore.readtable import (
     tiers_of,
 )
 
-from ._buffers import ByteArray
-from ._segment import SharedSegment
+from ._buffers import ByteArray, copy_bytes
+from ._segment import HASH_PIECE_BYTES, SharedSegment
 from .results import TIER_NAMES
 
 logger = logging.getLogger("kvstore.client")
@@ -221,13 +221,14 @@ class TableReads:
         """Copy each hit out of the segment into out (its bytes, or its size once copied into
         arrays[i]), checking its hash against sums when given; the request indexes copied."""
         segment, limit = self.segment, self.segment.size_bytes
+        arena, base = segment.array, segment.address
         copied: list[int] = []
         for j, i in enumerate(hits):
             offset, length = offsets[j], lengths[j]
             if offset + length > limit:
                 continue  # not this arena's: leave it to the daemon
             if arrays is None:
-                payload = segment.read_bytes([(offset, length)])
+                payload = arena[offset:offset + length].tobytes()
                 if sums is not None and xxhash.xxh3_64_intdigest(payload) != sums[j]:
                     continue
                 out[i] = payload
@@ -235,8 +236,14 @@ class TableReads:
                 dst = arrays[i]
                 if dst.nbytes < length:
                     continue  # the daemon's Get says what is wrong with the buffer
-                digest = segment.read_into([(offset, length)], dst[:length],
-                                           digest=sums is not None)
+                into = dst if dst.nbytes == length else dst[:length]
+                if length > HASH_PIECE_BYTES:  # hashed piece by piece as it is copied
+                    digest = segment.read_into([(offset, length)], into,
+                                               digest=sums is not None)
+                else:  # one piece: copied, then hashed while in cache, with no hasher
+                    skew = into.__array_interface__["data"][0] - base - offset
+                    copy_bytes(into, arena[offset:offset + length], skew)
+                    digest = xxhash.xxh3_64_intdigest(into.data) if sums is not None else None
                 if sums is not None and digest != sums[j]:
                     continue
                 out[i] = length
