@@ -33,7 +33,7 @@ from typing import TypeVar
 from kvstore.core.errors import Reason, Unavailable
 from kvstore.core.index import Index
 from kvstore.core.records import Entry, PrewarmState
-from kvstore.daemon.blockframe import FrameError, decode, encode
+from kvstore.daemon.blockframe import FrameError, decode_view, encode
 from kvstore.daemon.breaker import Breaker
 from kvstore.daemon.config import RemoteConfig
 from kvstore.daemon.iometer import IoMeter
@@ -44,6 +44,7 @@ from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS, RedisPool, RemoteUnavailab
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Payload = bytes | memoryview  # a block's verified bytes, maybe a view into its L4 frame
 
 BATCH_BLOCKS = 64  # blocks per write-through or fetch round trip
 BATCH_BYTES = 32 << 20
@@ -250,10 +251,11 @@ class Remote:
         return self._guard(lambda: self.pool.exists([(namespace, k) for k in keys]),
                            [False] * len(keys))
 
-    def fetch(self, namespace: str, keys: Sequence[BlockKey]) -> list[bytes | None]:
+    def fetch(self, namespace: str, keys: Sequence[BlockKey]) -> list[Payload | None]:
         """Each key's payload from L4, verified; None for a miss (or a damaged frame, which
-        is deleted from Redis and counted)."""
-        out: list[bytes | None] = []
+        is deleted from Redis and counted). A payload stored raw is a view into the frame
+        Redis sent (blockframe.decode_view): the importer copies it into L2 once."""
+        out: list[Payload | None] = []
         for start in range(0, len(keys), BATCH_BLOCKS):
             chunk = [(namespace, bytes(k)) for k in keys[start : start + BATCH_BLOCKS]]
             missed: list[bytes | None] = [None] * len(chunk)
@@ -264,8 +266,8 @@ class Remote:
         return out
 
     def _decoded(self, namespace: str, keys: list[bytes],
-                 frames: list[bytes | None]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+                 frames: list[bytes | None]) -> list[Payload | None]:
+        out: list[Payload | None] = []
         damaged: list[tuple[str, bytes]] = []
         for key, frame in zip(keys, frames, strict=True):
             if frame is None:
@@ -273,7 +275,7 @@ class Remote:
                 out.append(None)
                 continue
             try:
-                payload = decode(frame)
+                payload = decode_view(frame)
             except FrameError as exc:
                 log.warning("L4 block %s is damaged (%s); deleted, a miss", key.hex()[:16], exc)
                 self._count(checksum_failures=1)
@@ -320,7 +322,7 @@ class Remote:
 
     def prewarm(
         self, target_bytes: int, missing: Callable[[str, Sequence[BlockKey]], list[BlockKey]],
-        import_blocks: Callable[[str, Sequence[BlockKey], Sequence[bytes]], int],
+        import_blocks: Callable[[str, Sequence[BlockKey], Sequence[Payload]], int],
         namespaces: Sequence[str] = (),
     ) -> Iterator[PrewarmState]:
         """Fetch the hottest blocks of namespaces (all of them when none are named; ranked
@@ -389,11 +391,11 @@ class Remote:
             self.on_failure(f"L4 worker: {type(exc).__name__}: {exc}")
 
 
-def _groups(items: list[tuple[BlockKey, bytes]],
-            max_bytes: int) -> Iterator[list[tuple[BlockKey, bytes]]]:
+def _groups(items: list[tuple[BlockKey, Payload]],
+            max_bytes: int) -> Iterator[list[tuple[BlockKey, Payload]]]:
     """The items in order, cut into runs of at most max_bytes of payload; an item larger
     than that goes alone."""
-    group: list[tuple[BlockKey, bytes]] = []
+    group: list[tuple[BlockKey, Payload]] = []
     size = 0
     for item in items:
         if group and size + len(item[1]) > max_bytes:

@@ -226,7 +226,7 @@ class Writer:
         return result
 
     def import_blocks(self, namespace: str, keys: Sequence[BlockKey],
-                      payloads: Sequence[bytes]) -> int:
+                      payloads: Sequence[bytes | memoryview]) -> int:
         """Store blocks fetched from L4 in L2 (as unrelated blocks: L4 keeps no chains), not
         offered back to L4; returns how many were new here."""
         if not keys:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import lz4.block
 import numpy as np
@@ -21,6 +22,7 @@ from kvstore.daemon.blockframe import (
     VERSION,
     FrameError,
     decode,
+    decode_view,
     encode,
     frame_checksum,
 )
@@ -189,17 +191,24 @@ def flipped(frame: bytes, index: int, mask: int) -> bytes:
     return bytes(damaged)
 
 
+DECODERS = pytest.mark.parametrize("decoder", [decode, decode_view], ids=["decode", "view"])
+
+
+@DECODERS
 @pytest.mark.parametrize("name", ["raw", "lz4", "lz4_shuffle2"])
-def test_every_header_byte_flip_is_a_frame_error(name: str) -> None:
+def test_every_header_byte_flip_is_a_frame_error(
+        name: str, decoder: Callable[[bytes], bytes | memoryview]) -> None:
     frame = frames_by_codec()[name]
     for index in range(HEADER_BYTES):
         for mask in (0x01, 0x80, 0xFF):
             with pytest.raises(FrameError):
-                decode(flipped(frame, index, mask))
+                decoder(flipped(frame, index, mask))
 
 
+@DECODERS
 @pytest.mark.parametrize("name", ["raw", "lz4", "lz4_shuffle2"])
-def test_a_body_byte_flip_never_yields_wrong_bytes(name: str) -> None:
+def test_a_body_byte_flip_never_yields_wrong_bytes(
+        name: str, decoder: Callable[[bytes], bytes | memoryview]) -> None:
     payload = bf16_values(1024)
     frame = frames_by_codec()[name]
     num_errors = num_flips = 0
@@ -207,7 +216,7 @@ def test_a_body_byte_flip_never_yields_wrong_bytes(name: str) -> None:
         for mask in (0x01, 0xFF):
             num_flips += 1
             try:
-                decoded = decode(flipped(frame, index, mask))
+                decoded = decoder(flipped(frame, index, mask))
             except FrameError:
                 num_errors += 1
                 continue
@@ -227,6 +236,22 @@ def test_truncated_or_extended_frames_are_frame_errors(name: str) -> None:
         decode(frame[:-1])
     with pytest.raises(FrameError):
         decode(frame + b"\x00")
+
+
+def test_decode_view_of_a_raw_frame_is_a_view_of_the_frame_itself() -> None:
+    payload = bf16_values(4096)
+    frame = bytearray(encode(payload, compress="none"))
+    view = decode_view(memoryview(frame))
+    assert isinstance(view, memoryview) and view.obj is frame and bytes(view) == payload
+    frame[HEADER_BYTES] ^= 0xFF  # no copy was made: the view sees the frame change
+    assert view[0] == payload[0] ^ 0xFF
+
+
+@pytest.mark.parametrize("name", ["lz4", "lz4_shuffle2"])
+def test_decode_view_of_a_compressed_frame_is_its_payload(name: str) -> None:
+    frame = frames_by_codec()[name]
+    assert codec_of(frame) != CODEC_RAW
+    assert decode_view(frame) == decode(frame) == bf16_values(1024)
 
 
 def test_short_frame_says_truncated() -> None:
