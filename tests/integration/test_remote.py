@@ -33,6 +33,8 @@ from kvstore.client import (
     Unavailable,
 )
 from kvstore.client.results import TierStats
+from kvstore.daemon.blockframe import CODEC_RAW, HEADER_BYTES, decode
+from kvstore.daemon.remote import AUTO_SKIP_BLOCKS
 from kvstore.tiers.redis_pool import block_key
 from kvstore.tools.testing import (
     Daemon,
@@ -43,7 +45,7 @@ from kvstore.tools.testing import (
     start_redis_with_password,
 )
 from tests.conftest import REPO
-from tests.helpers import PAGE, blocks, metric, wait_until
+from tests.helpers import PAGE, blocks, keys, metric, wait_until
 
 WAIT_S = 15.0  # for L4: a write-through queue, a breaker, a census on a busy machine
 # Small local tiers, no L1; each daemon keeps its L3 in its own folder (start_daemon).
@@ -338,6 +340,44 @@ def test_a_damaged_block_in_redis_is_a_miss_and_is_deleted(
     assert in_redis(pool_r, keys, ns) == 0
     assert kb.lookup(keys).tiers == [None]
     assert ka.get(keys) == values  # A's own copy is untouched
+
+
+def test_auto_compression_skips_its_sample_after_a_raw_block_of_the_namespace(
+    a: Daemon, clients: Callable[[Daemon], KVStoreClient], pool_r: redis.Redis, ns: str,
+) -> None:
+    """remote.compress=auto: once a namespace's block stayed raw, its next AUTO_SKIP_BLOCKS
+    blocks are written raw untried (even compressible ones); the one after is sampled again
+    and compressed. Another namespace of the same daemon keeps its own count. Every frame
+    decodes to the bytes put, whichever way it was written."""
+    ka = clients(a)
+    other = f"{ns}-other"
+    kb = KVStoreClient(a.target, other, timeout_s=10)
+    try:
+        noise, noise_value = blocks(1)
+        ka.put(noise, noise_value)
+        wait_until(lambda: in_redis(pool_r, noise, ns) == 1, "the raw block in Redis", WAIT_S)
+        zeros = bytes(PAGE)  # lz4 shrinks it to almost nothing
+        chain = keys(AUTO_SKIP_BLOCKS + 2)
+        for key in chain:  # one put each: written through in this order
+            ka.put([key], [zeros], independent=True)
+        elsewhere = keys(1)
+        kb.put(elsewhere, [zeros])
+        wait_until(lambda: in_redis(pool_r, chain, ns) == len(chain), "the blocks in Redis",
+                   WAIT_S)
+        wait_until(lambda: in_redis(pool_r, elsewhere, other) == 1, "the other namespace's",
+                   WAIT_S)
+        got = [pool_r.get(block_key(ns, k)) for k in noise + chain]
+        frames = [f for f in got if isinstance(f, bytes)]
+        assert len(frames) == len(got)
+        assert [f[5] == CODEC_RAW for f in frames] == (
+            [True] * (1 + AUTO_SKIP_BLOCKS) + [False] * 2)
+        assert [len(f) for f in frames[1:]] == [HEADER_BYTES + PAGE] * AUTO_SKIP_BLOCKS + [
+            len(frames[-1])] * 2 and len(frames[-1]) < PAGE // 10
+        assert [decode(f) for f in frames] == noise_value + [zeros] * len(chain)
+        other_frame = pool_r.get(block_key(other, elsewhere[0]))
+        assert other_frame is not None and other_frame[5] != CODEC_RAW
+    finally:
+        kb.close()
 
 
 def test_a_full_queue_skips_blocks_and_never_delays_a_put(
