@@ -13,6 +13,7 @@ sequence no longer held, is told how many events it missed and goes on from the 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -21,6 +22,11 @@ from enum import IntEnum
 
 from kvstore.core.records import Entry
 from kvstore.tier import Tier
+
+LINGER_S = 0.02
+"""How long a stream waits after sending a batch before it reads the next: at most 50
+batches a second per subscriber, whatever the rate of puts (vLLM's own publisher sends once
+per engine step, tens of milliseconds)."""
 
 
 class Kind(IntEnum):
@@ -56,20 +62,27 @@ class EventBatch:
     daemon_id: str = ""
 
 
+_Raw = tuple[int, int, str, bytes, int, int, bytes]
+"""An event as the ring keeps it: (sequence, kind, namespace, key, tier, from_tier, parent),
+made into a `BlockEvent` only when a subscriber reads it."""
+
+
 class _Ring:
-    """One tenant's last events; the next sequence number to hand out."""
+    """One tenant's last events; the next sequence number to hand out. Its one writer is
+    the store's thread of the moment (under the store's lock); readers copy `events` in one
+    C-level call, which the GIL keeps whole."""
 
     __slots__ = ("events", "next_sequence")
 
     def __init__(self, capacity: int) -> None:
-        self.events: deque[BlockEvent] = deque(maxlen=capacity)
+        self.events: deque[_Raw] = deque(maxlen=capacity)
         self.next_sequence = 1
 
-    def append(self, kind: Kind, namespace: str = "", key: bytes = b"", tier: int = 0,
+    def append(self, kind: int, namespace: str = "", key: bytes = b"", tier: int = 0,
                from_tier: int = 0, parent: bytes = b"") -> None:
-        self.events.append(BlockEvent(self.next_sequence, kind, namespace, key, tier,
-                                      from_tier, parent))
-        self.next_sequence += 1
+        sequence = self.next_sequence
+        self.next_sequence = sequence + 1
+        self.events.append((sequence, kind, namespace, key, tier, from_tier, parent))
 
 
 class EventLog:
@@ -79,12 +92,13 @@ class EventLog:
     def __init__(self, capacity: int, tenant_of: Callable[[str], str | None]) -> None:
         """capacity: events kept per tenant (> 0). tenant_of: the tenant owning a namespace
         ("" for everyone with auth off; None for a namespace no tenant owns, whose events
-        are not kept)."""
+        are not kept). A namespace's tenant is looked up once, when its first event comes
+        (a tenants file reloaded later does not move a namespace's events)."""
         self.capacity = capacity
         self.daemon_id = uuid.uuid4().hex
         """One value per daemon run, in every batch: a subscriber seeing it change forgets."""
         self._tenant_of = tenant_of
-        self._tenants: dict[str, str | None] = {}  # namespace -> its tenant, as first seen
+        self._by_namespace: dict[str, _Ring | None] = {}  # None: no tenant owns it
         self._rings: dict[str, _Ring] = {}
         self._lock = threading.Condition()
         self._waiting = 0
@@ -94,27 +108,37 @@ class EventLog:
     # --- the index's side (under the store's lock) ---------------------------------------
 
     def added(self, entry: Entry) -> None:
-        self._emit(entry.namespace, Kind.STORED, entry.key, int(entry.tier), 0,
-                   entry.parent or b"")
+        self._emit(entry.namespace, Kind.STORED, entry.key, entry.tier, 0, entry.parent or b"")
 
     def changed(self, entry: Entry, before: Tier) -> None:
         if entry.tier != before:
-            self._emit(entry.namespace, Kind.MOVED, entry.key, int(entry.tier), int(before))
+            self._emit(entry.namespace, Kind.MOVED, entry.key, entry.tier, before)
 
     def removed(self, entry: Entry) -> None:
-        self._emit(entry.namespace, Kind.REMOVED, entry.key, int(entry.tier))
+        self._emit(entry.namespace, Kind.REMOVED, entry.key, entry.tier)
 
-    def _emit(self, namespace: str, kind: Kind, key: bytes, tier: int, from_tier: int = 0,
+    def _emit(self, namespace: str, kind: int, key: bytes, tier: int, from_tier: int = 0,
               parent: bytes = b"") -> None:
-        tenant = self._tenants.get(namespace, "\0")
-        if tenant == "\0":
-            tenant = self._tenants[namespace] = self._tenant_of(namespace)
-        if tenant is None:
+        """One event: an append to its tenant's ring, and a wake-up only if a subscriber
+        waits."""
+        try:
+            ring = self._by_namespace[namespace]
+        except KeyError:
+            ring = self._namespace_ring(namespace)
+        if ring is None:
             return
-        with self._lock:
-            self._ring(tenant).append(kind, namespace, key, tier, from_tier, parent)
-            if self._waiting:
+        ring.append(kind, namespace, key, tier, from_tier, parent)
+        if self._waiting:
+            with self._lock:
                 self._lock.notify_all()
+
+    def _namespace_ring(self, namespace: str) -> _Ring | None:
+        """The ring of namespace's tenant, looked up on its first event."""
+        tenant = self._tenant_of(namespace)
+        with self._lock:
+            ring = self._ring(tenant) if tenant is not None else None
+            self._by_namespace[namespace] = ring
+        return ring
 
     def _ring(self, tenant: str) -> _Ring:
         """The tenant's ring, made on first use with its CLEARED event (held: _lock)."""
@@ -138,12 +162,15 @@ class EventLog:
                     self._lock.wait_for(lambda: ring.next_sequence > sequence, timeout_s)
                 finally:
                     self._waiting -= 1
-            events = ring.events
-            oldest = events[0].sequence if events else ring.next_sequence
-            dropped = max(0, oldest - sequence)
-            start = max(sequence, oldest) - oldest
-            batch = [events[i] for i in range(start, min(len(events), start + limit))]
-            self.dropped += dropped
+        held = list(ring.events)  # one C call: no append lands half-way through it
+        oldest = held[0][0] if held else ring.next_sequence
+        dropped = max(0, oldest - sequence)
+        start = max(sequence, oldest) - oldest
+        batch = [BlockEvent(s, Kind(k), n, key, t, f, p)
+                 for s, k, n, key, t, f, p in held[start:start + limit]]
+        if dropped:
+            with self._lock:
+                self.dropped += dropped
         return EventBatch(batch, dropped, self.daemon_id)
 
     def next_sequence(self, tenant: str) -> int:
@@ -152,9 +179,11 @@ class EventLog:
             return self._ring(tenant).next_sequence
 
     def stream(self, tenant: str, from_sequence: int, active: Callable[[], bool],
-               limit: int = 1024, poll_s: float = 0.5) -> Iterator[EventBatch]:
+               limit: int = 1024, poll_s: float = 0.5,
+               linger_s: float = LINGER_S) -> Iterator[EventBatch]:
         """The tenant's batches from from_sequence (0: from the next event) for as long as
-        active() holds; an idle stream sends nothing."""
+        active() holds; an idle stream sends nothing. After each batch it waits linger_s, so
+        that a busy store's events go out in batches, not one wake-up each."""
         sequence = from_sequence or self.next_sequence(tenant)
         while active():
             batch = self.read(tenant, sequence, limit, poll_s)
@@ -162,3 +191,4 @@ class EventLog:
                 sequence = (batch.events[-1].sequence + 1 if batch.events
                             else sequence + batch.dropped)
                 yield batch
+                time.sleep(linger_s)
