@@ -66,6 +66,9 @@ W_VERSION, W_KEY, W_NS, W_LOC, W_LENGTH = 0, 1, 5, 6, 7
 _MASK64 = (1 << 64) - 1
 _U64 = np.dtype("<u8")
 _WORDS = struct.Struct("<4Q")
+_U64_FIELD = struct.Struct("<Q")
+_SLOT_BODY = struct.Struct(f"<{KEY_BYTES}sQQQ")  # a slot after its version: key, ns, loc, length
+_EMPTY_SLOT = bytes(SLOT_BYTES - 8)
 
 Ident = tuple[int, bytes]  # (namespace hash, key)
 
@@ -135,7 +138,13 @@ class TableWriter:
         header[H_NS_MULT], header[H_MIX], header[H_ARENA_BYTES] = self._ns_mult, self._mix, \
             arena_bytes
         header[H_MAGIC] = MAGIC  # last: a reader that sees the magic sees the rest
-        self._versions = np.zeros(capacity, _U64)  # the mirror of each slot's version
+        # Slots are written with struct into the bytes (a few numpy scalar stores a slot cost
+        # more than the whole write): where the slots and the sums start.
+        self._bytes = memoryview(buf).cast("B") if isinstance(buf, memoryview) else \
+            memoryview(buf.data).cast("B")
+        self._slots_at = HEADER_BYTES
+        self._sums_at = HEADER_BYTES + capacity * SLOT_BYTES
+        self._versions = [0] * capacity  # the mirror of each slot's version
         self._at: list[tuple[Ident, Record] | None] = [None] * capacity
         self._slot_of: dict[Ident, int] = {}
         self.left_out = 0  # inserts that found no slot (their key reads as a miss)
@@ -171,10 +180,10 @@ class TableWriter:
         if slot is None:
             return
         self._at[slot] = None
-        self._begin(slot)
-        self._mem.slots[slot, 1:] = 0
-        self._mem.sums[slot] = 0
-        self._end(slot)
+        at = self._begin(slot)
+        self._bytes[at + 8:at + SLOT_BYTES] = _EMPTY_SLOT
+        _U64_FIELD.pack_into(self._bytes, self._sums_at + slot * 8, 0)
+        self._end(slot, at)
 
     def _kick(self, slot: int, ident: Ident, record: Record) -> None:
         """Place ident where a key lies already, moving that key to its other home, and so
@@ -196,24 +205,23 @@ class TableWriter:
         self._at[slot] = (ident, record)
         self._slot_of[ident] = slot
         ns, key = ident
-        row = self._mem.slots[slot]
-        self._begin(slot)
-        row[W_KEY:W_KEY + 4] = _WORDS.unpack(key)
-        row[W_NS] = ns
-        row[W_LOC] = record.offset << 8 | record.tier
-        row[W_LENGTH] = record.length
-        self._mem.sums[slot] = record.checksum
-        self._end(slot)
+        at = self._begin(slot)
+        _SLOT_BODY.pack_into(self._bytes, at + 8, key, ns, record.offset << 8 | record.tier,
+                             record.length)
+        _U64_FIELD.pack_into(self._bytes, self._sums_at + slot * 8, record.checksum)
+        self._end(slot, at)
 
-    def _begin(self, slot: int) -> None:
-        """Make slot's version odd: readers from now on reject it."""
+    def _begin(self, slot: int) -> int:
+        """Make slot's version odd: readers from now on reject it. The slot's byte offset."""
+        at = self._slots_at + slot * SLOT_BYTES
         self._versions[slot] += 1
-        self._mem.slots[slot, W_VERSION] = self._versions[slot]
+        _U64_FIELD.pack_into(self._bytes, at, self._versions[slot])
+        return at
 
-    def _end(self, slot: int) -> None:
+    def _end(self, slot: int, at: int) -> None:
         """Make slot's version even again, one step on from before the change."""
         self._versions[slot] += 1
-        self._mem.slots[slot, W_VERSION] = self._versions[slot]
+        _U64_FIELD.pack_into(self._bytes, at, self._versions[slot])
 
     def _homes(self, ident: Ident) -> tuple[int, int]:
         ns, key = ident
