@@ -12,9 +12,11 @@ time at 256 KiB blocks).
 
 Reads: the store asks `exists` (Lookup) and `fetch` (Get, Prefetch, pre-warm) for keys no local
 tier has; fetched blocks are verified (a bad frame is a miss, deleted from Redis) and the store
-imports them into L2. Popularity: reads are counted per namespace and sent in batches every
-`remote.popularity_flush_s`, with exponential decay (`remote.popularity_half_life_s`), so
-`hot()` ranks what is in use now and a new replica pre-warms from it.
+imports them into L2; pre-warm fetches in runs of about RUN_BYTES, the next run on a helper
+thread while the store imports this one. Popularity: reads are counted per namespace and sent
+in batches every `remote.popularity_flush_s`, with exponential decay
+(`remote.popularity_half_life_s`), so `hot()` ranks what is in use now and a new replica
+pre-warms from it.
 
 Figures: the L4 row's objects, used and capacity bytes are the whole pool's (every daemon's
 blocks; Redis's used_memory and maxmemory), counted by a census thread (`RedisPool.census`) when
@@ -29,6 +31,7 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from typing import TypeVar
@@ -52,6 +55,12 @@ Payload = bytes | memoryview  # a block's verified bytes, maybe a view into its 
 BATCH_BLOCKS = 64  # blocks per write-through or fetch round trip
 BATCH_BYTES = 32 << 20
 IMPORT_BYTES = 8 << 20  # most bytes pre-warm stores in one internal put
+# Pre-warm fetches about this many bytes a round trip while the run before is copied into L2
+# (Remote._runs). Pre-warming 32 MiB into a new daemon, 1 MiB runs were the fastest or tied
+# with 256 KiB blocks and with 2 MiB ones; 4 and 16 MiB runs and one round trip for all were
+# slower at both (docs/operations.md). A Get's fetch stays one round trip: its L2 pages are
+# warm, and there the extra round trips cost more than the overlap saved.
+RUN_BYTES = 1 << 20
 # remote.compress=auto: after a namespace's block stayed raw (lz4 did not save 20% of its
 # sample), that many of the namespace's next blocks are written raw untried. A sample costs
 # about 0.1 ms (lz4 over a shuffle runs at ~0.5 GB/s), near a third of the time a 256 KiB
@@ -355,25 +364,54 @@ class Remote:
                          for key, score in self.hot(ns, HOT_MAX_MEMBERS)), reverse=True)
         # Past here Redis may go down mid-way: what arrived stays, the rest is a miss.
         progress = PrewarmState(target_bytes=target_bytes)
-        for start in range(0, len(ranked), BATCH_BLOCKS):
-            if progress.bytes >= target_bytes:
-                break
-            by_ns: dict[str, list[BlockKey]] = {}
-            for _, ns, key in ranked[start : start + BATCH_BLOCKS]:
-                by_ns.setdefault(ns, []).append(key)
-            for ns, keys in by_ns.items():
-                wanted = missing(ns, keys)
-                found = [(k, p) for k, p in zip(wanted, self.fetch(ns, wanted), strict=True)
-                         if p is not None]
-                for group in _groups(found, IMPORT_BYTES):  # each put must fit in L2
-                    progress.blocks += import_blocks(ns, [k for k, _ in group],
-                                                     [p for _, p in group])
-                    progress.bytes += sum(len(p) for _, p in group)
-            log.info("pre-warm: %d blocks, %d of %d bytes", progress.blocks, progress.bytes,
-                     target_bytes)
-            yield replace(progress)
+        with ThreadPoolExecutor(1, thread_name_prefix="l4-prewarm") as ahead:
+            for start in range(0, len(ranked), BATCH_BLOCKS):
+                if progress.bytes >= target_bytes:
+                    break
+                by_ns: dict[str, list[BlockKey]] = {}
+                for _, ns, key in ranked[start : start + BATCH_BLOCKS]:
+                    by_ns.setdefault(ns, []).append(key)
+                for ns, keys in by_ns.items():
+                    for run in self._runs(ahead, ns, missing(ns, keys)):
+                        progress.blocks += import_blocks(ns, [k for k, _ in run],
+                                                         [p for _, p in run])
+                        progress.bytes += sum(len(p) for _, p in run)
+                log.info("pre-warm: %d blocks, %d of %d bytes", progress.blocks,
+                         progress.bytes, target_bytes)
+                yield replace(progress)
         progress.done = True
         yield progress
+
+    def _runs(self, ahead: Executor, namespace: str, keys: Sequence[BlockKey]
+              ) -> Iterator[list[tuple[BlockKey, Payload]]]:
+        """The hits among keys (fetched as fetch does), in order, in runs of about
+        RUN_BYTES, with the next run's fetch already under way on ahead's thread while the
+        caller copies this one into L2: the copies, and the first-touch page faults of a new
+        daemon's L2, overlap Redis sending the next run, where fetching all first left them
+        one after the other. The first run is one key; later ones are sized by the hits so
+        far."""
+        def fetch(start: int, num_keys: int) -> tuple[int, list[Payload | None]]:
+            return start, self.fetch(namespace, keys[start : start + num_keys])
+
+        pending: Future[tuple[int, list[Payload | None]]] | None = (
+            ahead.submit(fetch, 0, 1) if keys else None)
+        hit_bytes = hit_blocks = 0
+        try:
+            while pending is not None:
+                start, payloads = pending.result()
+                end = start + len(payloads)
+                hits = [(k, p) for k, p in zip(keys[start:end], payloads, strict=True)
+                        if p is not None]
+                hit_bytes += sum(len(p) for _, p in hits)
+                hit_blocks += len(hits)
+                # no hit yet, so no size to go by: double the run
+                run = RUN_BYTES * hit_blocks // hit_bytes if hit_bytes else 2 * len(payloads)
+                pending = (ahead.submit(fetch, end, max(1, min(BATCH_BLOCKS, run)))
+                           if end < len(keys) else None)
+                yield from _groups(hits, IMPORT_BYTES)  # each put must fit in L2
+        finally:  # the caller stopped early (its import failed): the fetch under way is moot
+            if pending is not None:
+                pending.cancel()
 
     def hot(self, namespace: str, limit: int) -> list[tuple[bytes, float]]:
         """The namespace's most popular keys with their scores, highest first (at most

@@ -34,7 +34,7 @@ from kvstore.client import (
 )
 from kvstore.client.results import TierStats
 from kvstore.daemon.blockframe import CODEC_RAW, HEADER_BYTES, decode
-from kvstore.daemon.remote import AUTO_SKIP_BLOCKS
+from kvstore.daemon.remote import AUTO_SKIP_BLOCKS, RUN_BYTES
 from kvstore.tiers.redis_pool import block_key
 from kvstore.tools.testing import (
     Daemon,
@@ -45,7 +45,7 @@ from kvstore.tools.testing import (
     start_redis_with_password,
 )
 from tests.conftest import REPO
-from tests.helpers import PAGE, blocks, keys, metric, wait_until
+from tests.helpers import PAGE, blocks, keys, metric, sized_blocks, wait_until
 
 WAIT_S = 15.0  # for L4: a write-through queue, a breaker, a census on a busy machine
 # Small local tiers, no L1; each daemon keeps its L3 in its own folder (start_daemon).
@@ -230,6 +230,37 @@ def test_prewarm_pulls_the_hottest_blocks_before_serving(
     assert out.returncode == 0, out.stderr
     assert "prewarmed 8 blocks" in out.stdout, out.stdout
     assert kd.lookup(keys).tiers == ["dram"] * 8
+
+
+def test_prewarm_brings_every_hit_of_mixed_sizes_and_passes_over_a_missing_one(
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], server: RedisServer,
+    r: redis.Redis, ns: str,
+) -> None:
+    """Pre-warm fetches in runs of about RUN_BYTES (the first one block) while it imports the
+    run before: blocks from 16 KiB to 512 KiB, several runs' worth, all arrive whole, and a
+    block gone from Redis in the middle is only a miss."""
+    sizes = [16 << 10, 512 << 10, 64 << 10, 300 << 10, 200 << 10] * 6
+    assert sum(sizes) > 4 * RUN_BYTES
+    chain, values = sized_blocks(sizes)
+    a = clients(daemon_factory(*l4(server.url, "remote.popularity_flush_s=0.1")))
+    a.put(chain, values, independent=True)
+    wait_until(lambda: in_redis(r, chain, ns) == len(chain), "the blocks in Redis", WAIT_S)
+    assert a.get(chain) == values
+    wait_until(lambda: set(chain) <= set(a.hot(100).keys), "every key in hot()", WAIT_S)
+    gone = len(chain) // 2
+    assert r.delete(block_key(ns, chain[gone])) == 1
+
+    kd = clients(daemon_factory(*l4(server.url)))
+    done = kd.prewarm(64 << 20)
+    assert done.done and done.blocks == len(chain) - 1
+    assert done.bytes == sum(sizes) - sizes[gone]
+    expected: list[str | None] = ["dram"] * len(chain)
+    expected[gone] = None
+    assert kd.lookup(chain).tiers == expected
+    before = remote(kd)
+    here = [k for i, k in enumerate(chain) if i != gone]
+    assert kd.get(here) == [v for i, v in enumerate(values) if i != gone]
+    assert remote(kd).hits == before.hits  # every one from L2: pre-warm brought it whole
 
 
 def test_a_daemon_told_to_prewarm_with_redis_down_serves_cold(
