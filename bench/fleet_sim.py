@@ -574,8 +574,13 @@ def summary(result: FleetResult) -> dict[str, object]:
             "simulate_s": round(result.simulate_s, 2)}
 
 
-def _figures(n: int, by_policy: Mapping[str, FleetResult], at_benchmark: bool) -> list[Figure]:
+def _figures(n: int, by_policy: Mapping[str, FleetResult], at_benchmark: bool,
+             ceiling: float) -> list[Figure]:
     ours, rr = by_policy["prefix_aware"], by_policy["round_robin"]
+    if rr.token_hit_rate:
+        print(f"# N = {n}: no routing can beat round robin's token hit rate by more than the "
+              f"ceiling's {ceiling / rr.token_hit_rate:.2f}x ({ceiling:.4f} / "
+              f"{rr.token_hit_rate:.4f}); L4 hits {rr.tier_hit_rate(L4):.4f} of its tokens")
     extra = {"replicas": n, "policies": {p: summary(r) for p, r in by_policy.items()}}
     candidates = [
         (f"fleet_hit_rate_n{n}", ours.token_hit_rate, rr.token_hit_rate, "ratio",
@@ -675,6 +680,11 @@ def run(args: argparse.Namespace, requests: list[Request],
         + " ms/block")
     print(f"# router weights by medium: {dict(MEDIUM_WEIGHTS)}; L2 announced as cpu, L3 and L4 "
           "as storage")
+    span_ms = max(r.timestamp for r in requests) - min(r.timestamp for r in requests)
+    if span_ms > 0:
+        busy = sum(costs.no_hit_ms(r) for r in requests) / span_ms
+        print(f"# the trace's own timestamps, read as ms, would keep {busy:.1f} replicas busy "
+              "if nothing hit; arrivals are scaled to the utilization at each N instead")
     sizes = {"l2_pct": args.l2_pct, "l4_pct": args.l4_pct, "l3_factor": args.l3}
     figures: list[Figure] = []
     results: list[FleetResult] = []
@@ -689,7 +699,7 @@ def run(args: argparse.Namespace, requests: list[Request],
             print(_row(r))
         if "prefix_aware" in by_policy and "round_robin" in by_policy:
             at_benchmark = {"replicas": n, **sizes} == BENCHMARK
-            figures += _figures(n, by_policy, at_benchmark)
+            figures += _figures(n, by_policy, at_benchmark, ceiling)
         print(f"# N = {n}: simulated in "
               f"{sum(r.simulate_s for r in by_policy.values()):.1f} s", flush=True)
     sweep: list[dict[str, object]] = []
