@@ -22,6 +22,7 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from kvstore.keys import BlockKey
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
 from . import results as res
 from ._base import ClientBase
@@ -185,6 +186,22 @@ class KVStoreClient(ClientBase):
         progress. timeout_s bounds the whole stream (default: the client's timeout_s).
         FailedPrecondition when L4 is off."""
         return self._run(self._prewarm_steps(bytes, namespaces, on_progress, timeout_s))
+
+    def watch_events(self, from_sequence: int = 0) -> Iterator[pb.WatchEventsResponse]:
+        """The block events of the caller's tenant in this daemon (WatchEvents: blocks
+        stored, moved to another fastest tier, removed; docs/protocol.md), from
+        from_sequence (0: the next one), as the daemon sends them, for as long as the caller
+        iterates: closing the iterator cancels the call. Not retried (resume with the next
+        sequence); errors surface as `KVStoreError`s, FailedPrecondition when the daemon's
+        events are off."""
+        call = self._stub.WatchEvents(pb.WatchEventsRequest(from_sequence=from_sequence))
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
 
     def health(self, service: str = HEALTH_SERVICE) -> str:
         """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", ..."""

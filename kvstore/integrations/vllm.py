@@ -290,6 +290,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return KVStoreStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         link, self.link = self.link, None  # type: ignore[assignment]
         if link is not None:
             release_link(link)

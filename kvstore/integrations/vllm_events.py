@@ -12,25 +12,42 @@ GPU and DRAM tiers (L1, L2), `STORAGE` for NVMe (L3) and the shared pool (L4), t
 locality `REMOTE` (other nodes read it too) and the rest `LOCAL`. A save lands in L2 (or L1),
 so saved blocks are `CPU`; loaded blocks carry the tier their hit was found in.
 
-The store's own removals (eviction, demotion) are not announced here: they are the daemon's
-to report. Until a router hears of them, a block it thinks the store holds may be a miss,
-which costs a lookup, never a wrong answer. Pure: no I/O; vLLM's event classes only.
+The store's own changes come from the daemon's event stream (WatchEvents), which
+`StoreWatch` follows on a thread of its own: a block announced here that the daemon removes
+becomes a `BlockRemoved` of its medium; one whose fastest tier moves to another medium (L2 to
+L3) a `BlockRemoved` of the old medium and a `BlockStored` of the new, without token ids (a
+router keeps those of the first announcement). To map the daemon's keys back to vLLM's hashes
+the connector remembers the last `MAX_KNOWN` blocks it announced; a removal of an older one
+is not announced, and until a router hears of a removal, a block it thinks the store holds
+may be a miss, which costs a lookup, never a wrong answer.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+from kvstore.client.errors import FailedPrecondition, KVStoreError
+from kvstore.tier import tier_name
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from kvstore.integrations.link import StoreLink
 
 logger = logging.getLogger("kvstore.integrations.vllm")
 
@@ -45,6 +62,12 @@ _MEDIUM = {"hbm": (MEDIUM_CPU, "LOCAL"), "dram": (MEDIUM_CPU, "LOCAL"),
 """A store tier's label -> (vLLM's medium, its locality). "pending" is a block still being
 written to L2."""
 
+MAX_KNOWN = 100_000
+"""Blocks announced whose daemon key -> vLLM hash the connector remembers, the most recent
+first (about 200 bytes each), to announce their removal."""
+
+_STORED, _MOVED, _REMOVED, _CLEARED = 1, 2, 3, 4  # kvstore.v1.BlockEventKind
+
 
 class StoreEvents:
     """The events of one scheduler-side connector, kept until vLLM takes them."""
@@ -58,11 +81,16 @@ class StoreEvents:
         self._events: deque[KVCacheEvent] = deque(maxlen=max_events)
         self.dropped = 0
         """Events dropped, the oldest first, because vLLM did not take them in time."""
+        # daemon key -> (vLLM's hash, group, medium, locality), the latest announced last
+        self._known: OrderedDict[bytes, tuple[Any, int, str, str | None]] = OrderedDict()
+        self._lock = threading.Lock()  # _known: the scheduler's thread and StoreWatch's
 
-    def stored(self, request: Request, first: int, end: int, group: int, tier: str) -> None:
+    def stored(self, request: Request, first: int, end: int, group: int, tier: str,
+               keys: Sequence[bytes]) -> None:
         """Announce that the store holds blocks first..end-1 of request's chain in a
-        KV-cache group, in tier (a label: "dram", "nvme", ...). Blocks vLLM has no hash
-        for (past its hashes, as for a block size it hashes differently) are left out."""
+        KV-cache group, in tier (a label: "dram", "nvme", ...), under the daemon's keys
+        (keys[i] is block first + i's). Blocks vLLM has no hash for (past its hashes, as for
+        a block size it hashes differently) are left out."""
         hashes: Sequence[bytes] = request.block_hashes
         end = min(end, len(hashes))
         if first >= end:
@@ -70,13 +98,15 @@ class StoreEvents:
         medium, locality = _MEDIUM.get(tier, (MEDIUM_STORAGE, None))
         bs = self.block_size
         lora = request.lora_request
-        if len(self._events) == self._events.maxlen:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                logger.warning("kvstore: %d KV events dropped: vLLM did not take them in "
-                               "time", self.dropped)
-        self._events.append(BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:end]],
+        converted = [maybe_convert_block_hash(h) for h in hashes[first:end]]
+        with self._lock:
+            for key, block_hash in zip(keys, converted, strict=False):
+                self._known[key] = (block_hash, group, medium, locality)
+                self._known.move_to_end(key)
+            while len(self._known) > MAX_KNOWN:
+                self._known.popitem(last=False)
+        self._append(BlockStored(
+            block_hashes=converted,
             parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
             token_ids=list(request.all_token_ids[first * bs:end * bs]),
             block_size=bs,
@@ -89,8 +119,101 @@ class StoreEvents:
             locality=locality,
         ))
 
+    def _append(self, event: KVCacheEvent) -> None:
+        if len(self._events) == self._events.maxlen:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                logger.warning("kvstore: %d KV events dropped: vLLM did not take them in "
+                               "time", self.dropped)
+        self._events.append(event)
+
+    def store_changed(self, kind: int, key: bytes, tier: int) -> None:
+        """What the daemon's event stream says of a block (kvstore.v1.BlockEvent: kind,
+        key, its fastest tier now or, removed, the one it left): announced as vLLM events
+        when the connector announced the block and its medium changed."""
+        with self._lock:
+            known = self._known.get(key)
+            if known is None:
+                return
+            block_hash, group, medium, locality = known
+            if kind == _REMOVED:
+                del self._known[key]
+            else:
+                label = tier_name(tier) or ""
+                new_medium, new_locality = _MEDIUM.get(label, (MEDIUM_STORAGE, None))
+                if kind != _MOVED or new_medium == medium:
+                    return
+                self._known[key] = (block_hash, group, new_medium, new_locality)
+        self._append(BlockRemoved(block_hashes=[block_hash], medium=medium, group_idx=group,
+                                  locality=locality))
+        if kind == _MOVED:
+            self._append(BlockStored(
+                block_hashes=[block_hash], parent_block_hash=None, token_ids=[],
+                block_size=self.block_size, lora_id=None, medium=new_medium, lora_name=None,
+                group_idx=group, kv_cache_spec_kind=self._kinds[group],
+                kv_cache_spec_sliding_window=self._windows[group], locality=new_locality))
+
+    def store_cleared(self) -> None:
+        """The daemon restarted: every block announced is announced removed (a router then
+        forgets it; the blocks the daemon re-adopted from L3 hit as before, unannounced)."""
+        with self._lock:
+            known, self._known = self._known, OrderedDict()
+        for block_hash, group, medium, locality in known.values():
+            self._append(BlockRemoved(block_hashes=[block_hash], medium=medium,
+                                      group_idx=group, locality=locality))
+
     def take(self) -> list[KVCacheEvent]:
         """The events since the last call, oldest first."""
-        events = list(self._events)
-        self._events.clear()
+        events: list[KVCacheEvent] = []
+        while self._events:  # popleft: StoreWatch may append meanwhile
+            events.append(self._events.popleft())
         return events
+
+
+class StoreWatch:
+    """Follows the daemon's event stream (WatchEvents) for the link's namespace on a thread
+    of its own and hands each change to `StoreEvents.store_changed`; reconnects while the
+    link is open. A daemon whose events are off is left alone after one log line."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, link: StoreLink, events: StoreEvents) -> None:
+        self.link = link
+        self.events = events
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        # Each connection reads from the first event the daemon still holds: what came
+        # before this connector announced anything is about blocks it does not know, and a
+        # restarted daemon numbers its events from 1 again. Events of the same daemon run
+        # already handled are skipped.
+        handled, daemon_id = 0, ""
+        while not self._stop.is_set():
+            try:
+                for response in self.link.client.watch_events(1):
+                    if daemon_id and response.daemon_id != daemon_id:
+                        self.events.store_cleared()
+                        handled = 0
+                    daemon_id = response.daemon_id
+                    for event in response.events:
+                        if event.sequence <= handled:
+                            continue
+                        handled = event.sequence
+                        if event.kind != _CLEARED and event.namespace == self.link.namespace:
+                            self.events.store_changed(event.kind, event.key, event.tier)
+            except FailedPrecondition as exc:
+                logger.info("kvstore: the daemon's block events are off: removals are not "
+                            "announced (%s)", exc)
+                return
+            except KVStoreError as exc:
+                logger.debug("kvstore: event stream: %s; again in %.0f s", exc, self.RETRY_S)
+            except ValueError:  # the link's channel is closed: the connector is shutting down
+                return
+            self._stop.wait(self.RETRY_S)
+
+    def close(self) -> None:
+        """Stop following the stream; the thread ends once the link's channel closes (which
+        cancels the call it waits on), or at its next event."""
+        self._stop.set()

@@ -39,7 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore.integrations.cost import Decision, PrefillModel, decide, slowest
 from kvstore.integrations.link import Hit, StoreLink
 from kvstore.integrations.settings import cacheable, chain_root, group_root
-from kvstore.integrations.vllm_events import StoreEvents
+from kvstore.integrations.vllm_events import StoreEvents, StoreWatch
 from kvstore.integrations.vllm_steps import (
     IDLE_WAIT_S,
     SCHEDULER_FIELDS,
@@ -197,8 +197,9 @@ class SchedulerSide:
         events = vllm_config.kv_events_config
         self.events = (StoreEvents(kv_cache_config, self.block_size)
                        if events is not None and events.enable_kv_cache_events else None)
-        """The blocks saved and loaded, as vLLM KV events (`vllm_events`), when vLLM
-        publishes KV events; None otherwise."""
+        """The blocks saved and loaded, and the daemon's changes to them, as vLLM KV events
+        (`vllm_events`), when vLLM publishes KV events; None otherwise."""
+        self._watch = StoreWatch(link, self.events) if self.events is not None else None
         self._recomputed_by_choice_tokens = 0
 
     def _state(self, request: Request) -> RequestState:
@@ -403,7 +404,8 @@ class SchedulerSide:
                     self._loads.append(LoadSpec(
                         request.request_id, self._keys_of(state, cut, group)[start:],
                         _held(ids[start:cut]), tier, group=group))
-                    self._announce(request, first, start, cut, group, match.tiers)
+                    self._announce(request, first, start, cut, group, match.tiers,
+                                   self._keys_of(state, cut, group))
         state.saved = saved
 
     # -- each step ------------------------------------------------------------------------
@@ -479,20 +481,26 @@ class SchedulerSide:
                 meta.saves.append(SaveSpec(keys[index:end], ids[index:end],
                                            keys[index - 1] if index else None, group=group))
                 if self.events is not None:  # a save lands in L2
-                    self.events.stored(request, index, end, group, "dram")
+                    self.events.stored(request, index, end, group, "dram", keys[index:end])
                 index = end
 
     def _announce(self, request: Request, first: int, start: int, cut: int, group: int,
-                  tiers: list[str]) -> None:
+                  tiers: list[str], keys: list[BlockKey]) -> None:
         """Announce a group's loaded blocks start..cut-1 (vllm_events), one event per run
-        of blocks found in one tier; tiers[i] is the tier of block first + i."""
+        of blocks found in one tier; tiers[i] is the tier of block first + i, keys[i] the
+        key of block i."""
         if self.events is None:
             return
         while start < cut:
             tier = tiers[start - first]
             end = next((i for i in range(start, cut) if tiers[i - first] != tier), cut)
-            self.events.stored(request, start, end, group, tier)
+            self.events.stored(request, start, end, group, tier, keys[start:end])
             start = end
+
+    def close(self) -> None:
+        """Stop following the daemon's event stream (before the link closes)."""
+        if self._watch is not None:
+            self._watch.close()
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV events since vLLM last took them (none when vLLM publishes none)."""

@@ -128,8 +128,8 @@ def test_each_tier_has_its_medium_and_a_full_queue_drops_the_oldest() -> None:
     events = StoreEvents(kv_cache_config(16), SMALL, max_events=3)
     req = request([1 + i % 90 for i in range(4 * SMALL + 3)])
     for first, tier in enumerate(("hbm", "dram", "nvme", "remote")):
-        events.stored(req, first, first + 1, 0, tier)
-    events.stored(req, 4, 6, 0, "dram")  # past the request's full blocks: nothing
+        events.stored(req, first, first + 1, 0, tier, [bytes([first]) * 32])
+    events.stored(req, 4, 6, 0, "dram", [b"4" * 32, b"5" * 32])  # past the full blocks: none
     assert events.dropped == 1
     taken = events.take()
     assert [(e.medium, e.locality) for e in taken] == [
@@ -138,3 +138,70 @@ def test_each_tier_has_its_medium_and_a_full_queue_drops_the_oldest() -> None:
         maybe_convert_block_hash(req.block_hashes[i]) for i in range(3)]
     assert taken[2].token_ids == req.all_token_ids[3 * SMALL:4 * SMALL]
     assert events.take() == []
+
+
+def test_the_daemons_removals_and_moves_of_announced_blocks_are_announced(
+        store: StoreView, model_dir: Path) -> None:
+    """A scheduler-side connector with vLLM's events on follows the daemon's stream: blocks
+    it announced that the daemon evicts become BlockRemoved under vLLM's hashes; a block it
+    never announced stays unannounced."""
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockRemoved
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from kvstore.client import KVStoreClient
+    from kvstore.integrations.vllm import KVStoreConnector
+    from kvstore.keys import chain_key
+    from tests.helpers import wait_until
+    from tests.vllm.harness import BLOCK as SMALL
+    from tests.vllm.harness import kv_cache_config, request, vllm_config
+
+    config = vllm_config(model_dir, store.options())
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    conn = KVStoreConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(16))
+    events = conn.scheduler.events
+    assert events is not None
+    req = request([1 + i % 90 for i in range(3 * SMALL + 1)])
+    keys = [chain_key(b"root" * 8, [i]) for i in range(3)]
+    with KVStoreClient(store.target, conn.namespace) as kv:
+        kv.put(keys, [b"x" * 256] * 3, independent=True)
+        events.stored(req, 0, 2, 0, "dram", keys[:2])  # announced: blocks 0 and 1 only
+        assert len(conn.take_events()) == 1
+        kv.evict(keys)
+    removed: list[BlockRemoved] = []
+    wait_until(lambda: removed.extend(e for e in conn.take_events()
+                                      if isinstance(e, BlockRemoved)) or len(removed) >= 2,
+               "two BlockRemoved")
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(
+        maybe_convert_block_hash(h) for h in req.block_hashes[:2])
+    assert {(e.medium, e.locality) for e in removed} == {("CPU", "LOCAL")}
+    conn.shutdown()
+
+
+def test_a_move_to_another_medium_and_a_restart_are_announced() -> None:
+    """L2 -> L3 (the daemon's MOVED): BlockRemoved of CPU, BlockStored of STORAGE under the
+    same hash; a move within a medium or of a block never announced: nothing; a daemon
+    restart: every block announced is announced removed."""
+    from vllm.distributed.kv_events import BlockRemoved
+
+    from kvstore.integrations.vllm_events import StoreEvents
+    from tests.vllm.harness import BLOCK as SMALL
+    from tests.vllm.harness import kv_cache_config, request
+
+    events = StoreEvents(kv_cache_config(16), SMALL)
+    req = request([1 + i % 90 for i in range(2 * SMALL + 3)])
+    keys = [b"a" * 32, b"b" * 32]
+    events.stored(req, 0, 2, 0, "dram", keys)
+    events.take()
+    events.store_changed(2, keys[0], 3)  # MOVED, now in nvme
+    events.store_changed(2, keys[1], 1)  # MOVED to hbm: still CPU
+    events.store_changed(3, b"c" * 32, 2)  # REMOVED, never announced
+    moved = events.take()
+    assert [(type(e).__name__, e.medium) for e in moved] == [
+        ("BlockRemoved", "CPU"), ("BlockStored", "STORAGE")]
+    assert moved[0].block_hashes == moved[1].block_hashes and moved[1].token_ids == []
+    events.store_cleared()
+    cleared = events.take()
+    assert all(isinstance(e, BlockRemoved) for e in cleared) and len(cleared) == 2
+    assert {e.medium for e in cleared} == {"STORAGE", "CPU"}
