@@ -32,8 +32,12 @@ from kvstore.readtable import READS, TableView, namespace_hash
 from kvstore.tools.testing import Daemon
 from tests.helpers import keys, metric
 from tests.integration.test_auth import A_NS, B_NS, TOKENS, md
+from tests.integration.test_l3_reads_under_pressure import L2_PAGES, fill, pressure
+from tests.integration.test_l3_reads_under_pressure import blocks as l3_blocks
 from tests.integration.test_local_path import LOCAL_SETTINGS, local_requests, sock_of
 from tests.integration.test_tenant_shm import evict_everything, token_daemon
+
+__all__ = ["pressure"]  # the fixture, shared with test_l3_reads_under_pressure.py
 
 SOAK_S = float(os.environ.get("TABLE_SOAK_S", "10"))
 
@@ -332,3 +336,21 @@ def test_readers_never_accept_a_wrong_byte_while_pages_are_reused(
     for r in results:
         assert r["wrong"] == 0, r
         assert r["table_hits"] > 0 and r["blocks"] > r["table_hits"] // 2, r
+
+
+def test_a_get_larger_than_l2_copies_what_l2_holds_and_asks_for_the_rest(
+        pressure: Daemon, ns: str) -> None:
+    """The daemon's Get of more than L2 holds gets the prefix that fits
+    (test_l3_reads_under_pressure.py); through the table, the blocks in L2 are copied out
+    first, so they are hits too, and the daemon loads the rest from L3 in their place."""
+    ks, values = l3_blocks(2 * L2_PAGES, seed=16)
+    with KVStoreClient(pressure.target, ns, shared_memory=True,
+                       unix_socket=str(pressure.unix_socket)) as kv:
+        fill(kv, ks, values)
+        asked = ks[: L2_PAGES + 16]
+        got = kv.get(asked)
+        assert all(g is None or g == v for g, v in zip(got, values, strict=False))
+        # The daemon alone gives the L2_PAGES that fit; the table adds what L2 held (all
+        # but what the mover took to L3 meanwhile).
+        assert table_reads(kv).hits > 0
+        assert sum(g is not None for g in got) == L2_PAGES + table_reads(kv).hits
