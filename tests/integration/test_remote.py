@@ -16,6 +16,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -36,6 +37,7 @@ from kvstore.client.results import TierStats
 from kvstore.daemon.blockframe import CODEC_RAW, HEADER_BYTES, decode
 from kvstore.daemon.remote import AUTO_SKIP_BLOCKS, RUN_BYTES
 from kvstore.tiers.redis_pool import block_key
+from kvstore.tools.slowlink import SlowLink
 from kvstore.tools.testing import (
     Daemon,
     RedisServer,
@@ -261,6 +263,38 @@ def test_prewarm_brings_every_hit_of_mixed_sizes_and_passes_over_a_missing_one(
     here = [k for i, k in enumerate(chain) if i != gone]
     assert kd.get(here) == [v for i, v in enumerate(values) if i != gone]
     assert remote(kd).hits == before.hits  # every one from L2: pre-warm brought it whole
+
+
+def test_redis_lost_mid_prewarm_keeps_the_runs_that_arrived(
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], server: RedisServer,
+    r: redis.Redis, ns: str,
+) -> None:
+    """Pre-warm through a link that holds every reply 0.3 s: once the first run (one block)
+    has come, the link goes down while the next run is on its way. The pre-warm still ends
+    (the breaker turns the rest into misses), and every block it reports is in L2, whole."""
+    chain, values = blocks(30)
+    a = clients(daemon_factory(*l4(server.url, "remote.popularity_flush_s=0.1")))
+    a.put(chain, values, independent=True)
+    wait_until(lambda: in_redis(r, chain, ns) == len(chain), "the blocks in Redis", WAIT_S)
+    assert a.get(chain) == values
+    wait_until(lambda: set(chain) <= set(a.hot(100).keys), "every key in hot()", WAIT_S)
+
+    with SlowLink("127.0.0.1", server.port, 0.3) as link:
+        d = daemon_factory(*l4(link.url))
+        kd, watcher = clients(d), clients(d)
+        ended: list[PrewarmResult] = []
+        prewarm = threading.Thread(target=lambda: ended.append(kd.prewarm(64 << 20)))
+        prewarm.start()
+        wait_until(lambda: remote(watcher).hits >= 1, "the first run fetched", WAIT_S)
+        link.stop()
+        prewarm.join(WAIT_S)
+    assert len(ended) == 1 and ended[0].done
+    assert 1 <= ended[0].blocks < len(chain) and ended[0].bytes == ended[0].blocks * PAGE
+    tiers = kd.lookup(chain).tiers
+    here = [i for i, tier in enumerate(tiers) if tier == "dram"]
+    assert len(here) == ended[0].blocks and set(tiers) <= {"dram", None}
+    assert kd.get([chain[i] for i in here]) == [values[i] for i in here]
+    assert kd.health() == "SERVING"
 
 
 def test_a_daemon_told_to_prewarm_with_redis_down_serves_cold(
