@@ -14,7 +14,8 @@ per replica):
   id (the conversation's root: every turn of a conversation re-sends it), hashed to a replica;
 - `prefix_aware`: what llm-d's precise prefix-cache scorer and Dynamo's KV router do, from KV
   events only. For each replica, the router keeps the blocks that replica announced stored
-  and not yet removed, per medium, and the L4 pool's blocks (the pool topic); it scores
+  and not yet removed, with the fastest tier each was announced in, and the L4 pool's blocks
+  (the pool topic); it scores
   `recompute saved - lambda x load`, where recompute saved is the recompute time of the
   longest cached prefix, each block weighted by its medium (llm-d's weights: `gpu` 1.0, `cpu`
   0.8, `storage` 0.4; the store announces L2 as `cpu`, L3 and L4 as `storage`, as
@@ -25,10 +26,11 @@ per replica):
 
 Each replica's store is the store's own pure index and placement planner, driven as the daemon
 drives them (bench/sim_store.py `StorePolicy`, the same as bench/trace_sim.py). Its KV events
-come from the index's own bookkeeping: every entry linked, whose copies changed, or removed
-(`Index._link`, `_moved`, `_remove`, through which the index module says every change of the
-entries goes) becomes `stored` / `removed` events per medium, as the daemon's event stream
-announces them. The router sees only those events, never a store. L4 is one LRU over blocks
+are the daemon's own: the index feeds an `EventLog` (kvstore/daemon/events.py, the source of
+the WatchEvents stream) as the daemon's index does, a STORED, MOVED or REMOVED event for every
+entry it links, whose fastest tier changes, or that it removes; the router reads each
+replica's events from sequence 1 on, as a WatchEvents subscriber does, and sees nothing else
+of a store. L4 is one LRU over blocks
 (Redis with `maxmemory-policy allkeys-lru`): every replica writes the blocks it computed to it
 (the daemon's write-through), and reads from it the blocks that continue a request's prefix
 past its local hit; a pool write is announced on the pool topic as it lands.
@@ -47,13 +49,15 @@ from L4 (about 3 GB/s over the network), decode 1 ms an output token (a ~30 ms d
 shared by ~30 running requests). Only their ratios and the utilization matter.
 
 Figures, per N: `fleet_hit_rate_n<N>` (prefix-aware's token hit rate vs round robin's),
-`fleet_prefill_saved_n<N>` (the recompute time of all prompts that prefix-aware saved, net of
-its loads, in %, vs round robin's) and `fleet_imbalance_n<N>` (prefix-aware's max/mean requests
-per replica vs round robin's; lower is better). At N = 16 with the benchmark's sizes (each L2
-5% of the trace's distinct blocks, L4 50%, no L3) the targets are the issue's: a hit rate >=
-1.5x round robin's with an imbalance <= 1.25. `#` lines hold the table of every policy and N,
-and a sweep of lambda (and of the utilization) at --sweep-replicas, so that the conclusion
-does not rest on one value of either.
+`fleet_local_hit_rate_n<N>` (the same in the replicas' own tiers, L2 and L3: what routing
+decides), `fleet_prefill_saved_n<N>` (the recompute time of all prompts that prefix-aware
+saved, net of its loads, in %, vs round robin's) and `fleet_imbalance_n<N>` (prefix-aware's
+max/mean requests per replica vs round robin's; lower is better). At N = 16 with the
+benchmark's sizes (each L2 5% of the trace's distinct blocks, L4 50%, no L3) the targets are
+the issue's: a hit rate >= 1.5x round robin's with an imbalance <= 1.25. `#` lines hold the
+table of every policy and N, the ceiling (unbounded caches: no routing hits more), and a sweep
+of lambda (and of the utilization) at --sweep-replicas, so that the conclusion does not rest
+on one value of either.
 
     python bench/fleet_sim.py [--quick] [--trace PATH | --family NAME] [--replicas 4,16,64]
 """
@@ -75,9 +79,7 @@ from sim_store import StorePolicy
 from trace_families import BLOCK_TOKENS, FAMILIES, generate
 from trace_sim import Request, TraceError, distinct_blocks, load_trace, request_from_row
 
-from kvstore.core.index import Index
-from kvstore.core.records import Entry
-from kvstore.keys import BlockKey
+from kvstore.daemon.events import BlockEvent, EventLog, Kind
 from kvstore.tier import Tier
 
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -94,8 +96,16 @@ BENCHMARK = {"replicas": 16, "l2_pct": 5.0, "l4_pct": 50.0, "l3_factor": 0.0}
 """The issue's benchmark: its targets apply at these sizes only."""
 HIT_TARGET, IMBALANCE_TARGET = ">= 1.5x", "<= 1.25 ratio"
 
-Event = tuple[bool, int, str]
-"""(stored: True / removed: False, block's hash id, medium)."""
+PoolEvent = tuple[bool, int]
+"""An event of the pool topic: (stored: True / removed: False, the block's hash id)."""
+TENANT = ""  # the events' tenant with auth off, as the daemon runs them here
+EVENTS_PER_BLOCK = 4
+"""The most events one block of a request can cause: its STORED, and for the room it takes
+a demotion (MOVED) or an eviction (REMOVED), an L3 eviction to make room for that demotion
+(REMOVED), and a promotion from L3 when it hits there (MOVED). A replica's event ring holds
+this many per block of L2, so the events of one request always fit (a request's blocks are cut
+to L2's size): the router, which reads after each request, never misses one. A ring as large as
+the daemon's (65,536 events) would be as right and slower, since every read copies the ring."""
 
 
 # --- costs -----------------------------------------------------------------------------------
@@ -119,55 +129,20 @@ class Costs:
 # --- what a replica announces ----------------------------------------------------------------
 
 
-def block_id(key: BlockKey) -> int:
+def block_id(key: bytes) -> int:
     """The trace's hash id of a sim_store key (its inverse, `sim_store.block_key`)."""
     return int.from_bytes(key, "big")
 
 
-class Announcer:
-    """One replica's KV events: a `stored` event for each medium a block gains a copy in and a
-    `removed` one for each it loses, derived from the index's bookkeeping, through which every
-    entry linked, moved between tiers or removed goes (kvstore/core/index.py). It keeps what
-    it announced per block, as the daemon's event stream must, to tell a medium gained from
-    one lost; the events wait in `pending` until the fleet hands them to the router."""
-
-    def __init__(self, index: Index) -> None:
-        self.pending: list[Event] = []
-        self._media: dict[BlockKey, frozenset[str]] = {}
-        self.muted = False  # tests: the store changes, and nothing is announced
-        link, moved, remove = index._link, index._moved, index._remove
-
-        def linked(entry: Entry) -> None:
-            link(entry)
-            self._announce(entry)
-
-        def changed(entry: Entry, before: Tier) -> None:
-            moved(entry, before)
-            self._announce(entry)
-
-        def removed(entry: Entry, counted: bool) -> None:
-            remove(entry, counted)
-            self._emit(entry.key, self._media.pop(entry.key, frozenset()), stored=False)
-
-        # The index calls these through self, so the instance's own wrappers are called.
-        index._link = linked  # type: ignore[method-assign,unused-ignore]
-        index._moved = changed  # type: ignore[method-assign,unused-ignore]
-        index._remove = removed  # type: ignore[method-assign,unused-ignore]
-
-    def take(self) -> list[Event]:
-        events, self.pending = self.pending, []
-        return events
-
-    def _announce(self, entry: Entry) -> None:
-        now = frozenset(MEDIUM_OF_TIER[t] for t in entry.copies)
-        before = self._media.get(entry.key, frozenset())
-        self._media[entry.key] = now
-        self._emit(entry.key, now - before, stored=True)
-        self._emit(entry.key, before - now, stored=False)
-
-    def _emit(self, key: BlockKey, media: Iterable[str], stored: bool) -> None:
-        if not self.muted:
-            self.pending.extend((stored, block_id(key), m) for m in media)
+def read_events(log: EventLog, cursor: int) -> tuple[list[BlockEvent], int]:
+    """Every event of a replica's stream from sequence `cursor` on, as a WatchEvents
+    subscriber reads them, and the cursor after them. A gap would leave the router's view
+    wrong, so it is an error here (the ring is sized so that there is none)."""
+    batch = log.read(TENANT, cursor, log.capacity, timeout_s=0)
+    if batch.dropped:
+        raise RuntimeError(f"the router missed {batch.dropped} events: a ring of "
+                           f"{log.capacity} is too small for one request's events")
+    return batch.events, (batch.events[-1].sequence + 1 if batch.events else cursor)
 
 
 class SharedPool:
@@ -196,10 +171,10 @@ class SharedPool:
         for block in hash_ids:
             self._blocks.move_to_end(block)
 
-    def write(self, hash_ids: Iterable[int]) -> list[Event]:
+    def write(self, hash_ids: Iterable[int]) -> list[PoolEvent]:
         """Store the blocks (a block there already is used again); the events it caused.
         A pool of no blocks is no pool: it stores nothing."""
-        events: list[Event] = []
+        events: list[PoolEvent] = []
         if not self.capacity_blocks:
             return events
         for block in hash_ids:
@@ -207,10 +182,10 @@ class SharedPool:
                 self._blocks.move_to_end(block)
                 continue
             self._blocks[block] = None
-            events.append((True, block, POOL_MEDIUM))
+            events.append((True, block))
             if len(self._blocks) > self.capacity_blocks:
                 old, _ = self._blocks.popitem(last=False)
-                events.append((False, old, POOL_MEDIUM))
+                events.append((False, old))
         return events
 
 
@@ -218,29 +193,30 @@ class SharedPool:
 
 
 class Router:
-    """What a KV-event router knows of the fleet's caches: per replica and medium, the blocks
-    announced stored and not yet removed, and the pool's blocks. It is built from events
-    alone; it holds no reference to a store."""
+    """What a KV-event router knows of the fleet's caches: per replica, each block announced
+    stored and not yet removed, with the fastest tier it was announced in (STORED and MOVED
+    events carry it), and the pool's blocks. It is built from events alone; it holds no
+    reference to a store."""
 
     def __init__(self, num_replicas: int, weights: Mapping[str, float] = MEDIUM_WEIGHTS) -> None:
-        # Media by weight, best first: a block held on two media scores its best.
-        self._media = sorted((m for m in weights if weights[m] > 0), key=lambda m: -weights[m])
-        self._weights = dict(weights)
-        self.views: list[dict[str, set[int]]] = [{m: set() for m in weights}
-                                                  for _ in range(num_replicas)]
+        self._tier_weights = {int(t): weights.get(m, 0.0) for t, m in MEDIUM_OF_TIER.items()}
+        self._pool_weight = weights.get(POOL_MEDIUM, 0.0)
+        self.views: list[dict[int, int]] = [{} for _ in range(num_replicas)]
         self.pool: set[int] = set()
 
-    def apply(self, replica: int, events: Iterable[Event]) -> None:
+    def apply(self, replica: int, events: Iterable[BlockEvent]) -> None:
+        """One replica's events, in sequence order."""
         view = self.views[replica]
-        for stored, block, medium in events:
-            blocks = view.setdefault(medium, set())
-            if stored:
-                blocks.add(block)
-            else:
-                blocks.discard(block)
+        for event in events:
+            if event.kind is Kind.REMOVED:  # gone from every tier of that replica
+                view.pop(block_id(event.key), None)
+            elif event.kind is Kind.CLEARED:  # a new daemon run: forget what the last held
+                view.clear()
+            else:  # STORED, MOVED: the block's fastest tier now
+                view[block_id(event.key)] = event.tier
 
-    def apply_pool(self, events: Iterable[Event]) -> None:
-        for stored, block, _ in events:
+    def apply_pool(self, events: Iterable[PoolEvent]) -> None:
+        for stored, block in events:
             if stored:
                 self.pool.add(block)
             else:
@@ -249,21 +225,21 @@ class Router:
     def pool_tail(self, request: Request) -> list[float]:
         """tail[i]: the weighted tokens of the pool's run of the request's blocks from i on
         (what a replica whose own prefix ends at i adds from L4); tail[n] = 0."""
-        n, weight = len(request.hash_ids), self._weights.get(POOL_MEDIUM, 0.0)
+        n = len(request.hash_ids)
         tail = [0.0] * (n + 1)
         for i in range(n - 1, -1, -1):
             if request.hash_ids[i] in self.pool:
-                tail[i] = tail[i + 1] + weight * request.block_tokens(i)
+                tail[i] = tail[i + 1] + self._pool_weight * request.block_tokens(i)
         return tail
 
     def match(self, replica: int, request: Request, tail: Sequence[float]) -> float:
         """Weighted tokens of the longest prefix the replica announced, continued in the
-        pool: each block's tokens times its best medium's weight."""
-        view = self.views[replica]
-        held = [(view[m], self._weights[m]) for m in self._media if view.get(m)]
+        pool: each block's tokens times its medium's weight."""
+        view, weights = self.views[replica], self._tier_weights
         total = 0.0
         for i, block in enumerate(request.hash_ids):
-            weight = next((w for blocks, w in held if block in blocks), 0.0)
+            tier = view.get(block)
+            weight = weights.get(tier, 0.0) if tier is not None else 0.0
             if not weight:
                 return total + tail[i]
             total += weight * request.block_tokens(i)
@@ -360,15 +336,18 @@ class Job:
     arrival_ms: float
     estimate_us: int  # the router's, counted in its outstanding work
     start_ms: float = 0.0
-    events: list[Event] = field(default_factory=list)  # announced when it finishes
 
 
 class Replica:
-    """One engine with its store: a FIFO queue served one request at a time."""
+    """One engine with its store, whose index feeds its own event log as the daemon's does
+    (the index's `published` mirror); a FIFO queue served one request at a time."""
 
     def __init__(self, config: FleetConfig) -> None:
         self.store = StorePolicy(config.l2_blocks, l3_blocks=config.l3_blocks)
-        self.announcer = Announcer(self.store.index)
+        self.events = EventLog(EVENTS_PER_BLOCK * config.l2_blocks + 1,  # + CLEARED
+                               lambda namespace: TENANT)
+        self.store.index.published = self.events
+        self.cursor = 1  # the router's next sequence: from the first, CLEARED
         self.queue: deque[Job] = deque()
         self.running: Job | None = None
 
@@ -474,7 +453,6 @@ class Fleet:
         job = r.queue.popleft()
         r.running, job.start_ms = job, now_ms
         service_ms = self._serve(r, job)
-        job.events = r.announcer.take()
         heapq.heappush(self._finishing, (now_ms + service_ms, job.index, replica))
 
     def _serve(self, r: Replica, job: Job) -> float:
@@ -505,11 +483,14 @@ class Fleet:
         return prefill_ms + request.output_length * costs.decode_ms_per_token
 
     def _end(self, replica: int, now_ms: float) -> None:
-        """The running request ends: the router hears what it stored, and the next starts."""
+        """The running request ends: the router hears what its put changed (the replica's
+        events since the last request ended: only this one ran meanwhile), and the next
+        starts."""
         r = self.replicas[replica]
         job = r.running
         assert job is not None
-        self.router.apply(replica, job.events)
+        events, r.cursor = read_events(r.events, r.cursor)
+        self.router.apply(replica, events)
         self.dispatcher.done(replica, job.estimate_us)
         self.result.latencies_ms.append(now_ms - job.arrival_ms)
         r.running = None

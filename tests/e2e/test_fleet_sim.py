@@ -156,14 +156,12 @@ def test_the_router_knows_exactly_what_the_replicas_and_the_pool_announced() -> 
     evicted = 0
     for r, replica in enumerate(f.replicas):
         index = replica.store.index
-        held = {medium: {fleet.block_id(e.key) for e in index.entries(tier)}
-                for medium, tier in (("cpu", Tier.DRAM), ("storage", Tier.NVME))}
-        assert held["cpu"] and held["storage"]  # L2 and L3 both in use
-        assert f.router.views[r]["cpu"] == held["cpu"]
-        assert f.router.views[r]["storage"] == held["storage"]
-        assert not f.router.views[r]["gpu"]  # the sim has no L1
+        # Each block the replica holds, with its fastest tier: what its events said.
+        held = {fleet.block_id(e.key): e.tier for e in index.entries()}
+        assert f.router.views[r] == held
+        assert set(held.values()) == {Tier.DRAM, Tier.NVME}  # demotions were announced too
         evicted += sum(index.evictions.values())
-    assert evicted > 0  # removals were announced, not only stores
+    assert evicted > 0  # and removals, not only stores
     assert len(f.router.pool) == len(f.pool) and all(b in f.pool for b in f.router.pool)
     assert len(f.pool) == config.l4_blocks  # full, so it evicted too
 
@@ -174,15 +172,17 @@ def test_a_block_cached_without_an_announcement_draws_no_request() -> None:
     for announced in (False, True):
         f = fleet.Fleet(config, "prefix_aware")
         replica = f.replicas[1]
-        replica.announcer.muted = not announced
+        if not announced:  # the index tells no event log of its changes
+            replica.store.index.published = None
         replica.store.access(0, ids)  # replica 1 caches the prefix, outside the router
         assert replica.store.index.lookup("sim", [sim_store.block_key(i) for i in ids])[0] == 4
-        f.router.apply(1, replica.announcer.take())
+        events, replica.cursor = fleet.read_events(replica.events, replica.cursor)
+        f.router.apply(1, events)
         # Every replica idle and sent nothing: without the events, ties go to replica 0.
         chosen = f.arrive(request(0, ids), 0.0)
         assert chosen == (1 if announced else 0)
-    # The router is built from events alone: it holds no store, index or replica.
-    assert not any(isinstance(v, fleet.Replica | fleet.StorePolicy | fleet.Index)
+    # The router is built from events alone: it holds no store, index, log or replica.
+    assert not any(isinstance(v, fleet.Replica | fleet.StorePolicy | fleet.EventLog)
                    for v in vars(f.router).values())
 
 
