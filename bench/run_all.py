@@ -98,7 +98,7 @@ SUITE = (
     Script("trace_sim", ("--capacities", "0.1", "--l3", "4"),  # L2 10% over an L3 4x as large
            quick_args=("--requests", "500", "--capacities", "0.1", "--l3", "4"), timeout_s=120),
     # Routing policies over 4, 16 and 64 replicas sharing one L4, with lambda and utilization
-    # sweeps at 16: about 1.5 min on one core; --quick (600 requests, N = 4, 16) about 6 s.
+    # sweeps at 16: about 2 min on one core; --quick (600 requests, N = 4, 16) about 6 s.
     Script("fleet_sim", timeout_s=300),
     # args replace quick_args under --quick, so both name the mode.
     Script("trace_replay", ("live",), quick_args=("live", "--quick"), timeout_s=300),
