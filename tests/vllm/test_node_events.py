@@ -54,15 +54,15 @@ def test_vllms_decoder_reads_the_publishers_stores_moves_and_removals(
         kv.evict(keys[8:16])
     vllm_hashes = {maybe_convert_block_hash(BlockHash(k)) for k in keys}
 
-    def stored() -> list[BlockStored]:
+    def stores() -> list[BlockStored]:
         return [e for e in _decoded(sub.frames) if isinstance(e, BlockStored)]
 
-    wait_until(lambda: {h for e in stored() for h in e.block_hashes} == vllm_hashes
+    wait_until(lambda: {h for e in stores() for h in e.block_hashes} == vllm_hashes
                and len([e for e in _decoded(sub.frames) if isinstance(e, BlockRemoved)]) >= 8,
                "every block announced, and the evictions")
     events = _decoded(sub.frames)
     assert {type(e) for e in events} >= {BlockStored, BlockRemoved}
-    stored = stored()
+    stored = stores()
     assert {h for e in stored for h in e.block_hashes} == vllm_hashes
     assert {e.medium for e in stored} == {MEDIUM_CPU, MEDIUM_STORAGE}
     assert all(e.token_ids == [] and e.block_size == 16 and e.locality == "LOCAL"
