@@ -318,13 +318,21 @@ def session_replica(request: Request, num_replicas: int) -> int:
 
 @dataclass(frozen=True)
 class FleetConfig:
+    """One fleet: its size, each replica's tiers and the shared pool, in blocks, its costs,
+    and the prefix-aware router's settings."""
+
     replicas: int
     l2_blocks: int
+    """Each replica's L2."""
     l4_blocks: int
+    """The one pool every replica shares; 0: none."""
     l3_blocks: int = 0
+    """Each replica's L3; 0: none."""
     costs: Costs = field(default_factory=Costs)
     lam: float = 1.0
+    """The weight of a replica's outstanding work against the recompute it would save."""
     weights: Mapping[str, float] = field(default_factory=lambda: dict(MEDIUM_WEIGHTS))
+    """The router's weight of a block by the medium it was announced on."""
 
 
 @dataclass
@@ -354,6 +362,9 @@ class Replica:
 
 @dataclass
 class FleetResult:
+    """What one policy did to one fleet: hits by tier, the prefill work, each request's
+    tokens and hits, where the requests went and how long each took."""
+
     policy: str
     replicas: int
     lam: float
