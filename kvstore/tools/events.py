@@ -348,8 +348,14 @@ class MooncakeFormat:
 # --- ZMQ: PUB and replay ROUTER, as vLLM's ZmqEventPublisher ------------------------------
 
 
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule (ZmqEventPublisher._is_bind_endpoint): bind a wildcard, ipc or inproc
+    address; connect to any other."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 class ZmqPublisher:
-    """One PUB socket (and its replay ROUTER): frames numbered from 0, the last
+    """One PUB socket (and its replay ROUTER, always bound): frames numbered from 0, the last
     buffer_steps kept for replay. Its sockets are used from one thread only (`Publishing`)."""
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, replay_endpoint: str | None,
@@ -358,8 +364,12 @@ class ZmqPublisher:
         self.encode = encode
         self.pub = context.socket(zmq.PUB)
         self.pub.set_hwm(hwm)
-        self.pub.bind(endpoint)
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if is_bind_endpoint(endpoint):
+            self.pub.bind(endpoint)
+            self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:  # a router's bound SUB socket (llm-d's scorer listens so)
+            self.pub.connect(endpoint)
+            self.endpoint = endpoint
         self.replay: zmq.Socket[Any] | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint:
@@ -828,7 +838,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per block, as the engines' (BlockStored.block_size)")
     p.add_argument("--node", default=socket.gethostname(),
                    help="this node's name in topics (kv@node:NAME@NS) and backend_id")
-    p.add_argument("--endpoint", default="tcp://*:5557", help="vLLM-format PUB address")
+    p.add_argument("--endpoint", default="tcp://*:5557",
+                   help="vLLM-format PUB address: bound when it has a wildcard (*) or is "
+                        "ipc:// or inproc://, else connected to (a router's SUB), as vLLM does")
     p.add_argument("--replay-endpoint", default="tcp://*:5558",
                    help="its replay ROUTER address ('' for none)")
     p.add_argument("--mooncake-endpoint", default=None,

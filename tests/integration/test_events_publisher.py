@@ -57,7 +57,7 @@ class Subscriber:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, topic)
-        self._socket.connect(endpoint)
+        self._socket.connect(endpoint.replace("0.0.0.0", "127.0.0.1"))
         self.frames: list[list[bytes]] = []
         self.heard = False
         """Whether any frame arrived, a probe included."""
@@ -88,7 +88,8 @@ class Subscriber:
 
 
 def _endpoint() -> str:
-    return f"tcp://127.0.0.1:{free_port()}"
+    """A wildcard address: bound, as vLLM binds one (any other address is connected to)."""
+    return f"tcp://*:{free_port()}"
 
 
 @pytest.fixture
@@ -190,11 +191,50 @@ def test_a_demotion_is_removed_from_cpu_and_stored_on_storage_and_eviction_remov
                "the 8 evicted blocks removed")
 
 
+def test_a_plain_address_is_connected_to_as_vllm_connects_to_a_routers_sub(
+        daemon_factory: Callable[..., Daemon]) -> None:
+    """llm-d's scorer binds its SUB socket and engines connect to it: an --endpoint without a
+    wildcard is connected to, as vLLM's publisher does."""
+    d = daemon_factory(*SMALL)
+    context = zmq.Context()
+    router = context.socket(zmq.SUB)
+    router.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    router.bind(address)
+    publisher = NodePublisher(Settings(target=d.target, block_size=BLOCK_SIZE, node=NODE,
+                                       endpoint=address, replay_endpoint=None,
+                                       http_port=-1)).start()
+    try:
+        keys, values = blocks(2, size=1024)
+
+        def heard() -> bool:
+            publisher.publishing.queue.put([PROBE])
+            return bool(router.poll(50))
+
+        wait_until(heard, "the publisher to connect", pause_s=0.1)
+        with KVStoreClient(d.target, "connected") as kv:
+            kv.put(keys, values)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        hashes: list[int | bytes] = []
+        while len(hashes) < 2:
+            assert router.poll(10_000), "no batch within 10 s"
+            topic, _, payload = router.recv_multipart()
+            if topic == b"kv@node:n1@connected":
+                hashes += [h for e in decoder.decode(payload).events
+                           if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert hashes == [block_hash(k) for k in keys]
+        assert publisher.vllm.endpoint == address and publisher.vllm.replay is None
+    finally:
+        publisher.stop()
+        router.close(linger=0)
+        context.term()
+
+
 def _replay(endpoint: str, start: int) -> list[list[bytes]]:
     """vLLM's replay protocol from a DEALER: send ["", start], read to the end marker."""
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
-    dealer.connect(endpoint)
+    dealer.connect(endpoint.replace("0.0.0.0", "127.0.0.1"))
     try:
         dealer.send_multipart((b"", start.to_bytes(8, "big")))
         frames: list[list[bytes]] = []
