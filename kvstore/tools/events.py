@@ -444,9 +444,9 @@ class Publishing(threading.Thread):
     def _safely(self, fn: Callable[[], None]) -> None:
         try:
             fn()
-        except zmq.ZMQError as exc:
+        except Exception:  # a send or a replay that failed: said and counted, the thread goes on
             self.failures += 1
-            logger.error("kvstore-events: ZMQ send failed (%d so far): %s", self.failures, exc)
+            logger.exception("kvstore-events: publishing failed (%d so far)", self.failures)
 
 
 # --- the daemon's side: WatchEvents, and Lookup for /query -------------------------------
@@ -478,6 +478,8 @@ class Relay(threading.Thread):
         self.last_sequence = 0
         self.missed = 0
         """Events the daemon no longer held when asked (its buffer overflowed)."""
+        self.failures = 0
+        """Responses that could not be relayed (a fault of this program, logged)."""
         self.connected = threading.Event()
         self.stopping = threading.Event()
         self._call: Any = None
@@ -497,6 +499,10 @@ class Relay(threading.Thread):
                 err = from_rpc_error(exc)
                 logger.warning("kvstore-events: WatchEvents ended (%s); again in %.1fs",
                                err, backoff_s)
+            except Exception:  # a fault of ours: said, counted, and the stream followed again
+                self.failures += 1
+                logger.exception("kvstore-events: relaying failed (%d so far); again in %.1fs",
+                                 self.failures, backoff_s)
             self.connected.clear()
             self.stopping.wait(backoff_s)
             backoff_s = min(5.0, backoff_s * 2)
@@ -810,6 +816,7 @@ class NodePublisher:
             "auth_mode": self.auth_mode, "daemon_id": self.relay.daemon_id,
             "last_sequence": self.relay.last_sequence, "missed": self.relay.missed,
             "published_batches": self.vllm.next_seq, "dropped": self.dropped,
+            "failures": self.relay.failures + self.publishing.failures,
             "forgotten_parents": self.translator.forgotten_parents}
 
     def stop(self) -> None:
