@@ -731,17 +731,27 @@ class Settings:
     """What one kvstore-events serves (the command line's options)."""
 
     target: str
+    """The daemon, host:port (no port: 50051)."""
     block_size: int
+    """Tokens per block, the engines': BlockStored.block_size and /query's token counts."""
     node: str = field(default_factory=socket.gethostname)
+    """This node's name in topics (kv@node:<node>@<ns>) and Mooncake's backend_id."""
     endpoint: str = "tcp://*:5557"
+    """The vLLM-format PUB address: bound (wildcard, ipc, inproc) or connected to."""
     replay_endpoint: str | None = "tcp://*:5558"
+    """Its replay ROUTER address, bound; None: no replay."""
     mooncake_endpoint: str | None = None
+    """The Mooncake-format (RFC #1527) PUB address; None: not published."""
     mooncake_replay_endpoint: str | None = None
+    """Its replay ROUTER address; None: no replay."""
     http_host: str = "0.0.0.0"
+    """The /query and /health server's address."""
     http_port: int = 8095
-    """0: no HTTP server."""
+    """Its port; 0: any free port; -1: no HTTP server."""
     buffer_steps: int = 10_000
+    """Batches kept for replay, per socket."""
     max_blocks: int = 1 << 18
+    """Blocks whose chain parent is remembered (about 160 bytes each)."""
     token: str | None = None
     """The bearer token (auth.mode token); None: none."""
     tls: TLS | None = None
@@ -858,7 +868,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-steps", type=opt.positive_int, default=10_000,
                    help="batches kept for replay, per socket")
     p.add_argument("--max-blocks", type=opt.positive_int, default=1 << 18,
-                   help="blocks whose chain parent is remembered (to re-announce moves)")
+                   help="blocks whose chain parent is remembered to re-announce moves "
+                        "(about 160 bytes each)")
     auth = p.add_argument_group("credentials (auth.mode token or mtls)")
     auth.add_argument("--token", default=None, help="bearer token (env KVSTORE_TOKEN)")
     auth.add_argument("--token-file", default=None, help="a file holding the token")
