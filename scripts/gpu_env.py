@@ -79,6 +79,8 @@ CARRY = {
     "kvikio-cu13": "26.10.0",
     "libkvikio-cu13": "26.10.0",
     "rapids-logger": "0.3.0",
+    "pyzmq": "27.3.0",  # kvstore-events' sockets
+    "msgspec": "0.23.0",  # kvstore-events' vLLM-format frames
 }
 
 # The modules whose import chains the GPU run needs; a failure here stops the run before
