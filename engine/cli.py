@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvstore.engine.errors import EngineError
 from kvstore.engine.llm import LLM, EngineConfig, StepInfo
 from kvstore.engine.sampling import SamplingParams
+from kvstore.integrations.codecs import CODECS
 from kvstore.units import format_size
 
 
@@ -53,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="a kvstore daemon (no port: 50051): load cached prompts from it, "
                      "offload to it (with auth on, credentials from KVSTORE_TOKEN or "
                      "KVSTORE_TOKEN_FILE and KVSTORE_TLS_*)")
+    gen.add_argument("--store-codec", choices=CODECS, default="none",
+                     help="how blocks are stored (with --store): none (raw), fp8 or int4 "
+                     "(lossy: fewer bytes, slightly different outputs; docs/codecs.md)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     return parser
 
@@ -88,6 +92,7 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
         max_model_len=args.max_model_len,
         attention_sinks=args.attention_sinks,
         store=args.store,
+        store_codec=args.store_codec,
         dtype=args.dtype,
         device=args.device,
     )

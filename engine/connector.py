@@ -25,6 +25,11 @@ failure on.
 One stored block = every layer's K and V of one engine block, contiguous
 ([layers, 2, block_size, kv_heads, head_dim], gather_blocks' staging row), under the block's
 chained key in the engine's namespace. Keys come with the sequence (computed once per block).
+With a lossy codec (EngineConfig.store_codec, kvstore.integrations.codecs, docs/codecs.md) the
+stored block is that row encoded: encoded on the cache's device before the copy out, decoded
+there after the copy in; a loaded block whose header or parameters are not the codec's is a
+miss (recomputed from there on), never decoded. The codec is in the namespace (the engine adds
+it), so encoded and raw blocks never meet.
 
 Credentials for a daemon with auth on are the client's: token, tls and unix_socket given here
 (EngineConfig.store_token, store_tls, store_unix_socket), else the variables KVStoreClient
@@ -49,6 +54,7 @@ from kvstore.client.errors import KVStoreError
 from kvstore.engine.errors import InvalidRequestError
 from kvstore.engine.scheduler import LoadPlan, LookupPlan
 from kvstore.engine.sequence import StoreAnswer
+from kvstore.integrations.codecs import BlockCodec, CodecError, codec_for
 from kvstore.integrations.cost import POLICIES, PrefillModel, decide, slowest
 from kvstore.integrations.device_copies import (
     DONE,
@@ -120,12 +126,14 @@ class StoreConnector:
         prefill: PrefillModel | None = None,
         step_tokens: int = 2048,
         copies: DeviceCopies | None = None,
+        codec: str = "none",
     ) -> None:
         """load_policy: "auto" (load a hit when that is faster than computing it), "always",
         "never"; prefill: the engine's own step timings (it observes every forward pass);
         step_tokens: most tokens one step computes (the scheduler's budget); copies: how
         copies reach the cache's device (default: `copies_for` its device; tests give a
-        simulated device)."""
+        simulated device); codec: how blocks are stored (`none`: the raw rows; `fp8`, `int4`:
+        lossy, see docs/codecs.md); the namespace must already name it."""
         if load_policy not in POLICIES:
             raise InvalidRequestError(
                 f"store_load_policy must be one of {POLICIES}, got {load_policy!r}")
@@ -136,11 +144,21 @@ class StoreConnector:
         self.load_policy = load_policy
         self.prefill = prefill or PrefillModel()
         self.step_tokens = step_tokens
-        self.block_bytes = int(np.prod(staging_shape(kv_cache, 1))) * kv_cache.element_size()
-        """Bytes of one stored block: every layer's K and V of one engine block (all layers are
-        one KV-cache group here, windowed or not)."""
-        self.copies = copies or copies_for(kv_cache.device)
         self._row_shape = staging_shape(kv_cache, 1)[1:]
+        self.codec: BlockCodec | None = None
+        """The lossy codec blocks are stored with; None: raw rows."""
+        if codec != "none":
+            try:
+                self.codec = codec_for(codec, tuple(self._row_shape), kv_cache.dtype)
+            except CodecError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        self.block_bytes = (self.codec.encoded_bytes if self.codec is not None else
+                            int(np.prod(staging_shape(kv_cache, 1))) * kv_cache.element_size())
+        """Bytes of one stored block: every layer's K and V of one engine block (all layers are
+        one KV-cache group here, windowed or not), encoded when there is a codec."""
+        self.rejected_blocks = 0
+        """Loaded blocks the codec refused (not its header or parameters): recomputed."""
+        self.copies = copies or copies_for(kv_cache.device)
         self._events: queue.SimpleQueue[Looked | _Landing] = queue.SimpleQueue()
         self._landing: list[_Landing] = []  # loads whose copy may still be in flight
         try:
@@ -181,10 +199,15 @@ class StoreConnector:
         """Read plan.keys into plan.block_ids of the KV cache: a loader thread reads them into
         staging and enqueues the copy into the cache; `poll` reports a Loaded event with the
         blocks that arrived once that copy completed."""
-        staging = self.copies.take(len(plan.keys), self._row_shape, self.kv_cache.dtype)
+        staging = self.copies.take(len(plan.keys), *self._stored_row())
 
         def done(arrived: int) -> None:
             event: Event = DONE
+            try:
+                arrived = self._decodable(staging, arrived)
+            except Exception:  # a codec bug must not strand the request: compute the blocks
+                logger.exception("kvstore: checking %d loaded blocks failed", arrived)
+                arrived = 0
             unread = not arrived  # no copy will read the staging: free for the next load now
             try:
                 if arrived:
@@ -199,12 +222,35 @@ class StoreConnector:
 
         self.link.read_async(plan.keys, _byte_rows(staging), done, tier=tier)
 
+    def _stored_row(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype of one staged row as stored: the cache's block, or its
+        encoding."""
+        if self.codec is None:
+            return tuple(self._row_shape), self.kv_cache.dtype
+        return (self.codec.encoded_bytes,), torch.uint8
+
+    def _decodable(self, staging: torch.Tensor, arrived: int) -> int:
+        """How many of the arrived rows lead up to the first the codec refuses (all of them
+        without a codec); refused ones are counted and logged, and computed instead."""
+        if self.codec is None or not arrived:
+            return arrived
+        ok = self.codec.valid(staging[:arrived])
+        good = int(ok.cumprod(0).sum())
+        if good < arrived:
+            self.rejected_blocks += arrived - good
+            logger.warning("kvstore: %d loaded blocks are not %s blocks of this layout; "
+                           "computing them", arrived - good, self.codec.name)
+        return good
+
     def _place(self, rows: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Staged rows into the cache's blocks (on the copy stream): the host-to-device copy
-        does not wait for the host (rows are pinned on a GPU), then the kernels' scatter."""
+        does not wait for the host (rows are pinned on a GPU), decoded there with a codec,
+        then the kernels' scatter."""
         device = self.kv_cache.device
-        self.ops.scatter_blocks(rows.to(device, non_blocking=True), self.kv_cache,
-                                device_ids(block_ids, device))
+        rows = rows.to(device, non_blocking=True)
+        if self.codec is not None:
+            rows = self.codec.decode(rows)
+        self.ops.scatter_blocks(rows, self.kv_cache, device_ids(block_ids, device))
 
     def poll(self, timeout_s: float = 0.0) -> list[Looked | Loaded]:
         """The lookups and loads that came back (a load once its copy into the cache has
@@ -264,14 +310,17 @@ class StoreConnector:
     def _staging(self, count: int) -> torch.Tensor:
         """A save's staging: the link's writer holds it until it has put the rows (pinned when
         the cache is on a GPU)."""
-        return self.copies.staging(count, self._row_shape, self.kv_cache.dtype)
+        return self.copies.staging(count, *self._stored_row())
 
     def _fill(self, staging: torch.Tensor, block_ids: list[int]) -> None:
         """The cache's blocks into staging (on the copy stream): gathered on the cache's
         device, then one copy to the host that does not wait for it (staging is pinned on a
-        GPU); on the CPU, gathered straight into staging."""
+        GPU); on the CPU, gathered straight into staging. With a codec, encoded first."""
         ids = device_ids(block_ids, self.kv_cache.device)
-        if staging.device == self.kv_cache.device:
+        if self.codec is not None:  # encoded on the cache's device: fewer bytes to copy out
+            encoded = self.codec.encode(self.ops.gather_blocks(self.kv_cache, ids))
+            staging.copy_(encoded, non_blocking=True)
+        elif staging.device == self.kv_cache.device:
             self.ops.gather_blocks(self.kv_cache, ids, out=staging)
         else:
             staging.copy_(self.ops.gather_blocks(self.kv_cache, ids), non_blocking=True)

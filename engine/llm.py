@@ -29,6 +29,7 @@ from kvstore.engine.runner import ModelRunner, kv_cache_shape
 from kvstore.engine.sampling import SamplingParams
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.engine.sequence import Sequence as Seq
+from kvstore.integrations.codecs import CodecError, namespace_suffix
 from kvstore.integrations.cost import PrefillModel
 from kvstore.kernels import ops_for
 from kvstore.units import parse_size
@@ -69,6 +70,12 @@ class EngineConfig:
     store_unix_socket: str | None = None
     """The store's Unix socket as mounted here (shared memory with auth on); None:
     KVSTORE_UNIX_SOCKET, else the path the daemon reports."""
+    store_codec: str = "none"
+    """How blocks are stored (docs/codecs.md): "none" (the raw K/V, outputs token-exact),
+    "fp8" (e4m3 with a power-of-two scale per token and head: about half of bfloat16's bytes)
+    or "int4" (KIVI-style, keys per channel and values per token: under a third). The lossy
+    codecs change outputs slightly; the codec is part of the namespace, so blocks stored
+    with one never load into an engine using another."""
     prewarm_bytes: int | None = None
     """At start, pull this namespace's hottest L4 blocks into the daemon (0: its default);
     None: no pre-warm."""
@@ -169,6 +176,13 @@ class LLM:
         )
         if config.preemption_mode == "swap" and config.store is None:
             raise InvalidRequestError('preemption_mode "swap" needs a store (set store=host:port)')
+        try:
+            codec_suffix = namespace_suffix(config.store_codec)
+        except CodecError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if codec_suffix and config.store is None:
+            raise InvalidRequestError(
+                f"store_codec {config.store_codec!r} needs a store (set store=host:port)")
         if config.store is not None and not config.enable_prefix_caching:
             raise InvalidRequestError(
                 "store needs enable_prefix_caching: loaded blocks join the prefix cache and "
@@ -190,6 +204,9 @@ class LLM:
             # Sinks change every K/V past the window in the layers above the first: such
             # blocks must never meet those of the plain model, locally or in the store.
             self.namespace += f"-sinks{sinks}"
+        # A lossy codec changes the stored bytes (and the K/V loaded back): its blocks live in
+        # a namespace of their own. "none" adds nothing, so raw blocks stored before still hit.
+        self.namespace += codec_suffix
         # Blocks that slid out of the window are released only when every layer has the same
         # window: a full-attention layer (or a wider window) still reads them.
         self.block_manager = BlockManager(
@@ -209,7 +226,7 @@ class LLM:
                 self.runner.ops, timeout_s=config.store_timeout_s, token=config.store_token,
                 tls=config.store_tls, unix_socket=config.store_unix_socket,
                 load_policy=config.store_load_policy, prefill=self.prefill,
-                step_tokens=config.max_num_batched_tokens,
+                step_tokens=config.max_num_batched_tokens, codec=config.store_codec,
             )
             if config.prewarm_bytes is not None:
                 self.connector.prewarm(config.prewarm_bytes)
