@@ -167,9 +167,16 @@ class ClientBase(ABC):
 
     def _unary(self, method: Callable[..., Any], request: Any,
                timeout_s: float | None = None) -> Steps[Any]:
-        """One unary gRPC call, retried; its response."""
+        """One unary gRPC call, retried; its response. What this client read through the
+        read table is taken in by the daemon first (ShmState.reports_in)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        yield from self._reports_in()
         return (yield Retried(lambda: one(Call(method, request, timeout))))
+
+    def _reports_in(self) -> Steps[None]:
+        """Before a call over gRPC: the reads through the table reported and taken in."""
+        if self._shm.reports_pending:
+            yield Offload(self._shm.reports_in)
 
     def _progress(self, method: Callable[..., Any], request: Any, timeout_s: float,
                   convert: Callable[[Any], T], first: T,
@@ -177,6 +184,7 @@ class ClientBase(ABC):
         """A progress stream (Prefetch, Prewarm): each message converted and reported; the
         last one returned (first when the stream is empty). Retried whole, as any call."""
         def attempt() -> Steps[T]:
+            yield from self._reports_in()
             stream = yield Open(method, request, timeout_s)
             last = first
             try:

@@ -118,9 +118,10 @@ class _Session:
         self.reply_bytes = 0  # bytes of the awaited reply read so far
         self._head = bytearray(REPLY.size)
 
-    def send(self, verb: int, body: bytes) -> None:
+    def send(self, verb: int, body: bytes, ahead: bytes = b"") -> None:
+        """Send one request, preceded by ahead: whole frames the daemon does not answer."""
         self.reply_bytes = 0
-        self.sock.sendall(REQUEST.pack(len(body), verb) + body)
+        self.sock.sendall(ahead + REQUEST.pack(len(body), verb) + body)
 
     def receive(self) -> tuple[int, bytes]:
         """(status, body) of the next reply not posted; an error's body is raised."""
@@ -185,6 +186,10 @@ class LocalPath:
         self._lock = threading.Lock()
         self._idle: list[_Session] = []
         self._closed = False
+        # Frames sent ahead of each request, on its session, which the daemon does not
+        # answer: the read table's pending reports (client/_readtable.py), so that the daemon
+        # takes in this client's reads before it acts on its next request. None: none.
+        self.ahead: Callable[[], bytes] | None = None
         # No new session until it passes, after a refusal that passes; one caller at a time
         # opens one after it (_probing), the others use gRPC meanwhile.
         self._pause = Pause(clock)
@@ -195,13 +200,14 @@ class LocalPath:
         (no pause, or it has passed and no other caller is opening one). Never blocks."""
         return bool(self._idle) or not (self._pause.off() or self._probing)
 
-    def call(self, verb: int, request: Any, response_type: type[M]) -> M:
+    def call(self, verb: int, request: Any, response_type: type[M], ahead: bytes = b"") -> M:
         """One request, its reply parsed; a daemon error raised as the client's error, no
-        session as NoSession (for good) or NoSessionNow (this call goes over gRPC)."""
+        session as NoSession (for good) or NoSessionNow (this call goes over gRPC). ahead:
+        frames the daemon does not answer, sent before it on the same session."""
         body = request.SerializeToString()
         session, reused = self._take()
         try:
-            status, reply = self._round_trip(session, verb, body)
+            status, reply = self._round_trip(session, verb, body, ahead)
         except _Unanswered as exc:
             if not reused or verb not in RESENDABLE:
                 raise Unavailable(f"the local session broke: {exc}") from None
@@ -270,7 +276,8 @@ class LocalPath:
         self._give_back(session)
         return True
 
-    def _round_trip(self, session: _Session, verb: int, body: bytes) -> tuple[int, bytes]:
+    def _round_trip(self, session: _Session, verb: int, body: bytes,
+                    ahead: bytes = b"") -> tuple[int, bytes]:
         """Send body and read its reply: (status, reply bytes). _Unanswered when the session
         broke before any byte of the reply, Unavailable when it broke later or timed out;
         NoSessionNow (the session pooled again) when body is over the frame size."""
@@ -278,8 +285,10 @@ class LocalPath:
             self._give_back(session)
             raise NoSessionNow(f"the request ({len(body)} bytes) is over the local path's "
                                f"{session.max_frame_bytes}-byte frames")
+        if self.ahead is not None:
+            ahead += self.ahead()
         try:
-            session.send(verb, body)
+            session.send(verb, body, ahead)
             return session.receive()
         except TimeoutError:
             session.close()

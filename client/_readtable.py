@@ -34,6 +34,7 @@ import numpy as np
 import xxhash
 
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.localframe import REQUEST
 from kvstore.readtable import (
     LOOKED,
     LOOKUPS_READ,
@@ -123,20 +124,40 @@ class Reports:
         if due and post is not None:
             self.flush(post)
 
+    @property
+    def pending(self) -> bool:
+        """Whether anything waits to be reported."""
+        return self._since is not None
+
     def flush(self, post: Post) -> None:
-        """Send everything pending: the keys read REPORT_KEYS a frame, the lookups' counts
-        one frame per namespace and block size."""
+        """Send everything pending with post, one frame each."""
+        for verb, message in self._take():
+            if not post(verb, message):
+                self.dropped += len(getattr(message, "keys", ()))
+
+    def framed(self) -> bytes:
+        """Everything pending as whole frames, for the local path to send ahead of its next
+        request on the same session (LocalPath.ahead); b"" when nothing is."""
+        if self._since is None:
+            return b""
+        frames = []
+        for verb, message in self._take():
+            body = message.SerializeToString()
+            frames.append(REQUEST.pack(len(body), verb) + body)
+        return b"".join(frames)
+
+    def _take(self) -> list[tuple[int, Any]]:
+        """What is pending, as (verb, message): the keys read REPORT_KEYS a frame, the
+        lookups' counts one frame per namespace and block size; nothing is pending after."""
         with self._lock:
             reads, self._reads, self._count = self._reads, {}, 0
             found, self._found, self._since = self._found, {}, None
-        for namespace, keys in reads.items():
-            for at in range(0, len(keys), REPORT_KEYS):
-                request = pb.LookupRequest(namespace=namespace, keys=keys[at:at + REPORT_KEYS])
-                if not post(READS, request):
-                    self.dropped += len(keys) - at
-                    break
-        for (namespace, block_tokens), count in found.items():
-            post(LOOKUPS_READ, _Looked(count, block_tokens, namespace))
+        out: list[tuple[int, Any]] = [
+            (READS, pb.LookupRequest(namespace=namespace, keys=keys[at:at + REPORT_KEYS]))
+            for namespace, keys in reads.items() for at in range(0, len(keys), REPORT_KEYS)]
+        out += [(LOOKUPS_READ, _Looked(count, block_tokens, namespace))
+                for (namespace, block_tokens), count in found.items()]
+        return out
 
     def _trim(self) -> None:
         """Drop the oldest namespace's keys while over MAX_PENDING_KEYS. Under the lock."""

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore import shm
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.localframe import RELEASE
 
 from ._attach import Arena, FetchAttach, TicketKeeper, receive_arenas
 from ._buffers import ByteArray
@@ -278,6 +279,9 @@ class ShmState:
                 os.close(fd)
         with self._lock:
             old, self._tables = self._tables, tables
+            local = self._local
+        if local is not None:  # the reports go ahead of the local path's next request
+            local.ahead = tables.reports.framed if tables is not None else None
         if old is not None:
             old.close()
 
@@ -294,6 +298,29 @@ class ShmState:
         if tables is None or self._segment_of(tables.table.arena) is not tables.segment:
             return None
         return tables
+
+    @property
+    def reports_pending(self) -> bool:
+        """Whether reads through the table wait to be reported (never blocks)."""
+        tables = self._tables
+        return tables is not None and tables.reports.pending
+
+    def reports_in(self) -> None:
+        """Make sure the daemon has taken in what this client read through the table before
+        a call that may depend on it (one over gRPC: an Evict, a Stats, a Prefetch): when
+        reports are pending, they go ahead of an empty Release on a local session, whose
+        answer is waited for. A failure is logged: the reports are a hint."""
+        tables, local = self._tables, self._local
+        if tables is None or local is None or not tables.reports.pending:
+            return
+        # Taken now, so that a call this one makes (an Attach for a session's ticket) finds
+        # nothing pending.
+        ahead = tables.reports.framed()
+        try:
+            local.call(RELEASE, pb.ReleaseRequest(), pb.ReleaseResponse, ahead)
+        except KVStoreError as exc:
+            logger.debug("kvstore: reads through the table not reported before a call: %s",
+                         exc)
 
     def report_post(self) -> Post | None:
         """How reports of reads through the table reach the daemon: the local path's
