@@ -91,6 +91,8 @@ SUITE = (
     Script("engine_bench", ("--baseline-requests", "2", "--ttft-reps", "2"), timeout_s=900),
     Script("engine_ttft", ("--reps", "3"), timeout_s=400),
     Script("engine_mixed", timeout_s=900),
+    # The store codecs' quality and bytes on SmolLM2 (docs/codecs.md): about 2 minutes here.
+    Script("codec_quality", timeout_s=600),
     # Every trace family (bench/trace_families.py), the public synthetic trace among them,
     # at 1-40% of each one's distinct blocks: about a minute, the synthetic half of it.
     Script("trace_sim", ("--family", "all"), quick_args=("--family", "all", "--requests", "600"),
