@@ -111,6 +111,7 @@ class BlockCodec:
         for size in (layers, tokens, heads, dim):
             header += size.to_bytes(2, "little")
         self.header = bytes(header)
+        self._headers: dict[torch.device, torch.Tensor] = {}
 
     def _layout(self) -> dict[str, _Field]:
         layers, _, tokens, heads, dim = self.block_shape
@@ -155,8 +156,16 @@ class BlockCodec:
             return flat.contiguous().view(torch.uint8)
         parts = (self._encode_fp8(rows.float()) if self.name == "fp8"
                  else self._encode_int4(rows.float()))
-        header = torch.frombuffer(bytearray(self.header), dtype=torch.uint8).to(rows.device)
+        header = self._header_on(rows.device)
         return torch.cat([header.expand(n, HEADER_BYTES), *parts], dim=1)
+
+    def _header_on(self, device: torch.device) -> torch.Tensor:
+        """The header as a uint8 tensor on device (copied there once)."""
+        header = self._headers.get(device)
+        if header is None:
+            header = torch.frombuffer(bytearray(self.header), dtype=torch.uint8).to(device)
+            self._headers[device] = header
+        return header
 
     def _encode_fp8(self, x: torch.Tensor) -> list[torch.Tensor]:
         n = x.shape[0]
@@ -194,7 +203,7 @@ class BlockCodec:
             return torch.zeros(n, dtype=torch.bool, device=encoded.device)
         if self.name == "none":
             return torch.ones(n, dtype=torch.bool, device=encoded.device)
-        header = torch.frombuffer(bytearray(self.header), dtype=torch.uint8).to(encoded.device)
+        header = self._header_on(encoded.device)
         ok = (encoded[:, :HEADER_BYTES] == header).all(dim=1)
         if self.name == "fp8":
             ok &= (self._field(encoded, "scales") != 255).all(dim=1)

@@ -1,5 +1,6 @@
 """The engine's store codecs with a real daemon (docs/codecs.md): with store_codec fp8 or int4
-an engine loads a prompt's blocks from L2 and from L3 and generates, and the K/V it loaded are
+an engine loads a prompt's blocks from L2, from L3 and from L4 (a real redis-server, read by a
+fresh daemon) and generates, and the K/V it loaded are
 exactly the writer's K/V through the codec; a namespace with a codec never hits blocks put
 without it, nor the reverse; `none` is today's engine, token for token; a block whose header
 was damaged is refused (computed), never decoded."""
@@ -22,7 +23,7 @@ from kvstore.engine.llm import LLM
 from kvstore.engine.sampling import SamplingParams
 from kvstore.kernels import gather_blocks
 from kvstore.keys import prefix_keys
-from kvstore.tools.testing import Daemon
+from kvstore.tools.testing import Daemon, start_redis_on
 from tests.engine.models import save_tiny
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -88,6 +89,14 @@ def _kv_of(llm: LLM, prompt: list[int]) -> torch.Tensor:
     return gather_blocks(llm.runner.kv_cache, hit.block_ids)
 
 
+def _drain_l4(target: str, namespace: str) -> None:
+    with KVStoreClient(target, namespace) as kv:
+        deadline = time.monotonic() + 15
+        while kv.stats().tier("remote").queue_depth:
+            assert time.monotonic() < deadline, "L4 write-through never drained"
+            time.sleep(0.05)
+
+
 def _push_to_l3(target: str, namespace: str, keys: Sequence[bytes]) -> None:
     with KVStoreClient(target, "flood") as kv:
         for i in range(8):
@@ -100,12 +109,29 @@ def _push_to_l3(target: str, namespace: str, keys: Sequence[bytes]) -> None:
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("tier", ["dram", "nvme"])
+@pytest.mark.parametrize("tier", ["dram", "nvme", "remote"])
 @pytest.mark.parametrize("codec", ["fp8", "int4"])
 def test_a_codec_engine_loads_its_blocks_and_generates(
         model: Path, daemon_factory: Make, local: Daemon, engines: Callable[..., LLM],
-        codec: str, tier: str) -> None:
-    d = local if tier == "dram" else daemon_factory(*L3)
+        tmp_path: Path, codec: str, tier: str) -> None:
+    """dram on the shared daemon; nvme on a daemon whose L2 a flood overflows; remote: the
+    writer's daemon writes through to a real redis-server and the reader's fresh daemon
+    holds nothing but what it reads from there."""
+    if tier != "remote":
+        _loads_and_generates(model, local if tier == "dram" else daemon_factory(*L3),
+                             daemon_factory, engines, codec, tier)
+        return
+    redis = start_redis_on(tmp_path)
+    try:
+        l4 = (*LOCAL, f"remote.url={redis.url}", "remote.timeout_s=1")
+        _loads_and_generates(model, daemon_factory(*l4), lambda: daemon_factory(*l4),
+                             engines, codec, tier)
+    finally:
+        redis.stop()
+
+
+def _loads_and_generates(model: Path, d: Daemon, fresh: Callable[[], Daemon],
+                         engines: Callable[..., LLM], codec: str, tier: str) -> None:
     prompts = _prompts()
     writer = engines(model, store=d.target, store_codec=codec)
     assert writer.namespace.endswith(f"-codec.{codec}.v1")
@@ -117,6 +143,9 @@ def test_a_codec_engine_loads_its_blocks_and_generates(
     keys = [k for p in prompts for k in prefix_keys(p, 16, writer.namespace)]
     if tier == "nvme":
         _push_to_l3(d.target, writer.namespace, keys)
+    if tier == "remote":
+        _drain_l4(d.target, writer.namespace)
+        d = fresh()  # only Redis has the blocks
     with KVStoreClient(d.target, writer.namespace) as kv:
         assert set(kv.lookup(keys).tiers) == {tier}
         stored = kv.get(keys[:1])[0]

@@ -221,3 +221,19 @@ def test_bad_arguments_name_the_field() -> None:
 def test_namespaces_differ_per_codec() -> None:
     suffixes = {namespace_suffix(name) for name in ("none", "fp8", "int4")}
     assert suffixes == {"", "-codec.fp8.v1", "-codec.int4.v1"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["fp8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_gpu_encodes_and_decodes_the_same_bytes_as_the_cpu(name: str,
+                                                              dtype: torch.dtype) -> None:
+    """The engine encodes on its cache's device: a block encoded on a GPU loads on a CPU
+    engine and the reverse, so the bytes must not depend on where they were made."""
+    x = _block("outliers", dtype)
+    codec = codec_for(name, SHAPE, dtype)
+    on_cpu = codec.encode(x)
+    on_gpu = codec.encode(x.cuda())
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), on_cpu)
+    assert codec.valid(on_gpu).all()
+    assert torch.equal(codec.decode(on_gpu).cpu(), codec.decode(on_cpu))
