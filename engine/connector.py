@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -158,6 +159,7 @@ class StoreConnector:
         one KV-cache group here, windowed or not), encoded when there is a codec."""
         self.rejected_blocks = 0
         """Loaded blocks the codec refused (not its header or parameters): recomputed."""
+        self._rejected_lock = threading.Lock()  # loads are checked on the loader threads
         self.copies = copies or copies_for(kv_cache.device)
         self._events: queue.SimpleQueue[Looked | _Landing] = queue.SimpleQueue()
         self._landing: list[_Landing] = []  # loads whose copy may still be in flight
@@ -237,7 +239,8 @@ class StoreConnector:
         ok = self.codec.valid(staging[:arrived])
         good = int(ok.cumprod(0).sum())
         if good < arrived:
-            self.rejected_blocks += arrived - good
+            with self._rejected_lock:
+                self.rejected_blocks += arrived - good
             logger.warning("kvstore: %d loaded blocks are not %s blocks of this layout; "
                            "computing them", arrived - good, self.codec.name)
         return good
