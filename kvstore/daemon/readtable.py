@@ -44,6 +44,7 @@ from kvstore.tier import Tier
 log = logging.getLogger(__name__)
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
+_DRAM = Tier.DRAM
 
 
 class _Table:
@@ -131,12 +132,12 @@ class ReadTables:
         if table is None:
             return
         ident = (self._ns_hash(entry.namespace), entry.key)
-        runs = entry.copies.get(Tier.DRAM)
+        runs = entry.copies.get(_DRAM)
         if runs is None or len(runs) != 1 or len(entry.key) != 32:
             table.writer.remove(ident)
             return
-        offset = (runs[0].start - table.base_page) * self._page_size
-        table.writer.put(ident, Record(offset, entry.size_bytes, int(entry.tier),
+        offset = (runs[0][0] - table.base_page) * self._page_size
+        table.writer.put(ident, Record(offset, entry.size_bytes, entry.tier.value,
                                        entry.checksum))
 
     def _ns_hash(self, namespace: str) -> int:
