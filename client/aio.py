@@ -20,6 +20,7 @@ import grpc
 import grpc.aio
 
 from kvstore.keys import BlockKey
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
 from . import results as res
 from ._base import ClientBase
@@ -185,6 +186,19 @@ class AsyncKVStoreClient(ClientBase):
         """See KVStoreClient.prewarm; on_progress may be a plain function or a coroutine
         function."""
         return await self._run(self._prewarm_steps(bytes, namespaces, on_progress, timeout_s))
+
+    async def watch_events(self, from_sequence: int = 0
+                           ) -> AsyncIterator[pb.WatchEventsResponse]:
+        """See KVStoreClient.watch_events: an async iterator; closing it cancels the call."""
+        call = self._stub.WatchEvents(pb.WatchEventsRequest(from_sequence=from_sequence))
+        try:
+            async for response in call:
+                yield response
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
 
     async def health(self, service: str = HEALTH_SERVICE) -> str:
         """See KVStoreClient.health."""

@@ -70,7 +70,8 @@ def test_reflection_lists_and_describes_the_service(channel: grpc.Channel) -> No
     services = {f"{f.package}.{s.name}": s for f in files for s in f.service}
     methods = {m.name for m in services["kvstore.v1.KVStore"].method}
     assert methods == {"Put", "Get", "Lookup", "Prefetch", "Reserve", "Release", "Evict",
-                       "Pin", "Unpin", "Stats", "Hot", "Prewarm", "Drain", "Attach", "Limits"}
+                       "Pin", "Unpin", "Stats", "Hot", "Prewarm", "Drain", "Attach", "Limits",
+                       "WatchEvents"}
 
 
 def test_prometheus_metrics_count_what_the_clients_did(daemon: Daemon,

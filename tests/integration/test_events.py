@@ -214,3 +214,29 @@ def test_a_sequence_not_reached_yet_waits_for_it_without_harm(
     now = watchers(d.target, from_sequence=1)
     now.wait_for(lambda ev: len(ev) == 5, "CLEARED and 4 STORED")
     assert all(w.events == [] and w.error is None for w in far)
+
+
+def test_both_clients_watch_events(daemon_factory: Callable[..., Daemon]) -> None:
+    """KVStoreClient.watch_events and AsyncKVStoreClient.watch_events: the same stream from
+    sequence 1; closing the iterator ends the call."""
+    import asyncio
+
+    from kvstore.client import AsyncKVStoreClient
+
+    d = daemon_factory("nvme.enabled=false")
+    keys, values = blocks(2, size=1024)
+    with KVStoreClient(d.target, "w") as kv:
+        kv.put(keys, values, independent=True)
+        stream = kv.watch_events(1)
+        first = next(stream)
+        stream.close()
+    assert [e.kind for e in first.events] == [CLEARED, STORED, STORED]
+
+    async def watch() -> list[Any]:
+        async with AsyncKVStoreClient(d.target, "w") as akv:
+            stream = akv.watch_events(1)
+            response = await stream.__anext__()
+            await stream.aclose()
+            return list(response.events)
+
+    assert [e.key for e in asyncio.run(watch())] == [b"", *keys]

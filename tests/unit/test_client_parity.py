@@ -41,6 +41,14 @@ ANNOTATION_EXCEPTIONS: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
+# Streams whose answers come as they happen (WatchEvents): the blocking twin is a generator,
+# the async one an async generator (not a coroutine), and each types its iterator so.
+STREAMS: dict[str, tuple[str, str]] = {
+    "watch_events": ("Iterator[pb.WatchEventsResponse]",
+                     "AsyncIterator[pb.WatchEventsResponse]"),
+}
+
+
 def public(cls: type) -> dict[str, Any]:
     """Public name -> the raw class attribute (function, property, ...), inherited included."""
     return {n: inspect.getattr_static(cls, n) for n in dir(cls) if not n.startswith("_")}
@@ -70,7 +78,8 @@ def signature_differences(name: str, sync_fn: Any, async_fn: Any) -> list[str]:
         expected = ANNOTATION_EXCEPTIONS.get((name, s.name), (annotations[0],) * 2)
         if annotations != expected:
             found.append(f"{name}({s.name}): annotation {annotations[0]} vs {annotations[1]}")
-    if str(sync_sig.return_annotation) != str(async_sig.return_annotation):
+    returns = (str(sync_sig.return_annotation), str(async_sig.return_annotation))
+    if returns != STREAMS.get(name, (returns[0],) * 2):
         found.append(f"{name}: returns {sync_sig.return_annotation} vs "
                      f"{async_sig.return_annotation}")
     return found
@@ -94,7 +103,10 @@ def test_every_public_member_has_a_twin() -> None:
 def test_twins_are_the_same_kind_and_only_the_async_one_awaits(name: str) -> None:
     sync_member, async_member = SYNC[name], ASYNC[name]
     assert isinstance(sync_member, property) == isinstance(async_member, property), name
-    if not isinstance(sync_member, property):
+    if name in STREAMS:
+        assert inspect.isgeneratorfunction(sync_member), name
+        assert inspect.isasyncgenfunction(async_member), name
+    elif not isinstance(sync_member, property):
         assert not inspect.iscoroutinefunction(sync_member), name
         assert inspect.iscoroutinefunction(async_member), name
 
