@@ -7,24 +7,30 @@ across tests would carry that over."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvstore.client import FailedPrecondition, KVStoreClient, ResourceExhausted
-from kvstore.tools.testing import Daemon
+from kvstore.tools.testing import Daemon, start_daemon
 from tests.conftest import SIXTEEN_PAGES
 
 PAGE = 64 << 10
 NUM_PAGES = 16
 
 
-@pytest.fixture
-def daemon(shared_daemon: Callable[..., Daemon]) -> Daemon:
-    """The shared 16-page daemon (clients.max_pinned_share=1: the one client here pins the
-    whole tier on purpose), emptied before each test by empty_store."""
-    return shared_daemon(*SIXTEEN_PAGES)
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A 16-page daemon of this module's own (clients.max_pinned_share=1: the one client
+    here pins the whole tier on purpose), emptied before each test by empty_store. Not the
+    session's shared one: the eviction order learns from the workload (the head start of
+    blocks used again, kvstore.core.headstart), so what other modules' tests did on a shared
+    daemon changed which block went first here (test_leases.py before this file failed two
+    tests)."""
+    d = start_daemon(tmp_path_factory.mktemp("eviction"), *SIXTEEN_PAGES)
+    yield d
+    d.stop()
 
 
 @pytest.fixture(autouse=True)
