@@ -28,6 +28,10 @@ prefill of the whole prompt, so greedy near-ties may flip even without a codec).
       20 % saved) and its encode rate (GB/s against memcpy; the bar: >= 1 GB/s): lz4 over the
       2-byte shuffle (what L4 frames do), lz4 on the exponent byte plane alone, zstd level 1
       and 3 on the exponent plane (zstd: the `zstandard` package, skipped when it is missing).
+  codec_fp8_ttft_l4: time to first token of the text (1,024 tokens) with its prefix only in
+      L4 (a real redis-server, behind a daemon that holds none of it: its local copies are
+      evicted before every rep), loaded through fp8 vs raw (`none`), reps alternating; target
+      TTFT <= 0.8x, i.e. >= 1.25x (skipped when redis-server is not on PATH).
 
 Prints one `bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x` line per figure, `#`
 info lines, and with --json PATH the same as JSON.
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -56,16 +61,18 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_ttft import evict_all, wait_tiers  # noqa: E402
 from figures import Figure, Op, gbps_figure, paired, run_main  # noqa: E402
 
+from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.engine.demo import smollm2_path  # noqa: E402
 from kvstore.engine.errors import EngineError  # noqa: E402
 from kvstore.engine.llm import LLM  # noqa: E402
 from kvstore.engine.sampling import SamplingParams  # noqa: E402
 from kvstore.integrations.codecs import codec_for  # noqa: E402
 from kvstore.kernels import gather_blocks  # noqa: E402
-from kvstore.keys import prefix_keys  # noqa: E402
-from kvstore.tools.testing import start_daemon  # noqa: E402
+from kvstore.keys import BlockKey, prefix_keys  # noqa: E402
+from kvstore.tools.testing import start_daemon, start_redis_on  # noqa: E402
 from kvstore.units import KiB  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1.txt"
@@ -275,6 +282,51 @@ def lossless_figures(rows: torch.Tensor, repeats: int) -> list[Figure]:
     return figures
 
 
+def ttft_l4_figure(stack: ExitStack, workdir: Path, engine: Callable[..., LLM],
+                   settings: tuple[str, ...], prompt: list[int], reps: int) -> list[Figure]:
+    """codec_fp8_ttft_l4: writers on daemon A write the prompt through to Redis, raw and
+    through fp8; readers on daemon B, whose local copies are evicted before each rep, load it
+    from Redis; the two readers' reps alternate."""
+    if shutil.which("redis-server") is None:
+        info("codec_fp8_ttft_l4 skipped: redis-server is not on PATH")
+        return []
+    redis = start_redis_on(workdir)
+    stack.callback(redis.stop)
+    a, b = (start_daemon(workdir, *settings, f"remote.url={redis.url}") for _ in range(2))
+    stack.callback(a.stop)
+    stack.callback(b.stop)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    readers: dict[str, tuple[LLM, KVStoreClient, list[BlockKey]]] = {}
+    for codec in ("none", "fp8"):
+        writer = engine(codec, a.target)
+        writer.generate([prompt], one)
+        writer.close()
+        keys = prefix_keys(prompt, BLOCK, writer.namespace)[:(len(prompt) - 1) // BLOCK]
+        kv = stack.enter_context(KVStoreClient(b.target, writer.namespace))
+        wait_tiers(kv, keys, "remote")  # A's write-through is asynchronous
+        reader = engine(codec, b.target)
+        stack.callback(reader.close)
+        readers[codec] = (reader, kv, keys)
+    ms: dict[str, list[float]] = {"none": [], "fp8": []}
+    for rep in range(reps + 1):  # the first rep of each warms up, untimed
+        for codec in (("none", "fp8") if rep % 2 else ("fp8", "none")):
+            reader, kv, keys = readers[codec]
+            reader.reset_prefix_cache()
+            evict_all(kv)
+            wait_tiers(kv, keys, "remote")
+            [out] = reader.generate([prompt], one)
+            if out.metrics.store_prompt_tokens != len(keys) * BLOCK:
+                raise RuntimeError(f"{codec}: loaded {out.metrics.store_prompt_tokens} tokens "
+                                   f"from L4, not {len(keys) * BLOCK}")
+            if rep:
+                ms[codec].append(out.metrics.ttft_s * 1000)
+    fp8, raw = statistics.median(ms["fp8"]), statistics.median(ms["none"])
+    info(f"ttft from L4: {len(prompt)} tokens, {(len(prompt) - 1) // BLOCK} blocks loaded; "
+         f"fp8 {[round(m) for m in ms['fp8']]} ms, none {[round(m) for m in ms['none']]} ms")
+    return [shown(Figure("codec_fp8_ttft_l4", fp8, "none", raw, "ms", lower_is_better=True,
+                         target=">= 1.25x, i.e. TTFT <= 0.8x", extra={"runs_ms": ms}))]
+
+
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
     model = args.model or smollm2_path()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -304,9 +356,9 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
                               f"dram.page_size_bytes={page}")
         stack.callback(daemon.stop)
 
-        def engine(codec: str) -> LLM:
+        def engine(codec: str, target: str = daemon.target) -> LLM:
             return LLM(model, device="cpu", kv_cache_size=args.kv_cache_size,
-                       store=daemon.target, store_codec=codec, store_load_policy="always")
+                       store=target, store_codec=codec, store_load_policy="always")
 
         # Real K/V: the text's blocks as the baseline computed them.
         hit = base.block_manager.find_prefix(prefix_keys(text_tokens, BLOCK, base.namespace),
@@ -322,6 +374,10 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
                 figures += rate_figures(name, rows, args.repeats)
             setup["codecs"][name] = details
         figures += lossless_figures(rows, args.repeats)
+        base.close()
+        local = ("hbm.mode=off", "log_level=WARNING", "nvme.enabled=false",
+                 "dram.capacity_bytes=1GiB", f"dram.page_size_bytes={page}")
+        figures += ttft_l4_figure(stack, workdir, engine, local, text_tokens, args.ttft_reps)
     setup["seconds"] = time.perf_counter() - started
     return figures, setup
 
@@ -336,12 +392,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--windows", type=int, default=8, help="prompts cut from the text (160 tokens each)")
     add("--text-tokens", type=int, default=1024, help="the text's tokens used (perplexity)")
     add("--repeats", type=int, default=5, help="timed repeats of each rate")
+    add("--ttft-reps", type=int, default=5, help="timed reps of each TTFT from L4")
     add("--kv-cache-size", default="512MiB")
     add("--quick", action="store_true", help="small sizes, for the smoke test")
     add("--json", type=Path, metavar="PATH", help="also write one JSON object to PATH")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_tokens, args.windows, args.text_tokens, args.repeats = 8, 2, 640, 2
+        args.ttft_reps = 2
     return args
 
 

@@ -251,9 +251,12 @@ class StoreConnector:
         then the kernels' scatter."""
         device = self.kv_cache.device
         rows = rows.to(device, non_blocking=True)
-        if self.codec is not None:
-            rows = self.codec.decode(rows)
-        self.ops.scatter_blocks(rows, self.kv_cache, device_ids(block_ids, device))
+        if self.codec is None:
+            self.ops.scatter_blocks(rows, self.kv_cache, device_ids(block_ids, device))
+            return
+        for start, decoded in self.codec.decode_chunks(rows):  # a few at a time on a CPU
+            ids = block_ids[start:start + decoded.shape[0]]
+            self.ops.scatter_blocks(decoded, self.kv_cache, device_ids(ids, device))
 
     def poll(self, timeout_s: float = 0.0) -> list[Looked | Loaded]:
         """The lookups and loads that came back (a load once its copy into the cache has

@@ -3,12 +3,13 @@ bench/run_all.py, tests/e2e/bench_run.py) stores SmolLM2's prompt blocks through
 in a real daemon, loads them into a fresh engine and generates; it prints one `bench <name>:
 ... = <ratio>x` line per figure and writes the same figures as JSON. What is checked is what
 each figure claims to measure (every prompt's blocks came from the store, `none` through the
-store is the computed run exactly, the bytes are the codecs' layouts), never the quality or
-the speed: the targets live in the bench."""
+store is the computed run exactly, the bytes are the codecs' layouts, the TTFT reps loaded
+from L4), never the quality or the speed: the targets live in the bench."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 
 import pytest
 
@@ -35,6 +36,8 @@ def test_codec_quality_quick_json(bench_run: BenchRun) -> None:
                                                     "bytes_vs_bf16", "bytes_vs_float32",
                                                     "encode", "decode")}
     expected |= {f"lossless_{s}_{f}" for s in lossless for f in ("bytes", "encode")}
+    if shutil.which("redis-server") is not None:
+        expected.add("codec_fp8_ttft_l4")
     report = run.report
     figures = report["figures"]
     check_report(figures, printed_figures(run.lines), expected)
@@ -58,3 +61,6 @@ def test_codec_quality_quick_json(bench_run: BenchRun) -> None:
     loaded = {name: c["loaded_prompt_tokens"] for name, c in setup["codecs"].items()}
     assert loaded["fp8"] == loaded["int4"] == loaded["none"]
     assert all(tokens >= 48 and tokens % 16 == 0 for tokens in loaded["none"])
+    if "codec_fp8_ttft_l4" in expected:  # every timed rep loaded the whole prefix from L4
+        runs = figures["codec_fp8_ttft_l4"]["runs_ms"]
+        assert set(runs) == {"none", "fp8"} and len(runs["none"]) == len(runs["fp8"]) >= 2

@@ -237,3 +237,16 @@ def test_a_gpu_encodes_and_decodes_the_same_bytes_as_the_cpu(name: str,
     assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), on_cpu)
     assert codec.valid(on_gpu).all()
     assert torch.equal(codec.decode(on_gpu).cpu(), codec.decode(on_cpu))
+
+
+@pytest.mark.parametrize("name", ["none", "fp8", "int4"])
+def test_decode_chunks_cover_every_row_once(name: str) -> None:
+    """On a CPU rows go through a few at a time (9 rows: 4, 4, 1); the chunks are decode()'s
+    rows, in order, each once, and encode() of a batch equals encode() row by row."""
+    x = _block("outliers", torch.bfloat16, n=9)
+    codec = codec_for(name, SHAPE, torch.bfloat16)
+    encoded = codec.encode(x)
+    assert torch.equal(encoded, torch.cat([codec.encode(x[i:i + 1]) for i in range(9)]))
+    chunks = list(codec.decode_chunks(encoded))
+    assert [start for start, _ in chunks] == ([0] if name == "none" else [0, 4, 8])
+    assert torch.equal(torch.cat([rows for _, rows in chunks]), codec.decode(encoded))
