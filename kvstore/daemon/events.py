@@ -36,6 +36,7 @@ class Kind(IntEnum):
     MOVED = 2
     REMOVED = 3
     CLEARED = 4
+    POOL_STORED = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,13 @@ class EventLog:
 
     def removed(self, entry: Entry) -> None:
         self._emit(entry.namespace, Kind.REMOVED, entry.key, entry.tier)
+
+    def pool_written(self, written: list[tuple[str, bytes]]) -> None:
+        """This daemon wrote these (namespace, key) blocks to the L4 pool (its writer
+        thread, after Redis took them; under the store's lock, as every writer of the
+        rings)."""
+        for namespace, key in written:
+            self._emit(namespace, Kind.POOL_STORED, key, Tier.REMOTE)
 
     def _emit(self, namespace: str, kind: int, key: bytes, tier: int, from_tier: int = 0,
               parent: bytes = b"") -> None:

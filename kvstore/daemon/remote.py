@@ -101,6 +101,8 @@ class Remote:
                                (self._census_forever, "l4-census"))
         ]
         self.on_failure: Callable[[str], None] = lambda reason: None
+        # Told of each batch written to Redis: (namespace, key) pairs (the block events).
+        self.on_written: Callable[[list[tuple[str, bytes]]], None] = lambda written: None
 
     def start(self, on_failure: Callable[[str], None]) -> None:
         """Start the workers (write-through, popularity, census); a worker that fails calls
@@ -234,6 +236,8 @@ class Remote:
         if not self._guard(partial(self._set, frames), False):
             return False
         self._count(bytes_in=sum(e.size_bytes for e in held))
+        with self._store_lock:  # the event rings' one writer at a time
+            self.on_written([(namespace, key) for namespace, key, _ in frames])
         return True
 
     def _frame(self, entry: Entry) -> bytes:

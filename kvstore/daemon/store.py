@@ -104,6 +104,8 @@ class Store:
                        if self.config.events.buffer_events else None)
         self.index.published = mirrored(self.read_tables, self.events)
         self.state = self._build_state(clock)
+        if self.events is not None and self.state.remote is not None:
+            self.state.remote.on_written = self.events.pool_written
         self.tiering = self.state.tiering
         self.writer = Writer(self.state)
         self.reader = Reader(self.state, self.writer)

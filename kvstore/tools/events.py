@@ -23,7 +23,8 @@ A block's hash on the wire is the int of its kvstore key's last 8 bytes, big-end
 vLLM publishes under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default, and llm-d's reading of a
 byte hash); token_ids are empty, for the daemon knows keys, not tokens. Media: L1 and L2 are
 `CPU` (Mooncake `cpu`), L3 `STORAGE` (`disk`), locality LOCAL; L4 would be `STORAGE` REMOTE,
-but the daemon's stream does not carry L4 writes, so no `kv@pool:` topic is published. A
+on a `kv@pool:` topic, which is not published yet (the daemon's stream carries this daemon's
+own L4 writes, POOL_STORED, but not other nodes' writes or Redis's expiries). A
 block that moves between tiers of different media is a BlockRemoved of the old one and a
 BlockStored of the new one; a move within one medium (L1 <-> L2) is not published.
 
@@ -214,6 +215,8 @@ class Translator:
     def _one(self, event: Any) -> list[Change]:
         if event.kind == pb.BLOCK_EVENT_KIND_CLEARED:
             return self.clear()
+        if event.kind == pb.BLOCK_EVENT_KIND_POOL_STORED:
+            return []  # L4 writes: a `kv@pool:` topic is not published yet (module docstring)
         ns = event.namespace
         self._note(ns)
         h = block_hash(event.key)

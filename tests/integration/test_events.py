@@ -240,3 +240,28 @@ def test_both_clients_watch_events(daemon_factory: Callable[..., Daemon]) -> Non
             return list(response.events)
 
     assert [e.key for e in asyncio.run(watch())] == [b"", *keys]
+
+
+def test_blocks_written_to_the_pool_are_announced(
+        daemon_factory: Callable[..., Daemon], watchers: Callable[..., Watcher],
+        tmp_path: Path) -> None:
+    """With an L4 pool, each block the daemon writes through to Redis is POOL_STORED (tier
+    REMOTE) once Redis holds it, after its STORED; its local tiers stay as they were."""
+    from kvstore.tools.testing import start_redis
+
+    redis_server = start_redis(tmp_path)
+    try:
+        d = daemon_factory("nvme.enabled=false", f"remote.url={redis_server.url}")
+        watcher = watchers(d.target, from_sequence=1)
+        keys, values = blocks(5, size=4096)
+        with KVStoreClient(d.target, "pooled") as kv:
+            kv.put(keys, values)
+            events = watcher.wait_for(lambda ev: len(_kinds(ev, pb.BLOCK_EVENT_KIND_POOL_STORED))
+                                      == 5, "5 POOL_STORED")
+            assert kv.lookup(keys).tiers == ["dram"] * 5
+        pooled = _kinds(events, pb.BLOCK_EVENT_KIND_POOL_STORED)
+        assert [e.key for e in pooled] == keys and {e.tier for e in pooled} == {pb.TIER_REMOTE}
+        stored_at = {e.key: e.sequence for e in _kinds(events, STORED)}
+        assert all(stored_at[e.key] < e.sequence for e in pooled)
+    finally:
+        redis_server.stop()

@@ -27,6 +27,7 @@ class BlockEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_EVENT_KIND_MOVED: _ClassVar[BlockEventKind]
     BLOCK_EVENT_KIND_REMOVED: _ClassVar[BlockEventKind]
     BLOCK_EVENT_KIND_CLEARED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_POOL_STORED: _ClassVar[BlockEventKind]
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
@@ -39,6 +40,7 @@ BLOCK_EVENT_KIND_STORED: BlockEventKind
 BLOCK_EVENT_KIND_MOVED: BlockEventKind
 BLOCK_EVENT_KIND_REMOVED: BlockEventKind
 BLOCK_EVENT_KIND_CLEARED: BlockEventKind
+BLOCK_EVENT_KIND_POOL_STORED: BlockEventKind
 
 class LimitsRequest(_message.Message):
     __slots__ = ()

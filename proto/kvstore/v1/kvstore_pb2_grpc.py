@@ -307,7 +307,8 @@ class KVStoreServicer:
     def WatchEvents(self, request, context):
         """What the caller's tenant's blocks do in this daemon's tiers, as it happens: each block
         stored (with its fastest tier), moved to another fastest tier (promotion, demotion, L2
-        eviction that leaves an L3 or L4 copy), or removed from every tier this daemon holds;
+        eviction that leaves an L3 copy), removed from every tier this daemon holds, or written
+        by this daemon to the L4 pool;
         for routers that place requests by what a node holds (docs/routing.md). Each tenant's
         events are numbered 1, 2, ... in one stream per daemon run, the first one CLEARED
         (forget what an earlier run of this daemon announced; `daemon_id` changes too). With
