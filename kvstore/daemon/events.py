@@ -1,11 +1,12 @@
 """The daemon's block events, for routers (the WatchEvents verb, docs/routing.md): each
-tenant's blocks stored, moved to another fastest tier, or removed, numbered 1, 2, ... per
-tenant and daemon run, the first event of each stream CLEARED.
+tenant's blocks stored, moved to another fastest tier, removed, or written to the L4 pool,
+numbered 1, 2, ... per tenant and daemon run, the first event of each stream CLEARED.
 
 The index tells `EventLog` of every entry it links, whose fastest tier changes, or that it
-removes (`kvstore.core.index.Published`), under the store's lock; each becomes one event
-appended to its tenant's ring of the last `capacity` events. That is all the data path pays:
-no I/O, no wake-up unless a subscriber waits. A subscriber reads from a sequence number of its
+removes (`kvstore.core.index.Published`), and L4's writer of every batch Redis took, all
+under the store's lock; each becomes one event appended to its tenant's ring of the last
+`capacity` events. That is all the data path pays: no I/O, no wake-up unless a subscriber
+waits. A subscriber reads from a sequence number of its
 own; the ring never waits for it, so one that falls behind by more than the ring, or asks for a
 sequence no longer held, is told how many events it missed and goes on from the oldest held.
 """
@@ -42,7 +43,8 @@ class Kind(IntEnum):
 @dataclass(frozen=True, slots=True)
 class BlockEvent:
     """One event of a tenant's stream. `tier` is the block's fastest tier now (STORED,
-    MOVED) or the one it left (REMOVED); `from_tier` the one before a MOVED; 0 otherwise."""
+    MOVED), the one it left (REMOVED), or REMOTE (POOL_STORED); `from_tier` the one before a
+    MOVED; 0 otherwise."""
 
     sequence: int
     kind: Kind
