@@ -105,8 +105,6 @@ class EventLog:
         self._rings: dict[str, _Ring] = {}
         self._lock = threading.Condition()
         self._waiting = 0
-        self.dropped = 0
-        """Events subscribers missed because they fell behind (a counter for metrics)."""
 
     # --- the index's side (under the store's lock) ---------------------------------------
 
@@ -178,9 +176,6 @@ class EventLog:
         start = max(sequence, oldest) - oldest
         batch = [BlockEvent(s, Kind(k), n, key, t, f, p)
                  for s, k, n, key, t, f, p in held[start:start + limit]]
-        if dropped:
-            with self._lock:
-                self.dropped += dropped
         return EventBatch(batch, dropped, self.daemon_id)
 
     def next_sequence(self, tenant: str) -> int:
