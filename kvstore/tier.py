@@ -32,6 +32,25 @@ def tier_name(tier: int) -> str | None:
     return Tier(tier).label if tier in Tier._value2member_map_ else None
 
 
+@dataclass(frozen=True, slots=True)
+class Medium:
+    """Where a tier's blocks are, in the words of the KV-event formats routers read
+    (docs/routing.md): vLLM's `medium` and `locality`, Mooncake's `medium`."""
+
+    vllm: str
+    locality: str
+    mooncake: str
+
+
+MEDIUM_OF_TIER: dict[Tier, Medium] = {
+    Tier.HBM: Medium("CPU", "LOCAL", "cpu"),  # the store's L1: still a load, not the engine's GPU
+    Tier.DRAM: Medium("CPU", "LOCAL", "cpu"),
+    Tier.NVME: Medium("STORAGE", "LOCAL", "disk"),
+    Tier.REMOTE: Medium("STORAGE", "REMOTE", "disk"),  # the pool every node reads
+}
+"""Each tier's medium, as the vLLM connector's events and kvstore-events announce it."""
+
+
 @dataclass(slots=True)
 class TierStats:
     """One tier's figures, field for field the wire contract's TierStats (tier by name)."""

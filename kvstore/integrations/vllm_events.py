@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import (
-    MEDIUM_CPU,
     MEDIUM_STORAGE,
     BlockRemoved,
     BlockStored,
@@ -41,7 +40,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
 from kvstore.client.errors import FailedPrecondition, KVStoreError
-from kvstore.tier import tier_name
+from kvstore.tier import MEDIUM_OF_TIER, Tier, tier_name
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -56,11 +55,15 @@ MAX_EVENTS = 10_000
 worth at most in practice); past it the oldest are dropped and counted, as vLLM's own
 publisher drops past its queue size."""
 
-_MEDIUM = {"hbm": (MEDIUM_CPU, "LOCAL"), "dram": (MEDIUM_CPU, "LOCAL"),
-           "pending": (MEDIUM_CPU, "LOCAL"), "nvme": (MEDIUM_STORAGE, "LOCAL"),
-           "remote": (MEDIUM_STORAGE, "REMOTE")}
-"""A store tier's label -> (vLLM's medium, its locality). "pending" is a block still being
-written to L2."""
+def _medium(tier: str) -> tuple[str, str | None]:
+    """A store tier's label -> (vLLM's medium, its locality), as `MEDIUM_OF_TIER` says; a
+    "pending" block is still being written to L2; an unknown label is storage, locality
+    unsaid."""
+    known = Tier.__members__.get(("dram" if tier == "pending" else tier).upper())
+    if known is None:
+        return MEDIUM_STORAGE, None
+    medium = MEDIUM_OF_TIER[known]
+    return medium.vllm, medium.locality
 
 MAX_KNOWN = 100_000
 """Blocks announced whose daemon key -> vLLM hash the connector remembers, the most recent
@@ -95,7 +98,7 @@ class StoreEvents:
         end = min(end, len(hashes))
         if first >= end:
             return
-        medium, locality = _MEDIUM.get(tier, (MEDIUM_STORAGE, None))
+        medium, locality = _medium(tier)
         bs = self.block_size
         lora = request.lora_request
         converted = [maybe_convert_block_hash(h) for h in hashes[first:end]]
@@ -140,7 +143,7 @@ class StoreEvents:
                 del self._known[key]
             else:
                 label = tier_name(tier) or ""
-                new_medium, new_locality = _MEDIUM.get(label, (MEDIUM_STORAGE, None))
+                new_medium, new_locality = _medium(label)
                 if kind != _MOVED or new_medium == medium:
                     return
                 self._known[key] = (block_hash, group, new_medium, new_locality)

@@ -76,7 +76,7 @@ from kvstore.client.errors import (
 from kvstore.keys import KEY_BYTES, InvalidKeyError, check_namespace, prefix_keys
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.tier import Tier, tier_name
+from kvstore.tier import MEDIUM_OF_TIER, Medium, Tier, tier_name
 from kvstore.tools import admin_options as opt
 
 logger = logging.getLogger("kvstore.events")
@@ -143,20 +143,7 @@ class KVEventBatch(EventBatch):
 # --- what a change means, whatever the format --------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Medium:
-    """Where a tier's blocks are, in each format's words."""
-
-    vllm: str
-    locality: str
-    mooncake: str
-
-
-CPU = Medium("CPU", "LOCAL", "cpu")
-STORAGE = Medium("STORAGE", "LOCAL", "disk")
-POOL = Medium("STORAGE", "REMOTE", "disk")
-MEDIUM_OF_TIER = {Tier.HBM: CPU, Tier.DRAM: CPU, Tier.NVME: STORAGE, Tier.REMOTE: POOL}
-"""The same mapping as the vLLM connector's (kvstore.integrations.vllm_events)."""
+CPU = MEDIUM_OF_TIER[Tier.DRAM]
 
 
 def block_hash(key: bytes) -> int:
