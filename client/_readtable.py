@@ -96,7 +96,6 @@ class Reports:
         self._found: dict[tuple[str, int], int] = {}  # (namespace, block_tokens) -> keys
         self._count = 0  # keys in _reads
         self._since: float | None = None  # when the oldest report pending was made
-        self.dropped = 0  # keys read never reported (no session to send them on)
 
     def read(self, namespace: str, keys: Sequence[bytes], post: Post | None) -> None:
         """Keys read through the table; what is due is sent with post (None: the local path
@@ -134,8 +133,7 @@ class Reports:
     def flush(self, post: Post) -> None:
         """Send everything pending with post, one frame each."""
         for verb, message in self._take():
-            if not post(verb, message):
-                self.dropped += len(getattr(message, "keys", ()))
+            post(verb, message)  # not sent (no session): those reads go unreported
 
     def framed(self) -> bytes:
         """Everything pending as whole frames, for the local path to send ahead of its next
@@ -164,9 +162,7 @@ class Reports:
     def _trim(self) -> None:
         """Drop the oldest namespace's keys while over MAX_PENDING_KEYS. Under the lock."""
         while self._count > MAX_PENDING_KEYS and self._reads:
-            dropped = len(self._reads.pop(next(iter(self._reads))))
-            self._count -= dropped
-            self.dropped += dropped
+            self._count -= len(self._reads.pop(next(iter(self._reads))))
 
 
 class _Looked:
@@ -187,7 +183,6 @@ class TableReads:
         self.table = table
         self.segment = segment
         self.reports = Reports()
-        self._ns: dict[str, int] = {}
         # Blocks read through the table, and those it showed whose copy did not hold (their
         # slot changed while copied, their checksum failed, or they lay out of bounds): read
         # through the daemon instead. Counts for tests and benchmarks; races may lose some.
@@ -198,7 +193,7 @@ class TableReads:
                post: Post | None) -> tuple[int, list[str | None]] | None:
         """(how many keys from the first the table shows, their tiers' names); None when
         the keys cannot be probed (not all 32 bytes)."""
-        probe = self.table.view.probe(self._tag(namespace), keys)
+        probe = self.table.view.probe(namespace_hash(namespace), keys)
         if probe is None:
             return None
         found = probe.prefix()
@@ -211,7 +206,7 @@ class TableReads:
         """Per key: the block (bytes, arrays None) or its size (copied into arrays[i]) when
         the table shows it and the copy held, else None (ask the daemon)."""
         out: list[Any] = [None] * len(keys)
-        probe = self.table.view.probe(self._tag(namespace), keys)
+        probe = self.table.view.probe(namespace_hash(namespace), keys)
         if probe is None:
             return out
         hits = np.flatnonzero(probe.slots >= 0)
@@ -273,11 +268,6 @@ class TableReads:
             copied.append(i)
         return copied
 
-    def _tag(self, namespace: str) -> int:
-        tag = self._ns.get(namespace)
-        if tag is None:
-            tag = self._ns[namespace] = namespace_hash(namespace)
-        return tag
 
     def close(self) -> None:
         """Unmap the table (reports still pending are the caller's to flush first)."""

@@ -31,6 +31,7 @@ loads) is x86-64's; on weaker memory models the checksum is the remaining guard.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ _EMPTY_SLOT = bytes(SLOT_BYTES - 8)
 Ident = tuple[int, bytes]  # (namespace hash, key)
 
 
+@functools.lru_cache(maxsize=4096)
 def namespace_hash(namespace: str) -> int:
     """The 64-bit tag that stands for a namespace in the table (a namespace's keys share it;
     equal tags of two namespaces of one tenant could only confuse that tenant's own reads,
@@ -267,7 +269,6 @@ class TableView:
         self._mem = _Layout(buf, capacity)
         self._header = header
         self.capacity = capacity
-        self.arena_bytes = int(header[H_ARENA_BYTES])
         self._shift = np.uint64(int(header[H_SHIFT]))
         self._dot = header[H_MULT:H_MULT + 4].copy()
         self._ns_mult = int(header[H_NS_MULT])

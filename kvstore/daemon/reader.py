@@ -180,12 +180,11 @@ class Reader:
         the most recent in the eviction order) and counted as an L2 hit, in one hold of the
         lock. Keys no longer in L2 are passed over. How many were touched."""
         checked = checks.keys(namespace, keys, self._state.config.server.max_batch_keys)
-        dram = self._state.stats[Tier.DRAM]
         with self._state.lock:
             found = [e for e in self._state.index.touch(namespace, checked, need=Tier.DRAM)
                      if e is not None]
-            dram.hits += len(found)
-            dram.bytes_out += sum(e.size_bytes for e in found)
+            for entry in found:
+                self._count_read(entry, None)
         remote = self._state.remote
         if remote is not None and found:
             remote.touch(namespace, [e.key for e in found])

@@ -97,18 +97,12 @@ class ReadTables:
         except BaseException:
             self.close()
             raise
-        self._ns: dict[str, int] = {}
 
     def fds(self, arena: str) -> list[tuple[str, int, int]]:
         """(arena name, a read-only descriptor the caller closes, table bytes) of the named
         arena's table; none when it has none."""
         table = self._tables.get(arena)
         return [] if table is None else [(arena, table.read_only_fd(), table.size_bytes)]
-
-    def published(self, arena: str) -> int:
-        """How many blocks arena's table shows now (for tests and stats)."""
-        table = self._tables.get(arena)
-        return len(table.writer) if table is not None else 0
 
     # --- the index's hooks (called under the store lock) -----------------------------------
 
@@ -125,13 +119,13 @@ class ReadTables:
         """entry is no longer cached (its pages are freed right after)."""
         table = self._tables.get(entry.arena)
         if table is not None:
-            table.writer.remove((self._ns_hash(entry.namespace), entry.key))
+            table.writer.remove((namespace_hash(entry.namespace), entry.key))
 
     def _show(self, entry: Entry) -> None:
         table = self._tables.get(entry.arena)
         if table is None:
             return
-        ident = (self._ns_hash(entry.namespace), entry.key)
+        ident = (namespace_hash(entry.namespace), entry.key)
         runs = entry.copies.get(_DRAM)
         if runs is None or len(runs) != 1 or len(entry.key) != 32:
             table.writer.remove(ident)
@@ -139,12 +133,6 @@ class ReadTables:
         offset = (runs[0][0] - table.base_page) * self._page_size
         table.writer.put(ident, Record(offset, entry.size_bytes, entry.tier.value,
                                        entry.checksum))
-
-    def _ns_hash(self, namespace: str) -> int:
-        tag = self._ns.get(namespace)
-        if tag is None:
-            tag = self._ns[namespace] = namespace_hash(namespace)
-        return tag
 
     def close(self) -> None:
         for table in self._tables.values():
