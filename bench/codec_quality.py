@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_ttft import evict_all, wait_tiers  # noqa: E402
+from engine_ttft import evict_all, info, shown, wait_tiers  # noqa: E402
 from figures import Figure, Op, gbps_figure, paired, run_main  # noqa: E402
 
 from kvstore.client import KVStoreClient  # noqa: E402
@@ -89,15 +89,6 @@ INSTRUCTIONS = (
     "List five things to check before a long bicycle ride: the tyres, the brakes, the chain, "
     "the lights and the weather. For each one say what can go wrong if it is skipped.",
 )
-
-
-def info(text: str) -> None:
-    print(f"# {text}", flush=True)
-
-
-def shown(figure: Figure) -> Figure:
-    print(figure.line(), flush=True)
-    return figure
 
 
 class Capture:
@@ -361,9 +352,9 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
         block_shape = (shape[0], 2, BLOCK, shape[4], shape[5])
         block_bytes = math.prod(block_shape) * 4
         page = max(4 * KiB, min(64 * KiB, 1 << (block_bytes.bit_length() - 1)))
-        daemon = start_daemon(workdir, "hbm.mode=off", "log_level=WARNING",
-                              "nvme.enabled=false", "dram.capacity_bytes=1GiB",
-                              f"dram.page_size_bytes={page}")
+        local = ("hbm.mode=off", "log_level=WARNING", "nvme.enabled=false",
+                 "dram.capacity_bytes=1GiB", f"dram.page_size_bytes={page}")
+        daemon = start_daemon(workdir, *local)
         stack.callback(daemon.stop)
 
         def engine(codec: str, target: str = daemon.target) -> LLM:
@@ -385,8 +376,6 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
             setup["codecs"][name] = details
         figures += lossless_figures(rows, args.repeats)
         base.close()
-        local = ("hbm.mode=off", "log_level=WARNING", "nvme.enabled=false",
-                 "dram.capacity_bytes=1GiB", f"dram.page_size_bytes={page}")
         figures += ttft_l4_figure(stack, workdir, engine, local, text_tokens, args.ttft_reps)
     setup["seconds"] = time.perf_counter() - started
     return figures, setup

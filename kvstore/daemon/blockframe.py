@@ -168,6 +168,11 @@ def frame_checksum(frame: bytes | memoryview) -> int:
     return _parse(frame)[2]
 
 
+def frame_codec(frame: bytes | memoryview) -> int:
+    """The codec the header records (CODEC_RAW, ...), without decoding the body."""
+    return _parse(frame)[0]
+
+
 def decode(frame: bytes | memoryview) -> bytes:
     """The raw payload of ``frame``, verified against its checksum."""
     return bytes(decode_view(frame))

@@ -39,7 +39,7 @@ from typing import TypeVar
 from kvstore.core.errors import Reason, Unavailable
 from kvstore.core.index import Index
 from kvstore.core.records import Entry, PrewarmState
-from kvstore.daemon.blockframe import CODEC_RAW, FrameError, decode_view, encode
+from kvstore.daemon.blockframe import CODEC_RAW, FrameError, decode_view, encode, frame_codec
 from kvstore.daemon.breaker import Breaker
 from kvstore.daemon.config import RemoteConfig
 from kvstore.daemon.iometer import IoMeter
@@ -251,7 +251,8 @@ class Remote:
                 compress = "none"
         frame = encode(self._bytes_of(entry), compress, self.config.shuffle, entry.checksum)
         if compress == "auto":
-            self._auto_skips[entry.namespace] = AUTO_SKIP_BLOCKS if frame[5] == CODEC_RAW else 0
+            raw = frame_codec(frame) == CODEC_RAW
+            self._auto_skips[entry.namespace] = AUTO_SKIP_BLOCKS if raw else 0
         return frame
 
     def _set(self, frames: list[tuple[str, bytes, bytes]]) -> bool:
