@@ -88,9 +88,6 @@ class Loaded:
 
     plan: LoadPlan
     arrived: int
-    nbytes: int = 0
-    """The bytes those blocks took from the store: arrived x the connector's block_bytes
-    (every layer's K and V of one block, the engine's one KV-cache group)."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +217,7 @@ class StoreConnector:
                 arrived = 0
             if unread:  # (a failed copy's staging is not pooled: part of it may be in flight)
                 self.copies.give_back(staging, DONE)
-            self._events.put(_Landing(Loaded(plan, arrived, arrived * self.block_bytes), event))
+            self._events.put(_Landing(Loaded(plan, arrived), event))
 
         self.link.read_async(plan.keys, _byte_rows(staging), done, tier=tier)
 

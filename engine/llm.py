@@ -413,7 +413,9 @@ class LLM:
             if isinstance(event, Looked):
                 self.scheduler.lookup_done(event.plan.seq, connector.decide(event))
             else:
-                self.scheduler.load_done(event.plan.seq, event.arrived, event.nbytes)
+                # the bytes those blocks took from the store (block_bytes: one block's)
+                self.scheduler.load_done(event.plan.seq, event.arrived,
+                                         event.arrived * connector.block_bytes)
 
     def reset_prefix_cache(self) -> int:
         """Drop the engine's own cached blocks (as if they had been evicted); the store keeps

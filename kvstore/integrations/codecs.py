@@ -77,7 +77,6 @@ class CodecError(ValueError):
 
 @dataclass(frozen=True)
 class _Field:
-    name: str
     offset: int
     nbytes: int
 
@@ -138,14 +137,9 @@ class BlockCodec:
         fields: dict[str, _Field] = {}
         offset = HEADER_BYTES
         for field_name, nbytes in sizes:
-            fields[field_name] = _Field(field_name, offset, nbytes)
+            fields[field_name] = _Field(offset, nbytes)
             offset += nbytes
         return fields
-
-    @property
-    def namespace_suffix(self) -> str:
-        """What the codec adds to the engine's namespace (`namespace_suffix(name)`)."""
-        return namespace_suffix(self.name)
 
     @property
     def ratio(self) -> float:

@@ -40,6 +40,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
 from kvstore.client.errors import FailedPrecondition, KVStoreError
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.tier import MEDIUM_OF_TIER, Tier, tier_name
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ MAX_KNOWN = 100_000
 """Blocks announced whose daemon key -> vLLM hash the connector remembers, the most recent
 first (about 200 bytes each), to announce their removal."""
 
-_STORED, _MOVED, _REMOVED, _CLEARED = 1, 2, 3, 4  # kvstore.v1.BlockEventKind
+_MOVED, _REMOVED, _CLEARED = (pb.BLOCK_EVENT_KIND_MOVED, pb.BLOCK_EVENT_KIND_REMOVED,
+                              pb.BLOCK_EVENT_KIND_CLEARED)
 
 
 class StoreEvents:
