@@ -37,6 +37,7 @@ from kvstore.daemon.admission import Stream, StreamSlots, client_stream_cap
 from kvstore.daemon.attach import ATTACH_TICKET_S, Tickets
 from kvstore.daemon.auth import Caller
 from kvstore.daemon.config import config_to_dict
+from kvstore.daemon.events import EventBatch
 from kvstore.daemon.faults import FaultLog, abort, code_of, described, parsed
 from kvstore.daemon.localpath import LocalSessions
 from kvstore.daemon.metrics import Metrics
@@ -268,9 +269,11 @@ class KVStoreServicer:
 
     def _streamed(self, method: str, context: grpc.ServicerContext,
                   progress: Callable[[Caller], Iterator[Any]], message: type[Any],
-                  request: Any) -> Iterator[Any]:
-        """A progress stream (Prefetch, Prewarm): each step as `message` (same field names),
-        its errors mapped like any call's."""
+                  request: Any, to_message: Callable[[Any], Any] | None = None
+                  ) -> Iterator[Any]:
+        """A progress stream (Prefetch, Prewarm, WatchEvents): each step as `message` (same
+        field names), or as to_message makes it, its errors mapped like any call's."""
+        convert = to_message or (lambda step: message(**dataclasses.asdict(step)))
         started = time.perf_counter()
         stream = None
         try:
@@ -278,7 +281,7 @@ class KVStoreServicer:
             with self.slots.held(context.peer(), context, caller.client) as stream:
                 self._admit(request, method)
                 for step in stream.send(progress(caller)):
-                    yield message(**dataclasses.asdict(step))
+                    yield convert(step)
         except GeneratorExit:  # gRPC stopped sending: the client left, or the reaper ended it
             code = "ABORTED" if stream is not None and stream.aborted else "CANCELLED"
             self.metrics.observe_rpc(method, code, time.perf_counter() - started)
@@ -333,7 +336,7 @@ class KVStoreServicer:
             tenant = caller.tenant.name if self.auth.on else ""
             return self.store.events.stream(tenant, request.from_sequence, context.is_active)
         return self._streamed("WatchEvents", context, batches, pb.WatchEventsResponse,
-                              request)
+                              request, _events_response)
 
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:
@@ -472,3 +475,13 @@ class KVStoreServicer:
         data["server"]["max_streams_per_connection"] = self.slots.per_connection
         data["clients"]["max_streams"] = client_stream_cap(self.config)
         return data
+
+
+def _events_response(batch: EventBatch) -> pb.WatchEventsResponse:
+    """A batch of block events as the wire has it, field by field (a batch holds up to 1,024
+    events: no generic dict on the way)."""
+    return pb.WatchEventsResponse(
+        events=[pb.BlockEvent(sequence=e.sequence, kind=e.kind, namespace=e.namespace,
+                              key=e.key, tier=e.tier, from_tier=e.from_tier, parent=e.parent)
+                for e in batch.events],
+        dropped=batch.dropped, daemon_id=batch.daemon_id)
