@@ -20,13 +20,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 from figures import Figure, Op, gbps_figure, paired, run_main
 
 from kvstore.client import KVStoreClient
-from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.tools.testing import start_daemon
 from kvstore.units import KiB, MiB, parse_size
 
@@ -54,23 +51,18 @@ class Subscriber:
     """Reads every event of a daemon's stream on a thread, as a router would."""
 
     def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
-        self.call = rpc.KVStoreStub(self.channel).WatchEvents(pb.WatchEventsRequest())
+        self.kv = KVStoreClient(target, "bench-watch")
         self.events = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        try:
-            for response in self.call:
-                self.events += len(response.events)
-        except grpc.RpcError:
-            return  # cancelled at the end
+        for response in self.kv.watch_events():  # ends when close() closes the channel
+            self.events += len(response.events)
 
     def close(self) -> None:
-        self.call.cancel()
+        self.kv.close()
         self.thread.join(10)
-        self.channel.close()
 
 
 def put_op(kv: KVStoreClient, values: list[bytes]) -> Op:
