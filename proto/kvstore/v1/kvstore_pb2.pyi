@@ -47,7 +47,7 @@ class LimitsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LimitsResponse(_message.Message):
-    __slots__ = ("contract", "max_message_bytes", "chunk_bytes", "max_batch_keys", "max_object_bytes", "max_response_bytes", "key_bytes", "max_namespace_bytes", "default_lease_ms", "max_lease_ms", "reservation_timeout_ms", "max_pin_ms", "stream_idle_ms", "max_block_tokens", "shared_memory", "unix_socket", "auth_mode")
+    __slots__ = ("contract", "max_message_bytes", "chunk_bytes", "max_batch_keys", "max_object_bytes", "max_response_bytes", "key_bytes", "max_namespace_bytes", "default_lease_ms", "max_lease_ms", "reservation_timeout_ms", "max_pin_ms", "stream_idle_ms", "max_block_tokens", "shared_memory", "unix_socket", "auth_mode", "data_port")
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class LimitsResponse(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
     AUTH_MODE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     contract: str
     max_message_bytes: int
     chunk_bytes: int
@@ -82,7 +83,8 @@ class LimitsResponse(_message.Message):
     shared_memory: bool
     unix_socket: str
     auth_mode: str
-    def __init__(self, contract: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_batch_keys: _Optional[int] = ..., max_object_bytes: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., key_bytes: _Optional[int] = ..., max_namespace_bytes: _Optional[int] = ..., default_lease_ms: _Optional[int] = ..., max_lease_ms: _Optional[int] = ..., reservation_timeout_ms: _Optional[int] = ..., max_pin_ms: _Optional[int] = ..., stream_idle_ms: _Optional[int] = ..., max_block_tokens: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., auth_mode: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, contract: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_batch_keys: _Optional[int] = ..., max_object_bytes: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., key_bytes: _Optional[int] = ..., max_namespace_bytes: _Optional[int] = ..., default_lease_ms: _Optional[int] = ..., max_lease_ms: _Optional[int] = ..., reservation_timeout_ms: _Optional[int] = ..., max_pin_ms: _Optional[int] = ..., stream_idle_ms: _Optional[int] = ..., max_block_tokens: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., auth_mode: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class Extent(_message.Message):
     __slots__ = ("offset", "length")
