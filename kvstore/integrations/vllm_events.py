@@ -39,7 +39,7 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
-from kvstore.client.errors import FailedPrecondition, KVStoreError
+from kvstore.client.watch import EventCursor, follow_events
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.tier import MEDIUM_OF_TIER, Tier, tier_name
 
@@ -177,46 +177,35 @@ class StoreEvents:
 
 class StoreWatch:
     """Follows the daemon's event stream (WatchEvents) for the link's namespace on a thread
-    of its own and hands each change to `StoreEvents.store_changed`; reconnects while the
-    link is open. A daemon whose events are off is left alone after one log line."""
+    of its own (`follow_events`) and hands each change to `StoreEvents.store_changed`;
+    reconnects while the link is open, skipping events already handled (`EventCursor`). A
+    new daemon run clears what was announced of the old one. A daemon whose events are off
+    is left alone after one log line."""
 
-    RETRY_S = 1.0
+    RETRY_S = (1.0, 5.0)
 
     def __init__(self, link: StoreLink, events: StoreEvents) -> None:
         self.link = link
         self.events = events
+        self.cursor = EventCursor()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        # Each connection reads from the first event the daemon still holds: what came
-        # before this connector announced anything is about blocks it does not know, and a
-        # restarted daemon numbers its events from 1 again. Events of the same daemon run
-        # already handled are skipped.
-        handled, daemon_id = 0, ""
-        while not self._stop.is_set():
-            try:
-                for response in self.link.client.watch_events(1):
-                    if daemon_id and response.daemon_id != daemon_id:
-                        self.events.store_cleared()
-                        handled = 0
-                    daemon_id = response.daemon_id
-                    for event in response.events:
-                        if event.sequence <= handled:
-                            continue
-                        handled = event.sequence
-                        if event.kind != _CLEARED and event.namespace == self.link.namespace:
-                            self.events.store_changed(event.kind, event.key, event.tier)
-            except FailedPrecondition as exc:
-                logger.info("kvstore: the daemon's block events are off: removals are not "
-                            "announced (%s)", exc)
-                return
-            except KVStoreError as exc:
-                logger.debug("kvstore: event stream: %s; again in %.0f s", exc, self.RETRY_S)
-            except ValueError:  # the link's channel is closed: the connector is shutting down
-                return
-            self._stop.wait(self.RETRY_S)
+        follow_events(self.link.client.watch_events, self.handle, self._stop,
+                      name="kvstore: event stream", retry_s=self.RETRY_S, stop_when_off=True)
+
+    def handle(self, response: Any) -> None:
+        """One response's changes of the link's namespace, as `StoreEvents` announces them.
+        What came before this connector's first response is about blocks it never announced;
+        a later daemon run's first response clears every block announced before."""
+        advance = self.cursor.advance(response)
+        if advance.new_run and not advance.first:
+            self.events.store_cleared()
+        for event in advance.events:
+            if event.kind != _CLEARED and event.namespace == self.link.namespace:
+                self.events.store_changed(event.kind, event.key, event.tier)
 
     def close(self) -> None:
         """Stop following the stream; the thread ends once the link's channel closes (which

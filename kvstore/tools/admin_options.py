@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvstore.client import credentials as cred
@@ -161,21 +161,35 @@ def global_options(described: bool = True) -> CommandParser:
                    help=shown("machine-readable output on stdout; an error is one JSON object "
                               "on stderr (code, reason, message, exit_code)"))
     auth = common.add_argument_group("credentials (auth.mode token or mtls; global options)")
-    auth.add_argument("--token", action=_Once,
-                      help=shown(f"bearer token (env {cred.ENV_TOKEN}); visible in the process "
-                                 "list: prefer --token-file"))
-    auth.add_argument("--token-file", action=_Once, metavar="PATH",
-                      help=shown(f"a file holding the token (env {cred.ENV_TOKEN_FILE})"))
-    for flag, var, what in (
-        ("--tls-ca", cred.ENV_TLS_CA_FILE, "CA bundle of the daemon's certificate; TLS on"),
-        ("--tls-cert", cred.ENV_TLS_CERT_FILE, "client certificate (mutual TLS), with --tls-key"),
-        ("--tls-key", cred.ENV_TLS_KEY_FILE, "the client certificate's key"),
-        ("--tls-server-name", cred.ENV_TLS_SERVER_NAME, "the name the daemon's certificate "
-         "carries, when not the target's host"),
-    ):
-        auth.add_argument(flag, action=_Once, help=shown(f"{what} (env {var})"),
-                          metavar="NAME" if flag.endswith("name") else "PATH")
+    add_credential_flags(auth, shown, action=_Once)
     return common
+
+
+def add_credential_flags(group: Any, shown: Callable[[str], str] = str, **kwargs: Any) -> None:
+    """The credential flags (--token, --token-file, --tls-*) on an argument group: `shown`
+    turns each help text into what --help prints, kwargs go to every flag (an action, a
+    default). kvstore-admin and kvstore-events take the same ones; `check_credentials` after
+    parsing refuses --token with --token-file."""
+    auth = [
+        ("--token", "TOKEN", f"bearer token (env {cred.ENV_TOKEN}); visible in the process "
+         "list: prefer --token-file"),
+        ("--token-file", "PATH", f"a file holding the token (env {cred.ENV_TOKEN_FILE})"),
+        ("--tls-ca", "PATH", f"CA bundle of the daemon's certificate; TLS on (env "
+         f"{cred.ENV_TLS_CA_FILE})"),
+        ("--tls-cert", "PATH", f"client certificate (mutual TLS), with --tls-key (env "
+         f"{cred.ENV_TLS_CERT_FILE})"),
+        ("--tls-key", "PATH", f"the client certificate's key (env {cred.ENV_TLS_KEY_FILE})"),
+        ("--tls-server-name", "NAME", "the name the daemon's certificate carries, when not "
+         f"the target's host (env {cred.ENV_TLS_SERVER_NAME})"),
+    ]
+    for flag, metavar, what in auth:
+        group.add_argument(flag, metavar=metavar, help=shown(what), **kwargs)
+
+
+def check_credentials(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--token and --token-file together: the parser's usage error."""
+    if args.token is not None and args.token_file is not None:
+        parser.error("argument --token-file: not allowed with argument --token")
 
 
 def _defaults() -> dict[str, Any]:
@@ -212,8 +226,7 @@ class AdminParser(CommandParser):
         for dest, value in _defaults().items():
             if not hasattr(parsed, dest):
                 setattr(parsed, dest, value)
-        if parsed.token is not None and parsed.token_file is not None:
-            self.error("argument --token-file: not allowed with argument --token")
+        check_credentials(self, parsed)
         return parsed, rest
 
 

@@ -48,39 +48,35 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import grpc
 import msgspec
 import zmq
 
 from kvstore.client import KVStoreClient
-from kvstore.client.credentials import (
-    TLS,
-    bearer_metadata,
-    channel_security,
-    resolve_token,
-    with_metadata,
-)
+from kvstore.client.credentials import TLS, resolve_token
 from kvstore.client.errors import (
     InvalidArgument,
     KVStoreError,
     PermissionDenied,
     Unauthenticated,
-    from_rpc_error,
 )
+from kvstore.client.results import LookupResult
+from kvstore.client.watch import EventCursor, follow_events
 from kvstore.keys import KEY_BYTES, InvalidKeyError, check_namespace, prefix_keys
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.tier import MEDIUM_OF_TIER, Medium, Tier, tier_name
+from kvstore.tier import MEDIUM_OF_TIER, Medium, Tier
 from kvstore.tools import admin_options as opt
 
 logger = logging.getLogger("kvstore.events")
 
+OWN_NAMESPACE = "kvstore-events"
+"""The namespace of the client that follows the stream (WatchEvents is the tenant's, whatever
+the namespace) and asks Limits and Stats."""
 MAX_NAMESPACES = 4096
 """Namespaces remembered for AllBlocksCleared (each is a topic of its own); past it the
 longest unused is forgotten and counted."""
@@ -178,6 +174,8 @@ class Translator:
         self.forgotten_parents = 0
         """Parents forgotten because more than max_blocks blocks were held."""
         self.forgotten_namespaces = 0
+        """Namespaces forgotten because more than MAX_NAMESPACES were announced: a later
+        AllBlocksCleared does not reach their topics."""
 
     def translate(self, events: Iterable[Any]) -> list[Change]:
         """The changes of one response's events, in order; consecutive stores of one chain
@@ -369,6 +367,7 @@ class ZmqPublisher:
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
         self.next_seq = 0
         self.bad_replay_requests = 0
+        """Replay requests ignored for their shape (not `[identity, "", start]`)."""
 
     def publish(self, changes: Sequence[Change]) -> None:
         for topic, payload in self.encode(changes):
@@ -442,94 +441,57 @@ class Publishing(threading.Thread):
 # --- the daemon's side: WatchEvents, and Lookup for /query -------------------------------
 
 
-def open_channel(target: str, token: str | None, tls: TLS | None) -> Any:
-    """A gRPC channel to the daemon with the token on every call and TLS when given."""
-    if tls is None:
-        channel = grpc.insecure_channel(target)
-    else:
-        security = channel_security(tls)
-        channel = grpc.secure_channel(target, security.credentials, options=security.options)
-    return with_metadata(channel, bearer_metadata(token) if token else ())
-
-
 class Relay(threading.Thread):
-    """Follows the daemon's WatchEvents stream and queues its changes for `Publishing`.
-    Reconnects with a backoff; on reconnect it asks again from sequence 1 and skips what it
-    already published, so nothing between is lost while the daemon still holds it. A new
-    daemon_id (a daemon restart) clears every namespace announced before."""
+    """Follows the daemon's WatchEvents stream (`follow_events`) and queues its changes for
+    `Publishing`. Reconnects with a backoff; on reconnect it asks again from sequence 1 and
+    skips what it already published (`EventCursor`), so nothing between is lost while the
+    daemon still holds it. A new daemon_id (a daemon restart, or this program's first
+    response) clears every namespace announced before."""
 
-    def __init__(self, stub: pb_grpc.KVStoreStub, translator: Translator,
-                 out: Callable[[list[Change]], None]) -> None:
+    def __init__(self, open_stream: Callable[[int], Iterator[Any]] | None,
+                 translator: Translator, out: Callable[[list[Change]], None]) -> None:
         super().__init__(name="kvstore-events-watch", daemon=True)
-        self.stub = stub
+        self.open_stream = open_stream
         self.translator = translator
         self.out = out
-        self.daemon_id = ""
-        self.last_sequence = 0
-        self.missed = 0
-        """Events the daemon no longer held when asked (its buffer overflowed)."""
+        self.cursor = EventCursor()
+        """The daemon run followed, the last sequence relayed, the events missed."""
         self.failures = 0
         """Responses that could not be relayed (a fault of this program, logged)."""
         self.connected = threading.Event()
         self.stopping = threading.Event()
-        self._call: Any = None
 
     def run(self) -> None:
-        backoff_s = 0.2
-        while not self.stopping.is_set():
-            try:
-                self._call = self.stub.WatchEvents(pb.WatchEventsRequest(from_sequence=1))
-                for response in self._call:
-                    self.connected.set()
-                    backoff_s = 0.2
-                    self.handle(response)
-            except grpc.RpcError as exc:
-                if self.stopping.is_set():
-                    break
-                err = from_rpc_error(exc)
-                logger.warning("kvstore-events: WatchEvents ended (%s); again in %.1fs",
-                               err, backoff_s)
-            except Exception:  # a fault of ours: said, counted, and the stream followed again
-                self.failures += 1
-                logger.exception("kvstore-events: relaying failed (%d so far); again in %.1fs",
-                                 self.failures, backoff_s)
-            self.connected.clear()
-            self.stopping.wait(backoff_s)
-            backoff_s = min(5.0, backoff_s * 2)
+        assert self.open_stream is not None
+        follow_events(self.open_stream, self._counted, self.stopping, name="kvstore-events",
+                      connected=self.connected)
+
+    def _counted(self, response: Any) -> None:
+        try:
+            self.handle(response)
+        except Exception:
+            self.failures += 1
+            raise
 
     def handle(self, response: Any) -> None:
-        events = list(response.events)
+        advance = self.cursor.advance(response)
         changes: list[Change] = []
-        if response.daemon_id != self.daemon_id:
-            if self.daemon_id:
+        if advance.new_run:
+            if not advance.first:
                 logger.info("kvstore-events: a new daemon run (%s): clearing",
                             response.daemon_id)
-            if events and events[0].kind != pb.BLOCK_EVENT_KIND_CLEARED:
-                changes.extend(self.translator.clear())
-            if response.dropped:
-                self.missed += response.dropped
-                logger.warning("kvstore-events: the daemon no longer holds its first %d "
-                               "events: the blocks they stored are not announced",
-                               response.dropped)
-            self.daemon_id = response.daemon_id
-            self.last_sequence = 0
-        else:
-            events = [e for e in events if e.sequence > self.last_sequence]
-        if events:
-            gap = events[0].sequence - self.last_sequence - 1
-            if gap > 0 and self.last_sequence:
-                self.missed += gap
-                logger.warning("kvstore-events: %d events missed (the daemon's buffer "
-                               "overflowed): routers may hold stale blocks", gap)
-            self.last_sequence = events[-1].sequence
-        changes.extend(self.translator.translate(events))
+            if not (advance.events and advance.events[0].kind == pb.BLOCK_EVENT_KIND_CLEARED):
+                changes.extend(self.translator.clear())  # a CLEARED event clears by itself
+        if advance.missed:
+            logger.warning("kvstore-events: %d events missed (the daemon no longer held "
+                           "them): routers may hold stale blocks", advance.missed)
+        changes.extend(self.translator.translate(advance.events))
         if changes:
             self.out(changes)
 
     def stop(self) -> None:
+        """Stop following; the stream in progress ends when its client closes."""
         self.stopping.set()
-        if self._call is not None:
-            self._call.cancel()
 
 
 class QueryError(Exception):
@@ -591,12 +553,11 @@ def _hex_keys(keys: Any) -> list[bytes]:
 class Query:
     """/query over the daemon's Lookup: the longest cached prefix and its blocks per tier."""
 
-    def __init__(self, stub: pb_grpc.KVStoreStub, max_batch_keys: int, node: str,
-                 timeout_s: float = 10.0) -> None:
-        self.stub = stub
+    def __init__(self, client_for: Callable[[str], KVStoreClient], max_batch_keys: int,
+                 node: str) -> None:
+        self.client_for = client_for
         self.max_batch_keys = max(1, max_batch_keys)
         self.node = node
-        self.timeout_s = timeout_s
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         namespace, keys, block_size = parse_query(body)
@@ -605,7 +566,7 @@ class Query:
         for start in range(0, len(keys), self.max_batch_keys):
             chunk = keys[start:start + self.max_batch_keys]
             reply = self._lookup(namespace, chunk, block_size)
-            tiers.extend(tier_name(t) for t in reply.tiers)
+            tiers.extend(reply.tiers)
             if prefix == start:
                 prefix += reply.prefix_length
         hits = {t.label: 0 for t in Tier}
@@ -617,17 +578,43 @@ class Query:
                 "longest_matched": prefix * block_size if block_size else None,
                 "hits": hits, "tiers": tiers}
 
-    def _lookup(self, namespace: str, keys: list[bytes], block_size: int) -> Any:
+    def _lookup(self, namespace: str, keys: list[bytes], block_size: int) -> LookupResult:
         try:
-            return self.stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys,
-                                                     block_tokens=block_size),
-                                    timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            err = from_rpc_error(exc)
+            return self.client_for(namespace).lookup(keys, block_tokens=block_size)
+        except KVStoreError as err:
             status = (400 if isinstance(err, InvalidArgument) else
                       403 if isinstance(err, PermissionDenied) else
                       401 if isinstance(err, Unauthenticated) else 503)
             raise QueryError(status, f"the daemon's Lookup: {err}") from None
+
+
+class Clients:
+    """A KVStoreClient per namespace (a client is bound to one): the one kvstore-events
+    follows the stream and asks Limits with, and those /query asks Lookup with, made on
+    first use and the least recently used closed past `limit`. gRPC shares one connection
+    to a target among them."""
+
+    def __init__(self, make: Callable[[str], KVStoreClient], limit: int = 64) -> None:
+        self.make = make
+        self.limit = limit
+        self._clients: OrderedDict[str, KVStoreClient] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, namespace: str) -> KVStoreClient:
+        with self._lock:
+            client = self._clients.get(namespace)
+            if client is None:
+                client = self._clients[namespace] = self.make(namespace)
+                while len(self._clients) > self.limit:
+                    self._clients.popitem(last=False)[1].close()
+            self._clients.move_to_end(namespace)
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
 
 
 # --- HTTP -------------------------------------------------------------------------------
@@ -753,19 +740,23 @@ class NodePublisher:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        with KVStoreClient(settings.target, "kvstore-events", shared_memory=False,
-                           read_table=False, token=settings.token,
-                           tls=settings.tls if settings.tls is not None else False) as client:
-            limits = client.limits()
-            self.tenant = client.stats().tenant
-            self.target = client.target
+        self.clients = Clients(functools.partial(
+            KVStoreClient, settings.target, shared_memory=False, read_table=False,
+            token=settings.token, tls=settings.tls if settings.tls is not None else False,
+            timeout_s=10.0))
+        own = self.clients(OWN_NAMESPACE)
+        try:
+            limits = own.limits()
+            self.tenant = own.stats().tenant
+        except BaseException:
+            self.clients.close()
+            raise
+        self.target = own.target
         self.auth_mode = limits.auth_mode
         if self.auth_mode == "off":
             logger.warning("kvstore-events: the daemon's auth is off: every namespace's "
                            "blocks are published, to anyone who reaches %s",
                            settings.endpoint)
-        self._channel = open_channel(self.target, settings.token, settings.tls)
-        self._stub = pb_grpc.KVStoreStub(self._channel)
         self.translator = Translator(settings.max_blocks)
         self._context: zmq.Context[Any] = zmq.Context()
         self.vllm = ZmqPublisher(self._context, settings.endpoint, settings.replay_endpoint,
@@ -780,8 +771,8 @@ class NodePublisher:
                                          settings.buffer_steps)
             publishers.append(self.mooncake)
         self.publishing = Publishing(publishers)
-        self.relay = Relay(self._stub, self.translator, self._enqueue)
-        self.query = Query(self._stub, limits.max_batch_keys, settings.node)
+        self.relay = Relay(own.watch_events, self.translator, self._enqueue)
+        self.query = Query(self.clients, limits.max_batch_keys, settings.node)
         self.http: ThreadingHTTPServer | None = None
         if settings.http_port >= 0 and settings.http_host:
             self.http = http_server(settings.http_host, settings.http_port, self.query,
@@ -813,21 +804,24 @@ class NodePublisher:
         up = self.relay.connected.is_set()
         return (200 if up else 503), {
             "status": "ok" if up else "not connected", "target": self.target,
-            "auth_mode": self.auth_mode, "daemon_id": self.relay.daemon_id,
-            "last_sequence": self.relay.last_sequence, "missed": self.relay.missed,
+            "auth_mode": self.auth_mode, "daemon_id": self.relay.cursor.daemon_id,
+            "last_sequence": self.relay.cursor.last_sequence,
+            "missed": self.relay.cursor.missed,
             "published_batches": self.vllm.next_seq, "dropped": self.dropped,
             "failures": self.relay.failures + self.publishing.failures,
-            "forgotten_parents": self.translator.forgotten_parents}
+            "forgotten_parents": self.translator.forgotten_parents,
+            "forgotten_namespaces": self.translator.forgotten_namespaces,
+            "bad_replay_requests": sum(p.bad_replay_requests for p in self.publishing.publishers)}
 
     def stop(self) -> None:
         self.relay.stop()
+        self.clients.close()  # cancels the stream the relay waits on
         self.relay.join(10)
         self.publishing.stopping.set()
         self.publishing.join(10)
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
-        self._channel.close()
         self._context.term()
 
 
@@ -860,11 +854,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-blocks", type=opt.positive_int, default=1 << 18,
                    help="blocks whose chain parent is remembered to re-announce moves "
                         "(about 160 bytes each)")
-    auth = p.add_argument_group("credentials (auth.mode token or mtls)")
-    auth.add_argument("--token", default=None, help="bearer token (env KVSTORE_TOKEN)")
-    auth.add_argument("--token-file", default=None, help="a file holding the token")
-    for flag in ("--tls-ca", "--tls-cert", "--tls-key", "--tls-server-name"):
-        auth.add_argument(flag, default=None)
+    opt.add_credential_flags(p.add_argument_group("credentials (auth.mode token or mtls)"),
+                             default=None)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -885,6 +876,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    opt.check_credentials(parser, args)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
     try:

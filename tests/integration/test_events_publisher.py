@@ -37,6 +37,7 @@ from kvstore.tools.events import (
     Settings,
     Translator,
     block_hash,
+    main,
 )
 from kvstore.tools.testing import Daemon, free_port
 from tests.helpers import blocks, wait_until
@@ -426,14 +427,14 @@ def test_the_relay_skips_what_it_sent_and_clears_on_a_new_daemon() -> None:
     assert [(c.namespace, c.hashes) for c in out[0]] == [("a", [block_hash(k[2])])]
     out.clear()
     relay.handle(_response("d1", (9, stored, "a", k[3])))
-    assert relay.missed == 4 and relay.last_sequence == 9
+    assert relay.cursor.missed == 4 and relay.cursor.last_sequence == 9
     out.clear()
     relay.handle(_response("d2", (40, stored, "c", k[4]), dropped=39))  # another daemon run
     assert sorted((c.kind, c.namespace) for c in out[0][:2]) == [("cleared", "a"),
                                                                  ("cleared", "b")]
     assert [(c.kind, c.namespace) for c in out[0][2:]] == [("stored", "c")]
-    assert relay.daemon_id == "d2" and relay.last_sequence == 40
-    assert relay.missed == 4 + 39  # the new run's first 39 events were no longer held
+    assert relay.cursor.daemon_id == "d2" and relay.cursor.last_sequence == 40
+    assert relay.cursor.missed == 4 + 39  # the new run's first 39 events were no longer held
 
 
 def test_the_translator_forgets_parents_past_its_bound() -> None:
@@ -459,3 +460,13 @@ def test_the_translator_forgets_parents_past_its_bound() -> None:
         sequence=7, kind=pb.BLOCK_EVENT_KIND_MOVED, namespace="n", key=keys[3],
         tier=pb.TIER_HBM, from_tier=pb.TIER_DRAM)]) == []
     assert [type(e).__name__ for e in [AllBlocksCleared()]] == ["AllBlocksCleared"]
+
+
+def test_token_and_token_file_together_are_a_usage_error(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("secret\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--block-size", "16", "--token", "secret", "--token-file", str(token_file)])
+    assert exit_info.value.code == 2
+    assert "--token-file: not allowed with argument --token" in capsys.readouterr().err
