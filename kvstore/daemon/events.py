@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
@@ -71,21 +70,43 @@ made into a `BlockEvent` only when a subscriber reads it."""
 
 
 class _Ring:
-    """One tenant's last events; the next sequence number to hand out. Its one writer is
-    the store's thread of the moment (under the store's lock); readers copy `events` in one
-    C-level call, which the GIL keeps whole."""
+    """One tenant's last `capacity` events, each in the slot of its sequence modulo the
+    capacity, and the next sequence to hand out. Its one writer is the store's thread of the
+    moment (under the store's lock). A reader takes a batch slot by slot, by sequence, with
+    no lock: a slot read is one GIL-atomic list access, and an event overwritten meanwhile
+    shows another sequence, so a batch costs its own length, never the ring's."""
 
-    __slots__ = ("events", "next_sequence")
+    __slots__ = ("slots", "next_sequence")
 
     def __init__(self, capacity: int) -> None:
-        self.events: deque[_Raw] = deque(maxlen=capacity)
+        self.slots: list[_Raw | None] = [None] * capacity
         self.next_sequence = 1
 
     def append(self, kind: int, namespace: str = "", key: bytes = b"", tier: int = 0,
                from_tier: int = 0, parent: bytes = b"") -> None:
         sequence = self.next_sequence
-        self.next_sequence = sequence + 1
-        self.events.append((sequence, kind, namespace, key, tier, from_tier, parent))
+        self.slots[sequence % len(self.slots)] = (sequence, kind, namespace, key, tier,
+                                                  from_tier, parent)
+        self.next_sequence = sequence + 1  # after the slot: a reader never sees it unwritten
+
+    def take(self, sequence: int, limit: int) -> tuple[list[_Raw], int]:
+        """At most limit events from `sequence` on, and how many before the first of them
+        (from `sequence`) the ring no longer holds. A slot overwritten while the batch is read
+        ends the batch there if it is not the first; if it is, the batch starts again past
+        what was overwritten."""
+        capacity = len(self.slots)
+        while True:
+            end = self.next_sequence
+            first = max(sequence, end - capacity, 1)
+            out: list[_Raw] = []
+            for s in range(first, min(end, first + limit)):
+                raw = self.slots[s % capacity]
+                if raw is None or raw[0] != s:
+                    break
+                out.append(raw)
+            if out or first >= end:
+                return out, first - sequence
+            # the first slot was overwritten while we read: the writer lapped us, read again
 
 
 class EventLog:
@@ -170,12 +191,8 @@ class EventLog:
                     self._lock.wait_for(lambda: ring.next_sequence > sequence, timeout_s)
                 finally:
                     self._waiting -= 1
-        held = list(ring.events)  # one C call: no append lands half-way through it
-        oldest = held[0][0] if held else ring.next_sequence
-        dropped = max(0, oldest - sequence)
-        start = max(sequence, oldest) - oldest
-        batch = [BlockEvent(s, Kind(k), n, key, t, f, p)
-                 for s, k, n, key, t, f, p in held[start:start + limit]]
+        held, dropped = ring.take(max(sequence, 1), limit)
+        batch = [BlockEvent(s, Kind(k), n, key, t, f, p) for s, k, n, key, t, f, p in held]
         return EventBatch(batch, dropped, self.daemon_id)
 
     def next_sequence(self, tenant: str) -> int:
