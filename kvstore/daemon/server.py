@@ -36,6 +36,7 @@ from kvstore.core.errors import StartupError, Unavailable
 from kvstore.daemon.attach import AttachSocket
 from kvstore.daemon.auth import server_credentials
 from kvstore.daemon.config import Config, ConfigError, add_arguments, config_from_args
+from kvstore.daemon.datasocket import DataSocket, bind_data_port
 from kvstore.daemon.methods import SERVICE_NAME, handlers
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.reflection import Reflection, commented_files
@@ -236,6 +237,11 @@ def serve(config: Config, stop: threading.Event,
         metrics = Metrics()
         undo.callback(metrics.stop)
         metrics_port = start_metrics(config, metrics)
+        data_sock = bind_data_port(config)  # server.data_port: -1 = none
+        if data_sock is not None:
+            undo.callback(data_sock.close)
+            server = dataclasses.replace(config.server, data_port=data_sock.getsockname()[1])
+            config = dataclasses.replace(config, server=server)
         store = Store(config)  # shared memory, the L3 file, Redis; its Auth reads the tenants
 
         def close_store() -> None:
@@ -249,7 +255,7 @@ def serve(config: Config, stop: threading.Event,
         undo.callback(close_store)
         metrics.watch_store(store)
         _serve(config, listener, store, metrics, metrics_port, stop,
-               reload or threading.Event(), drain_began)
+               reload or threading.Event(), drain_began, data_sock)
 
 
 # --- what the settings leave to the daemon: the port it got, the Unix socket ---------------
@@ -307,7 +313,7 @@ def _no_default_socket(why: str) -> str:
 
 
 def banner(config: Config, port: int, tls: bool, metrics_port: int, store: Store,
-           socket_path: str) -> str:
+           socket_path: str, data_port: int = 0) -> str:
     """The line printed once the daemon listens: the version, where it listens and how,
     and where each tier keeps how much (an operator sees what a bare start takes)."""
     dram = store.state.dram
@@ -322,12 +328,13 @@ def banner(config: Config, port: int, tls: bool, metrics_port: int, store: Store
     return (f"kvstore-server {__version__} listening on {config.server.host}:{port} "
             f"({'TLS' if tls else 'plaintext'}, auth {config.auth.mode}, metrics port "
             f"{metrics_port or 'off'}, {l2}, "
-            f"{'unix socket ' + socket_path if socket_path else 'no unix socket'}, {l3})")
+            f"{'unix socket ' + socket_path if socket_path else 'no unix socket'}, "
+            f"{f'data port {data_port}, ' if data_port else ''}{l3})")
 
 
 def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
            metrics_port: int, stop: threading.Event, reload: threading.Event,
-           drain_began: list[float]) -> None:
+           drain_began: list[float], data_sock: socket.socket | None = None) -> None:
     health_servicer = listener.health_servicer
 
     def set_health(status: int) -> None:
@@ -337,6 +344,7 @@ def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
     servicer = KVStoreServicer(store, metrics, drain=stop.set)  # Drain: as SIGTERM
     listener.server.add_generic_rpc_handlers((handlers(servicer),))
     attach = _attach_socket(config, store, servicer)
+    data = _data_socket(config, store, servicer, data_sock)
     reaper_stop = threading.Event()  # the reaper outlives stop: it also ends idle streams
     threads: list[threading.Thread] = []
     try:
@@ -359,7 +367,7 @@ def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
         for thread in threads:
             thread.start()
         print(banner(config, listener.port, listener.tls, metrics_port, store,
-                     attach.path if attach else ""), flush=True)
+                     attach.path if attach else "", data.port if data else 0), flush=True)
         # Poll, not wait(): the kernel may hand SIGTERM to any thread, and CPython runs the
         # handler only when the main thread runs bytecode again; a wait without a timeout
         # would then never wake, and the daemon would ignore the signal.
@@ -377,6 +385,9 @@ def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
         if attach is not None:
             attach.close()
             servicer.local.close()
+        if data is not None:
+            data.close()
+            servicer.data.close()
         for thread in threads:
             thread.join()
         listener.close()  # the pools; the server is stopped
@@ -399,6 +410,22 @@ def _attach_socket(config: Config, store: Store,
                           servicer.local.open)
     attach.start()
     return attach
+
+
+def _data_socket(config: Config, store: Store, servicer: KVStoreServicer,
+                 sock: socket.socket | None) -> DataSocket | None:
+    """The data socket (server.data_port, L2 on): INLINE Gets and Puts over TCP for
+    engines on other hosts (kvstore.daemon.datasocket), started."""
+    if sock is None:
+        return None
+    if store.state.dram is None:
+        log.warning("server.data_port is unused: the data socket moves blocks in and out of "
+                    "L2, and dram.enabled is false")
+        return None
+    data = DataSocket(config, servicer.data, sock)
+    servicer.data_port = data.port
+    data.start()
+    return data
 
 
 def _drain(config: Config, servicer: KVStoreServicer,

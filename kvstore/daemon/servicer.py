@@ -37,6 +37,7 @@ from kvstore.daemon.admission import Stream, StreamSlots, client_stream_cap
 from kvstore.daemon.attach import ATTACH_TICKET_S, Tickets
 from kvstore.daemon.auth import Caller
 from kvstore.daemon.config import config_to_dict
+from kvstore.daemon.datasocket import DataSessions
 from kvstore.daemon.events import EventBatch
 from kvstore.daemon.faults import FaultLog, abort, code_of, described, parsed
 from kvstore.daemon.localpath import LocalSessions
@@ -94,6 +95,11 @@ class KVStoreServicer:
         # The hot verbs on the Unix socket, for co-located clients (server.unix_socket).
         self.local = LocalSessions(self.verbs, self.auth, self.tickets, metrics, self.faults,
                                    self.draining, self.config.server.max_message_bytes)
+        # The same over TCP for engines on other hosts (server.data_port; the port it got is
+        # set once it is bound, 0 while there is none).
+        self.data = DataSessions(self.verbs, self.auth, self.tickets, metrics, self.faults,
+                                 self.draining, self.config.server.max_message_bytes)
+        self.data_port = 0
 
     def _admit(self, request: Any, method: str) -> Any:
         """The request, parsed, if the daemon takes new calls of this method: while draining
@@ -416,9 +422,10 @@ class KVStoreServicer:
                 raise FailedPrecondition("auth.mode is off: attach the named segment "
                                          "(StatsResponse.shm_name) instead", setting="auth.mode")
             dram = self.store.state.dram
-            if dram is None or not socket_path:
+            if dram is None or not (socket_path or self.data_port):
                 raise FailedPrecondition("shared memory needs the dram tier and "
-                                         "server.unix_socket; move data inline",
+                                         "server.unix_socket (the data socket: "
+                                         "server.data_port); move data inline",
                                          setting="server.unix_socket"
                                          if dram is not None else "dram.enabled")
             if not dram.arena_fds(caller.tenant.name):
@@ -432,7 +439,11 @@ class KVStoreServicer:
 
     def Limits(self, request: pb.LimitsRequest,
                context: grpc.ServicerContext) -> pb.LimitsResponse:
-        return self._unary("Limits", context, lambda caller: self.verbs.limits(), request)
+        def run(caller: Caller) -> pb.LimitsResponse:
+            limits = self.verbs.limits()
+            limits.data_port = self.data_port if limits.shared_memory else 0
+            return limits
+        return self._unary("Limits", context, run, request)
 
     def _stats_response(self, s: StoreStats, include_config: bool,
                         caller: Caller) -> pb.StatsResponse:

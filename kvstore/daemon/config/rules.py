@@ -68,6 +68,8 @@ def _server(cfg: Config, out: _Problems) -> None:
     s, m = cfg.server, cfg.metrics
     for path, port in (("server.port", s.port), ("metrics.port", m.port)):
         out.need(0 <= port <= 65535, path, "must be 0..65535 (0 = pick a free port)")
+    out.need(-1 <= s.data_port <= 65535, "server.data_port",
+             "must be -1..65535 (-1 = off, 0 = pick a free port)")
     out.need(bool(s.host.strip()), "server.host", "must not be empty; use e.g. 0.0.0.0")
     out.need(bool(m.host.strip()), "metrics.host", "must not be empty; use e.g. 0.0.0.0")
     out.need(cfg.events.buffer_events >= 0, "events.buffer_events",

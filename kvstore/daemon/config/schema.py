@@ -65,6 +65,11 @@ class ServerConfig:
     #: $XDG_RUNTIME_DIR, else in /tmp/kvstore-<uid> (both this user's alone). "off" = none
     #: in any mode (with auth on, clients then move data inline).
     unix_socket: str = ""
+    #: TCP port of the data socket, on server.host: engines on other hosts move INLINE Get
+    #: and Put bytes there raw (the local path's framing over TCP, TLS when gRPC has it, an
+    #: Attach ticket per session; docs/protocol.md). -1 = off (Get and Put stream over
+    #: gRPC); 0 = pick a free port (Limits tells clients which).
+    data_port: int = -1
 
 
 @dataclass(frozen=True)

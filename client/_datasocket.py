@@ -1,0 +1,328 @@
+"""The data socket: INLINE Get and Put over TCP, for a client on another host than the daemon.
+
+gRPC's Python binding hands every message over as `bytes`, so an inline Get or Put copies
+each payload once more on each side than a socket does. When the daemon offers its data
+socket (`LimitsResponse.data_port`), a client that is not co-located moves Get and Put
+bytes there instead: the local path's framing (`kvstore.proto.localframe`) over TCP, with
+TLS when the client's channel has TLS, and the two payload verbs of
+`kvstore.proto.dataframe`. A Get's blocks are received straight into the caller's buffers
+(`recv_into`), a Put's are sent from the caller's buffers without a copy (`sendmsg` of
+views; through TLS, `sendall` of each view).
+
+It is `LocalPath` (client/_localpath.py) with another way in: the same pool of sessions,
+the same tickets (auth on: Attach over gRPC, one per session handshake, `TicketKeeper`), the
+same pauses after a refusal that passes, and the same fallback: `NoSession` (the daemon
+serves none, or refused for good) means gRPC from then on, `NoSessionNow` gRPC for this call.
+A session that breaks before any byte of a Get's reply arrived is asked once more on a
+fresh one when it was reused (a Get may be asked twice); a Put is not (it may have been
+stored): it fails Unavailable, and the client retries the whole put, as it does any call.
+A Get whose trailer says the daemon's lease ended while it sent (TRAILER_VOID) fails
+Aborted (ENTRY_VANISHED): its bytes are dropped and the call is retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import xxhash
+
+from kvstore.proto.dataframe import GET_DATA, PUT_DATA, TRAILER_OK, TRAILER_VOID
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.localframe import CLOSING, REPLY, REQUEST
+
+from ._attach import TicketKeeper
+from ._buffers import ByteArray
+from ._localpath import LocalPath, NoSession, NoSessionNow, _error, _read_line, _Session
+from ._pause import TryLater
+from ._wire import Fetched, capacities, parse_get_header
+from .errors import EntryVanished, InvalidArgument, Unavailable
+
+logger = logging.getLogger("kvstore.client")
+
+MAX_IOV = 512  # buffers per sendmsg call (Linux takes up to 1024)
+_EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
+
+__all__ = ["DataSocket", "NoSession", "NoSessionNow", "tls_context"]
+
+
+class _Broke(Exception):
+    """A session broke; unanswered says whether any byte of the reply had arrived."""
+
+    def __init__(self, message: str, unanswered: bool) -> None:
+        super().__init__(message)
+        self.unanswered = unanswered
+
+
+def tls_context(root_certificates: bytes | None = None, private_key: bytes | None = None,
+                certificate_chain: bytes | None = None) -> ssl.SSLContext:
+    """The TLS a data socket is opened with, from the PEM bytes a client's gRPC channel is
+    given (grpc.ssl_channel_credentials' arguments): the roots to trust (None: the
+    system's) and, for auth.mode=mtls, the client's key and certificate chain."""
+    context = ssl.create_default_context()
+    if root_certificates is not None:
+        context.load_verify_locations(cadata=root_certificates.decode("ascii"))
+    if private_key is not None and certificate_chain is not None:
+        import os
+        import tempfile
+        # ssl loads a key pair from files only; they live for the call alone, 0600.
+        with tempfile.TemporaryDirectory() as folder:
+            key_path, cert_path = os.path.join(folder, "key.pem"), os.path.join(folder, "c.pem")
+            for path, data in ((key_path, private_key), (cert_path, certificate_chain)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                    f.write(data)
+            context.load_cert_chain(cert_path, key_path)
+    return context
+
+
+class DataSocket(LocalPath):
+    """Pooled sessions on one daemon's data socket (host:port). Thread-safe.
+
+    tickets: as LocalPath's (auth on: Attach tickets; auth off: "-"). tls: the context to
+    open sessions with (when the client's channel has TLS; server_hostname: the name the
+    daemon's certificate must carry, by default host), None for plaintext. timeout_s bounds
+    each operation of a call."""
+
+    def __init__(self, host: str, port: int, tickets: TicketKeeper, timeout_s: float,
+                 tls: ssl.SSLContext | None = None, server_hostname: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(f"{host}:{port}", tickets, timeout_s, clock)
+        self.host = host.strip("[]")
+        self.port = port
+        self._tls = tls
+        self._server_hostname = server_hostname or self.host
+
+    # --- the verbs ------------------------------------------------------------------------
+
+    def get_into(self, namespace: str, keys: list[bytes], arrays: list[ByteArray] | None,
+                 verify: bool, lease_timeout_ms: int = 0) -> Fetched:
+        """An INLINE Get: the found blocks received into arrays (one writable flat uint8
+        array per key; None: into bytes of their own, in Fetched.payloads), hashed as they
+        land when verify. NoSession / NoSessionNow when the socket cannot be had (the caller
+        uses gRPC); the daemon's errors as the client's."""
+        request = pb.GetRequest(namespace=namespace, keys=keys,
+                                lease_timeout_ms=lease_timeout_ms)
+        body = request.SerializeToString()
+        fetched: Fetched = self._data_call(
+            GET_DATA, body, (), lambda s: self._receive_get(s, len(keys), arrays, verify),
+            resend=True)
+        return fetched
+
+    def get(self, namespace: str, keys: list[bytes], verify: bool) -> Fetched:
+        """As get_into, each found block's bytes in Fetched.payloads."""
+        return self.get_into(namespace, keys, None, verify)
+
+    def put(self, header: pb.PutRequest, payloads: Sequence[Any]) -> pb.PutResponse:
+        """An inline Put: header (namespace, keys, sizes, parent_key, independent; checksums
+        optional), then each payload sent from its own buffer (one per key, sizes[i] bytes
+        each)."""
+        views = [_flat(p) for p in payloads]
+        if [v.nbytes for v in views] != list(header.sizes):
+            raise InvalidArgument("payloads: one per key, of the sizes the header names")
+        body = header.SerializeToString()
+
+        def receive(session: _Session) -> pb.PutResponse:
+            response: pb.PutResponse = pb.PutResponse.FromString(_reply(session))
+            return response
+
+        return self._data_call(PUT_DATA, body, views, receive, resend=False)
+
+    # --- one call -------------------------------------------------------------------------
+
+    def _data_call(self, verb: int, body: bytes, payloads: Sequence[memoryview],
+                   receive: Callable[[_Session], Any], resend: bool) -> Any:
+        session, reused = self._take()
+        if len(body) > session.max_frame_bytes:
+            self._give_back(session)
+            raise NoSessionNow(f"the request ({len(body)} bytes) is over the data socket's "
+                               f"{session.max_frame_bytes}-byte frames")
+        try:
+            result = self._exchange(session, verb, body, payloads, receive)
+        except _Broke as exc:
+            if not (exc.unanswered and reused and resend):
+                raise Unavailable(f"the data session broke: {exc}") from None
+            logger.debug("kvstore: an idle data session broke (%s); asking again on a fresh "
+                         "one", exc)
+            session = self._new()
+            try:
+                result = self._exchange(session, verb, body, payloads, receive)
+            except _Broke as again:
+                raise Unavailable(f"the data session broke: {again}") from None
+        self._give_back(session)
+        return result
+
+    def _exchange(self, session: _Session, verb: int, body: bytes,
+                  payloads: Sequence[memoryview], receive: Callable[[_Session], Any]) -> Any:
+        """Send one request (its payloads after it) and take its reply. A daemon error is
+        raised with the session kept when the stream is still in step (pooled again by the
+        caller's finally), else the session is closed."""
+        session.reply_bytes = 0
+        try:
+            _send(session.sock, [memoryview(REQUEST.pack(len(body), verb) + body), *payloads])
+            return receive(session)
+        except _DaemonError as exc:
+            self._give_back(session)
+            raise exc.error from None
+        except (OSError, _Torn) as exc:
+            session.close()
+            if isinstance(exc, TimeoutError):
+                raise Unavailable(f"the data session timed out after {self._timeout_s} s") \
+                    from None
+            raise _Broke(str(exc), unanswered=not session.reply_bytes) from None
+        except BaseException:
+            session.close()
+            raise
+
+    def _receive_get(self, session: _Session, num_keys: int, arrays: list[ByteArray] | None,
+                     verify: bool) -> Fetched:
+        """A GET_DATA reply: its header, the found blocks into their buffers, its trailer."""
+        first = pb.GetResponse.FromString(_reply(session))
+        # A header that cannot be taken (DataLoss; ValueError: a block larger than its
+        # buffer) is raised as it is; its payloads are left unread, so the session closes.
+        header = parse_get_header(first, num_keys, capacities(arrays))
+        payloads: list[bytes] = []
+        digests: list[int] | None = [] if verify else None
+        for i, size in zip(header.found_index, header.sizes, strict=True):
+            if arrays is not None:
+                target = memoryview(arrays[i])[:size]  # type: ignore[arg-type]
+            else:
+                target = memoryview(bytearray(size))
+            _fill(session, target)
+            if digests is not None:
+                digests.append(xxhash.xxh3_64_intdigest(target) if size else _EMPTY_DIGEST)
+            if arrays is None:
+                payloads.append(bytes(target))
+        trailer = _exact(session, 1)[0]
+        if trailer == TRAILER_VOID:
+            raise _DaemonError(EntryVanished(
+                "the daemon's lease on the blocks ended while it sent them; ask again"))
+        if trailer != TRAILER_OK:
+            raise _Torn(f"a Get's trailer is {trailer}, not 0 or 1")
+        return Fetched(header=header, payloads=payloads, digests=digests, held=True)
+
+    # --- sessions over TCP ----------------------------------------------------------------
+
+    def _handshake(self, line: bytes
+                   ) -> tuple[dict[str, Any], socket.socket | None, list[int]]:
+        """As LocalPath's, over a TCP (and TLS) connection to host:port."""
+        import json
+        sock = self._connect()
+        try:
+            sock.sendall(line)
+            text = _read_line(sock)
+        except OSError as exc:
+            sock.close()
+            raise TryLater(f"no data session on {self.path}: {exc}",
+                           ticket_unused=True) from None
+        if not text:
+            sock.close()
+            raise TryLater(f"no data session on {self.path}: the daemon closed the "
+                           "connection without an answer", ticket_unused=True)
+        try:
+            reply = json.loads(text)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            sock.close()
+            raise NoSession(f"no data session on {self.path}: the daemon answered the "
+                            f"handshake with {text[:200]!r}")
+        if isinstance(reply.get("hot"), dict):
+            return reply, sock, []
+        sock.close()
+        return reply, None, []
+
+    def _connect(self) -> socket.socket:
+        """A connection to the daemon's data port, TLS on it when asked: TryLater when
+        nothing answers now, NoSession when TLS fails (a certificate this client does not
+        trust will not change by trying again)."""
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self._timeout_s)
+        except OSError as exc:
+            raise TryLater(f"no data session on {self.path}: {exc}",
+                           ticket_unused=True) from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._server_hostname)
+        except ssl.SSLError as exc:
+            sock.close()
+            raise NoSession(f"no data session on {self.path}: TLS failed: {exc}") from None
+        except OSError as exc:
+            sock.close()
+            raise TryLater(f"no data session on {self.path}: {exc}",
+                           ticket_unused=True) from None
+        return sock
+
+
+class _Torn(Exception):
+    """The reply is not the protocol: the session is out of step and closes."""
+
+
+class _DaemonError(Exception):
+    """An error the daemon answered, with the session still in step."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _reply(session: _Session) -> bytes:
+    """The next reply's message; a daemon error raised (_DaemonError), the closing flag
+    kept on the session."""
+    length, status, flags = REPLY.unpack(_exact(session, REPLY.size))
+    body = _exact(session, length) if length else b""
+    session.closing = session.closing or bool(flags & CLOSING)
+    if status:
+        raise _DaemonError(_error(status, body))
+    return body
+
+
+def _exact(session: _Session, n: int) -> bytes:
+    buffer = bytearray(n)
+    _fill(session, memoryview(buffer))
+    return bytes(buffer)
+
+
+def _fill(session: _Session, view: memoryview) -> None:
+    """view filled from the session's socket (the reply's bytes counted on the session)."""
+    got, n, sock = 0, view.nbytes, session.sock
+    while got < n:
+        k = sock.recv_into(view[got:] if got else view)
+        if k == 0:
+            raise ConnectionError("the daemon closed the data session")
+        got += k
+        session.reply_bytes += k
+
+
+def _send(sock: socket.socket, views: list[memoryview]) -> None:
+    """views sent in order: gathered (sendmsg, no copy) in plaintext, one by one via TLS."""
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return
+    pending = [v for v in views if v.nbytes]
+    while pending:
+        sent = sock.sendmsg(pending[:MAX_IOV])
+        while sent and pending:
+            head = pending[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                pending.pop(0)
+            else:
+                pending[0] = head[sent:]
+                sent = 0
+
+
+def _flat(payload: Any) -> memoryview:
+    """A payload as a flat byte view (no copy)."""
+    view = payload if isinstance(payload, memoryview) else memoryview(payload)
+    if view.format != "B" or view.ndim != 1:
+        with contextlib.suppress(TypeError):
+            return view.cast("B")
+        raise InvalidArgument("payloads: each must be a contiguous buffer")
+    return view

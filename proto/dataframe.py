@@ -1,0 +1,44 @@
+"""The data socket's framing: the local path's (`kvstore.proto.localframe`) over TCP, for
+engines on other hosts, with two verbs whose payloads travel raw after their frames.
+
+Both sides import this module (the daemon's `kvstore.daemon.datasocket`, the client's
+`kvstore.client._datasocket`); docs/protocol.md ("The data socket") is the same
+description for a client in another language.
+
+A session opens as a local one does: with TLS first when the daemon's gRPC port has TLS,
+the client's line `HOT <ticket>\\n` (a ticket from Attach over gRPC with auth on; `-` with
+auth off) and the daemon's JSON line `{"hot": {"version": 1, "max_frame_bytes": N}}` or
+`{"error": ..., "reason": ...}`. Frames are localframe's (REQUEST, REPLY), one request
+answered before the next is read. The verbs:
+
+    LOOKUP (1)     LookupRequest -> LookupResponse, as on the Unix socket
+    RELEASE (5)    ReleaseRequest -> ReleaseResponse, as on the Unix socket
+    GET_DATA (16)  GetRequest (INLINE) -> GetResponse (found, sizes, checksums), then, when
+                   status is 0, the found payloads concatenated (sum(sizes) bytes), then
+                   one trailer byte: TRAILER_OK, or TRAILER_VOID when the daemon's lease on
+                   the blocks ended while it sent them (the bytes may not be the blocks':
+                   the client drops them and retries)
+    PUT_DATA (17)  PutRequest (namespace, keys, sizes, parent_key, independent; optionally
+                   the writer's checksums), then sum(sizes) payload bytes in key order ->
+                   PutResponse
+
+A PUT_DATA frame's payload is not counted in its length (max_frame_bytes bounds the header
+message); it may be up to server.max_response_bytes and must arrive by the frame's
+deadline, extended by one second per PAYLOAD_BYTES_PER_S. A put refused after its header
+(a quota, a namespace not the tenant's) is answered once its payload was read and dropped;
+one whose header cannot be read (not a PutRequest, or sizes past the cap) is answered with
+the closing flag, and the session ends.
+"""
+
+from __future__ import annotations
+
+GET_DATA = 16  #: an INLINE Get whose payloads follow the reply raw, then a trailer byte
+PUT_DATA = 17  #: a Put whose payloads follow the request frame raw
+DATA_VERB_NAMES = {GET_DATA: "Get", PUT_DATA: "Put"}
+
+TRAILER_OK = 0  #: a Get's payloads are the blocks' bytes
+TRAILER_VOID = 1  #: a Get's lease ended while they were sent: drop them, retry
+
+#: A payload's deadline grows by one second per this many bytes over the frame's own
+#: (FRAME_TIMEOUT_S, 10 s): a 1 GiB put has 26 s, which a 400 Mbit/s link meets.
+PAYLOAD_BYTES_PER_S = 64 * 1024 * 1024
