@@ -34,6 +34,7 @@ from . import _requests as rq
 from . import results as res
 from ._buffers import ByteArray
 from ._effects import Call, Next, Offload, Open, Report, Retried, Steps, Upload, one
+from ._grants import Grants
 from ._localpath import NoSession
 from ._segment import SharedSegment, only_header
 from ._shm import ShmState
@@ -67,7 +68,7 @@ from .credentials import (
     resolve_unix_socket,
     with_metadata,
 )
-from .errors import DataLoss, FailedPrecondition, KVStoreError
+from .errors import DataLoss, FailedPrecondition, InvalidArgument, KVStoreError
 from .retry import Retry
 
 logger = logging.getLogger("kvstore.client")
@@ -144,6 +145,10 @@ class ClientBase(ABC):
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._shm = ShmState(shared_memory, socket_path, timeout_s, read_table=read_table)
         self._daemon_limits: res.Limits | None = None  # the daemon's, asked once (Limits)
+        # Puts from a grant (client/_grants.py), on the local path it was made on; off for
+        # good when the daemon does not know the verb.
+        self._grants: Grants | None = None
+        self._grants_off = False
         self._closed = False
 
     # --- the transport, which each subclass is ---------------------------------------------
@@ -277,12 +282,20 @@ class ClientBase(ABC):
     # --- put ------------------------------------------------------------------------------
 
     def _put_steps(self, keys: Sequence[BlockKey], values: Sequence[object],
-                   parent: BlockKey | None, independent: bool) -> Steps[res.PutResult]:
+                   parent: BlockKey | None, independent: bool,
+                   wait: bool = True) -> Steps[res.PutResult]:
+        grants = self._grants
+        if grants is not None:
+            grants.posted.raise_failure()
         plan = rq.put_plan(self.namespace, keys, values, parent, independent)
         if not plan.keys:
             return res.PutResult(stored=0, existing=0, evicted=0)
         if (yield from self._segment()) is not None:
             try:
+                granted: res.PutResult | None = yield Retried(
+                    lambda: self._put_granted(plan, wait))
+                if granted is not None:
+                    return granted
                 return res.put_result((yield Retried(lambda: self._put_shm(plan))))
             except FailedPrecondition as exc:
                 self._shm.fall_back(exc)
@@ -291,6 +304,61 @@ class ClientBase(ABC):
         response = yield Retried(lambda: one(Upload(
             self._put, put_frames(header, plan.payloads, chunk), self.timeout_s)))
         return res.put_result(response)
+
+    def _grants_now(self) -> Grants | None:
+        """The grants of the local path open now; None when puts cannot take one (no local
+        path, or a daemon without the verb)."""
+        local = self._shm.local
+        if local is None or self._grants_off:
+            return None
+        grants = self._grants
+        if grants is None or grants.local is not local:
+            if grants is not None:
+                grants.close(0.0)
+            grants = self._grants = Grants(local, self.namespace)
+        return grants
+
+    def _put_granted(self, plan: rq.PutPlan, wait: bool) -> Steps[res.PutResult | None]:
+        """A put into granted pages (client/_grants.py): written, then its commit waited for
+        or posted (a posted put's result counts every key as stored, provisionally: flush()
+        gives the daemon's answers). None when no grant can take it: the caller reserves."""
+        grants = self._grants_now()
+        if grants is None:
+            return None
+        try:
+            placed = yield Offload(partial(grants.place, plan))
+        except NoSession as exc:
+            self._shm.local_off(exc)
+            return None
+        except InvalidArgument as exc:
+            if exc.field != "verb":
+                raise
+            logger.info("kvstore: the daemon grants no pages (%s); puts reserve theirs", exc)
+            self._grants_off = True
+            return None
+        if placed is None:
+            return None
+        yield from self._ensure_arena(placed[0].name)
+        body = yield Offload(partial(grants.write, plan, placed,
+                                     self._shm.segment_named(placed[0].name)))
+        response = yield Offload(partial(grants.commit, body, wait))
+        if response is None:
+            return res.PutResult(stored=len(plan.keys), existing=0, evicted=0, posted=True)
+        return res.put_result(response)
+
+    def _flush_steps(self) -> Steps[res.PutResult]:
+        """Wait for every posted commit's answer: what they stored, or the first failure."""
+        grants = self._grants
+        if grants is None:
+            return res.PutResult(stored=0, existing=0, evicted=0)
+        stored, existing, evicted = yield Offload(partial(grants.flush, self.timeout_s))
+        return res.PutResult(stored=stored, existing=existing, evicted=evicted)
+
+    def _close_grants_steps(self) -> Steps[None]:
+        """Before closing: posted commits answered (a failure logged), grants given back."""
+        grants, self._grants = self._grants, None
+        if grants is not None and not self._closed:
+            yield Offload(partial(grants.close, self.timeout_s))
 
     def _put_shm(self, plan: rq.PutPlan) -> Steps[pb.PutResponse]:
         """Reserve, write into the reserved pages, commit; a reservation not committed is

@@ -42,6 +42,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -106,17 +107,30 @@ class _Unanswered(Exception):
     """A session broke before any byte of its reply arrived."""
 
 
+#: What receives a posted request's answer, later: its reply's bytes, or the error it got (the
+#: daemon's, or Unavailable when the session ended before the answer came).
+Answer = Callable[["bytes | KVStoreError"], None]
+
+
 class _Session:
-    """One connection: requests answered in order; replies of posted requests skipped."""
+    """One connection: requests answered in order; the replies of posted requests handed to
+    their receivers (or dropped) as they come, before the reply of a request waited for."""
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int, timeout_s: float) -> None:
         self.sock = sock
         self.max_frame_bytes = max_frame_bytes
         self.timeout_s = timeout_s
-        self.posted = 0  # requests sent whose replies nobody waits for
+        # Requests sent whose replies nobody waits for, in order: each one's receiver, or
+        # None when its reply is dropped.
+        self.waiting: deque[Answer | None] = deque()
         self.closing = False
         self.reply_bytes = 0  # bytes of the awaited reply read so far
         self._head = bytearray(REPLY.size)
+
+    @property
+    def posted(self) -> int:
+        """How many posted requests are not answered yet."""
+        return len(self.waiting)
 
     def send(self, verb: int, body: bytes, ahead: bytes = b"") -> None:
         """Send one request, preceded by ahead: whole frames the daemon does not answer."""
@@ -126,15 +140,29 @@ class _Session:
     def receive(self) -> tuple[int, bytes]:
         """(status, body) of the next reply not posted; an error's body is raised."""
         while True:
-            length, status, flags = REPLY.unpack(self._read_into(self._head))
-            body = self._read(length)
-            self.closing = self.closing or bool(flags & CLOSING)
-            if not self.posted:
+            status, body = self._next_reply()
+            if not self.waiting:
                 return status, body
-            self.posted -= 1
-            if status:
-                logger.debug("kvstore: a posted local request failed: %s",
-                             _error(status, body))
+            self._hand_on(status, body)
+
+    def settle(self) -> None:
+        """Read the replies of every posted request and hand them on."""
+        while self.waiting:
+            self._hand_on(*self._next_reply())
+
+    def _next_reply(self) -> tuple[int, bytes]:
+        length, status, flags = REPLY.unpack(self._read_into(self._head))
+        body = self._read(length)
+        self.closing = self.closing or bool(flags & CLOSING)
+        return status, body
+
+    def _hand_on(self, status: int, body: bytes) -> None:
+        """A posted request's reply, to its receiver (a failure only logged without one)."""
+        answer = self.waiting.popleft()
+        if answer is not None:
+            answer(_error(status, body) if status else body)
+        elif status:
+            logger.debug("kvstore: a posted local request failed: %s", _error(status, body))
 
     def alive(self) -> bool:
         """Whether the daemon has not closed the session (while it sat idle): a peek that
@@ -159,7 +187,7 @@ class _Session:
             if k == 0:
                 raise ConnectionError("the daemon closed the local session")
             got += k
-            if not self.posted:
+            if not self.waiting:
                 self.reply_bytes += k
         return buffer
 
@@ -167,8 +195,15 @@ class _Session:
         return bytes(self._read_into(bytearray(n))) if n else b""
 
     def close(self) -> None:
+        """Close the connection; posted requests still unanswered get Unavailable (the
+        daemon may or may not have acted on them)."""
         with contextlib.suppress(OSError):
             self.sock.close()
+        while self.waiting:
+            answer = self.waiting.popleft()
+            if answer is not None:
+                answer(Unavailable("the local session ended before the daemon answered a "
+                                   "posted request (it may or may not have been carried out)"))
 
 
 class LocalPath:
@@ -204,7 +239,13 @@ class LocalPath:
         """One request, its reply parsed; a daemon error raised as the client's error, no
         session as NoSession (for good) or NoSessionNow (this call goes over gRPC). ahead:
         frames the daemon does not answer, sent before it on the same session."""
-        body = request.SerializeToString()
+        reply = self.call_bytes(verb, request.SerializeToString(), ahead)
+        response: M = response_type.FromString(reply)  # type: ignore[attr-defined]
+        return response
+
+    def call_bytes(self, verb: int, body: bytes, ahead: bytes = b"") -> bytes:
+        """As call, with the request's and the reply's bytes as they are (the struct-packed
+        verbs of kvstore.proto.localframe)."""
         session, reused = self._take()
         try:
             status, reply = self._round_trip(session, verb, body, ahead)
@@ -221,8 +262,7 @@ class LocalPath:
         self._give_back(session)
         if status:
             raise _error(status, reply)
-        response: M = response_type.FromString(reply)  # type: ignore[attr-defined]
-        return response
+        return reply
 
     def post(self, verb: int, request: Any, *, answered: bool = True) -> bool:
         """Send a request without waiting for its reply (a Release): its reply is read and
@@ -238,6 +278,34 @@ class LocalPath:
         except KVStoreError as exc:
             logger.debug("kvstore: a posted local request was not sent: %s", exc)
             return False
+
+    def post_bytes(self, verb: int, body: bytes, answer: Answer) -> None:
+        """Send a request without waiting: answer gets its reply (or error) later, from the
+        thread that reads it (the session's next call, or `settle`). Sent once more on a
+        fresh session when a reused one is found closed (a frame the daemon did not get
+        whole is never acted on). A request that could not be sent raises: NoSession or
+        NoSessionNow as call, Unavailable when the session broke under it."""
+        session, reused = self._take()
+        if self._post_on(session, verb, body, answer=answer):
+            return
+        if not (reused and self._post_on(self._new(), verb, body, answer=answer)):
+            raise Unavailable("the local session broke while a posted request was sent")
+
+    def settle(self) -> None:
+        """Read the replies of the requests posted on every idle session (their receivers
+        get them); a session that breaks meanwhile is closed (its receivers get
+        Unavailable). Sessions in use answer theirs before their own reply."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for session in idle:
+            try:
+                session.settle()
+            except OSError as exc:  # TimeoutError too
+                logger.debug("kvstore: a local session broke while its posted replies were "
+                             "read: %s", exc)
+                session.close()
+                continue
+            self._give_back(session)
 
     def report(self, verb: int, request: Any) -> bool:
         """Post a report the daemon never answers (see post)."""
@@ -258,7 +326,7 @@ class LocalPath:
         return got[-1] if got else []
 
     def _post_on(self, session: _Session, verb: int, body: bytes,
-                 answered: bool = True) -> bool:
+                 answered: bool = True, answer: Answer | None = None) -> bool:
         """Send a posted request on session: True when it went (the session is pooled again),
         False when the session was closed under it (and is dropped)."""
         if len(body) > session.max_frame_bytes:
@@ -272,7 +340,7 @@ class LocalPath:
             logger.debug("kvstore: a posted local request was not sent: %s", exc)
             return False
         if answered:
-            session.posted += 1
+            session.waiting.append(answer)
         self._give_back(session)
         return True
 
@@ -321,6 +389,9 @@ class LocalPath:
             if not self._closed and not session.closing and len(self._idle) < MAX_IDLE_SESSIONS:
                 self._idle.append(session)
                 return
+        if session.waiting:  # their answers are on the way: read them before closing
+            with contextlib.suppress(OSError):
+                session.settle()
         session.close()
 
     def _new(self, opener: Callable[[str], _Session] | None = None) -> _Session:
@@ -459,6 +530,9 @@ class LocalPath:
             self._closed = True
             idle, self._idle = self._idle, []
         for session in idle:
+            if session.waiting:
+                with contextlib.suppress(OSError):
+                    session.settle()
             session.close()
 
 

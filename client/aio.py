@@ -104,9 +104,14 @@ class AsyncKVStoreClient(ClientBase):
         *,
         parent: BlockKey | None = None,
         independent: bool = False,
+        wait: bool = True,
     ) -> res.PutResult:
         """See KVStoreClient.put."""
-        return await self._run(self._put_steps(keys, values, parent, independent))
+        return await self._run(self._put_steps(keys, values, parent, independent, wait))
+
+    async def flush(self) -> res.PutResult:
+        """See KVStoreClient.flush."""
+        return await self._run(self._flush_steps())
 
     async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """See KVStoreClient.get."""
@@ -210,6 +215,7 @@ class AsyncKVStoreClient(ClientBase):
 
     async def close(self) -> None:
         """See KVStoreClient.close."""
+        await self._run(self._close_grants_steps())
         if self._begin_close():
             await self._channel.close()
 

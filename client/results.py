@@ -41,7 +41,12 @@ class PutResult:
     existing: int
     """Blocks already present (unchanged: values are immutable)."""
     evicted: int
-    """Entries the daemon evicted to make room."""
+    """Entries the daemon evicted to make room (a put from a grant: 0, the room was made
+    when the grant was taken)."""
+    posted: bool = False
+    """True for `put(..., wait=False)` when its commit was posted: the counts are then
+    provisional (every key counted as stored), and `flush()` gives the daemon's answers or
+    raises the first refusal."""
 
 
 @dataclass(frozen=True)

@@ -97,11 +97,22 @@ class KVStoreClient(ClientBase):
         *,
         parent: BlockKey | None = None,
         independent: bool = False,
+        wait: bool = True,
     ) -> res.PutResult:
         """Store one block per key (any contiguous CPU buffer). By default keys form one chain
         (keys[i-1] the parent of keys[i]) whose first block follows `parent`; with
-        independent=True they are unrelated. Existing keys are acknowledged, unchanged."""
-        return self._run(self._put_steps(keys, values, parent, independent))
+        independent=True they are unrelated. Existing keys are acknowledged, unchanged.
+
+        wait=False, on the daemon's host: the blocks are written into pages the client holds
+        and their commit is posted, not waited for; the result is provisional (`posted`,
+        every key counted as stored). A refused commit is raised by the next put or by
+        `flush()`, which waits for every posted commit. Elsewhere it is a put that waits."""
+        return self._run(self._put_steps(keys, values, parent, independent, wait))
+
+    def flush(self) -> res.PutResult:
+        """Wait for the answer of every commit that `put(..., wait=False)` posted; what they
+        stored since the last flush, or the first refusal not raised yet (raised)."""
+        return self._run(self._flush_steps())
 
     def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """Each key's block, or None for a miss (or a block that failed its checksum)."""
@@ -212,7 +223,9 @@ class KVStoreClient(ClientBase):
         return self._run(self._release_steps(ids))
 
     def close(self) -> None:
-        """Close the channel and unmap the segment; idempotent."""
+        """Wait for posted commits (a refusal is logged), give back held pages, close the
+        channel and unmap the segment; idempotent."""
+        self._run(self._close_grants_steps())
         if self._begin_close():
             self._channel.close()
 

@@ -46,3 +46,57 @@ HELLO = "HOT"  #: the handshake line's first word
 def hello(ticket: str) -> bytes:
     """The handshake line that opens a session with ticket ("-" with auth off)."""
     return f"{HELLO} {ticket}\n".encode()
+
+# --- grants: puts that never wait (docs/local-path.md, "Puts from a grant") ----------------
+#
+# A client takes a grant of free pages in its tenant's arena (GRANT), writes blocks into
+# them, and commits them (COMMIT_GRANTED) naming the pages by their place in the grant. It may
+# post the commit (send it and read the answer later) or wait for it. What it has not used
+# goes back with RELEASE (ids=[the grant id as 32 hex digits]) or when the grant expires.
+# Bodies are struct-packed, little-endian; strings are UTF-8.
+GRANT = 8  #: GRANT_REQUEST + namespace -> GRANT_REPLY + names + u64 offset per page
+COMMIT_GRANTED = 9  #: COMMITTED head + namespace + [parent] + blocks + pages -> PutResponse
+
+#: Pages wanted, timeout in ms (0: leases.reservation_timeout_s), then the namespace.
+GRANT_REQUEST = struct.Struct("<II")
+#: Grant id, expires in ms, page size, pages, length of shm_name, length of arena; then
+#: shm_name, arena (one of them empty, as in a ReserveResponse) and one u64 per page: its
+#: offset in that segment or arena, in the order the commit's page numbers count.
+GRANT_REPLY = struct.Struct("<16sIIIHH")
+GRANT_ID_BYTES = 16
+#: Grant id, blocks, flags (INDEPENDENT, HAS_PARENT), length of the namespace; then the
+#: namespace, the 32-byte parent key when HAS_PARENT, one BLOCK per block, and the blocks'
+#: page numbers (u32 each, places in the grant), block after block.
+COMMITTED = struct.Struct("<16sIBH")
+INDEPENDENT = 1  #: COMMITTED flags bit 0: the blocks are unrelated (no chain)
+HAS_PARENT = 2  #: COMMITTED flags bit 1: a parent key follows the namespace
+BLOCK = struct.Struct("<32sQQI")  #: key, size in bytes, xxh3-64 as written, pages it takes
+PAGE_NUMBER = struct.Struct("<I")
+VERB_NAMES.update({GRANT: "Grant", COMMIT_GRANTED: "CommitGranted"})
+
+
+def grant_request(namespace: str, pages: int, timeout_ms: int = 0) -> bytes:
+    """A GRANT body: pages wanted in namespace's arena, held for timeout_ms."""
+    return GRANT_REQUEST.pack(pages, timeout_ms) + namespace.encode()
+
+
+def grant_reply(grant_id: bytes, expires_in_ms: int, page_size: int, shm_name: str,
+                arena: str, offsets: list[int]) -> bytes:
+    """A GRANT answer: the grant and where each of its pages lies."""
+    shm, name = shm_name.encode(), arena.encode()
+    return (GRANT_REPLY.pack(grant_id, expires_in_ms, page_size, len(offsets), len(shm),
+                             len(name)) + shm + name + struct.pack(f"<{len(offsets)}Q", *offsets))
+
+
+def commit_granted(grant_id: bytes, namespace: str, parent: bytes, independent: bool,
+                   blocks: list[tuple[bytes, int, int, list[int]]]) -> bytes:
+    """A COMMIT_GRANTED body: blocks as (key, size, checksum, page numbers in the grant)."""
+    ns = namespace.encode()
+    flags = (INDEPENDENT if independent else 0) | (HAS_PARENT if parent else 0)
+    parts = [COMMITTED.pack(grant_id, len(blocks), flags, len(ns)), ns, parent]
+    pages: list[int] = []
+    for key, size, checksum, numbers in blocks:
+        parts.append(BLOCK.pack(key, size, checksum, len(numbers)))
+        pages.extend(numbers)
+    parts.append(struct.pack(f"<{len(pages)}I", *pages))
+    return b"".join(parts)

@@ -59,13 +59,22 @@ from kvstore.daemon.attach import Tickets
 from kvstore.daemon.auth import Auth, Caller
 from kvstore.daemon.faults import FaultLog, Undecodable, code_of, decoder, described, parsed
 from kvstore.daemon.metrics import Metrics
-from kvstore.daemon.verbs import Verbs
+from kvstore.daemon.verbs import GrantedCommit, Verbs
+from kvstore.keys import KEY_BYTES
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.localframe import (
+    BLOCK,
     CLOSING,
     COMMIT,
+    COMMIT_GRANTED,
+    COMMITTED,
     GET,
+    GRANT,
+    GRANT_REQUEST,
+    HAS_PARENT,
+    INDEPENDENT,
     LOOKUP,
+    PAGE_NUMBER,
     RELEASE,
     REPLY,
     REQUEST,
@@ -135,7 +144,52 @@ def _verbs(v: Verbs) -> dict[int, tuple[str, Callable[[bytes], Any], Handler]]:
     named = {verb: (VERB_NAMES[verb], *handler) for verb, handler in handlers.items()}
     named[READS] = ("ReportReads", decoder(pb.LookupRequest), partial(_reads, v))
     named[LOOKUPS_READ] = ("ReportLookups", _looked, partial(_lookups, v))
+    named[GRANT] = (VERB_NAMES[GRANT], _grant_asked, v.grant)
+    named[COMMIT_GRANTED] = (VERB_NAMES[COMMIT_GRANTED], _granted_commit, v.commit_granted)
     return named
+
+
+def _grant_asked(body: bytes) -> tuple[int, int, str] | Undecodable:
+    """A GRANT body (localframe.GRANT_REQUEST, then the namespace): pages, timeout in ms,
+    namespace."""
+    if len(body) < GRANT_REQUEST.size:
+        return Undecodable(f"a Grant request is {GRANT_REQUEST.size} bytes and a namespace; "
+                           f"got {len(body)} bytes")
+    pages, timeout_ms = GRANT_REQUEST.unpack_from(body)
+    try:
+        return pages, timeout_ms, body[GRANT_REQUEST.size:].decode("utf-8")
+    except UnicodeDecodeError:
+        return Undecodable("a Grant request's namespace is not UTF-8")
+
+
+def _granted_commit(body: bytes) -> GrantedCommit | Undecodable:
+    """A COMMIT_GRANTED body (localframe.COMMITTED, ...), every length checked against what
+    arrived before anything is read from it."""
+    if len(body) < COMMITTED.size:
+        return Undecodable(f"a CommitGranted request starts with {COMMITTED.size} bytes; got "
+                           f"{len(body)}")
+    grant_id, count, flags, ns_length = COMMITTED.unpack_from(body)
+    at = COMMITTED.size + ns_length
+    parent_end = at + (KEY_BYTES if flags & HAS_PARENT else 0)
+    pages_at = parent_end + count * BLOCK.size
+    if flags & ~(HAS_PARENT | INDEPENDENT) or pages_at > len(body):
+        return Undecodable(f"a CommitGranted request of {count} blocks (flags {flags}) needs "
+                           f"{pages_at} bytes before its page numbers; got {len(body)}")
+    try:
+        namespace = body[COMMITTED.size:at].decode("utf-8")
+    except UnicodeDecodeError:
+        return Undecodable("a CommitGranted request's namespace is not UTF-8")
+    heads = list(BLOCK.iter_unpack(body[parent_end:pages_at]))
+    numbers = [n for (n,) in PAGE_NUMBER.iter_unpack(body[pages_at:])] \
+        if (len(body) - pages_at) % PAGE_NUMBER.size == 0 else []
+    if len(numbers) != sum(h[3] for h in heads):
+        return Undecodable(f"a CommitGranted request's blocks take {sum(h[3] for h in heads)} "
+                           f"pages; {len(body) - pages_at} bytes of page numbers follow")
+    blocks, used = [], 0
+    for key, size, checksum, pages in heads:
+        blocks.append((key, size, checksum, numbers[used:used + pages]))
+        used += pages
+    return grant_id, namespace, body[at:parent_end], bool(flags & INDEPENDENT), blocks
 
 
 def _looked(body: bytes) -> tuple[int, int, str] | Undecodable:
@@ -395,7 +449,8 @@ class LocalSessions:
                                         Reason.MESSAGE_TOO_LARGE, limit=self.max_frame_bytes,
                                         setting="server.max_message_bytes")
             if entry is None:
-                raise InvalidArgument(f"verb {verb} is not a local verb (1..7)", field="verb")
+                raise InvalidArgument(f"verb {verb} is not a local verb (1..{max(self._verbs)})",
+                                      field="verb")
             if self._draining.is_set() and method != "Release":
                 raise Unavailable("the daemon is draining (it is stopping): retry on another "
                                   "replica or after its restart", Reason.DRAINING)

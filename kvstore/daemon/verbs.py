@@ -5,7 +5,9 @@
     Get (SHARED_MEMORY)         extents in shared memory, leased or not
     Reserve                     pages for the client to write itself
     Put with reservation_id     the commit of a Reserve, with the writer's checksums
-    Release                     end leases, abandon reservations
+    Release                     end leases, abandon reservations (and grants)
+    Grant (local path only)     free pages held ahead for a client's puts
+    CommitGranted (local only)  blocks written into a grant's pages made entries
 
 Each takes the authenticated Caller and the decoded request message and returns the reply
 message, raising the daemon's errors (kvstore.core.errors); mapping them to a status is the
@@ -21,12 +23,23 @@ from kvstore.core.prefixhits import MAX_BLOCK_TOKENS
 from kvstore.core.records import ReadResult
 from kvstore.daemon.auth import Caller
 from kvstore.daemon.store import Store
+from kvstore.daemon.writer import GrantedBlock
 from kvstore.keys import KEY_BYTES, MAX_NAMESPACE_BYTES
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.localframe import grant_reply
 
 MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages that long
 
 Extents = list[list[tuple[int, int]]]
+#: A COMMIT_GRANTED request as decoded: grant id, namespace, parent key, independent, blocks.
+GrantedCommit = tuple[bytes, str, bytes, bool, list[GrantedBlock]]
+
+
+class Reply(bytes):
+    """A reply body that is no protobuf message (the local path's struct-packed ones)."""
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (the messages' name for it)
+        return bytes(self)
 
 
 def locations(extents: Extents) -> list[pb.BlockLocation]:
@@ -165,6 +178,30 @@ class Verbs:
         result = self.store.writer.commit_reservation(request.namespace,
                                                       request.reservation_id,
                                                       request.checksums)
+        return pb.PutResponse(stored=result.stored, existing=result.existing,
+                              evicted=result.evicted)
+
+    def grant(self, caller: Caller, request: tuple[int, int, str]) -> Reply:
+        """Free pages of the caller's namespace's arena, held for its puts (the local path's
+        GRANT): the grant id, and where each page lies in the client's mapping."""
+        pages, timeout_ms, namespace = request
+        caller.data(namespace)
+        if timeout_ms > MAX_LEASE_S * 1000:
+            raise InvalidArgument(f"timeout_ms {timeout_ms} exceeds {MAX_LEASE_S * 1000}",
+                                  field="timeout_ms", limit=MAX_LEASE_S * 1000)
+        g = self.store.writer.grant(namespace, pages, timeout_ms / 1000 or None, caller.client)
+        shm_name, arena, extents = self.shared([g.extents])
+        page_size = g.extents[0][1]  # each extent is one whole page
+        return Reply(grant_reply(bytes.fromhex(g.grant_id), int(g.expires_in_s * 1000),
+                                 page_size, shm_name, arena, [o for o, _ in extents[0]]))
+
+    def commit_granted(self, caller: Caller, request: GrantedCommit) -> pb.PutResponse:
+        """Blocks written into pages of the caller's grant, made entries (the local path's
+        COMMIT_GRANTED): answered as a Put."""
+        grant_id, namespace, parent, independent, blocks = request
+        caller.data(namespace)
+        result = self.store.writer.commit_granted(namespace, grant_id.hex(), parent,
+                                                  independent, blocks, caller.client)
         return pb.PutResponse(stored=result.stored, existing=result.existing,
                               evicted=result.evicted)
 

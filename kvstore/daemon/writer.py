@@ -5,6 +5,18 @@ clients that write shared memory themselves, and imports of blocks fetched from 
     reserve -> (client writes the pages) -> commit_reservation
                                                   the writer's checksums, sampled (or whole)
     import_blocks                                 L4 hits into L2, not offered back to L4
+    grant -> (client writes) -> commit_granted ... -> Release or expiry
+                                                  free pages held ahead for one client; each
+                                                  commit names its keys and which pages
+
+A grant is a plan in the index whose blocks are placeholders of one page each, held until
+its deadline like a reservation: its pages are planned (eviction, demotion) when it is taken,
+it counts in the client's holdings (clients.max_reservations, reserved bytes), and the
+sweeper or a Release abandons what is left of it. A commit from a grant turns the pages it
+names into blocks under the store's lock at once: the placeholders leave the grant's plan,
+the plan is committed with the real blocks (index.complete_store, as any put: quotas are the
+arena's pages, the chain rules and the read tables are the index's), and the plan is made
+again, same id and deadline, with the placeholders left.
 
 Every put lands in L2. When L2 is full a put waits (at most movers.put_wait_s) for the mover
 to demote to L3, then evicts instead. The Store builds one Writer over its StoreState
@@ -17,6 +29,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -29,10 +42,10 @@ from kvstore.core.errors import (
     ResourceExhausted,
 )
 from kvstore.core.placement import RoomStep
-from kvstore.core.records import CommitResult, PutSession, Reservation, StorePlan
+from kvstore.core.records import CommitResult, PlannedBlock, PutSession, Reservation, StorePlan
 from kvstore.daemon.storestate import StoreState
-from kvstore.extents import Extent
-from kvstore.keys import BlockKey
+from kvstore.extents import Extent, PageRun
+from kvstore.keys import KEY_BYTES, BlockKey, check_namespace
 from kvstore.tier import Tier
 from kvstore.tiers.dram import DramTier
 from kvstore.units import format_size
@@ -49,6 +62,25 @@ def commits_to_verify(blocks: int, policy: str) -> range | list[int]:
     return [secrets.randbelow(blocks)]
 
 
+#: What one grant may hold of its arena at most: a client holding more would keep that much of
+#: the tenant's cache empty (and evict that much more to make it), for a head start of one or
+#: two batches.
+MAX_GRANT_SHARE = 0.25
+
+#: A block to commit from a grant: key, size in bytes, the writer's xxh3-64, page numbers.
+GrantedBlock = tuple[bytes, int, int, list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A grant as its client gets it: id (32 hex digits, also its Release id), how long it
+    is held, and each page's extent (offset, page size) in the tier."""
+
+    grant_id: str
+    expires_in_s: float
+    extents: list[Extent]
+
+
 class Writer:
     """Puts, reservations and imports from L4, all into L2. Thread-safe: every change to the
     index is made with the store's lock held."""
@@ -57,6 +89,9 @@ class Writer:
         """state: the store's, shared with its Reader; L2 and L4 are read from it at each
         call, since the store drops them when it closes."""
         self._state = state
+        # Each grant's pages by their number in it (None once committed), for grants whose
+        # plan is in the index; entries of grants gone are dropped at the next grant.
+        self._grants: dict[str, list[PlannedBlock | None]] = {}
 
     def _l2(self) -> DramTier:
         """L2, the tier every put lands in. Raises FailedPrecondition when L2 is off (or
@@ -291,3 +326,148 @@ class Writer:
                         f"to reservation {reservation_id!r}; the reservation is freed",
                         Reason.CHECKSUM_MISMATCH, field=f"checksums[{plan.blocks[j].index}]")
         return self._complete(reservation_id, sums, sum(b.size_bytes for b in plan.blocks))
+
+    # --- grants ----------------------------------------------------------------------------
+
+    def grant(self, namespace: str, pages: int, timeout_s: float | None = None,
+              client: str = "") -> Grant:
+        """Free L2 pages of namespace's arena held for client until timeout_s (default
+        leases.reservation_timeout_s): made room for now as a put's would be (demotion,
+        eviction), checked against client's caps as a reservation of that many bytes. A
+        grant holds at most MAX_GRANT_SHARE of the arena (and server.max_batch_keys pages):
+        more asked gets that many."""
+        check_namespace(namespace)
+        tier = self._l2()
+        timeout_s = timeout_s or self._state.config.leases.reservation_timeout_s
+        index = self._state.index
+        page = tier.page_size_bytes
+        with self._state.lock:
+            arena = index.arena_of(namespace)
+            most = max(1, int(index.arena_usage(Tier.DRAM, arena)[3] * MAX_GRANT_SHARE)) \
+                if arena is not None else 1
+            most = min(most, self._state.config.server.max_batch_keys)
+            if pages < 1:
+                raise InvalidArgument(f"pages: {pages} asked; a grant holds at least one",
+                                      field="pages")
+            pages = min(pages, most)  # a grant holds at most a quarter of the arena
+            self._grants = {g: s for g, s in self._grants.items() if index.plan(g) is not None}
+            index.holdings.check(client, self._state.caps, reservations=1,
+                                 reserved_bytes=pages * page)
+            grant_id = secrets.token_hex(16)
+            keys = [BlockKey(secrets.token_bytes(KEY_BYTES)) for _ in range(pages)]
+            plan = self._prepare(grant_id, namespace, keys, [page] * pages, [None] * pages,
+                                 timeout_s, client)
+            if plan is None:
+                raise self._no_room(namespace, [page] * pages, page, tier.capacity_bytes)
+            self._grants[grant_id] = list(plan.blocks)
+            extents = [tier.extents(b.pages, page)[0] for b in plan.blocks]
+        return Grant(grant_id, timeout_s, extents)
+
+    def commit_granted(self, namespace: str, grant_id: str, parent: bytes, independent: bool,
+                       blocks: Sequence[GrantedBlock], client: str = "") -> CommitResult:
+        """Make blocks the client wrote into pages of its grant entries: each names its key,
+        size, checksum as written and the grant's pages it took, in order. The pages leave the
+        grant whatever the outcome: a block whose key is cached already frees its pages, and
+        a commit refused (a checksum that dram.verify_commits finds wrong) frees them all."""
+        server = self._state.config.server
+        keys = checks.keys(namespace, [b[0] for b in blocks], server.max_batch_keys)
+        sizes = checks.sizes(keys, [b[1] for b in blocks], server.max_object_bytes)
+        parents = checks.chain_parents(namespace, keys, parent, independent)
+        tier = self._l2()
+        with self._state.lock:
+            plan, slots = self._granted(namespace, grant_id, client)
+            planned, used = self._take_pages(plan, slots, keys, sizes, parents, blocks)
+            result = self._commit_pages(tier, plan, planned, [b[2] for b in blocks], used)
+        remote = self._state.remote
+        if remote is not None and result.stored:
+            remote.offer(namespace, [(b.key, b.size_bytes) for b in planned])
+        return result
+
+    def _granted(self, namespace: str, grant_id: str,
+                 client: str) -> tuple[StorePlan, list[PlannedBlock | None]]:
+        """The plan and pages of client's grant, for a commit in namespace. Called under the
+        lock."""
+        plan = self._state.index.plan(grant_id)
+        slots = self._grants.get(grant_id)
+        if plan is None or slots is None or plan.client != client:
+            raise InvalidArgument(f"grant_id {grant_id!r} is unknown or expired (or another "
+                                  "client's)", Reason.RESERVATION_EXPIRED, field="grant_id")
+        if self._state.index.arena_of(namespace) != plan.arena:
+            raise InvalidArgument(f"namespace {namespace!r} is not stored in the arena of "
+                                  f"grant {grant_id!r}", field="namespace")
+        return plan, slots
+
+    def _take_pages(self, plan: StorePlan, slots: list[PlannedBlock | None],
+                    keys: list[BlockKey], sizes: list[int], parents: list[BlockKey | None],
+                    blocks: Sequence[GrantedBlock]) -> tuple[list[PlannedBlock], set[int]]:
+        """The commit's blocks on the grant's pages they name, each page checked (one of the
+        grant's, not used yet, not named twice, as many as the size needs); the page numbers
+        used. Nothing changes when a page is refused. Called under the lock."""
+        index = self._state.index
+        planned: list[PlannedBlock] = []
+        used: set[int] = set()
+        for i, (block, key, size) in enumerate(zip(blocks, keys, sizes, strict=True)):
+            numbers = block[3]
+            need = index.pages_per_object(Tier.DRAM, size)
+            if len(numbers) != need:
+                raise InvalidArgument(f"blocks[{i}].pages: {len(numbers)} pages for "
+                                      f"{size} bytes, which take {need}",
+                                      field=f"blocks[{i}].pages")
+            runs: list[PageRun] = []
+            for p in numbers:
+                slot = slots[p] if 0 <= p < len(slots) else None
+                if slot is None or p in used:
+                    raise InvalidArgument(
+                        f"blocks[{i}].pages: page {p} is not an unused page of grant "
+                        f"{plan.plan_id!r} ({len(slots)} pages)", field=f"blocks[{i}].pages")
+                used.add(p)
+                runs.extend(slot.pages)
+            planned.append(PlannedBlock(i, key, size, _coalesced(runs), parents[i]))
+        return planned, used
+
+    def _commit_pages(self, tier: DramTier, plan: StorePlan, planned: list[PlannedBlock],
+                      checksums: list[int], used: set[int]) -> CommitResult:
+        """Commit planned (on pages used of plan's grant) as entries, the rest of the grant
+        held on under the same id and deadline. Called under the lock."""
+        index = self._state.index
+        slots = self._grants[plan.plan_id]
+        taken = {id(slots[p]) for p in used}
+        rest = [b for b in plan.blocks if id(b) not in taken]
+        for p in used:
+            slots[p] = None
+        plan.blocks = planned
+        wrong = next((j for j in commits_to_verify(len(planned),
+                                                    self._state.config.dram.verify_commits)
+                      if tier.checksum(tier.extents(planned[j].pages, planned[j].size_bytes))
+                      != checksums[j]), None)
+        sums = [checksums[b.index] for b in planned]
+        result = index.complete_store(plan.plan_id, sums if wrong is None else None,
+                                      success=wrong is None)
+        page = tier.page_size_bytes
+        index.holdings.change(plan.client,
+                              reserved_bytes=plan.size_bytes - len(used) * page)
+        if rest:
+            again = index.prepare_store(plan.plan_id, plan.namespace, [], [], [], Tier.DRAM,
+                                        plan.deadline, evict=False, client=plan.client)
+            assert again is not None, "an empty plan always fits"
+            again.blocks = rest  # its bytes are still counted: the fix above left them
+        else:
+            del self._grants[plan.plan_id]
+        if wrong is not None:
+            raise InvalidArgument(
+                f"blocks[{wrong}]: its checksum does not match the bytes written to its pages "
+                f"of grant {plan.plan_id!r}; the commit's pages are freed",
+                Reason.CHECKSUM_MISMATCH, field=f"blocks[{wrong}].checksum")
+        self._state.stats[Tier.DRAM].bytes_in += sum(b.size_bytes for b in planned)
+        return result
+
+
+def _coalesced(runs: list[PageRun]) -> tuple[PageRun, ...]:
+    """Runs in order, adjacent ones joined: a block on consecutive pages is one run."""
+    out: list[PageRun] = []
+    for start, length in runs:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = PageRun(out[-1][0], out[-1][1] + length)
+        else:
+            out.append(PageRun(start, length))
+    return tuple(out)

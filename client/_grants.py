@@ -1,0 +1,333 @@
+"""Puts from a grant: free pages taken ahead, blocks written into them, commits posted.
+
+A co-located client's put used to be two round trips with the daemon's planning (eviction,
+demotion) between them: Reserve, then the copy, then the commit. Here the client holds a
+GRANT of free pages in its tenant's arena (`kvstore.proto.localframe`), taken before it is
+needed and refilled in the background when half of it is used, so a put is the copy into
+pages it already holds and one commit (COMMIT_GRANTED) that names the keys, the parent, the
+sizes, the checksums as written and the pages each block took. The daemon plans when it
+grants, not while a put waits.
+
+The commit is waited for (`put`, the default: the result is the daemon's answer) or posted
+(`put(..., wait=False)`: sent, not waited for). A posted commit's answer is read later by
+whichever call next uses its session, or by `flush()`; a refusal (checksum, a grant that
+expired, caps) is raised by the client's next put or `flush()`. Pages a put takes leave the
+grant whatever the answer: the daemon frees those of a refused commit and those of keys
+that were cached already.
+
+A grant is used until a third of its lifetime is left (its pages are the daemon's again at
+its deadline, and a write into a page after that could land in another block: the margin
+keeps every write well inside it). What is left of a grant that is replaced, or held when
+the client closes, goes back with a posted Release.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.proto.localframe import (
+    COMMIT_GRANTED,
+    GRANT,
+    GRANT_REPLY,
+    RELEASE,
+    commit_granted,
+    grant_request,
+)
+
+from . import _requests as rq
+from ._localpath import LocalPath
+from ._segment import SharedSegment, Spans
+from .errors import DataLoss, DeadlineExceeded, KVStoreError, ResourceExhausted
+
+logger = logging.getLogger("kvstore.client")
+
+#: What a client asks one grant to hold. A batch of 16 blocks of 2 MiB (32 MiB) fits twice,
+#: one of 256 KiB blocks sixteen times; the daemon grants at most a quarter of the arena.
+GRANT_BYTES = 64 * 1024 * 1024
+ASSUMED_PAGE_BYTES = 64 * 1024  #: the page size a client assumes before its first grant
+USABLE_SHARE = 2 / 3  #: of a grant's lifetime during which its pages are written into
+
+
+@dataclass(slots=True)
+class Granted:
+    """One grant: its id, where each page lies in the segment or arena it names, how many
+    pages have been handed out (in order), and until when pages may be written."""
+
+    grant_id: bytes
+    name: str  # the segment (auth off) or arena (auth on) its offsets are in
+    page_size: int
+    offsets: np.ndarray  # uint64, one per page
+    usable_until: float
+    handed: int = 0
+
+    @property
+    def left(self) -> int:
+        return len(self.offsets) - self.handed
+
+
+def parse_grant(reply: bytes, now: float) -> Granted:
+    """A GRANT answer, checked: DataLoss when it is not one."""
+    if len(reply) < GRANT_REPLY.size:
+        raise DataLoss(f"a Grant answer of {len(reply)} bytes is shorter than its head")
+    grant_id, expires_ms, page_size, pages, shm_len, arena_len = GRANT_REPLY.unpack_from(reply)
+    at = GRANT_REPLY.size + shm_len + arena_len
+    if len(reply) != at + 8 * pages or page_size <= 0 or pages <= 0:
+        raise DataLoss(f"a Grant answer of {len(reply)} bytes does not hold {pages} pages")
+    names = reply[GRANT_REPLY.size:at].decode("utf-8", "replace")
+    offsets = np.frombuffer(reply, dtype="<u8", count=pages, offset=at).astype(np.uint64)
+    return Granted(grant_id, names[:shm_len] or names[shm_len:], page_size, offsets,
+                   now + expires_ms / 1000 * USABLE_SHARE)
+
+
+class PostedCommits:
+    """The answers of posted commits: how many are awaited, what the answered ones stored,
+    and the first failure not yet raised. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.awaited = 0
+        self._failure: KVStoreError | None = None
+        self._totals = [0, 0, 0]  # stored, existing, evicted since the last flush
+
+    def sent(self) -> None:
+        with self._cond:
+            self.awaited += 1
+
+    def unsent(self) -> None:
+        """A commit counted by `sent` that did not go after all (its error was raised)."""
+        with self._cond:
+            self.awaited -= 1
+            self._cond.notify_all()
+
+    def answer(self, reply: bytes | KVStoreError) -> None:
+        """A posted commit's reply (its receiver: see LocalPath.post_bytes)."""
+        failure: KVStoreError | None = None
+        if isinstance(reply, KVStoreError):
+            failure = reply
+        else:
+            try:
+                response = pb.PutResponse.FromString(reply)
+            except Exception as exc:  # noqa: BLE001 (kept, and raised by the next call)
+                failure = DataLoss(f"a posted commit's answer does not parse: {exc}")
+            else:
+                with self._cond:
+                    self._totals[0] += response.stored
+                    self._totals[1] += response.existing
+                    self._totals[2] += response.evicted
+        with self._cond:
+            self.awaited -= 1
+            if failure is not None:
+                logger.warning("kvstore: a posted put's commit failed: %s", failure)
+                if self._failure is None:
+                    self._failure = failure
+            self._cond.notify_all()
+
+    def raise_failure(self) -> None:
+        """Raise the first failure of a posted commit not raised yet (once)."""
+        with self._cond:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def wait(self, settle: Callable[[], None], timeout_s: float) -> tuple[int, int, int]:
+        """Wait until every posted commit is answered (settle reads the answers waiting on
+        idle sessions); the totals since the last wait. DeadlineExceeded past timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            settle()
+            with self._cond:
+                if self.awaited == 0:
+                    totals = tuple(self._totals)
+                    self._totals = [0, 0, 0]
+                    return totals[0], totals[1], totals[2]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(f"{self.awaited} posted commits were not answered "
+                                           f"within {timeout_s} s")
+                self._cond.wait(min(left, 0.05))  # sessions in use answer on their own
+
+
+class Grants:
+    """A client's grants on one local path, for one namespace. Thread-safe."""
+
+    def __init__(self, local: LocalPath, namespace: str, clock: Callable[[], float] =
+                 time.monotonic, grant_bytes: int = GRANT_BYTES) -> None:
+        self.local = local
+        self._namespace = namespace
+        self._clock = clock
+        self._grant_bytes = grant_bytes
+        self._lock = threading.Lock()
+        self._current: Granted | None = None
+        self._next: Granted | None = None
+        self._refilling = False
+        self._refill_thread: threading.Thread | None = None
+        self._page_size = ASSUMED_PAGE_BYTES
+        self._known_page = False
+        self.posted = PostedCommits()
+
+    def pages_for(self, sizes: list[int]) -> list[int]:
+        """How many pages each block takes (the page size of the last grant)."""
+        page = self._page_size
+        return [max(1, -(-s // page)) for s in sizes]
+
+    def take(self, pages: int, first: bool = False) -> tuple[Granted, int] | None:
+        """pages consecutive places in a grant usable now: (grant, first place). A new grant
+        is asked for (and waited for) only when neither the current one nor the one taken
+        ahead holds them; None when a grant could never hold them (too large a put). first:
+        only make sure a grant is held (nothing is handed out)."""
+        with self._lock:
+            got = self._from_held(pages, first)
+        if got is None:
+            fresh = self._ask(max(pages, self._grant_bytes // self._page_size))
+            with self._lock:
+                self._retire(self._current)
+                self._current = fresh
+                got = self._from_held(pages, first)
+            if got is None:
+                return None
+        with self._lock:
+            current = self._current
+            if (current is not None and current.left * 2 < len(current.offsets)
+                    and self._next is None and not self._refilling):
+                self._refilling = True
+                self._refill_thread = threading.Thread(target=self._refill,
+                                                       name="kvstore-grant", daemon=True)
+                self._refill_thread.start()
+        return got
+
+    def _from_held(self, pages: int, first: bool = False) -> tuple[Granted, int] | None:
+        """From the current grant, else from the one taken ahead (the current one then
+        retired). Called under the lock."""
+        now = self._clock()
+        for _ in range(2):
+            current = self._current
+            if current is not None and current.left >= pages and now < current.usable_until:
+                at = current.handed
+                current.handed += 0 if first else pages
+                return current, at
+            if self._next is None:
+                return None
+            self._retire(current)
+            self._current, self._next = self._next, None
+        return None
+
+    def _retire(self, grant: Granted | None) -> None:
+        """What is left of grant goes back (a posted Release; the daemon expires it anyway)."""
+        if grant is None or not grant.left:
+            return
+        grant.handed = len(grant.offsets)
+        self.local.post(RELEASE, pb.ReleaseRequest(ids=[grant.grant_id.hex()]))
+
+    def _ask(self, pages: int) -> Granted:
+        reply = self.local.call_bytes(GRANT, grant_request(self._namespace, pages))
+        granted = parse_grant(reply, self._clock())
+        self._page_size = granted.page_size
+        self._known_page = True
+        return granted
+
+    def _refill(self) -> None:
+        """The background thread: the next grant, taken before the current one runs dry."""
+        try:
+            fresh = self._ask(self._grant_bytes // self._page_size)
+        except KVStoreError as exc:
+            logger.debug("kvstore: a grant was not taken ahead: %s", exc)
+            fresh = None
+        with self._lock:
+            self._refilling = False
+            if fresh is not None:
+                self._retire(self._next)
+                self._next = fresh
+
+    def place(self, plan: rq.PutPlan) -> tuple[Granted, int, list[int]] | None:
+        """Granted pages for plan's blocks: (grant, first place, pages each block takes);
+        the first grant is taken here (it tells the page size). None when no grant can hold
+        the put now (too large, or the arena cannot make a grant's room: the caller reserves
+        instead, and gets the daemon's exact answer)."""
+        if not self._known_page:
+            try:
+                self.take(1, first=True)
+            except ResourceExhausted:
+                return None
+        needs = self.pages_for(plan.sizes)
+        try:
+            taken = self.take(sum(needs))
+        except ResourceExhausted:
+            return None
+        return None if taken is None else (taken[0], taken[1], needs)
+
+    def write(self, plan: rq.PutPlan, placed: tuple[Granted, int, list[int]],
+              segment: SharedSegment) -> bytes:
+        """Copy plan's blocks into their granted pages of segment (each checksummed as it is
+        written); the COMMIT_GRANTED body that makes them entries."""
+        grant, at, needs = placed
+        blocks = []
+        for key, payload, pages in zip(plan.keys, plan.payloads, needs, strict=True):
+            spans = _spans(grant, at, pages, payload.nbytes, segment.size_bytes)
+            blocks.append((key, payload.nbytes, segment.write(spans, payload),
+                           list(range(at, at + pages))))
+            at += pages
+        body: bytes = commit_granted(grant.grant_id, plan.namespace, plan.parent_key,
+                                     plan.independent, blocks)
+        return body
+
+    def commit(self, body: bytes, wait: bool) -> pb.PutResponse | None:
+        """Send a commit: its answer (wait), else None once it is posted."""
+        if wait:
+            return pb.PutResponse.FromString(self.local.call_bytes(COMMIT_GRANTED, body))
+        self.posted.sent()
+        try:
+            self.local.post_bytes(COMMIT_GRANTED, body, self.posted.answer)
+        except BaseException:
+            self.posted.unsent()
+            raise
+        return None
+
+    def flush(self, timeout_s: float) -> tuple[int, int, int]:
+        """Wait for every posted commit's answer; raise the first failure not raised yet,
+        else (stored, existing, evicted) of the commits answered since the last flush."""
+        totals = self.posted.wait(self.local.settle, timeout_s)
+        self.posted.raise_failure()
+        return totals
+
+    def close(self, timeout_s: float) -> None:
+        """Wait (up to timeout_s) for posted answers, logging a failure; give back what is
+        left of the grants."""
+        try:
+            self.posted.wait(self.local.settle, timeout_s)
+        except KVStoreError as exc:
+            logger.warning("kvstore: closing with posted commits unanswered: %s", exc)
+        refill = self._refill_thread
+        if refill is not None:
+            refill.join(timeout_s)  # a grant it takes is given back below
+        with self._lock:
+            for grant in (self._current, self._next):
+                self._retire(grant)
+            self._current = self._next = None
+
+
+def _spans(grant: Granted, first: int, pages: int, size: int, limit: int) -> Spans:
+    """Where a block of size bytes on grant's pages [first, first + pages) lies: one span
+    when the pages are consecutive (as a fresh grant's mostly are), else one a page. DataLoss
+    when a page lies outside the mapping."""
+    offsets = grant.offsets[first:first + pages]
+    page = grant.page_size
+    start = int(offsets[0])
+    if int(offsets.max()) + page > limit:
+        raise DataLoss(f"grant pages lie outside the {limit}-byte mapping {grant.name!r}")
+    if int(offsets[-1]) - start == (pages - 1) * page:
+        return [(start, size)]
+    spans: Spans = []
+    left = size
+    for offset in offsets.tolist():
+        n = min(page, left)
+        spans.append((offset, n))
+        left -= n
+    return spans
+
