@@ -25,6 +25,7 @@ pending, and at close.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import threading
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvstore.keys import KEY_BYTES
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.localframe import REQUEST
 from kvstore.readtable import (
@@ -47,7 +49,7 @@ from kvstore.readtable import (
     tiers_of,
 )
 
-from ._buffers import ByteArray, copy_bytes
+from ._buffers import ByteArray, address, copy_bytes, native_lib, native_module
 from ._segment import HASH_PIECE_BYTES, SharedSegment
 from .results import TIER_NAMES
 
@@ -60,6 +62,11 @@ REPORT_EVERY_S = 0.05
 #: Reported keys kept at most while no frame can be sent; past it, the oldest are dropped
 #: (recency is a hint: the daemon's eviction order only ages them sooner).
 MAX_PENDING_KEYS = 16 * REPORT_KEYS
+
+# kv_table_read's rows (dst, room, slot, version, location, length, sum, outcome) and its
+# outcome for a block the table showed whose copy did not hold.
+_IO_ROWS = 8
+_REJECTED = -2
 
 Post = Callable[[int, Any], bool]  # (verb, request) -> whether it was sent
 _TIER_NAMES = np.array([TIER_NAMES.get(t) for t in range(256)], dtype=object)
@@ -188,6 +195,7 @@ class TableReads:
         # through the daemon instead. Counts for tests and benchmarks; races may lose some.
         self.hits = 0
         self.rejected = 0
+        self._native: Any = None  # the table's constants for the native helper (_table_args)
 
     def lookup(self, namespace: str, keys: Sequence[bytes], block_tokens: int,
                post: Post | None) -> tuple[int, list[str | None]] | None:
@@ -205,6 +213,9 @@ class TableReads:
              verify: bool, post: Post | None) -> list[Any]:
         """Per key: the block (bytes, arrays None) or its size (copied into arrays[i]) when
         the table shows it and the copy held, else None (ask the daemon)."""
+        lib = native_lib()
+        if lib is not None and arrays is not None:
+            return self._read_native(lib, namespace, keys, arrays, verify, post)
         out: list[Any] = [None] * len(keys)
         probe = self.table.view.probe(namespace_hash(namespace), keys)
         if probe is None:
@@ -232,6 +243,44 @@ class TableReads:
         self.rejected += hits.size - len(read)
         self.reports.read(namespace, read, post)
         return out
+
+    def _read_native(self, lib: ctypes.CDLL, namespace: str, keys: Sequence[bytes],
+                     arrays: Sequence[ByteArray], verify: bool, post: Post | None) -> list[Any]:
+        """`read` into arrays in one native call (kvstore/native fastcopy.c kv_table_read):
+        the probe, every copy (hashed as copied when verify) and the versions again."""
+        n = len(keys)
+        joined = b"".join(keys)
+        if len(joined) != KEY_BYTES * n or not self.table.view.live:
+            return [None] * n
+        # Rows: the buffers' addresses and sizes in; slot, version, location, length, sum
+        # and the outcome (a length copied, or < 0: ask the daemon) out.
+        io = np.empty((_IO_ROWS, n), dtype=np.int64)
+        io[0] = [address(a) for a in arrays]
+        io[1] = [a.nbytes for a in arrays]
+        at = io.ctypes.data
+        args, segment = self._table_args(), self.segment
+        copied = lib.kv_table_read(
+            args.table, args.params, namespace_hash(namespace), joined, n, segment.address,
+            segment.size_bytes, at, at + 8 * n, verify, args.piece_bytes,
+            *(at + 8 * n * row for row in range(2, _IO_ROWS)))
+        got = io[_IO_ROWS - 1]
+        self.hits += copied
+        if copied == n:
+            self.reports.read(namespace, keys, post)
+            return got.tolist()  # type: ignore[no-any-return]
+        self.rejected += int(np.count_nonzero(got == _REJECTED))
+        out = [g if g >= 0 else None for g in got.tolist()]
+        self.reports.read(namespace, [k for k, g in zip(keys, out, strict=True)
+                                      if g is not None], post)
+        return out
+
+    def _table_args(self) -> Any:
+        """kvstore.native.TableArgs of the view read through now (made again when the view
+        was replaced)."""
+        args = self._native
+        if args is None or args.view is not self.table.view:
+            args = self._native = native_module().TableArgs(self.table.view)
+        return args
 
     def _copy(self, hits: list[int], offsets: list[int], lengths: list[int],
               sums: list[int] | None, arrays: Sequence[ByteArray] | None,

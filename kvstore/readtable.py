@@ -273,6 +273,15 @@ class TableView:
         self._dot = header[H_MULT:H_MULT + 4].copy()
         self._ns_mult = int(header[H_NS_MULT])
         self._mix = header[H_MIX].copy()
+        if int(self._shift) != 64 - (capacity.bit_length() - 1):
+            raise ValueError(f"a read table of {capacity} slots claims a hash shift of "
+                             f"{int(self._shift)}")
+        #: The address of the table's first byte, and its hash constants as checked here
+        #: (capacity, shift, the four key multipliers, the namespace multiplier, the mix),
+        #: for a native probe (kvstore/native) that reads them from nowhere else.
+        self.address = int(raw.ctypes.data)
+        self.params = (capacity, int(self._shift), *(int(m) for m in self._dot),
+                       self._ns_mult, int(self._mix))
 
     def probe(self, ns: int, keys: Sequence[bytes]) -> Probe | None:
         """Every key's slot, probed at once; None when the keys are not all 32 bytes, or
