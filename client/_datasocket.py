@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import ssl
 import time
@@ -46,7 +47,6 @@ from .errors import EntryVanished, InvalidArgument, Unavailable
 logger = logging.getLogger("kvstore.client")
 
 MAX_IOV = 512  # buffers per sendmsg call (Linux takes up to 1024)
-_EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
 
 __all__ = ["DataSocket", "NoSession", "NoSessionNow", "tls_context"]
 
@@ -192,9 +192,12 @@ class DataSocket(LocalPath):
                 target = memoryview(arrays[i])[:size]  # type: ignore[arg-type]
             else:
                 target = memoryview(bytearray(size))
-            _fill(session, target)
-            if digests is not None:
-                digests.append(xxhash.xxh3_64_intdigest(target) if size else _EMPTY_DIGEST)
+            if digests is None:
+                _fill(session, target)
+            else:
+                hasher = xxhash.xxh3_64()
+                _fill(session, target, hasher)
+                digests.append(hasher.intdigest())
             if arrays is None:
                 payloads.append(bytes(target))
         trailer = _exact(session, 1)[0]
@@ -206,6 +209,10 @@ class DataSocket(LocalPath):
         return Fetched(header=header, payloads=payloads, digests=digests, held=True)
 
     # --- sessions over TCP ----------------------------------------------------------------
+
+    def _session_of(self, reply: dict[str, Any], sock: socket.socket | None) -> _Session:
+        session = super()._session_of(reply, sock)
+        return _DataSession(session.sock, session.max_frame_bytes, session.timeout_s)
 
     def _handshake(self, line: bytes
                    ) -> tuple[dict[str, Any], socket.socket | None, list[int]]:
@@ -259,6 +266,21 @@ class DataSocket(LocalPath):
         return sock
 
 
+class _DataSession(_Session):
+    """A session on the data socket, which posts nothing: an idle one with anything to
+    read was closed by the daemon (the end of the stream, or a TLS close). A look that never
+    waits, and works through TLS (which cannot peek)."""
+
+    def alive(self) -> bool:
+        try:
+            if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+                return False
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+
 class _Torn(Exception):
     """The reply is not the protocol: the session is out of step and closes."""
 
@@ -288,13 +310,17 @@ def _exact(session: _Session, n: int) -> bytes:
     return bytes(buffer)
 
 
-def _fill(session: _Session, view: memoryview) -> None:
-    """view filled from the session's socket (the reply's bytes counted on the session)."""
+def _fill(session: _Session, view: memoryview, hasher: Any = None) -> None:
+    """view filled from the session's socket (the reply's bytes counted on the session);
+    with hasher, each piece hashed the moment it lands, while it is in cache (hashing a
+    2 MiB block after it arrived reads it back from memory)."""
     got, n, sock = 0, view.nbytes, session.sock
     while got < n:
         k = sock.recv_into(view[got:] if got else view)
         if k == 0:
             raise ConnectionError("the daemon closed the data session")
+        if hasher is not None:
+            hasher.update(view[got:got + k])
         got += k
         session.reply_bytes += k
 
