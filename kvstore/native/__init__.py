@@ -7,8 +7,9 @@ the best the CPU runs is loaded (xxh3 picks its vector code when compiled, so on
 cannot serve every CPU at full speed). ctypes releases the GIL for each call.
 
 Every caller keeps a pure numpy + python-xxhash path beside the native one and takes it when
-`LIB` is None: the libraries were not built, failed to load, or `KVSTORE_NATIVE=0` is set in
-the environment (tests use `use_native(False)`). A failed load is logged once, at debug.
+`LIB` is None: the libraries were not built, failed to load, or `NO_KVSTORE_NATIVE=1` is set
+in the environment (not a KVSTORE_* name: the daemon takes those for its settings and refuses
+unknown ones); tests use `use_native(False)`. A failed load is logged once, at debug.
 The hashes are the same either way (xxh3-64, seed 0: tests/unit/test_native.py checks).
 """
 
@@ -86,9 +87,9 @@ def _open(path: Path) -> ctypes.CDLL:
 
 
 def load() -> ctypes.CDLL | None:
-    """The best library this CPU runs, or None (not built, not loadable, or KVSTORE_NATIVE=0)."""
-    if os.environ.get("KVSTORE_NATIVE", "1") == "0":
-        logger.debug("kvstore: native helper off (KVSTORE_NATIVE=0); numpy + xxhash used")
+    """The best library this CPU runs, or None (not built, not loadable, NO_KVSTORE_NATIVE=1)."""
+    if os.environ.get("NO_KVSTORE_NATIVE", "") not in ("", "0"):
+        logger.debug("kvstore: native helper off (NO_KVSTORE_NATIVE); numpy + xxhash used")
         return None
     where = build_dir()
     try:

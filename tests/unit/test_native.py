@@ -193,3 +193,25 @@ def test_the_segment_copies_the_same_bytes_and_sums_either_way(on: bool) -> None
         segment.close()
     finally:
         native.LIB = was
+
+
+def test_the_native_probe_finds_what_the_numpy_probe_finds(lib: ctypes.CDLL) -> None:
+    arena = Arena([100] * 6, seed=5)
+    chain = [*arena.keys[:4], *keys(1, "absent"), *arena.keys[4:]]
+    rows = np.zeros((5, len(chain)), np.uint64)
+    at, args, n = rows.ctypes.data, native.TableArgs(arena.view), len(chain)
+    found = lib.kv_probe(args.table, args.params, NS, b"".join(chain), n,
+                         *(at + 8 * n * row for row in range(5)))
+    probe = arena.view.probe(NS, chain)
+    assert probe is not None and found == probe.prefix() == 4
+    assert rows[0].astype(np.int64).tolist() == probe.slots.tolist()
+    hit = probe.slots >= 0
+    for row, column in enumerate((probe.versions, probe.locs, probe.lengths, probe.sums)):
+        assert rows[row + 1][hit].tolist() == column[hit].tolist()
+
+
+def test_the_environment_can_turn_the_helper_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NO_KVSTORE_NATIVE", "1")
+    assert native.load() is None
+    monkeypatch.setenv("NO_KVSTORE_NATIVE", "0")
+    assert native.load() is not None
