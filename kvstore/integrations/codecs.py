@@ -3,9 +3,12 @@ decodes after a get, so the daemon keeps a smaller opaque block in every tier. P
 vectorised over a batch of blocks, on whatever device the rows are on; no I/O.
 
 A block is one staging row of the engine's layout: [layers, 2 (K, V), block_tokens, kv_heads,
-head_dim] in float32, bfloat16 or float16. `encode(rows)` takes [n, *that] and returns
-[n, encoded_bytes] uint8; `decode(encoded)` gives the rows back in the source dtype. The codec
-is part of the namespace (`namespace_suffix`), so encoded and raw blocks never meet.
+head_dim] in float32, bfloat16 or float16; or, for a latent cache (Multi-head Latent Attention:
+one vector per token and layer, no K/V split), [layers, 1, block_tokens, 1, latent width],
+which `fp8` encodes (a scale per token and layer) and `int4` refuses. `encode(rows)` takes
+[n, *that] and returns [n, encoded_bytes] uint8; `decode(encoded)` gives the rows back in the
+source dtype. The codec is part of the namespace (`namespace_suffix`), so encoded and raw
+blocks never meet.
 
 Codecs:
 
@@ -29,9 +32,11 @@ Encoded row layout (little-endian; every field starts at an even byte):
     0   4 bytes  magic b"KVC1"
     4   1 byte   codec id: 1 fp8, 2 int4
     5   1 byte   source dtype: 1 float32, 2 bfloat16, 3 float16
-    6   2 bytes  zero
+    6   1 byte   0: K and V; 1: one latent vector per token (MLA)
+    7   1 byte   zero
     8   4 x u16  layers, block_tokens, kv_heads, head_dim
-    16  fp8:  scales u8 [L, 2, T, H]        then codes u8 (e4m3 bits) [L, 2, T, H, D]
+    16  fp8:  scales u8 [L, P, T, H]        then codes u8 (e4m3 bits) [L, P, T, H, D]
+              (P = 2, or 1 for a latent cache)
         int4: key scale f16 [L, T/Gk, H, D], key zero f16 [L, T/Gk, H, D],
               value scale f16 [L, T, H, D/Gv], value zero f16 [L, T, H, D/Gv],
               key codes [L, T, H, D] then value codes [L, T, H, D], two per byte: element 2i
@@ -82,48 +87,59 @@ class _Field:
 
 
 class BlockCodec:
-    """One codec for one block layout: [layers, 2, block_tokens, kv_heads, head_dim] of dtype.
+    """One codec for one block layout: [layers, 2, block_tokens, kv_heads, head_dim] of dtype
+    (or [layers, 1, block_tokens, 1, width] for a latent cache, fp8 only).
 
     encode/decode run on the rows' device; `encoded_bytes` is the size of one encoded row."""
 
-    def __init__(self, name: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, name: str, block_shape: tuple[int, ...], dtype: torch.dtype,
+                 option: str = "store_codec") -> None:
+        """option: the setting the codec came from, named in errors (the engine's
+        `store_codec`, the vLLM connector's `kv_connector_extra_config.codec`)."""
         if name not in CODECS:
-            raise CodecError(f"store_codec must be one of {CODECS}, got {name!r}")
+            raise CodecError(f"{option} must be one of {CODECS}, got {name!r}")
         if dtype not in _DTYPE_IDS:
-            raise CodecError(f"store_codec {name}: dtype must be float32, bfloat16 or float16, "
+            raise CodecError(f"{option} {name}: dtype must be float32, bfloat16 or float16, "
                              f"got {dtype}")
-        if len(block_shape) != 5 or block_shape[1] != 2 or min(block_shape) < 1:
-            raise CodecError("store_codec: a block must be [layers, 2, block_tokens, kv_heads, "
-                             f"head_dim], got {list(block_shape)}")
+        if len(block_shape) != 5 or block_shape[1] not in (1, 2) or min(block_shape) < 1:
+            raise CodecError(f"{option}: a block must be [layers, 2, block_tokens, kv_heads, "
+                             f"head_dim] (or [layers, 1, block_tokens, 1, width], a latent "
+                             f"cache), got {list(block_shape)}")
+        if block_shape[1] == 1 and name == "int4":
+            raise CodecError(f"{option} int4 does not apply to a latent (MLA) cache, one "
+                             f"vector per token with no K/V split (int4 quantises keys per "
+                             f"channel and values per token); fp8 does")
+        if block_shape[1] == 1 and block_shape[3] != 1:
+            raise CodecError(f"{option}: a latent block has one head, got {list(block_shape)}")
         if max(block_shape) > 0xFFFF:
-            raise CodecError(f"store_codec: block dimensions must be < 65536, got "
+            raise CodecError(f"{option}: block dimensions must be < 65536, got "
                              f"{list(block_shape)}")
         self.name = name
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
-        layers, _, tokens, heads, dim = block_shape
+        layers, parts, tokens, heads, dim = block_shape
         self.raw_bytes = math.prod(block_shape) * torch.finfo(dtype).bits // 8
         self.key_group = min(_GROUP, tokens)
         self.value_group = _GROUP if dim % _GROUP == 0 else dim
         if name == "int4" and tokens % self.key_group:
-            raise CodecError(f"store_codec int4: block_size must be at most {_GROUP} or a "
+            raise CodecError(f"{option} int4: block_size must be at most {_GROUP} or a "
                              f"multiple of {_GROUP} (keys are grouped per {_GROUP} tokens), "
                              f"got {tokens}")
         if name == "int4" and dim % 2:
-            raise CodecError(f"store_codec int4: head_dim must be even, got {dim}")
+            raise CodecError(f"{option} int4: head_dim must be even, got {dim}")
         self._fields = self._layout()
         self.encoded_bytes = (self.raw_bytes if name == "none" else
                               HEADER_BYTES + sum(f.nbytes for f in self._fields.values()))
         header = bytearray(MAGIC)
-        header += bytes([_IDS.get(name, 0), _DTYPE_IDS[dtype], 0, 0])
+        header += bytes([_IDS.get(name, 0), _DTYPE_IDS[dtype], 2 - parts, 0])
         for size in (layers, tokens, heads, dim):
             header += size.to_bytes(2, "little")
         self.header = bytes(header)
         self._headers: dict[torch.device, torch.Tensor] = {}
 
     def _layout(self) -> dict[str, _Field]:
-        layers, _, tokens, heads, dim = self.block_shape
-        vectors = layers * 2 * tokens * heads
+        layers, parts, tokens, heads, dim = self.block_shape
+        vectors = layers * parts * tokens * heads
         sizes: list[tuple[str, int]] = []
         if self.name == "fp8":
             sizes = [("scales", vectors), ("codes", vectors * dim)]
@@ -262,10 +278,10 @@ class BlockCodec:
 
     def _decode_fp8(self, encoded: torch.Tensor) -> torch.Tensor:
         n = encoded.shape[0]
-        layers, _, tokens, heads, dim = self.block_shape
+        layers, parts, tokens, heads, dim = self.block_shape
         scale = torch.exp2(self._field(encoded, "scales").float() - 127)  # exact powers of 2
         x = self._field(encoded, "codes").view(torch.float8_e4m3fn).float()
-        x.view(n, layers * 2 * tokens * heads, dim).mul_(scale.unsqueeze(-1))  # in place
+        x.view(n, layers * parts * tokens * heads, dim).mul_(scale.unsqueeze(-1))  # in place
         return x.reshape(n, *self.block_shape)
 
     def _decode_int4(self, encoded: torch.Tensor) -> torch.Tensor:
@@ -326,16 +342,17 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-def namespace_suffix(name: str) -> str:
+def namespace_suffix(name: str, option: str = "store_codec") -> str:
     """What codec `name` adds to a namespace: nothing for `none` (raw blocks keep hitting),
     else the codec and its layout version, so a block encoded one way is never read another.
-    CodecError for a name that is no codec."""
+    CodecError naming `option` for a name that is no codec."""
     if name not in CODECS:
-        raise CodecError(f"store_codec must be one of {CODECS}, got {name!r}")
+        raise CodecError(f"{option} must be one of {CODECS}, got {name!r}")
     return "" if name == "none" else f"-codec.{name}.v1"
 
 
-def codec_for(name: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> BlockCodec:
-    """The codec `name` for blocks of block_shape and dtype (CodecError naming store_codec if
+def codec_for(name: str, block_shape: tuple[int, ...], dtype: torch.dtype,
+              option: str = "store_codec") -> BlockCodec:
+    """The codec `name` for blocks of block_shape and dtype (CodecError naming `option` if
     the name or the layout does not fit)."""
-    return BlockCodec(name, block_shape, dtype)
+    return BlockCodec(name, block_shape, dtype, option)

@@ -22,6 +22,7 @@ from typing import Any
 from kvstore.client import TLS
 from kvstore.client.credentials import read_token_file
 from kvstore.client.errors import KVStoreError
+from kvstore.integrations.codecs import CODECS, namespace_suffix
 from kvstore.integrations.cost import POLICIES
 from kvstore.keys import MAX_NAMESPACE_BYTES, BlockKey, namespace_root
 
@@ -63,12 +64,16 @@ class Settings:
     """How much of a hit to load: "auto" the leading blocks whose load is estimated to beat
     computing them (vLLM's own step times against this link's load rates, per tier);
     "always" the whole hit; "never" none (the hit is looked up and counted, then computed)."""
+    codec: str = "none"
+    """How blocks are stored (docs/codecs.md): "none" the raw K/V (token-exact); "fp8" or
+    "int4" encoded by the worker before a put and decoded after a get (lossy, two to six
+    times fewer bytes). Part of the namespace: blocks of one codec never meet another's."""
 
 
 _KEYS = ("target", "namespace_prefix", "namespace_salt", "token", "token_file", "tls_ca_file",
          "tls_cert_file", "tls_key_file", "tls_server_name", "unix_socket", "shared_memory",
          "load", "offload", "timeout_s", "reconnect_s", "max_pending_batches",
-         "load_policy")
+         "load_policy", "codec")
 
 
 def _str(extra: Mapping[str, Any], key: str, default: str | None) -> str | None:
@@ -127,6 +132,10 @@ def parse_settings(extra: Mapping[str, Any] | None,
     if policy not in POLICIES:
         raise SettingsError(f"{_FIELD}.load_policy must be one of "
                             f"{', '.join(map(repr, POLICIES))}, got {policy!r}")
+    codec = extra.get("codec", "none")
+    if codec not in CODECS:
+        raise SettingsError(f"{_FIELD}.codec must be one of {', '.join(map(repr, CODECS))}, "
+                            f"got {codec!r}")
     return Settings(
         target=str(target),
         namespace_prefix=_str(extra, "namespace_prefix", "") or "",
@@ -141,6 +150,7 @@ def parse_settings(extra: Mapping[str, Any] | None,
         reconnect_s=_positive(extra, "reconnect_s", 1.0),
         max_pending_batches=pending,
         load_policy=str(policy),
+        codec=str(codec),
     )
 
 
@@ -168,10 +178,16 @@ def namespace_for(settings: Settings, shape: ModelShape) -> str:
     prefix + vllm/<model>@<revision>/<dtype>/<layers>x<kv heads>x<head dim>/bs<n>/<layout>/
     tp<rank>of<size>[/<salt>]. An MLA model's latent cache is the same on every rank and for
     every tensor-parallel size, so its blocks are named `latent` in place of
-    tp<rank>of<size>: one copy that every rank of any size loads. When the model name would
-    make it longer than the namespace limit, the name is replaced by its SHA-256, and the rest
-    stays readable."""
+    tp<rank>of<size>: one copy that every rank of any size loads. A lossy `codec` ends it as
+    it ends the engine's (`codecs.namespace_suffix`: `-codec.fp8.v1`; `none` adds nothing, so
+    raw blocks keep their namespace). When the model name would make it longer than the
+    namespace limit, the name is replaced by its SHA-256, and the rest stays readable."""
     model = f"{shape.model}@{shape.revision or 'main'}"
+    if settings.codec == "int4" and shape.latent:
+        raise SettingsError(f"{_FIELD}.codec: int4 does not apply to a latent (MLA) cache, "
+                            f"one vector per token with no K/V split (int4 quantises keys per "
+                            f"channel and values per token); use fp8 or none")
+    suffix = namespace_suffix(settings.codec, f"{_FIELD}.codec")
 
     def build(name: str) -> str:
         parts = [f"{settings.namespace_prefix}vllm", name, shape.kv_dtype,
@@ -180,7 +196,7 @@ def namespace_for(settings: Settings, shape: ModelShape) -> str:
                  "latent" if shape.latent else f"tp{shape.tp_rank}of{shape.tp_size}"]
         if settings.namespace_salt:
             parts.append(settings.namespace_salt)
-        return "/".join(parts)
+        return "/".join(parts) + suffix
 
     namespace = build(model)
     if len(namespace.encode()) > MAX_NAMESPACE_BYTES:

@@ -99,6 +99,18 @@ def _check_groups(kv_cache_config: KVCacheConfig) -> list[str]:
     return state_layers
 
 
+def _backend_names(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]
+                   ) -> dict[str, str]:
+    """Each registered layer's attention backend (`get_name()`: CPU_ATTN, FLASH_ATTN, ...),
+    where vLLM's forward context knows it: a codec needs it to find K and V in a block."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase,
+                                         list(kv_caches))
+    return {name: layer.get_attn_backend().get_name() for name, layer in layers.items()}
+
+
 def _tp_rank() -> int:
     """This process's tensor-parallel rank."""
     try:
@@ -165,7 +177,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                             loads=loads, saves=saves,
                                             policy=opts.load_policy)
         else:
-            self._worker = WorkerSide(self.link, rank)
+            self._worker = WorkerSide(self.link, rank, codec=opts.codec)
         logger.info("kvstore: %s connector on %s, namespace %s (load %s, save %s, policy %s)",
                     role.name.lower(), opts.target, self.namespace, loads, saves,
                     opts.load_policy)
@@ -236,7 +248,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.state_layers:
             return  # nothing is loaded or saved (_check_groups), so no layout is needed
-        self.worker.register(kv_caches, self._kv_cache_config)
+        self.worker.register(kv_caches, self._kv_cache_config,
+                             backends=_backend_names(self._vllm_config, kv_caches))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """vLLM binds the step's metadata just before the forward pass: the step's clock

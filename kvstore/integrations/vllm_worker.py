@@ -15,7 +15,11 @@ tensor-parallel rank). It owns:
   (`settings.namespace_for`): rank 0 alone saves it, and every rank loads it;
 - the timings the scheduler side's cost model learns from: each forward pass (on rank 0 only,
   since every rank runs the same steps) and each whole load, reported in its connector stats
-  with the link's counters.
+  with the link's counters;
+- a lossy codec (the `codec` option, `vllm_codec`, docs/codecs.md): each group's blocks are
+  encoded on the cache's device after the gather of a save, and a load's blocks are checked
+  (a block whose header or parameters are not the codec's is counted in `rejected_blocks`,
+  logged and recomputed, with every block after it) and decoded there before the scatter.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from kvstore.integrations.device_copies import DONE, DeviceCopies, Event, copies_for
 from kvstore.integrations.link import StoreLink
 from kvstore.integrations.paged import KV, LATENT, PagedKV
+from kvstore.integrations.vllm_codec import RowCodec
 from kvstore.integrations.vllm_steps import (
     IDLE_WAIT_S,
     WORKER_FIELDS,
@@ -62,22 +67,52 @@ class _Landing:
     event: Event
 
 
-def _gather(paged: PagedKV, spec: SaveSpec, staging: torch.Tensor) -> Callable[[], None]:
-    """A save's copy: the blocks into staging."""
+def _gather(paged: PagedKV, spec: SaveSpec, staging: torch.Tensor,
+            codec: RowCodec | None) -> Callable[[], None]:
+    """A save's copy: the blocks into staging; with a codec, gathered and encoded on the
+    cache's device, so only the encoded bytes cross to the host."""
 
     def fill() -> None:
-        paged.gather(spec.block_ids, out=staging)
+        if codec is None:
+            paged.gather(spec.block_ids, out=staging)
+            return
+        raw = torch.empty((len(spec.block_ids), paged.block_bytes), dtype=torch.uint8,
+                          device=paged.device)
+        staging.copy_(codec.encode(paged.gather(spec.block_ids, out=raw)), non_blocking=True)
 
     return fill
+
+
+def _place(paged: PagedKV, staging: torch.Tensor, ids: list[int],
+           codec: RowCodec | None) -> Callable[[], None]:
+    """A load's copy: staged rows into the cache's blocks ids; with a codec, decoded on the
+    cache's device a few blocks at a time (on a CPU), each chunk scattered at once."""
+
+    def place() -> None:
+        if codec is None:
+            paged.scatter(staging, ids)
+            return
+        encoded = staging[:len(ids)].to(paged.device, non_blocking=True)
+        for start, rows in codec.decode_chunks(encoded):
+            paged.scatter(rows, ids[start:start + rows.shape[0]])
+
+    return place
 
 
 class WorkerSide:
     """What one worker's connector does and keeps: its loads, saves and timings."""
 
-    def __init__(self, link: StoreLink, rank: int, copies: DeviceCopies | None = None) -> None:
+    def __init__(self, link: StoreLink, rank: int, copies: DeviceCopies | None = None,
+                 codec: str = "none") -> None:
         """copies: how copies reach the cache's device (default: `copies_for` the device of
-        the caches registered; tests give a simulated device)."""
+        the caches registered; tests give a simulated device); codec: how blocks are stored
+        (the `codec` option: `none` raw, `fp8` or `int4` encoded, `vllm_codec`)."""
         self.link = link
+        self.codec_name = codec
+        self.codecs: list[RowCodec | None] = []
+        """Per KV-cache group, its codec (None: raw rows)."""
+        self.rejected_blocks = 0
+        """Loaded blocks the codec refused (not its header or parameters): recomputed."""
         self.paged: PagedKV | None = None
         """Every layer, in model order, with its group: what the cache holds (for a look)."""
         self.group_paged: list[PagedKV] = []
@@ -104,14 +139,16 @@ class WorkerSide:
         self._reported_group_bytes: list[int] = []
         self._load_times: list[tuple[str, str, int, float]] = []
 
-    def register(self, kv_caches: dict[str, torch.Tensor],
-                 kv_cache_config: KVCacheConfig) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig,
+                 backends: dict[str, str] | None = None) -> None:
         """Learn the layout of vLLM's KV cache: one paged tensor per layer, K/V or MLA's
         latent vectors (`paged.LATENT`), in one KV-cache group or (a hybrid model) several.
         Each group gets its own `PagedKV` (`group_paged`): a stored block is one group's
         layers, in model order (by layer index), under that group's keys. One group keeps
         vLLM's order, so the blocks of a model stored before groups existed here still hit.
-        `paged` holds every layer with its group, for a look at the whole cache."""
+        `paged` holds every layer with its group, for a look at the whole cache. backends:
+        each layer's attention backend name, which a codec needs to find K and V in a block
+        (`vllm_codec`)."""
         groups = kv_cache_config.kv_cache_groups
         group_of = {n: i for i, g in enumerate(groups) for n in g.layer_names if n in kv_caches}
         names = list(group_of)
@@ -127,13 +164,40 @@ class WorkerSide:
                     kv_cache_config.num_blocks, layout) for g in range(len(groups))]
         self.loaded_group_bytes = [0] * len(self.group_paged)
         self._reported_group_bytes = [0] * len(self.group_paged)
+        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.codecs = [None if self.codec_name == "none" else RowCodec(
+            self.codec_name, p, [(backends or {}).get(n) for n in p.names], block_size)
+            for p in self.group_paged]
         if self.copies is None:
             self.copies = copies_for(self.paged.device)
         if self._rank == 0:  # every rank runs the same steps: one reports them
             self._timer = StepTimer(cuda=self.paged.device.type == "cuda")
-        logger.info("kvstore: %d layers, %d-byte blocks (%s), %s", len(names),
+        logger.info("kvstore: %d layers, %d-byte blocks (%s), %s%s", len(names),
                     self.paged.block_bytes, self.paged.signature(),
-                    "loads straight into the cache" if self.paged.direct else "staged loads")
+                    "loads straight into the cache" if self.paged.direct
+                    and self.codecs == [None] else "staged loads",
+                    "".join(f", codec {c.codec.name}: {c.encoded_bytes}-byte blocks"
+                            for c in self.codecs[:1] if c is not None))
+
+    def row_bytes(self, group: int) -> int:
+        """The bytes of one stored block of a group: encoded when there is a codec."""
+        codec = self.codecs[group]
+        return codec.encoded_bytes if codec is not None else self.group_paged[group].block_bytes
+
+    def _accepted(self, group: int, staging: torch.Tensor, arrived: int) -> int:
+        """How many of the arrived rows lead up to the first the codec refuses (all of them
+        without a codec); refused ones are counted and logged, and recomputed instead."""
+        codec = self.codecs[group]
+        if codec is None or not arrived:
+            return arrived
+        ok = codec.valid(staging[:arrived]).cpu()
+        good = int(ok.int().argmin()) if not bool(ok.all()) else arrived
+        if good < arrived:
+            with self._lock:
+                self.rejected_blocks += arrived - good
+            logger.warning("kvstore: %d loaded blocks are not %s blocks of this layout; "
+                           "recomputing them", arrived - good, codec.codec.name)
+        return good
 
     def begin_step(self, meta: object) -> None:
         """The forward pass is about to run: its clock starts."""
@@ -147,9 +211,11 @@ class WorkerSide:
         if not self.group_paged or copies is None:
             raise RuntimeError("KVStoreConnector: a load before register_kv_caches")
         paged = self.group_paged[spec.group]
+        codec = self.codecs[spec.group]
+        row_bytes = self.row_bytes(spec.group)
         # A sliding window's position it does not hold (-1) goes through staging: skipped.
-        staging = (None if paged.direct and min(spec.block_ids, default=0) >= 0
-                   else copies.take(len(spec.keys), (paged.block_bytes,), torch.uint8))
+        staging = (None if paged.direct and codec is None and min(spec.block_ids, default=0) >= 0
+                   else copies.take(len(spec.keys), (row_bytes,), torch.uint8))
         rows = paged.direct_rows(spec.block_ids) if staging is None else paged.rows(staging)
         begun = time.perf_counter()
 
@@ -157,11 +223,13 @@ class WorkerSide:
             # From the start of the load to its arrival, as the request waits for it.
             seconds = time.perf_counter() - begun
             event: Event = DONE
+            if staging is not None and arrived:
+                arrived = self._accepted(spec.group, staging, arrived)
             unread = not arrived  # no copy will read the staging: free for the next load now
             try:
                 if staging is not None and arrived:
                     ids = spec.block_ids[:arrived]
-                    event = copies.load(staging, lambda: paged.scatter(staging, ids))
+                    event = copies.load(staging, _place(paged, staging, ids, codec))
             except Exception:
                 logger.exception("kvstore: scattering %d loaded blocks failed", arrived)
                 arrived = 0
@@ -170,10 +238,10 @@ class WorkerSide:
                 copies.give_back(staging, DONE)
             with self._lock:
                 if spec.tier and arrived == len(spec.keys):
-                    self._load_times.append((self.origin, spec.tier,
-                                             arrived * paged.block_bytes, seconds))
+                    self._load_times.append((self.origin, spec.tier, arrived * row_bytes,
+                                             seconds))
                 failed = [b for b in spec.block_ids[arrived:] if b >= 0]
-                self.loaded_group_bytes[spec.group] += arrived * paged.block_bytes
+                self.loaded_group_bytes[spec.group] += arrived * row_bytes
                 self._landing.append(_Landing(spec.req_id, failed, event))
                 self._loads_in_flight -= 1
                 self._load_done.notify_all()
@@ -200,8 +268,10 @@ class WorkerSide:
             if not self.link.available:
                 self.link.offload(spec.keys, [], spec.parent)  # counted as dropped
                 continue
-            staging = copies.staging(len(spec.block_ids), (paged.block_bytes,), torch.uint8)
-            event = copies.save(_gather(paged, spec, staging), staging)
+            staging = copies.staging(len(spec.block_ids), (self.row_bytes(spec.group),),
+                                     torch.uint8)
+            event = copies.save(_gather(paged, spec, staging, self.codecs[spec.group]),
+                                staging)
             self.link.offload(spec.keys, paged.rows(staging), spec.parent,
                               ready=event.synchronize)
 
