@@ -3,7 +3,7 @@
 A co-located client's put used to be two round trips with the daemon's planning (eviction,
 demotion) between them: Reserve, then the copy, then the commit. Here the client holds a
 GRANT of free pages in its tenant's arena (`kvstore.proto.localframe`), taken before it is
-needed and refilled in the background when half of it is used, so a put is the copy into
+needed and refilled in the background before it runs dry, so a put is the copy into
 pages it already holds and one commit (COMMIT_GRANTED) that names the keys, the parent, the
 sizes, the checksums as written and the pages each block took. The daemon plans when it
 grants, not while a put waits.
@@ -18,7 +18,9 @@ that were cached already.
 A grant is used until a third of its lifetime is left (its pages are the daemon's again at
 its deadline, and a write into a page after that could land in another block: the margin
 keeps every write well inside it). What is left of a grant that is replaced, or held when
-the client closes, goes back with a posted Release.
+the client closes, goes back with a posted Release. A grant holds about PUTS_AHEAD of the
+client's largest puts, and the next one is taken in the background once the current one holds
+fewer than REFILL_PUTS of them.
 """
 
 from __future__ import annotations
@@ -48,9 +50,14 @@ from .errors import DataLoss, DeadlineExceeded, KVStoreError, ResourceExhausted
 
 logger = logging.getLogger("kvstore.client")
 
-#: What a client asks one grant to hold. A batch of 16 blocks of 2 MiB (32 MiB) fits twice,
-#: one of 256 KiB blocks sixteen times; the daemon grants at most a quarter of the arena.
+#: The most a client asks one grant to hold: four times its largest put, at least
+#: MIN_GRANT_BYTES, at most this (the daemon grants at most a quarter of the arena). Taking
+#: a grant makes its room (evicting as a put would), so a client holds ahead about what its
+#: next few puts need, not more.
 GRANT_BYTES = 64 * 1024 * 1024
+MIN_GRANT_BYTES = 4 * 1024 * 1024
+PUTS_AHEAD = 4  #: a grant holds this many of the client's largest puts
+REFILL_PUTS = 2  #: the next grant is taken once the current one holds fewer of them
 ASSUMED_PAGE_BYTES = 64 * 1024  #: the page size a client assumes before its first grant
 USABLE_SHARE = 2 / 3  #: of a grant's lifetime during which its pages are written into
 
@@ -170,6 +177,7 @@ class Grants:
         self._refill_thread: threading.Thread | None = None
         self._page_size = ASSUMED_PAGE_BYTES
         self._known_page = False
+        self._largest = 0  # pages of the largest put so far
         self.posted = PostedCommits()
 
     def pages_for(self, sizes: list[int]) -> list[int]:
@@ -185,7 +193,7 @@ class Grants:
         with self._lock:
             got = self._from_held(pages, first)
         if got is None:
-            fresh = self._ask(max(pages, self._grant_bytes // self._page_size))
+            fresh = self._ask(max(pages, self._wanted()))
             with self._lock:
                 self._retire(self._current)
                 self._current = fresh
@@ -194,7 +202,7 @@ class Grants:
                 return None
         with self._lock:
             current = self._current
-            if (current is not None and current.left * 2 < len(current.offsets)
+            if (current is not None and current.left < REFILL_PUTS * self._largest
                     and self._next is None and not self._refilling):
                 self._refilling = True
                 self._refill_thread = threading.Thread(target=self._refill,
@@ -225,6 +233,12 @@ class Grants:
         grant.handed = len(grant.offsets)
         self.local.post(RELEASE, pb.ReleaseRequest(ids=[grant.grant_id.hex()]))
 
+    def _wanted(self) -> int:
+        """Pages to ask a grant for: PUTS_AHEAD of the largest put, within the bounds."""
+        page = self._page_size
+        return max(MIN_GRANT_BYTES // page,
+                   min(PUTS_AHEAD * self._largest, self._grant_bytes // page))
+
     def _ask(self, pages: int) -> Granted:
         reply = self.local.call_bytes(GRANT, grant_request(self._namespace, pages))
         granted = parse_grant(reply, self._clock())
@@ -235,7 +249,7 @@ class Grants:
     def _refill(self) -> None:
         """The background thread: the next grant, taken before the current one runs dry."""
         try:
-            fresh = self._ask(self._grant_bytes // self._page_size)
+            fresh = self._ask(self._wanted())
         except KVStoreError as exc:
             logger.debug("kvstore: a grant was not taken ahead: %s", exc)
             fresh = None
@@ -250,12 +264,14 @@ class Grants:
         the first grant is taken here (it tells the page size). None when no grant can hold
         the put now (too large, or the arena cannot make a grant's room: the caller reserves
         instead, and gets the daemon's exact answer)."""
+        self._largest = max(self._largest, sum(self.pages_for(plan.sizes)))
         if not self._known_page:
             try:
                 self.take(1, first=True)
             except ResourceExhausted:
                 return None
         needs = self.pages_for(plan.sizes)
+        self._largest = max(self._largest, sum(needs))
         try:
             taken = self.take(sum(needs))
         except ResourceExhausted:
@@ -266,15 +282,16 @@ class Grants:
               segment: SharedSegment) -> bytes:
         """Copy plan's blocks into their granted pages of segment (each checksummed as it is
         written); the COMMIT_GRANTED body that makes them entries."""
-        grant, at, needs = placed
+        grant, first, needs = placed
         blocks = []
+        at = first
         for key, payload, pages in zip(plan.keys, plan.payloads, needs, strict=True):
             spans = _spans(grant, at, pages, payload.nbytes, segment.size_bytes)
-            blocks.append((key, payload.nbytes, segment.write(spans, payload),
-                           list(range(at, at + pages))))
+            blocks.append((key, payload.nbytes, segment.write(spans, payload), pages))
             at += pages
+        numbers = np.arange(first, at, dtype="<u4").tobytes()  # the places taken, in order
         body: bytes = commit_granted(grant.grant_id, plan.namespace, plan.parent_key,
-                                     plan.independent, blocks)
+                                     plan.independent, blocks, numbers)
         return body
 
     def commit(self, body: bytes, wait: bool) -> pb.PutResponse | None:

@@ -23,6 +23,7 @@ flags bit 0: the daemon closes the session after this reply.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 VERSION = 1  #: of the framing, in the handshake's answer
 
@@ -81,22 +82,23 @@ def grant_request(namespace: str, pages: int, timeout_ms: int = 0) -> bytes:
 
 
 def grant_reply(grant_id: bytes, expires_in_ms: int, page_size: int, shm_name: str,
-                arena: str, offsets: list[int]) -> bytes:
-    """A GRANT answer: the grant and where each of its pages lies."""
+                arena: str, offsets: Any) -> bytes:
+    """A GRANT answer: the grant and where each of its pages lies (offsets: a numpy array,
+    or any sequence of ints)."""
     shm, name = shm_name.encode(), arena.encode()
+    packed = offsets.astype("<u8").tobytes() if hasattr(offsets, "astype") else struct.pack(
+        f"<{len(offsets)}Q", *offsets)
     return (GRANT_REPLY.pack(grant_id, expires_in_ms, page_size, len(offsets), len(shm),
-                             len(name)) + shm + name + struct.pack(f"<{len(offsets)}Q", *offsets))
+                             len(name)) + shm + name + packed)
 
 
 def commit_granted(grant_id: bytes, namespace: str, parent: bytes, independent: bool,
-                   blocks: list[tuple[bytes, int, int, list[int]]]) -> bytes:
-    """A COMMIT_GRANTED body: blocks as (key, size, checksum, page numbers in the grant)."""
+                   blocks: list[tuple[bytes, int, int, int]], pages: bytes) -> bytes:
+    """A COMMIT_GRANTED body: blocks as (key, size, checksum, pages it takes), and pages:
+    the page numbers (u32 little-endian each, places in the grant), block after block."""
     ns = namespace.encode()
     flags = (INDEPENDENT if independent else 0) | (HAS_PARENT if parent else 0)
     parts = [COMMITTED.pack(grant_id, len(blocks), flags, len(ns)), ns, parent]
-    pages: list[int] = []
-    for key, size, checksum, numbers in blocks:
-        parts.append(BLOCK.pack(key, size, checksum, len(numbers)))
-        pages.extend(numbers)
-    parts.append(struct.pack(f"<{len(pages)}I", *pages))
+    parts.extend(BLOCK.pack(*block) for block in blocks)
+    parts.append(pages)
     return b"".join(parts)

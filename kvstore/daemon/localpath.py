@@ -46,6 +46,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from kvstore.core.errors import (
     InvalidArgument,
     Reason,
@@ -175,21 +177,17 @@ def _granted_commit(body: bytes) -> GrantedCommit | Undecodable:
     if flags & ~(HAS_PARENT | INDEPENDENT) or pages_at > len(body):
         return Undecodable(f"a CommitGranted request of {count} blocks (flags {flags}) needs "
                            f"{pages_at} bytes before its page numbers; got {len(body)}")
+    if (len(body) - pages_at) % PAGE_NUMBER.size:
+        return Undecodable(f"a CommitGranted request's page numbers are {PAGE_NUMBER.size} "
+                           f"bytes each; {len(body) - pages_at} bytes follow its blocks")
     try:
         namespace = body[COMMITTED.size:at].decode("utf-8")
     except UnicodeDecodeError:
         return Undecodable("a CommitGranted request's namespace is not UTF-8")
-    heads = list(BLOCK.iter_unpack(body[parent_end:pages_at]))
-    numbers = [n for (n,) in PAGE_NUMBER.iter_unpack(body[pages_at:])] \
-        if (len(body) - pages_at) % PAGE_NUMBER.size == 0 else []
-    if len(numbers) != sum(h[3] for h in heads):
-        return Undecodable(f"a CommitGranted request's blocks take {sum(h[3] for h in heads)} "
-                           f"pages; {len(body) - pages_at} bytes of page numbers follow")
-    blocks, used = [], 0
-    for key, size, checksum, pages in heads:
-        blocks.append((key, size, checksum, numbers[used:used + pages]))
-        used += pages
-    return grant_id, namespace, body[at:parent_end], bool(flags & INDEPENDENT), blocks
+    blocks = list(BLOCK.iter_unpack(body[parent_end:pages_at]))
+    numbers = np.frombuffer(body, dtype="<u4", offset=pages_at).astype(np.int64)
+    return (grant_id, namespace, body[at:parent_end], bool(flags & INDEPENDENT), blocks,
+            numbers)
 
 
 def _looked(body: bytes) -> tuple[int, int, str] | Undecodable:

@@ -18,6 +18,8 @@ Get and Release by its reader (`store.reader`), Reserve and its commit by its wr
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvstore.core.errors import FailedPrecondition, InvalidArgument
 from kvstore.core.prefixhits import MAX_BLOCK_TOKENS
 from kvstore.core.records import ReadResult
@@ -32,7 +34,7 @@ MAX_LEASE_S = 600  # a client asking for longer and then dying would pin pages t
 
 Extents = list[list[tuple[int, int]]]
 #: A COMMIT_GRANTED request as decoded: grant id, namespace, parent key, independent, blocks.
-GrantedCommit = tuple[bytes, str, bytes, bool, list[GrantedBlock]]
+GrantedCommit = tuple[bytes, str, bytes, bool, list[GrantedBlock], np.ndarray]
 
 
 class Reply(bytes):
@@ -190,18 +192,22 @@ class Verbs:
             raise InvalidArgument(f"timeout_ms {timeout_ms} exceeds {MAX_LEASE_S * 1000}",
                                   field="timeout_ms", limit=MAX_LEASE_S * 1000)
         g = self.store.writer.grant(namespace, pages, timeout_ms / 1000 or None, caller.client)
-        shm_name, arena, extents = self.shared([g.extents])
-        page_size = g.extents[0][1]  # each extent is one whole page
+        offsets = g.pages * g.page_size
+        first = int(offsets[0])
+        # Every page lies in one arena (the tenant's): its offsets there are the tier's
+        # less what the first one's is.
+        shm_name, arena, where = self.shared([[(first, g.page_size)]])
+        offsets += where[0][0][0] - first
         return Reply(grant_reply(bytes.fromhex(g.grant_id), int(g.expires_in_s * 1000),
-                                 page_size, shm_name, arena, [o for o, _ in extents[0]]))
+                                 g.page_size, shm_name, arena, offsets))
 
     def commit_granted(self, caller: Caller, request: GrantedCommit) -> pb.PutResponse:
         """Blocks written into pages of the caller's grant, made entries (the local path's
         COMMIT_GRANTED): answered as a Put."""
-        grant_id, namespace, parent, independent, blocks = request
+        grant_id, namespace, parent, independent, blocks, numbers = request
         caller.data(namespace)
         result = self.store.writer.commit_granted(namespace, grant_id.hex(), parent,
-                                                  independent, blocks, caller.client)
+                                                  independent, blocks, numbers, caller.client)
         return pb.PutResponse(stored=result.stored, existing=result.existing,
                               evicted=result.evicted)
 

@@ -31,6 +31,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvstore.core import checks
@@ -43,8 +44,9 @@ from kvstore.core.errors import (
 )
 from kvstore.core.placement import RoomStep
 from kvstore.core.records import CommitResult, PlannedBlock, PutSession, Reservation, StorePlan
+from kvstore.daemon.grantpages import PLACEHOLDER_PAGES, GrantPages
 from kvstore.daemon.storestate import StoreState
-from kvstore.extents import Extent, PageRun
+from kvstore.extents import Extent
 from kvstore.keys import KEY_BYTES, BlockKey, check_namespace
 from kvstore.tier import Tier
 from kvstore.tiers.dram import DramTier
@@ -67,18 +69,20 @@ def commits_to_verify(blocks: int, policy: str) -> range | list[int]:
 #: two batches.
 MAX_GRANT_SHARE = 0.25
 
-#: A block to commit from a grant: key, size in bytes, the writer's xxh3-64, page numbers.
-GrantedBlock = tuple[bytes, int, int, list[int]]
+#: A block to commit from a grant: key, size in bytes, the writer's xxh3-64, pages it takes.
+GrantedBlock = tuple[bytes, int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
 class Grant:
     """A grant as its client gets it: id (32 hex digits, also its Release id), how long it
-    is held, and each page's extent (offset, page size) in the tier."""
+    is held, the page size, and the tier's page numbers in the grant's order (what a
+    commit's page numbers count)."""
 
     grant_id: str
     expires_in_s: float
-    extents: list[Extent]
+    page_size: int
+    pages: np.ndarray
 
 
 class Writer:
@@ -91,7 +95,7 @@ class Writer:
         self._state = state
         # Each grant's pages by their number in it (None once committed), for grants whose
         # plan is in the index; entries of grants gone are dropped at the next grant.
-        self._grants: dict[str, list[PlannedBlock | None]] = {}
+        self._grants: dict[str, GrantPages] = {}
 
     def _l2(self) -> DramTier:
         """L2, the tier every put lands in. Raises FailedPrecondition when L2 is off (or
@@ -341,116 +345,96 @@ class Writer:
         timeout_s = timeout_s or self._state.config.leases.reservation_timeout_s
         index = self._state.index
         page = tier.page_size_bytes
+        if pages < 1:
+            raise InvalidArgument(f"pages: {pages} asked; a grant holds at least one",
+                                  field="pages")
         with self._state.lock:
             arena = index.arena_of(namespace)
             most = max(1, int(index.arena_usage(Tier.DRAM, arena)[3] * MAX_GRANT_SHARE)) \
                 if arena is not None else 1
-            most = min(most, self._state.config.server.max_batch_keys)
-            if pages < 1:
-                raise InvalidArgument(f"pages: {pages} asked; a grant holds at least one",
-                                      field="pages")
-            pages = min(pages, most)  # a grant holds at most a quarter of the arena
+            pages = min(pages, most, self._state.config.server.max_batch_keys)
             self._grants = {g: s for g, s in self._grants.items() if index.plan(g) is not None}
             index.holdings.check(client, self._state.caps, reservations=1,
                                  reserved_bytes=pages * page)
             grant_id = secrets.token_hex(16)
-            keys = [BlockKey(secrets.token_bytes(KEY_BYTES)) for _ in range(pages)]
-            plan = self._prepare(grant_id, namespace, keys, [page] * pages, [None] * pages,
+            sizes = [PLACEHOLDER_PAGES * page] * (pages // PLACEHOLDER_PAGES)
+            if pages % PLACEHOLDER_PAGES:
+                sizes.append(pages % PLACEHOLDER_PAGES * page)
+            keys = [BlockKey(secrets.token_bytes(KEY_BYTES)) for _ in sizes]
+            plan = self._prepare(grant_id, namespace, keys, sizes, [None] * len(sizes),
                                  timeout_s, client)
             if plan is None:
-                raise self._no_room(namespace, [page] * pages, page, tier.capacity_bytes)
-            self._grants[grant_id] = list(plan.blocks)
-            extents = [tier.extents(b.pages, page)[0] for b in plan.blocks]
-        return Grant(grant_id, timeout_s, extents)
+                raise self._no_room(namespace, sizes, page, tier.capacity_bytes)
+            held = self._grants[grant_id] = GrantPages(plan.blocks)
+            plan.blocks = held.placeholders(page)
+        return Grant(grant_id, timeout_s, page, held.pages.copy())
 
     def commit_granted(self, namespace: str, grant_id: str, parent: bytes, independent: bool,
-                       blocks: Sequence[GrantedBlock], client: str = "") -> CommitResult:
+                       blocks: Sequence[GrantedBlock], numbers: np.ndarray,
+                       client: str = "") -> CommitResult:
         """Make blocks the client wrote into pages of its grant entries: each names its key,
-        size, checksum as written and the grant's pages it took, in order. The pages leave the
-        grant whatever the outcome: a block whose key is cached already frees its pages, and
-        a commit refused (a checksum that dram.verify_commits finds wrong) frees them all."""
+        size, checksum as written and how many pages it took, and numbers the grant's pages
+        they took, block after block. The pages leave the grant whatever the outcome: a
+        block whose key is cached already frees its pages, and a commit refused (a checksum
+        that dram.verify_commits finds wrong) frees them all."""
         server = self._state.config.server
         keys = checks.keys(namespace, [b[0] for b in blocks], server.max_batch_keys)
         sizes = checks.sizes(keys, [b[1] for b in blocks], server.max_object_bytes)
         parents = checks.chain_parents(namespace, keys, parent, independent)
         tier = self._l2()
+        index = self._state.index
         with self._state.lock:
-            plan, slots = self._granted(namespace, grant_id, client)
-            planned, used = self._take_pages(plan, slots, keys, sizes, parents, blocks)
-            result = self._commit_pages(tier, plan, planned, [b[2] for b in blocks], used)
+            plan, held = self._granted(namespace, grant_id, client)
+            for i, (size, block) in enumerate(zip(sizes, blocks, strict=True)):
+                if block[3] != index.pages_per_object(Tier.DRAM, size):
+                    raise InvalidArgument(
+                        f"blocks[{i}].pages: {block[3]} pages for {size} bytes, which take "
+                        f"{index.pages_per_object(Tier.DRAM, size)}", field=f"blocks[{i}].pages")
+            runs = held.take([b[3] for b in blocks], numbers, grant_id)
+            planned = [PlannedBlock(i, key, size, r, p) for i, (key, size, r, p)
+                       in enumerate(zip(keys, sizes, runs, parents, strict=True))]
+            result = self._commit_pages(tier, plan, held, planned, [b[2] for b in blocks],
+                                        len(numbers))
         remote = self._state.remote
         if remote is not None and result.stored:
             remote.offer(namespace, [(b.key, b.size_bytes) for b in planned])
         return result
 
     def _granted(self, namespace: str, grant_id: str,
-                 client: str) -> tuple[StorePlan, list[PlannedBlock | None]]:
+                 client: str) -> tuple[StorePlan, GrantPages]:
         """The plan and pages of client's grant, for a commit in namespace. Called under the
         lock."""
         plan = self._state.index.plan(grant_id)
-        slots = self._grants.get(grant_id)
-        if plan is None or slots is None or plan.client != client:
+        held = self._grants.get(grant_id)
+        if plan is None or held is None or plan.client != client:
             raise InvalidArgument(f"grant_id {grant_id!r} is unknown or expired (or another "
                                   "client's)", Reason.RESERVATION_EXPIRED, field="grant_id")
         if self._state.index.arena_of(namespace) != plan.arena:
             raise InvalidArgument(f"namespace {namespace!r} is not stored in the arena of "
                                   f"grant {grant_id!r}", field="namespace")
-        return plan, slots
+        return plan, held
 
-    def _take_pages(self, plan: StorePlan, slots: list[PlannedBlock | None],
-                    keys: list[BlockKey], sizes: list[int], parents: list[BlockKey | None],
-                    blocks: Sequence[GrantedBlock]) -> tuple[list[PlannedBlock], set[int]]:
-        """The commit's blocks on the grant's pages they name, each page checked (one of the
-        grant's, not used yet, not named twice, as many as the size needs); the page numbers
-        used. Nothing changes when a page is refused. Called under the lock."""
+    def _commit_pages(self, tier: DramTier, plan: StorePlan, held: GrantPages,
+                      planned: list[PlannedBlock], checksums: list[int],
+                      used: int) -> CommitResult:
+        """Commit planned (on `used` pages just taken from plan's grant) as entries, the rest
+        of the grant held on under the same id and deadline. Called under the lock."""
         index = self._state.index
-        planned: list[PlannedBlock] = []
-        used: set[int] = set()
-        for i, (block, key, size) in enumerate(zip(blocks, keys, sizes, strict=True)):
-            numbers = block[3]
-            need = index.pages_per_object(Tier.DRAM, size)
-            if len(numbers) != need:
-                raise InvalidArgument(f"blocks[{i}].pages: {len(numbers)} pages for "
-                                      f"{size} bytes, which take {need}",
-                                      field=f"blocks[{i}].pages")
-            runs: list[PageRun] = []
-            for p in numbers:
-                slot = slots[p] if 0 <= p < len(slots) else None
-                if slot is None or p in used:
-                    raise InvalidArgument(
-                        f"blocks[{i}].pages: page {p} is not an unused page of grant "
-                        f"{plan.plan_id!r} ({len(slots)} pages)", field=f"blocks[{i}].pages")
-                used.add(p)
-                runs.extend(slot.pages)
-            planned.append(PlannedBlock(i, key, size, _coalesced(runs), parents[i]))
-        return planned, used
-
-    def _commit_pages(self, tier: DramTier, plan: StorePlan, planned: list[PlannedBlock],
-                      checksums: list[int], used: set[int]) -> CommitResult:
-        """Commit planned (on pages used of plan's grant) as entries, the rest of the grant
-        held on under the same id and deadline. Called under the lock."""
-        index = self._state.index
-        slots = self._grants[plan.plan_id]
-        taken = {id(slots[p]) for p in used}
-        rest = [b for b in plan.blocks if id(b) not in taken]
-        for p in used:
-            slots[p] = None
+        page = tier.page_size_bytes
         plan.blocks = planned
         wrong = next((j for j in commits_to_verify(len(planned),
                                                     self._state.config.dram.verify_commits)
                       if tier.checksum(tier.extents(planned[j].pages, planned[j].size_bytes))
                       != checksums[j]), None)
-        sums = [checksums[b.index] for b in planned]
-        result = index.complete_store(plan.plan_id, sums if wrong is None else None,
+        result = index.complete_store(plan.plan_id, checksums if wrong is None else None,
                                       success=wrong is None)
-        page = tier.page_size_bytes
-        index.holdings.change(plan.client,
-                              reserved_bytes=plan.size_bytes - len(used) * page)
-        if rest:
+        # complete_store let go of the blocks' bytes; the grant held whole pages for them.
+        index.holdings.change(plan.client, reserved_bytes=plan.size_bytes - used * page)
+        if held.left:
             again = index.prepare_store(plan.plan_id, plan.namespace, [], [], [], Tier.DRAM,
                                         plan.deadline, evict=False, client=plan.client)
             assert again is not None, "an empty plan always fits"
-            again.blocks = rest  # its bytes are still counted: the fix above left them
+            again.blocks = held.placeholders(page)  # still counted: the change above kept them
         else:
             del self._grants[plan.plan_id]
         if wrong is not None:
@@ -460,14 +444,3 @@ class Writer:
                 Reason.CHECKSUM_MISMATCH, field=f"blocks[{wrong}].checksum")
         self._state.stats[Tier.DRAM].bytes_in += sum(b.size_bytes for b in planned)
         return result
-
-
-def _coalesced(runs: list[PageRun]) -> tuple[PageRun, ...]:
-    """Runs in order, adjacent ones joined: a block on consecutive pages is one run."""
-    out: list[PageRun] = []
-    for start, length in runs:
-        if out and out[-1][0] + out[-1][1] == start:
-            out[-1] = PageRun(out[-1][0], out[-1][1] + length)
-        else:
-            out.append(PageRun(start, length))
-    return tuple(out)

@@ -1,0 +1,94 @@
+"""One grant's pages, as the daemon keeps them (kvstore.daemon.writer's grants).
+
+A grant is a plan in the index (so it is held, counted and expired as a reservation is)
+whose blocks are placeholders: one per run of consecutive pages, never made entries. Here
+are the same pages by their place in the grant (the numbers a client's commit names),
+which of them a commit has used, and the placeholders that cover the rest. Arrays, so that a
+commit of hundreds of pages costs a few numpy calls, not a Python step a page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.core.errors import InvalidArgument
+from kvstore.core.records import PlannedBlock
+from kvstore.extents import PageRun
+from kvstore.keys import KEY_BYTES, BlockKey
+
+#: Pages a grant's placeholders are made of when it is planned: runs this long keep the
+#: grant's pages mostly consecutive (one copy a block) and its plan short.
+PLACEHOLDER_PAGES = 16
+_NO_KEY = BlockKey(bytes(KEY_BYTES))  # a placeholder's: it never becomes an entry
+
+
+class GrantPages:
+    """The tier's page numbers of one grant by their place in it, and which are used."""
+
+    def __init__(self, blocks: Sequence[PlannedBlock]) -> None:
+        self.pages = pages_of([run for block in blocks for run in block.pages])
+        self.used = np.zeros(len(self.pages), dtype=bool)
+
+    def take(self, counts: Sequence[int], numbers: np.ndarray, grant_id: str
+             ) -> list[tuple[PageRun, ...]]:
+        """The runs of each block of a commit: counts[i] pages each, named by their places
+        in numbers, block after block. Every place is checked (in the grant, unused, named
+        once) and marked used; InvalidArgument naming the first bad block changes nothing."""
+        ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+        if len(numbers) != (int(ends[-1]) if len(ends) else 0):
+            raise InvalidArgument(f"blocks: they take {int(ends[-1]) if len(ends) else 0} "
+                                  f"pages; {len(numbers)} page numbers follow",
+                                  field="blocks")
+        if not len(numbers):
+            return []
+        bad = numbers >= len(self.pages)
+        if not bad.any():
+            bad = self.used[numbers]
+        if not bad.any():
+            order = np.sort(numbers)
+            repeated = np.flatnonzero(order[1:] == order[:-1])
+            if len(repeated):
+                bad = numbers == order[repeated[0]]
+        if bad.any():
+            at = int(np.argmax(bad))
+            block = int(np.searchsorted(ends, at, side="right"))
+            raise InvalidArgument(
+                f"blocks[{block}].pages: page {int(numbers[at])} is not an unused page of "
+                f"grant {grant_id!r} ({len(self.pages)} pages), or is named twice",
+                field=f"blocks[{block}].pages")
+        self.used[numbers] = True
+        absolute = self.pages[numbers]
+        starts = np.concatenate(([0], ends[:-1]))
+        return [runs_of(absolute[s:e]) for s, e in zip(starts.tolist(), ends.tolist(),
+                                                       strict=True)]
+
+    def placeholders(self, page_size: int) -> list[PlannedBlock]:
+        """One placeholder block a run of the pages not used yet (none when all are)."""
+        rest = self.pages[~self.used]
+        return [PlannedBlock(-1, _NO_KEY, length * page_size, (PageRun(start, length),), None)
+                for start, length in runs_of(np.sort(rest))]
+
+    @property
+    def left(self) -> int:
+        return int(len(self.pages) - np.count_nonzero(self.used))
+
+
+def pages_of(runs: Sequence[PageRun]) -> np.ndarray:
+    """Every page number of runs, in order."""
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(start, start + length, dtype=np.int64)
+                           for start, length in runs])
+
+
+def runs_of(pages: np.ndarray) -> tuple[PageRun, ...]:
+    """Page numbers in order as runs, consecutive ones joined."""
+    if not len(pages):
+        return ()
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(pages)]))
+    return tuple(PageRun(int(pages[s]), int(e - s))
+                 for s, e in zip(starts.tolist(), ends.tolist(), strict=True))
