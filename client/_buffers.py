@@ -76,7 +76,7 @@ def native_lib() -> ctypes.CDLL | None:
 
 
 def native_copy_hash(lib: ctypes.CDLL, src: list[int], dst: list[int], lengths: list[int],
-                     more: bytes | None, digest: bool) -> npt.NDArray[np.uint64] | None:
+                     more: bytes | None, digest: bool) -> list[int] | None:
     """kvstore.native.copy_hash (only called with the library native_lib gave)."""
     assert _native is not None
     return _native.copy_hash(lib, src, dst, lengths, more, digest)

@@ -88,7 +88,7 @@ class SharedSegment:
                 lengths.append(length)
                 at += length
             hashes = native_copy_hash(lib, src, dst_at, lengths, _more(len(spans)), digest)
-            return None if hashes is None else int(hashes[-1])
+            return None if hashes is None else hashes[-1]
         arr = self.array
         skew_base = address(dst) - self.address
         hasher = xxhash.xxh3_64() if digest else None
@@ -123,7 +123,7 @@ class SharedSegment:
             more[-1] = 0
             ends.append(len(lengths) - 1)
         hashes = native_copy_hash(lib, src_at, dst_at, lengths, bytes(more), digest)
-        return None if hashes is None else hashes.take(ends).tolist()
+        return None if hashes is None else [hashes[end] for end in ends]
 
     def write(self, spans: Spans, src: memoryview) -> int:
         """Copy src into the spans; the xxh3-64 of what was written (hashed from the segment
@@ -158,7 +158,7 @@ class SharedSegment:
             ends.append(len(lengths) - 1)
         hashes = native_copy_hash(lib, src_at, dst_at, lengths, bytes(more), True)
         assert hashes is not None
-        return hashes.take(ends).tolist()  # type: ignore[no-any-return]
+        return [hashes[end] for end in ends]
 
     def _write_numpy(self, spans: Spans, src: memoryview) -> int:
         hasher = xxhash.xxh3_64()

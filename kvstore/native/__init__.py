@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 __all__ = ["LIB", "PIECE_BYTES", "TableArgs", "TableParams", "build_dir", "copy_hash", "load",
            "use_native"]
 
@@ -125,16 +123,16 @@ def use_native(on: bool) -> bool:
 
 
 def copy_hash(lib: ctypes.CDLL, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
-              more: bytes | None, digest: bool) -> np.ndarray | None:
+              more: bytes | None, digest: bool) -> list[int] | None:
     """Copy lengths[i] bytes from address src[i] to address dst[i], all in one native call;
     with digest, the xxh3-64 per block (a block: one span, or a run of spans whose `more`
     byte is nonzero and the span after the run, hashed as one stream; the hash sits at the
     block's last span, 0 at the others). The addresses must be valid for the lengths: the
     callers bounds-check every span first."""
     n = len(lengths)
-    table = np.array((src, dst, lengths), dtype=np.uint64)
-    at = table.ctypes.data
-    hashes = np.zeros(n, dtype=np.uint64) if digest else None
-    lib.kv_copy_hash(n, at, at + 8 * n, at + 16 * n,
-                     None if hashes is None else hashes.ctypes.data, PIECE_BYTES, more)
-    return hashes
+    # One ctypes array (src, dst, lengths, hashes): cheaper than numpy's for a few spans.
+    table = (_U64 * (4 * n))(*src, *dst, *lengths)
+    at = ctypes.addressof(table)
+    lib.kv_copy_hash(n, at, at + 8 * n, at + 16 * n, at + 24 * n if digest else None,
+                     PIECE_BYTES, more)
+    return table[3 * n:] if digest else None

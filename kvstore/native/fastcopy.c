@@ -180,6 +180,20 @@ static int read_slot(const uint64_t *slots, const uint64_t *sums, uint64_t slot,
     return 1;
 }
 
+/* Keys whose home slots are computed and prefetched before any of them is read: the slots lie
+ * at random places in the table, so a cold probe is a cache miss per key, and misses asked for
+ * together overlap. */
+#define PROBE_AHEAD 32
+
+static inline void homes(const table_params *p, const uint64_t *key, uint64_t ns_term,
+                         uint64_t *first, uint64_t *second) {
+    uint64_t mask = p->capacity - 1;
+    uint64_t h = key[0] * p->mult[0] + key[1] * p->mult[1] + key[2] * p->mult[2] +
+                 key[3] * p->mult[3] + ns_term;
+    *first = (h >> p->shift) & mask;
+    *second = ((h * p->mix) >> p->shift) & mask;
+}
+
 /*
  * Probe n keys (32 bytes each, back to back) in namespace tag ns. Per key: its slot (-1: not
  * found) and the slot's version, location word, length and sum. Returns how many keys from the
@@ -190,29 +204,34 @@ EXPORT size_t kv_probe(const uint64_t *table, const table_params *p, uint64_t ns
                        uint64_t *loc, uint64_t *length, uint64_t *sum) {
     const uint64_t *slots = table + HEADER_BYTES / 8;
     const uint64_t *sums = slots + p->capacity * SLOT_WORDS;
-    uint64_t mask = p->capacity - 1, got[4], ns_term = ns * p->ns_mult;
+    uint64_t got[4], ns_term = ns * p->ns_mult, first[PROBE_AHEAD], second[PROBE_AHEAD];
     size_t prefix = n;
-    for (size_t i = 0; i < n; i++) {
-        const uint64_t *key = keys + 4 * i;
-        uint64_t h = key[0] * p->mult[0] + key[1] * p->mult[1] + key[2] * p->mult[2] +
-                     key[3] * p->mult[3] + ns_term;
-        uint64_t first = (h >> p->shift) & mask, second = ((h * p->mix) >> p->shift) & mask;
-        int64_t at = -1;
-        if (read_slot(slots, sums, first, key, ns, got))
-            at = (int64_t)first;
-        else if (read_slot(slots, sums, second, key, ns, got))
-            at = (int64_t)second;
-        slot_out[i] = at;
-        if (at < 0) {
-            version[i] = loc[i] = length[i] = sum[i] = 0;
-            if (prefix == n)
-                prefix = i;
-            continue;
+    for (size_t start = 0; start < n; start += PROBE_AHEAD) {
+        size_t end = n - start < PROBE_AHEAD ? n : start + PROBE_AHEAD;
+        for (size_t i = start; i < end; i++) {
+            homes(p, keys + 4 * i, ns_term, &first[i - start], &second[i - start]);
+            __builtin_prefetch(slots + first[i - start] * SLOT_WORDS);
+            __builtin_prefetch(sums + first[i - start]);
         }
-        version[i] = got[0];
-        loc[i] = got[1];
-        length[i] = got[2];
-        sum[i] = got[3];
+        for (size_t i = start; i < end; i++) {
+            const uint64_t *key = keys + 4 * i;
+            int64_t at = -1;
+            if (read_slot(slots, sums, first[i - start], key, ns, got))
+                at = (int64_t)first[i - start];
+            else if (read_slot(slots, sums, second[i - start], key, ns, got))
+                at = (int64_t)second[i - start];
+            slot_out[i] = at;
+            if (at < 0) {
+                version[i] = loc[i] = length[i] = sum[i] = 0;
+                if (prefix == n)
+                    prefix = i;
+                continue;
+            }
+            version[i] = got[0];
+            loc[i] = got[1];
+            length[i] = got[2];
+            sum[i] = got[3];
+        }
     }
     return prefix;
 }
