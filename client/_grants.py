@@ -173,8 +173,12 @@ class Grants:
         self._lock = threading.Lock()
         self._current: Granted | None = None
         self._next: Granted | None = None
+        # The worker that takes the next grant ahead: started once, woken when one is wanted
+        # (_refilling), told of the end by _closed; the condition shares the lock.
         self._refilling = False
-        self._refill_thread: threading.Thread | None = None
+        self._closed = False
+        self._changed = threading.Condition(self._lock)
+        self._worker: threading.Thread | None = None
         self._page_size = ASSUMED_PAGE_BYTES
         self._known_page = False
         self._largest = 0  # pages of the largest put so far
@@ -205,9 +209,11 @@ class Grants:
             if (current is not None and current.left < REFILL_PUTS * self._largest
                     and self._next is None and not self._refilling):
                 self._refilling = True
-                self._refill_thread = threading.Thread(target=self._refill,
-                                                       name="kvstore-grant", daemon=True)
-                self._refill_thread.start()
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._refill, name="kvstore-grant",
+                                                    daemon=True)
+                    self._worker.start()
+                self._changed.notify_all()
         return got
 
     def _from_held(self, pages: int, first: bool = False) -> tuple[Granted, int] | None:
@@ -247,36 +253,69 @@ class Grants:
         return granted
 
     def _refill(self) -> None:
-        """The background thread: the next grant, taken before the current one runs dry."""
-        try:
-            fresh = self._ask(self._wanted())
-        except KVStoreError as exc:
-            logger.debug("kvstore: a grant was not taken ahead: %s", exc)
-            fresh = None
+        """The worker: each time one is wanted, the next grant, taken before the current
+        one runs dry; until the grants are closed."""
+        while True:
+            with self._lock:
+                while not self._refilling and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+            try:
+                fresh: Granted | None = self._ask(self._wanted())
+            except KVStoreError as exc:
+                logger.debug("kvstore: a grant was not taken ahead: %s", exc)
+                fresh = None
+            with self._lock:
+                self._refilling = False
+                if fresh is not None:
+                    self._retire(self._next)
+                    self._next = fresh
+                self._changed.notify_all()
+
+    def _settled(self, timeout_s: float | None = None) -> None:
+        """Wait for a grant being taken ahead, if any (it is then held)."""
         with self._lock:
-            self._refilling = False
-            if fresh is not None:
-                self._retire(self._next)
-                self._next = fresh
+            self._changed.wait_for(lambda: not self._refilling, timeout_s)
 
     def place(self, plan: rq.PutPlan) -> tuple[Granted, int, list[int]] | None:
         """Granted pages for plan's blocks: (grant, first place, pages each block takes);
         the first grant is taken here (it tells the page size). None when no grant can hold
         the put now (too large, or the arena cannot make a grant's room: the caller reserves
         instead, and gets the daemon's exact answer)."""
-        self._largest = max(self._largest, sum(self.pages_for(plan.sizes)))
         if not self._known_page:
             try:
                 self.take(1, first=True)
             except ResourceExhausted:
                 return None
         needs = self.pages_for(plan.sizes)
-        self._largest = max(self._largest, sum(needs))
+        if sum(needs) <= self._grant_bytes // self._page_size:
+            self._largest = max(self._largest, sum(needs))
         try:
             taken = self.take(sum(needs))
         except ResourceExhausted:
+            taken = None
+        if taken is None:  # the Reserve that follows must not find the client's room held
+            self.give_back()
             return None
-        return None if taken is None else (taken[0], taken[1], needs)
+        return taken[0], taken[1], needs
+
+    def give_back(self) -> None:
+        """Give back what is left of the grants held, and wait for the daemon to take them
+        (a put that reserves next is then charged against the client's caps without them)."""
+        self._settled()
+        with self._lock:
+            held = [g for g in (self._current, self._next) if g is not None and g.left]
+            self._current = self._next = None
+        for grant in held:
+            grant.handed = len(grant.offsets)
+        if not held:
+            return
+        try:
+            self.local.call(RELEASE, pb.ReleaseRequest(ids=[g.grant_id.hex() for g in held]),
+                            pb.ReleaseResponse)
+        except KVStoreError as exc:  # expired meanwhile: the daemon has them back already
+            logger.debug("kvstore: giving back grants: %s", exc)
 
     def write(self, plan: rq.PutPlan, placed: tuple[Granted, int, list[int]],
               segment: SharedSegment) -> bytes:
@@ -320,10 +359,10 @@ class Grants:
             self.posted.wait(self.local.settle, timeout_s)
         except KVStoreError as exc:
             logger.warning("kvstore: closing with posted commits unanswered: %s", exc)
-        refill = self._refill_thread
-        if refill is not None:
-            refill.join(timeout_s)  # a grant it takes is given back below
+        self._settled(timeout_s)  # a grant it takes is given back below
         with self._lock:
+            self._closed = True
+            self._changed.notify_all()
             for grant in (self._current, self._next):
                 self._retire(grant)
             self._current = self._next = None
