@@ -37,18 +37,20 @@ from kvstore.proto.dataframe import GET_DATA, PUT_DATA, TRAILER_OK, TRAILER_VOID
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.localframe import CLOSING, REPLY, REQUEST
 
-from ._attach import TicketKeeper
+from ._attach import FetchAttach, TicketKeeper
 from ._buffers import ByteArray
 from ._localpath import LocalPath, NoSession, NoSessionNow, _error, _read_line, _Session
 from ._pause import TryLater
 from ._wire import Fetched, capacities, parse_get_header
+from .credentials import TLS
 from .errors import EntryVanished, InvalidArgument, Unavailable
 
 logger = logging.getLogger("kvstore.client")
 
 MAX_IOV = 512  # buffers per sendmsg call (Linux takes up to 1024)
 
-__all__ = ["DataSocket", "NoSession", "NoSessionNow", "tls_context"]
+__all__ = ["DataPath", "DataSocket", "NoSession", "NoSessionNow", "data_socket_for",
+           "tls_context"]
 
 
 class _Broke(Exception):
@@ -59,25 +61,103 @@ class _Broke(Exception):
         self.unanswered = unanswered
 
 
-def tls_context(root_certificates: bytes | None = None, private_key: bytes | None = None,
-                certificate_chain: bytes | None = None) -> ssl.SSLContext:
-    """The TLS a data socket is opened with, from the PEM bytes a client's gRPC channel is
-    given (grpc.ssl_channel_credentials' arguments): the roots to trust (None: the
-    system's) and, for auth.mode=mtls, the client's key and certificate chain."""
-    context = ssl.create_default_context()
-    if root_certificates is not None:
-        context.load_verify_locations(cadata=root_certificates.decode("ascii"))
-    if private_key is not None and certificate_chain is not None:
-        import os
-        import tempfile
-        # ssl loads a key pair from files only; they live for the call alone, 0600.
-        with tempfile.TemporaryDirectory() as folder:
-            key_path, cert_path = os.path.join(folder, "key.pem"), os.path.join(folder, "c.pem")
-            for path, data in ((key_path, private_key), (cert_path, certificate_chain)):
-                with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
-                    f.write(data)
-            context.load_cert_chain(cert_path, key_path)
+def tls_context(ca_file: str | None = None, cert_file: str | None = None,
+                key_file: str | None = None) -> ssl.SSLContext:
+    """The TLS a data socket is opened with, from a client's `TLS` settings
+    (client/credentials.py): the PEM roots to trust (None: the system's) and, for
+    auth.mode=mtls, the client's certificate chain and key."""
+    context = ssl.create_default_context(cafile=ca_file)
+    if cert_file is not None and key_file is not None:
+        context.load_cert_chain(cert_file, key_file)
     return context
+
+
+def data_socket_for(target: str, data_port: int, tls: TLS | None,
+                    fetch_attach: FetchAttach | None, timeout_s: float) -> DataSocket | None:
+    """The client's entry point: the data socket of the daemon at target (a gRPC target as
+    the client was given it) when its Limits offer one (data_port), on the same host; None
+    when there is none, or target names no host (unix:, a resolver's scheme). tls: the
+    client's TLS settings, None for plaintext; fetch_attach: the Attach call with auth on
+    (tickets), None with auth off."""
+    host = target_host(target)
+    if not data_port or host is None:
+        return None
+    context = None if tls is None else tls_context(tls.ca_file, tls.cert_file, tls.key_file)
+    server_name = tls.server_name if tls is not None else None
+    return DataSocket(host, data_port, TicketKeeper(fetch_attach), timeout_s, tls=context,
+                      server_hostname=server_name)
+
+
+class DataPath:
+    """A client's data-socket state (the narrow entry point client/_base.py calls): what
+    the daemon's Limits offer, the DataSocket made from it on first use, and off for good
+    after a NoSession (for now after a NoSessionNow: the socket's own pause). Thread-safe
+    enough: two threads deciding at once make one socket each and one is kept."""
+
+    def __init__(self, target: str, tls: TLS | None, timeout_s: float) -> None:
+        self._target = target
+        self._tls = tls
+        self._timeout_s = timeout_s
+        self._port: int | None = None  # None: Limits not seen yet
+        self._auth = False
+        self._socket: DataSocket | None = None
+        self._off = False
+
+    @property
+    def undecided(self) -> bool:
+        """Whether Limits still has to be seen (the caller asks it first)."""
+        return self._port is None and not self._off
+
+    def offered(self, limits: pb.LimitsResponse) -> None:
+        """Take in the daemon's Limits: its data_port (0: none), and whether tickets are
+        needed (auth_mode not "off")."""
+        self._port = int(limits.data_port)
+        self._auth = limits.auth_mode not in ("", "off")
+
+    def socket(self, fetch_attach: FetchAttach) -> DataSocket | None:
+        """The data socket to move inline Gets and Puts over now, or None (none offered,
+        off for good, or paused after a refusal that passes: gRPC then)."""
+        if self._off or not self._port:
+            return None
+        if self._socket is None:
+            self._socket = data_socket_for(self._target, self._port, self._tls,
+                                           fetch_attach if self._auth else None,
+                                           self._timeout_s)
+            if self._socket is None:
+                self._off = True
+                return None
+        return self._socket if self._socket.ready() else None
+
+    def failed(self, exc: NoSession) -> None:
+        """A call could not have a session: NoSessionNow is for that call only (the socket
+        pauses itself); any other NoSession turns the data socket off for good."""
+        if isinstance(exc, NoSessionNow):
+            return
+        logger.info("kvstore: the daemon's data socket is off for this client, inline Get "
+                    "and Put use gRPC: %s", exc)
+        self._off = True
+        self.close()
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+
+
+def target_host(target: str) -> str | None:
+    """The host of a gRPC target: host:port, [v6]:port, dns:///host:port, ipv4:/ipv6:
+    (the first address); None for unix: and other schemes (no host to reach TCP on)."""
+    lowered = target.lower()
+    if lowered.startswith("dns:"):
+        target = target[4:].lstrip("/")
+        if "/" in target:  # dns://authority/host:port
+            target = target.split("/", 1)[1]
+    elif lowered.startswith(("ipv4:", "ipv6:")):
+        target = target[5:].split(",")[0]
+    elif "://" in target or lowered.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return None
+    if target.startswith("["):  # [v6]:port
+        return target[1:target.find("]")] or None
+    return target.rsplit(":", 1)[0] or None
 
 
 class DataSocket(LocalPath):

@@ -24,6 +24,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,20 @@ import pytest
 import xxhash
 from google.rpc import status_pb2
 
+from kvstore.client import _requests as rq
+from kvstore.client import results as res
 from kvstore.client._attach import TicketKeeper
-from kvstore.client._datasocket import DataSocket, NoSession, NoSessionNow, tls_context
+from kvstore.client._datasocket import (
+    DataPath,
+    DataSocket,
+    NoSession,
+    NoSessionNow,
+    tls_context,
+)
+from kvstore.client._effects import Offload, Retried, Steps, one
+from kvstore.client.credentials import TLS
 from kvstore.client.errors import PermissionDenied
+from kvstore.client.sync import KVStoreClient
 from kvstore.daemon.attach import Tickets
 from kvstore.daemon.config import load_config
 from kvstore.daemon.datasocket import DataSessions, _bind
@@ -50,7 +62,7 @@ from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
 from kvstore.proto.localframe import CLOSING, GET, LOOKUP, RELEASE, REPLY, REQUEST, RESERVE
 from kvstore.tools.testing import Daemon, start_daemon
 from tests.integration.pki import Pki, make_pki
-from tests.integration.test_auth import md, tenants_doc, write_tenants
+from tests.integration.test_auth import TOKENS, md, tenants_doc, write_tenants
 
 KiB, MiB = 1024, 1024 * 1024
 #: Sizes around every edge a block crosses: a byte, pages of 4 KiB and 64 KiB either side,
@@ -120,7 +132,7 @@ def plain_socket(plain: Daemon) -> Iterator[DataSocket]:
 
 
 def tls_socket(d: Daemon, pki: Pki, tenant: str) -> DataSocket:
-    context = tls_context(pki.ca.read_bytes())
+    context = tls_context(str(pki.ca))
     return DataSocket("127.0.0.1", limits(d, pki).data_port,
                       TicketKeeper(attach_fetcher(d, pki, tenant)), 10.0, tls=context)
 
@@ -257,12 +269,93 @@ def test_a_client_with_no_data_socket_falls_back(plain: Daemon) -> None:
     assert not ds.ready()  # paused: the next calls go straight to gRPC
 
 
+# --- through a client --------------------------------------------------------------------------
+
+
+class RemoteClient(KVStoreClient):  # type: ignore[misc]
+    """KVStoreClient with the hook this module's report asks client/_base.py for, applied as
+    a subclass: inline Gets and Puts over the data socket when Limits offers it, gRPC when
+    it does not or refuses (DataPath.failed). `via` counts which path served each call."""
+
+    def __init__(self, target: str, namespace: str, **kwargs: Any) -> None:
+        super().__init__(target, namespace, shared_memory=False, **kwargs)
+        tls = kwargs.get("tls")  # _base.py has it as resolve_tls(tls): `settings`
+        self._data = DataPath(self.target, tls if isinstance(tls, TLS) else None,
+                              self.timeout_s)
+        self.via: dict[str, int] = {"socket": 0, "grpc": 0}
+
+    def _data_socket(self) -> Steps[DataSocket | None]:
+        if self._data.undecided:
+            self._data.offered((yield from self._unary(self._stub.Limits, pb.LimitsRequest())))
+        return self._data.socket(self._blocking(self._fetch_attach))
+
+    def _fetch(self, keys: list[bytes], arrays: Any, again: bool = False) -> Steps[Any]:
+        data = yield from self._data_socket()
+        if data is not None:
+            try:
+                remote = yield Retried(lambda: one(Offload(partial(
+                    data.get_into, self.namespace, keys, arrays, self.verify_checksums))))
+                self.via["socket"] += 1
+                return remote
+            except NoSession as exc:
+                self._data.failed(exc)
+        self.via["grpc"] += 1
+        return (yield from super()._fetch(keys, arrays, again))
+
+    def _put_steps(self, keys: Any, values: Any, parent: Any, independent: bool,
+                   wait: bool = True) -> Steps[Any]:
+        data = yield from self._data_socket()
+        if data is not None:
+            plan = rq.put_plan(self.namespace, keys, values, parent, independent)
+            header = plan.inline_header()
+            try:
+                response = yield Retried(lambda: one(Offload(partial(
+                    data.put, header, plan.payloads))))
+                self.via["socket"] += 1
+                return res.put_result(response)
+            except NoSession as exc:
+                self._data.failed(exc)
+        self.via["grpc"] += 1
+        return (yield from super()._put_steps(keys, values, parent, independent, wait))
+
+
+def test_through_a_client_and_back_to_grpc(plain: Daemon, tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    ns = f"client-{os.urandom(4).hex()}"
+    keys = [secrets.token_bytes(32) for _ in SIZES]
+    values = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in SIZES]
+    with RemoteClient(plain.target, ns) as kv:
+        assert kv.put(keys, values, independent=True).stored == len(SIZES)
+        assert kv.get(keys) == values
+        arrays = [np.zeros(size, dtype=np.uint8) for size in SIZES]
+        assert kv.get_into(keys, arrays) == SIZES
+        assert [a.tobytes() for a in arrays] == values
+        assert kv.via == {"socket": 3, "grpc": 0}
+    off = start_daemon(tmp_path, "dram.capacity_bytes=16MiB", "nvme.enabled=false")
+    try:  # no data socket offered: every call over gRPC, the same answers
+        with RemoteClient(off.target, ns) as kv:
+            assert kv.put(keys[:3], values[:3], independent=True).stored == 3
+            assert kv.get(keys[:3]) == values[:3]
+            assert kv.via == {"socket": 0, "grpc": 2}
+    finally:
+        off.stop()
+
+
+def test_through_a_client_over_tls_with_a_token(tls: Daemon, pki: Pki) -> None:
+    key, value = secrets.token_bytes(32), os.urandom(300 * KiB)
+    with RemoteClient(tls.target, A_NS + "/client", token=TOKENS["team-a"],
+                      tls=TLS(ca_file=str(pki.ca))) as kv:
+        assert kv.put([key], [value]).stored == 1
+        assert kv.get([key]) == [value]
+        assert kv.via == {"socket": 2, "grpc": 0}
+
+
 # --- tickets, TLS and tenants ------------------------------------------------------------------
 
 
 def test_bad_used_and_missing_tickets_are_refused(tls: Daemon, pki: Pki) -> None:
     port = limits(tls, pki).data_port
-    context = tls_context(pki.ca.read_bytes())
+    context = tls_context(str(pki.ca))
     for bad in ("-", "not-a-ticket", secrets.token_urlsafe(32)):
         raw = Raw(port, bad, context)
         assert raw.hello.get("reason") == "UNAUTHENTICATED", raw.hello
@@ -285,7 +378,7 @@ def test_plaintext_and_untrusted_tls_get_no_session(tls: Daemon, pki: Pki,
     raw.close()
     other = make_pki(tmp_path, {})  # a CA the daemon's certificate is not from
     ds = DataSocket("127.0.0.1", port, TicketKeeper(attach_fetcher(tls, pki, "team-a")), 5.0,
-                    tls=tls_context(other.ca.read_bytes()))
+                    tls=tls_context(str(other.ca)))
     with pytest.raises(NoSession) as refused:
         ds.get(A_NS, [bytes(32)], verify=True)
     assert not isinstance(refused.value, NoSessionNow)  # for good: gRPC from then on
@@ -313,7 +406,7 @@ def test_a_tenant_cannot_read_or_write_anothers_keys(tls: Daemon, pki: Pki) -> N
         b.close()
     # A raw session on team-b's ticket, asking by hand for team-a's key: denied, by name.
     raw = Raw(limits(tls, pki).data_port, ticket(tls, pki, "team-b"),
-              tls_context(pki.ca.read_bytes()))
+              tls_context(str(pki.ca)))
     raw.send(GET_DATA, pb.GetRequest(namespace=A_NS, keys=[key]).SerializeToString())
     status, _, body = raw.reply()
     assert status == grpc.StatusCode.PERMISSION_DENIED.value[0]
