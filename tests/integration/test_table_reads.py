@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 import pytest
 
+from kvstore import native
 from kvstore.client import KVStoreClient
 from kvstore.client._readtable import TableReads
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
@@ -40,6 +41,17 @@ from tests.integration.test_tenant_shm import evict_everything, token_daemon
 __all__ = ["pressure"]  # the fixture, shared with test_l3_reads_under_pressure.py
 
 SOAK_S = float(os.environ.get("TABLE_SOAK_S", "10"))
+
+
+@pytest.fixture(params=["native", "numpy"])
+def helper(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The client's copies with the native helper (kvstore/native), then with numpy + xxhash."""
+    was = native.LIB
+    if request.param == "native" and native.load() is None:
+        pytest.skip("the native helper is not built (`make native`)")
+    native.use_native(request.param == "native")
+    yield str(request.param)
+    native.LIB = was
 
 
 @pytest.fixture
@@ -86,7 +98,7 @@ def table_reads(kv: KVStoreClient) -> TableReads:
 
 
 def test_reads_and_lookups_through_the_table_match_the_daemon_and_skip_it(
-        daemon: Daemon, ns: str) -> None:
+        daemon: Daemon, ns: str, helper: str) -> None:
     rng = np.random.default_rng(5)
     blocks = [rng.integers(0, 256, size, dtype=np.uint8) for size in (1, 4096, 70_000, 300_000)]
     ks, absent = keys(4), keys(2)
@@ -189,7 +201,8 @@ def test_each_tenant_gets_its_own_table_and_reports_only_its_own(
     b_session.close()
 
 
-def test_a_damaged_private_copy_changes_only_its_owners_reads(daemon: Daemon, ns: str) -> None:
+def test_a_damaged_private_copy_changes_only_its_owners_reads(daemon: Daemon, ns: str,
+                                                              helper: str) -> None:
     rng = np.random.default_rng(9)
     blocks = [rng.integers(0, 256, 20_000, dtype=np.uint8).tobytes() for _ in range(6)]
     ks = keys(6)
@@ -216,6 +229,10 @@ def test_a_damaged_private_copy_changes_only_its_owners_reads(daemon: Daemon, ns
         reads.table.view = TableView(memoryview(private))
         assert victim.get(ks) == blocks  # every copy failed its checksum: asked the daemon
         assert reads.hits == 0 and reads.rejected == 6
+        out = [np.zeros(20_000, np.uint8) for _ in ks]
+        assert victim.get_into(ks, out) == [20_000] * 6  # the same, into buffers
+        assert [a.tobytes() for a in out] == blocks
+        assert reads.hits == 0 and reads.rejected == 12
         assert other.get(ks) == blocks and others.hits == 6
         after = writer.stats()
         assert [(t.tier, t.objects, t.used_bytes) for t in after.tiers] == \
