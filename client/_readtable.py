@@ -212,7 +212,12 @@ class TableReads:
                 return None
             locs = probe.locs[:probe.prefix()]
         found = len(locs)
-        tiers: list[str | None] = _TIER_NAMES.take(tiers_of(locs)).tolist()
+        numbers = tiers_of(locs)
+        tiers: list[str | None]
+        if found and (numbers == numbers[0]).all():  # one tier (the usual): no object array
+            tiers = [TIER_NAMES.get(int(numbers[0]))] * found
+        else:
+            tiers = _TIER_NAMES.take(numbers).tolist()
         self.reports.looked(namespace, found, block_tokens, post)
         return found, tiers
 
