@@ -16,8 +16,8 @@ serves none, or refused for good) means gRPC from then on, `NoSessionNow` gRPC f
 A session that breaks before any byte of a Get's reply arrived is asked once more on a
 fresh one when it was reused (a Get may be asked twice); a Put is not (it may have been
 stored): it fails Unavailable, and the client retries the whole put, as it does any call.
-A Get whose trailer says the daemon's lease ended while it sent (TRAILER_VOID) fails
-Aborted (ENTRY_VANISHED): its bytes are dropped and the call is retried.
+A Get whose trailer says its bytes are not the blocks' (TRAILER_VOID; today's daemon ends the
+session instead) fails EntryVanished: its bytes are dropped and the call is retried.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ answered before the next is read. The verbs:
     RELEASE (5)    ReleaseRequest -> ReleaseResponse, as on the Unix socket
     GET_DATA (16)  GetRequest (INLINE) -> GetResponse (found, sizes, checksums), then, when
                    status is 0, the found payloads concatenated (sum(sizes) bytes), then
-                   one trailer byte: TRAILER_OK, or TRAILER_VOID when the daemon's lease on
-                   the blocks ended while it sent them (the bytes may not be the blocks':
-                   the client drops them and retries)
+                   one trailer byte: TRAILER_OK; TRAILER_VOID would say the bytes are not
+                   the blocks' (the client drops them and asks again). This daemon sends
+                   the whole reply within the read's lease or ends the session, so it
+                   never sends TRAILER_VOID; a client still honours it
     PUT_DATA (17)  PutRequest (namespace, keys, sizes, parent_key, independent; optionally
                    the writer's checksums), then sum(sizes) payload bytes in key order ->
                    PutResponse
@@ -37,7 +38,7 @@ PUT_DATA = 17  #: a Put whose payloads follow the request frame raw
 DATA_VERB_NAMES = {GET_DATA: "Get", PUT_DATA: "Put"}
 
 TRAILER_OK = 0  #: a Get's payloads are the blocks' bytes
-TRAILER_VOID = 1  #: a Get's lease ended while they were sent: drop them, retry
+TRAILER_VOID = 1  #: a Get's payloads are not the blocks': drop them, ask again
 
 #: A payload's deadline grows by one second per this many bytes over the frame's own
 #: (FRAME_TIMEOUT_S, 10 s): a 1 GiB put has 26 s, which a 400 Mbit/s link meets.

@@ -73,7 +73,6 @@ from kvstore.proto.dataframe import (
     PAYLOAD_BYTES_PER_S,
     PUT_DATA,
     TRAILER_OK,
-    TRAILER_VOID,
 )
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.localframe import CLOSING, LOOKUP, RELEASE, REPLY, STATUS_BODY, VERSION
@@ -88,7 +87,10 @@ RESERVE_MARGIN_S = 5.0
 MAX_IOV = 512
 ACCEPT_POLL_S = 0.5  #: how often the accept loop looks whether the daemon stops
 
-_SendAll = Callable[[Sequence[memoryview]], None]
+#: A Get's reply must be sent whole this long (at most a quarter of the lease) before its
+#: lease would expire.
+LEASE_MARGIN_S = 1.0
+_TRAILER_OK = bytes((TRAILER_OK,))
 
 
 class _Gauge:
@@ -264,8 +266,13 @@ class DataSessions(LocalSessions):
 
     def _get(self, conn: socket.socket, caller: Caller, body: bytes | None,
              closing: bool) -> None:
-        """Answer an INLINE Get: its header, the found blocks from their pages, the trailer."""
+        """Answer an INLINE Get: its header, the found blocks from their pages and the
+        trailer, gathered into as few sends as the socket takes, all by a deadline inside the
+        read's lease (so no page is reused while it is sent, and the trailer is sent as soon
+        as the last byte is); the lease is released after the reply, off the client's wait.
+        A reply that cannot be sent by then ends the session."""
         started = time.perf_counter()
+        clock = self._store.state.clock
         try:
             caller, request = self._checked(caller, body, pb.GetRequest)
             caller.data(request.namespace)
@@ -273,6 +280,8 @@ class DataSessions(LocalSessions):
             if shared:
                 raise InvalidArgument("mode: the data socket streams INLINE Gets; a "
                                       "SHARED_MEMORY Get is the local path's", field="mode")
+            # Taken before the read, so the lease (timeout_s from inside it) outlives it.
+            deadline = clock() + timeout_s - min(LEASE_MARGIN_S, timeout_s / 4)
             result = self._store.reader.read(request.namespace, request.keys, timeout_s, True,
                                              caller.client, inline=True)
         except Exception as exc:
@@ -280,32 +289,27 @@ class DataSessions(LocalSessions):
             return
         head = self._data.header(result).SerializeToString()
         held = any(e is not None for e in result.entries)
-        trailer = TRAILER_OK
         try:
-            views = [REPLY.pack(len(head), 0, CLOSING if closing else 0) + head]
+            views = [memoryview(REPLY.pack(len(head), 0, CLOSING if closing else 0) + head)]
             if held:
                 tier = self._store.state.dram
                 assert tier is not None, "a read with hits came from L2"
                 views.extend(v for extents in result.extents for v in tier.views(extents))
-            conn.settimeout(timeout_s)  # the lease's length: after it the bytes are void
-            _sender(conn)(views)
+            views.append(memoryview(_TRAILER_OK))
+            _send_by(conn, views, deadline, clock)
         finally:
-            if held and not self._released(result.lease_id):
-                trailer = TRAILER_VOID
-        conn.sendall(bytes((trailer,)))
-        self.counted.observe_local("Get", "OK" if trailer == TRAILER_OK else "ABORTED",
-                                   time.perf_counter() - started)
+            if held:
+                self._release(result.lease_id)
+        self.counted.observe_local("Get", "OK", time.perf_counter() - started)
 
-    def _released(self, lease_id: str) -> bool:
-        """End a Get's lease: False when it had ended already (expired while its pages
-        were sent, so they may have been reused meanwhile)."""
+    def _release(self, lease_id: str) -> None:
+        """End a Get's lease once its reply is out. It cannot have expired: the reply's
+        deadline is inside it (an error here is a clock gone wrong, logged)."""
         try:
             self._store.reader.release([lease_id])
-        except InvalidArgument:
-            log.info("data socket: a Get's lease expired while its blocks were sent "
-                     "(leases.lease_timeout_s); its reply is marked void")
-            return False
-        return True
+        except InvalidArgument as exc:
+            log.warning("data socket: a Get's lease had ended before its reply was sent "
+                        "whole: %s", exc)
 
     # --- PUT_DATA -------------------------------------------------------------------------
 
@@ -430,28 +434,42 @@ def _send_reply(conn: socket.socket, status: int, reply: bytes, closing: bool) -
     conn.sendall(REPLY.pack(len(reply), status, flags) + reply)
 
 
-def _sender(conn: socket.socket) -> _SendAll:
-    """How a reply's buffers go out: one sendmsg call for up to MAX_IOV of them, without a
-    copy (plaintext); one sendall each through TLS, which copies into its records anyway."""
-    if isinstance(conn, ssl.SSLSocket):
-        def through_tls(views: Sequence[memoryview]) -> None:
-            for view in views:
-                conn.sendall(view)
-        return through_tls
+def _send_by(conn: socket.socket, views: list[memoryview], deadline: float,
+             clock: Callable[[], float]) -> None:
+    """views sent in order, every byte by deadline (_Broken past it): gathered, up to
+    MAX_IOV to a sendmsg call and without a copy, in plaintext; one sendall each through
+    TLS, which copies into its records anyway. Each call waits at most until deadline."""
+    def wait_s() -> float:
+        left_s = deadline - clock()
+        if left_s <= 0:
+            raise _Broken("a Get's reply was not sent whole within its lease")
+        return left_s
 
-    def gathered(views: Sequence[memoryview]) -> None:
-        pending = [memoryview(v) for v in views]
+    try:
+        if isinstance(conn, ssl.SSLSocket):
+            for view in views:
+                conn.settimeout(wait_s())
+                conn.sendall(view)
+            return
+        pending = views
         while pending:
+            conn.settimeout(wait_s())
             sent = conn.sendmsg(pending[:MAX_IOV])
-            while sent and pending:
-                head = pending[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    pending.pop(0)
-                else:
-                    pending[0] = head[sent:]
-                    sent = 0
-    return gathered
+            pending = _advanced(pending, sent)
+    except TimeoutError:
+        raise _Broken("a Get's reply was not sent whole within its lease") from None
+
+
+def _advanced(views: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of views once sent bytes of them went out."""
+    i = 0
+    while i < len(views) and sent >= views[i].nbytes:
+        sent -= views[i].nbytes
+        i += 1
+    rest = views[i:]
+    if sent and rest:
+        rest[0] = rest[0][sent:]
+    return rest
 
 
 def tcp_client(conn: socket.socket) -> str:
