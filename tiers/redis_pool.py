@@ -55,9 +55,39 @@ _MISUSE = ("wrong number of arguments", "syntax error")
 _Command: Any = PipelineCommand  # untyped in redis-py
 
 
+_BUFFER_CUTOFF = 6000  # redis-py's: a value past it is handed to the socket as it is
+
+Value = bytes | memoryview | tuple[bytes | memoryview, ...]  # a tuple: its parts, in order
+
+
+class _PartsSerializer(PythonRespSerializer):
+    """redis-py's own packer, which also takes a value as a tuple of parts (a frame's header
+    and its payload's view in L2): one RESP bulk string whose parts go to the socket one
+    after the other, so the payload is never copied into a joined frame first."""
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(isinstance(arg, tuple) for arg in args):
+            packed: list[bytes | memoryview] = super().pack(*args)  # type: ignore[no-untyped-call]
+            return packed
+        output: list[bytes | memoryview] = []
+        head = b"*%d\r\n" % len(args)
+        for arg in args:
+            parts = arg if isinstance(arg, tuple) else (self.encode(arg),)
+            head += b"$%d\r\n" % sum(memoryview(p).nbytes for p in parts)
+            for part in parts:
+                if isinstance(part, memoryview) or len(part) > _BUFFER_CUTOFF:
+                    output += (head, part)
+                    head = b""
+                else:
+                    head += part
+            head += b"\r\n"
+        output.append(head)
+        return output
+
+
 def _unchunked_packer() -> Any:
     encoder = Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
-    return PythonRespSerializer(6000, encoder.encode)
+    return _PartsSerializer(_BUFFER_CUTOFF, encoder.encode)
 
 
 class _Connection(redis.Connection):
@@ -237,8 +267,10 @@ class RedisPool:
         replies = self._pipelined("get", [("GET", block_key(ns, k)) for ns, k in items])
         return [None if r is None else bytes(r) for r in replies]
 
-    def set(self, items: Sequence[tuple[str, bytes, bytes | memoryview]], ttl_s: float) -> None:
-        """Write each block's frame; it expires after ttl_s (<= 0: when Redis evicts it)."""
+    def set(self, items: Sequence[tuple[str, bytes, Value]], ttl_s: float) -> None:
+        """Write each block's frame; it expires after ttl_s (<= 0: when Redis evicts it). A
+        frame may be a tuple of parts (header, payload view): Redis stores them joined, and
+        they are sent without being joined here."""
         expiry: tuple[Any, ...] = ("PX", max(1, round(ttl_s * 1000))) if ttl_s > 0 else ()
         self._pipelined("set", [("SET", block_key(ns, k), v, *expiry) for ns, k, v in items])
 

@@ -127,6 +127,20 @@ def encode(
     whole payload shrink below 80%. ``checksum`` is the payload's xxh3-64 when the
     caller already knows it; it is trusted here and verified by ``decode``.
     """
+    return b"".join(encode_parts(payload, compress, shuffle, checksum))
+
+
+def encode_parts(
+    payload: bytes | memoryview,
+    compress: str = "auto",
+    shuffle: bool = True,
+    checksum: int | None = None,
+) -> tuple[bytes, bytes | memoryview]:
+    """The frame ``encode`` makes, as (header, body) without joining them: a raw body is a
+    view of ``payload`` itself (which must then stay unchanged until the parts are sent), so
+    a writer that hands both parts to the socket one after the other sends the frame with
+    no copy of the payload. The arguments are ``encode``'s; so are the bytes, part for part.
+    """
     if compress not in _COMPRESS_MODES:
         raise ValueError(f"compress must be one of {_COMPRESS_MODES}, got {compress!r}")
     view = _bytes_view(payload)
@@ -135,8 +149,7 @@ def encode(
     elif not 0 <= checksum < 1 << 64:
         raise ValueError(f"checksum must be an unsigned 64-bit integer, got {checksum}")
     codec, body = _choose(view, compress, shuffle)
-    header = _HEADER.pack(MAGIC, VERSION, codec, 0, len(view), checksum)
-    return b"".join((header, body))
+    return _HEADER.pack(MAGIC, VERSION, codec, 0, len(view), checksum), body
 
 
 def _parse(frame: bytes | memoryview) -> tuple[int, int, int, memoryview]:
@@ -166,6 +179,12 @@ def _parse(frame: bytes | memoryview) -> tuple[int, int, int, memoryview]:
 def frame_checksum(frame: bytes | memoryview) -> int:
     """The xxh3-64 the header records for the raw payload, without decoding the body."""
     return _parse(frame)[2]
+
+
+def header_codec(header: bytes | memoryview) -> int:
+    """The codec byte of a frame's header alone (as ``encode_parts`` returns it), unchecked:
+    for the writer that made it, not for frames read back (``frame_codec`` checks those)."""
+    return _bytes_view(header)[5]
 
 
 def frame_codec(frame: bytes | memoryview) -> int:

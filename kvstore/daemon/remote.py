@@ -3,9 +3,11 @@ all behind a circuit breaker so that a Redis outage never stops the local tiers.
 
 Write-through: a committed block is offered to a queue bounded in bytes (`remote.queue_bytes`)
 and a put never waits: past the bound the block is skipped and counted. A writer thread takes
-batches, asks Redis which blocks it already has (one pipelined EXISTS), and for the rest reads
-the bytes from their L2 pages (the entries are held busy meanwhile, so the pages stay put),
-frames them (kvstore.daemon.blockframe: checksummed, lz4 when it pays) and SETs them with the TTL.
+batches, asks Redis which blocks it already has (one pipelined EXISTS), and for the rest frames
+the bytes in their L2 pages (kvstore.daemon.blockframe: checksummed, lz4 when it pays) and SETs
+them with the TTL in one pipeline. A raw frame goes to the socket as its header and a view of
+the pages, never joined into a copy, so the entries are held busy (their pages stay put, an
+evict skips them) until the SETs return or fail.
 Under remote.compress=auto a namespace whose block stayed raw has its next AUTO_SKIP_BLOCKS
 blocks written raw without trying lz4 on a sample (the sample cost a quarter of the writer's
 time at 256 KiB blocks).
@@ -39,14 +41,20 @@ from typing import TypeVar
 from kvstore.core.errors import Reason, Unavailable
 from kvstore.core.index import Index
 from kvstore.core.records import Entry, PrewarmState
-from kvstore.daemon.blockframe import CODEC_RAW, FrameError, decode_view, encode, frame_codec
+from kvstore.daemon.blockframe import (
+    CODEC_RAW,
+    FrameError,
+    decode_view,
+    encode_parts,
+    header_codec,
+)
 from kvstore.daemon.breaker import Breaker
 from kvstore.daemon.config import RemoteConfig
 from kvstore.daemon.iometer import IoMeter
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier, TierStats
 from kvstore.tiers.dram import DramTier
-from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS, RedisPool, RemoteUnavailable
+from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS, RedisPool, RemoteUnavailable, Value
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -219,7 +227,8 @@ class Remote:
         return batch
 
     def _write(self, batch: list[tuple[str, BlockKey, int]]) -> bool:
-        """Write the blocks Redis lacks; False when Redis is unavailable."""
+        """Write the blocks Redis lacks; False when Redis is unavailable. Their entries stay
+        held until the SETs return: a raw frame is sent straight from the entry's L2 pages."""
         present = self._guard(lambda: self.pool.exists([(ns, k) for ns, k, _ in batch]), None)
         if present is None:
             return False
@@ -227,35 +236,38 @@ class Remote:
                            if not there])
         try:
             frames = [(e.namespace, bytes(e.key), self._frame(e)) for e in held]
+            if frames and not self._guard(partial(self._set, frames), False):
+                return False
         finally:
             with self._store_lock:
                 for e in held:
                     self._index.moves.done(e)
         if not frames:
             return True
-        if not self._guard(partial(self._set, frames), False):
-            return False
         self._count(bytes_in=sum(e.size_bytes for e in held))
         with self._store_lock:  # the event rings' one writer at a time
             self.on_written([(namespace, key) for namespace, key, _ in frames])
         return True
 
-    def _frame(self, entry: Entry) -> bytes:
-        """The entry's frame; under remote.compress=auto, raw untried while the namespace's
-        last sampled block stayed raw fewer than AUTO_SKIP_BLOCKS blocks ago."""
+    def _frame(self, entry: Entry) -> Value:
+        """The entry's frame as (header, body): a raw body is a view of the entry's L2 pages,
+        sent from there (the entry is held until its SET returns). Under remote.compress=auto
+        raw untried while the namespace's last sampled block stayed raw fewer than
+        AUTO_SKIP_BLOCKS blocks ago."""
         compress = self.config.compress
         if compress == "auto":
             skips = self._auto_skips.get(entry.namespace, 0)
             if skips > 0:
                 self._auto_skips[entry.namespace] = skips - 1
                 compress = "none"
-        frame = encode(self._bytes_of(entry), compress, self.config.shuffle, entry.checksum)
+        frame = encode_parts(self._bytes_of(entry), compress, self.config.shuffle,
+                             entry.checksum)
         if compress == "auto":
-            raw = frame_codec(frame) == CODEC_RAW
+            raw = header_codec(frame[0]) == CODEC_RAW
             self._auto_skips[entry.namespace] = AUTO_SKIP_BLOCKS if raw else 0
         return frame
 
-    def _set(self, frames: list[tuple[str, bytes, bytes]]) -> bool:
+    def _set(self, frames: list[tuple[str, bytes, Value]]) -> bool:
         self._meter.timed(self.stats, "write",
                           lambda: self.pool.set(frames, self.config.ttl_s))
         return True

@@ -458,3 +458,24 @@ def test_cluster_node_hung_or_down_is_unavailable_not_a_hang(tmp_path: Path) -> 
             assert time.monotonic() - started < 5
     finally:
         own.stop()
+
+
+# --- the data path: frames sent as parts --------------------------------------------------
+
+
+def test_a_frame_sent_as_parts_is_stored_joined(pool: RedisPool, server: RedisServer) -> None:
+    """The write-through hands SET a frame as (header, payload view): Redis must store the
+    parts joined, beside plain values in the same pipeline, whatever the parts' sizes."""
+    big = os.urandom(300_000)
+    items: list[tuple[str, bytes, Any]] = [
+        ("p", k(1), (b"H" * 24, memoryview(big))),
+        ("p", k(2), b"plain"),
+        ("p", k(3), (b"head", b"small tail")),
+        ("p", k(4), (b"", memoryview(big)[:7000], b"\r\n$-1\r\n")),  # RESP bytes inside
+        ("p", k(5), (b"", b"")),
+    ]
+    pool.set(items, ttl_s=60.0)
+    stored = [raw(server).get(block_key("p", k(i))) for i in range(1, 6)]
+    assert stored == [b"H" * 24 + big, b"plain", b"headsmall tail",
+                      big[:7000] + b"\r\n$-1\r\n", b""]
+    assert all(0 < raw(server).pttl(block_key("p", k(i))) <= 60_000 for i in range(1, 6))

@@ -353,6 +353,36 @@ def test_a_redis_outage_leaves_the_local_tiers_serving_and_heals(
         second.stop()
 
 
+def test_a_set_that_times_out_mid_batch_releases_its_blocks_and_keeps_the_batch(
+    daemon_factory: Make, clients: Callable[[Daemon], KVStoreClient], server: RedisServer,
+    r: redis.Redis, ns: str,
+) -> None:
+    """The write-through sends a raw frame from the block's L2 pages, so it holds the block
+    until its SET returns. Redis answering EXISTS but not SET (CLIENT PAUSE WRITE) fails the
+    batch mid-way after remote.timeout_s: the blocks must be released then (an evict takes
+    them, none is left busy), the breaker opens, and the rest of the batch reaches Redis,
+    byte for byte, once Redis takes writes again."""
+    kv = clients(daemon_factory(*l4(server.url, "remote.breaker_backoff_s=4")))
+    keys, values = blocks(4)
+    r.execute_command("CLIENT", "PAUSE", 2500, "WRITE")  # longer than timeout_s=1
+    assert kv.put(keys, values, independent=True).stored == 4
+    wait_until(lambda: remote(kv).state == "open", "the SET to time out", WAIT_S)
+    assert remote(kv).io_errors > 0 and kv.health() == "SERVING"
+    evicted = 0
+
+    def evict_two() -> bool:  # the breaker holds the writer off for 4 s: no retry holds them
+        nonlocal evicted
+        evicted += kv.evict(keys[2:]).evicted
+        return evicted == 2
+
+    wait_until(evict_two, "the two blocks of the failed batch evicted", timeout_s=2.0)
+    assert kv.get(keys[:2]) == values[:2]
+    wait_until(lambda: in_redis(r, keys[:2], ns) == 2, "the kept blocks in Redis", WAIT_S)
+    assert [decode(r.get(block_key(ns, k)) or b"") for k in keys[:2]] == values[:2]
+    wait_until(lambda: remote(kv).queue_depth == 0, "the queue drained", WAIT_S)
+    assert remote(kv).state == "closed"
+
+
 def test_the_l4_row_counts_the_whole_pool_every_daemons_blocks(
     a: Daemon, b: Daemon, clients: Callable[[Daemon], KVStoreClient], pool_r: redis.Redis,
     ns: str,

@@ -24,7 +24,9 @@ from kvstore.daemon.blockframe import (
     decode,
     decode_view,
     encode,
+    encode_parts,
     frame_checksum,
+    header_codec,
 )
 
 MODES = ("none", "lz4", "auto")
@@ -314,3 +316,53 @@ def test_misuse_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="unsigned 64-bit"):
         encode(b"x", checksum=1 << 64)
     assert issubclass(FrameError, ValueError)
+
+
+# --- frames as parts (the write-through sends them unjoined) ----------------------------------
+
+# Frames the encoder wrote before encode_parts existed (commit f5336bc): whatever the writer
+# sends now must stay byte for byte what older daemons wrote and read, both ways.
+OLD_RAW = bytes(range(64))
+OLD_PACKED = b"\x00\x3c" * 48 + bytes(range(32))  # fp16 1.0 repeated, then a tail
+OLD_FRAMES = {
+    ("none", True, OLD_RAW): "4b56533401000000400000000000000055edb08990eb8761"
+    "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+    "202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f",
+    ("lz4", False, OLD_PACKED): "4b5653340101000080000000000000003c8579136aa4f4fa"
+    "2f003c02004cf0100102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
+    ("lz4", True, OLD_PACKED): "4b5653340102000080000000000000003c8579136aa4f4fa"
+    "1f0001001dff01020406080a0c0e10121416181a1c1e3c01001cf00101030507090b0d0f1113151719"
+    "1b1d1f",
+}
+
+
+@pytest.mark.parametrize("mode", sorted(OLD_FRAMES, key=str))
+def test_frames_written_by_the_old_encoder_decode_and_are_still_what_is_written(
+        mode: tuple[str, bool, bytes]) -> None:
+    compress, shuffle, payload = mode
+    old = bytes.fromhex(OLD_FRAMES[mode])
+    assert decode(old) == payload and bytes(decode_view(old)) == payload
+    header, body = encode_parts(payload, compress, shuffle)
+    assert header + bytes(body) == encode(payload, compress, shuffle) == old
+    assert header_codec(header) == codec_of(old)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=payloads, compress=st.sampled_from(MODES), shuffle=st.booleans())
+def test_parts_joined_are_the_frame(payload: bytes, compress: str, shuffle: bool) -> None:
+    header, body = encode_parts(payload, compress, shuffle)
+    assert len(header) == HEADER_BYTES
+    assert header + bytes(body) == encode(payload, compress, shuffle)
+    assert header_codec(header) in (CODEC_RAW, CODEC_LZ4, CODEC_LZ4_SHUFFLE2)
+
+
+def test_a_raw_body_is_a_view_of_the_payload_not_a_copy() -> None:
+    """The write-through sends a raw block's body from its L2 pages: encode_parts must hand
+    back a view of the payload, so a change to the payload shows in the body."""
+    payload = bytearray(random_bytes(4096))
+    header, body = encode_parts(payload, "none")
+    assert isinstance(body, memoryview) and header_codec(header) == CODEC_RAW
+    payload[0] ^= 0xFF
+    assert body[0] == payload[0]
+    header, body = encode_parts(bytes(payload), "auto")  # random bytes stay raw under auto
+    assert isinstance(body, memoryview) and header_codec(header) == CODEC_RAW
