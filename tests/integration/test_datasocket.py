@@ -86,7 +86,8 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), {})
+    return make_pki(tmp_path_factory.mktemp("pki"),
+                    {"a": ("engine-a", "spiffe://cluster/ns/a/sa/engine")})
 
 
 @pytest.fixture(scope="module")
@@ -384,6 +385,44 @@ def test_plaintext_and_untrusted_tls_get_no_session(tls: Daemon, pki: Pki,
     assert not isinstance(refused.value, NoSessionNow)  # for good: gRPC from then on
 
 
+def test_mtls_needs_a_client_certificate_on_the_data_port(tmp_path: Path, pki: Pki) -> None:
+    """With auth.mode=mtls the data port asks for a client certificate, as the gRPC port
+    does: TLS without one gets no session; with one, Attach (over the certificate) gives
+    the ticket and the session is that tenant's."""
+    tenants = write_tenants(tmp_path / "mtls.yaml", tenants_doc(
+        a_identities=("spiffe://cluster/ns/a/sa/engine",)))
+    d = start_daemon(tmp_path, *SETTINGS, "auth.mode=mtls", f"auth.tenants_file={tenants}",
+                     f"server.tls_cert_file={pki.server_cert}",
+                     f"server.tls_key_file={pki.server_key}",
+                     f"server.tls_client_ca_file={pki.ca}", credentials=pki.credentials("a"))
+    try:
+        with grpc.secure_channel(d.target, pki.credentials("a")) as channel:
+            stub = rpc.KVStoreStub(channel)
+            port = stub.Limits(pb.LimitsRequest(), timeout=10).data_port
+
+            def attach() -> pb.AttachResponse:
+                response: pb.AttachResponse = stub.Attach(pb.AttachRequest(), timeout=10)
+                return response
+
+            bare = DataSocket("127.0.0.1", port, TicketKeeper(attach), 5.0,
+                              tls=tls_context(str(pki.ca)))
+            with pytest.raises(NoSession):
+                bare.get(A_NS, [bytes(32)], verify=True)
+            cert, key = pki.clients["a"]
+            ds = DataSocket("127.0.0.1", port, TicketKeeper(attach), 5.0,
+                            tls=tls_context(str(pki.ca), str(cert), str(key)))
+            block = os.urandom(70000)
+            assert ds.put(pb.PutRequest(namespace=A_NS, keys=[bytes(32)], sizes=[70000]),
+                          [block]).stored == 1
+            assert ds.get(A_NS, [bytes(32)], verify=True).payloads == [block]
+            with pytest.raises(PermissionDenied):
+                ds.get(B_NS, [bytes(32)], verify=True)
+            ds.close()
+    finally:
+        d.stop()
+    assert "Traceback" not in d.log()
+
+
 def test_a_tenant_cannot_read_or_write_anothers_keys(tls: Daemon, pki: Pki) -> None:
     a = tls_socket(tls, pki, "team-a")
     b = tls_socket(tls, pki, "team-b")
@@ -624,6 +663,42 @@ def test_a_put_checksum_that_does_not_match_is_refused(in_process: tuple[Store, 
     status, _, body = raw.reply()
     assert status == 0 and pb.PutResponse.FromString(body).stored == 1
     raw.close()
+
+
+def test_pending_handshakes_are_capped(in_process: tuple[Store, int]) -> None:
+    """Silent connections hold handshakes up to the per-address cap; one more is closed at
+    once, and a real handshake goes through again once they leave."""
+    store, _ = in_process
+    config = load_config(env={}, overrides=["server.port=0", "server.data_port=0"])
+    sessions = DataSessions(Verbs(store), store.auth, Tickets(), Metrics(), FaultLog(),
+                            threading.Event(), config.server.max_message_bytes)
+    listener = DaemonDataSocket(config, sessions, _bind("127.0.0.1", 0),
+                                exchange_timeout_s=5.0, max_pending_per_peer=3)
+    listener.start()
+    silent = [socket.create_connection(("127.0.0.1", listener.port), timeout=5)
+              for _ in range(3)]
+    try:
+        deadline = time.monotonic() + 5
+        while listener.pending < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert listener.pending == 3
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as extra:
+            try:
+                extra.sendall(b"HOT -\n")
+                answer = extra.recv(100)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b""  # closed unanswered
+        for s in silent:
+            s.close()
+        while listener.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert Raw(listener.port).hello["hot"]["version"] == 1
+    finally:
+        for s in silent:
+            s.close()
+        listener.close()
+        sessions.close()
 
 
 def test_the_handshake_must_come_in_time(in_process: tuple[Store, int]) -> None:
