@@ -315,7 +315,7 @@ class ClientBase(ABC):
         if grants is None or grants.local is not local:
             if grants is not None:
                 grants.close(0.0)
-            grants = self._grants = Grants(local, self.namespace)
+            grants = self._grants = Grants(local, self.namespace, wait_s=self.timeout_s)
         return grants
 
     def _put_granted(self, plan: rq.PutPlan, wait: bool) -> Steps[res.PutResult | None]:

@@ -165,8 +165,11 @@ class Grants:
     """A client's grants on one local path, for one namespace. Thread-safe."""
 
     def __init__(self, local: LocalPath, namespace: str, clock: Callable[[], float] =
-                 time.monotonic, grant_bytes: int = GRANT_BYTES) -> None:
+                 time.monotonic, grant_bytes: int = GRANT_BYTES, wait_s: float = 30.0) -> None:
+        """wait_s: the most a put waits for a grant being taken ahead (the client's
+        timeout_s)."""
         self.local = local
+        self._wait_s = wait_s
         self._namespace = namespace
         self._clock = clock
         self._grant_bytes = grant_bytes
@@ -196,6 +199,9 @@ class Grants:
         only make sure a grant is held (nothing is handed out)."""
         with self._lock:
             got = self._from_held(pages, first)
+            if got is None and self._refilling:  # the next grant is on its way: wait for it
+                self._changed.wait_for(lambda: not self._refilling, self._wait_s)
+                got = self._from_held(pages, first)
         if got is None:
             fresh = self._ask(max(pages, self._wanted()))
             with self._lock:
