@@ -306,7 +306,7 @@ class Remote:
         out: list[Payload | None] = []
         for start in range(0, len(keys), BATCH_BLOCKS):
             chunk = [(namespace, bytes(k)) for k in keys[start : start + BATCH_BLOCKS]]
-            missed: list[bytes | None] = [None] * len(chunk)
+            missed: list[bytes | memoryview | None] = [None] * len(chunk)
             frames = self._guard(
                 partial(self._meter.timed, self.stats, "read", partial(self.pool.get, chunk)),
                 missed)
@@ -314,7 +314,7 @@ class Remote:
         return out
 
     def _decoded(self, namespace: str, keys: list[bytes],
-                 frames: list[bytes | None]) -> list[Payload | None]:
+                 frames: list[bytes | memoryview | None]) -> list[Payload | None]:
         out: list[Payload | None] = []
         damaged: list[tuple[str, bytes]] = []
         for key, frame in zip(keys, frames, strict=True):

@@ -460,7 +460,7 @@ def test_cluster_node_hung_or_down_is_unavailable_not_a_hang(tmp_path: Path) -> 
         own.stop()
 
 
-# --- the data path: frames sent as parts --------------------------------------------------
+# --- the data path: frames sent as parts, GET replies read straight into buffers -------------
 
 
 def test_a_frame_sent_as_parts_is_stored_joined(pool: RedisPool, server: RedisServer) -> None:
@@ -479,3 +479,38 @@ def test_a_frame_sent_as_parts_is_stored_joined(pool: RedisPool, server: RedisSe
     assert stored == [b"H" * 24 + big, b"plain", b"headsmall tail",
                       big[:7000] + b"\r\n$-1\r\n", b""]
     assert all(0 < raw(server).pttl(block_key("p", k(i))) <= 60_000 for i in range(1, 6))
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_get_reads_every_reply_shape_in_step(server: RedisServer, protocol: int) -> None:
+    """Values around the 64 KiB line read, values holding RESP's own bytes, empty values and
+    misses (RESP2's and RESP3's nil), all in one pipeline and then again on the same
+    connection: a reply read one byte short or long would shift every later value."""
+    values = [os.urandom(n) for n in (0, 1, 65_535, 65_536, 65_537, (1 << 20) + 3)]
+    values.append(b"$5\r\nhello\r\n_\r\n-ERR no\r\n" * 100)
+    pool = RedisPool(f"{server.url}?protocol={protocol}")
+    try:
+        pool.set([("g", k(i), v) for i, v in enumerate(values)], ttl_s=60.0)
+        wanted = [("g", k(i)) for i in range(len(values))]
+        wanted[3:3] = [("g", k("miss-1"))]
+        wanted.append(("g", k("miss-2")))
+        expected: list[bytes | None] = [*values[:3], None, *values[3:], None]
+        for _ in range(3):
+            assert pool.get(wanted) == expected
+        assert pool.get([("g", k("miss-1"))]) == [None]
+    finally:
+        pool.close()
+
+
+def test_an_error_reply_mid_pipeline_drops_the_connection_not_the_next_call(
+        pool: RedisPool, server: RedisServer) -> None:
+    """A GET answered with an error (a key of another type) fails that call as L4
+    unavailable; the replies after it are never read, so that connection is dropped, and
+    the next call on the same pool reads its own replies, not the stale ones."""
+    pool.set([("e", k(i), bytes([i]) * 100_000) for i in range(4)], ttl_s=60.0)
+    raw(server).delete(block_key("e", k(1)))
+    raw(server).rpush(block_key("e", k(1)), b"not a string")
+    with pytest.raises(RemoteUnavailable, match="WRONGTYPE"):
+        pool.get([("e", k(i)) for i in range(4)])
+    assert pool.get([("e", k(2)), ("e", k(3)), ("e", k(0))]) == [
+        bytes([2]) * 100_000, bytes([3]) * 100_000, bytes([0]) * 100_000]
