@@ -619,7 +619,7 @@ class DataSocket:
                 _refuse(conn, "the data socket opens sessions only: send `HOT <ticket>`",
                         Reason.UNAUTHENTICATED)
                 return
-            conn.settimeout(None)
+            conn.settimeout(self._timeout_s)  # for the answer; the session sets its own
             owned = self._sessions.open(conn, rest.strip())
         except (OSError, ValueError, _LineError) as exc:
             log.debug("data socket: a handshake of %s failed: %s", peer, exc)
