@@ -339,8 +339,7 @@ class ClientBase(ABC):
         if placed is None:
             return None
         yield from self._ensure_arena(placed[0].name)
-        body = yield Offload(partial(grants.write, plan, placed,
-                                     self._shm.segment_named(placed[0].name)))
+        body = yield Offload(partial(grants.write, plan, placed, self._shm.segment_named))
         response = yield Offload(partial(grants.commit, body, wait))
         if response is None:
             return res.PutResult(stored=len(plan.keys), existing=0, evicted=0, posted=True)

@@ -324,10 +324,12 @@ class Grants:
             logger.debug("kvstore: giving back grants: %s", exc)
 
     def write(self, plan: rq.PutPlan, placed: tuple[Granted, int, list[int]],
-              segment: SharedSegment) -> bytes:
-        """Copy plan's blocks into their granted pages of segment (each checksummed as it is
-        written); the COMMIT_GRANTED body that makes them entries."""
+              segment_of: Callable[[str], SharedSegment]) -> bytes:
+        """Copy plan's blocks into their granted pages of the segment or arena the grant
+        names (segment_of(name): attached if need be), each checksummed as it is written;
+        the COMMIT_GRANTED body that makes them entries."""
         grant, first, needs = placed
+        segment = segment_of(grant.name)
         blocks = []
         at = first
         for key, payload, pages in zip(plan.keys, plan.payloads, needs, strict=True):
