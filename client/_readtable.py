@@ -264,10 +264,10 @@ class TableReads:
         joined = b"".join(keys)
         if len(joined) != KEY_BYTES * n or not self.table.view.live:
             return None
-        rows = np.empty((5, n), dtype=np.uint64)  # slot, version, location, length, sum
+        rows = np.empty((4, n), dtype=np.uint64)  # slot, version, location, length; no sums
         at, args = rows.ctypes.data, self._table_args()
         found = lib.kv_probe(args.table, args.params, namespace_hash(namespace), joined, n,
-                             *(at + 8 * n * row for row in range(5)))
+                             at, at + 8 * n, at + 16 * n, at + 24 * n, None)
         locs: np.ndarray = rows[2, :found]
         return locs
 

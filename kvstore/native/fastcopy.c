@@ -171,7 +171,7 @@ static int read_slot(const uint64_t *slots, const uint64_t *sums, uint64_t slot,
     uint64_t before = load_version(row);
     uint64_t k0 = row[W_KEY], k1 = row[W_KEY + 1], k2 = row[W_KEY + 2], k3 = row[W_KEY + 3];
     uint64_t tag = row[W_NS], loc = row[W_LOC], length = row[W_LENGTH];
-    uint64_t sum = ((const volatile uint64_t *)sums)[slot];
+    uint64_t sum = sums ? ((const volatile uint64_t *)sums)[slot] : 0;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     uint64_t after = load_version(row);
     if (before != after || (before & 1) || (loc & 0xFF) == 0 || tag != ns || k0 != key[0] ||
@@ -200,14 +200,14 @@ static inline void homes(const table_params *p, const uint64_t *key, uint64_t ns
 
 /*
  * Probe n keys (32 bytes each, back to back) in namespace tag ns. Per key: its slot (-1: not
- * found) and the slot's version, location word, length and sum. Returns how many keys from the
- * first are found.
+ * found) and the slot's version, location word, length and sum (sum NULL: the sums are not
+ * read, a cache miss a key fewer for a lookup). Returns how many keys from the first are found.
  */
 EXPORT size_t kv_probe(const uint64_t *table, const table_params *p, uint64_t ns,
                        const uint64_t *keys, size_t n, int64_t *slot_out, uint64_t *version,
                        uint64_t *loc, uint64_t *length, uint64_t *sum) {
     const uint64_t *slots = table + HEADER_BYTES / 8;
-    const uint64_t *sums = slots + p->capacity * SLOT_WORDS;
+    const uint64_t *sums = sum ? slots + p->capacity * SLOT_WORDS : NULL;
     uint64_t got[4], ns_term = ns * p->ns_mult, first[PROBE_AHEAD], second[PROBE_AHEAD];
     size_t prefix = n;
     for (size_t start = 0; start < n; start += PROBE_AHEAD) {
@@ -215,7 +215,8 @@ EXPORT size_t kv_probe(const uint64_t *table, const table_params *p, uint64_t ns
         for (size_t i = start; i < end; i++) {
             homes(p, keys + 4 * i, ns_term, &first[i - start], &second[i - start]);
             __builtin_prefetch(slots + first[i - start] * SLOT_WORDS);
-            __builtin_prefetch(sums + first[i - start]);
+            if (sum)
+                __builtin_prefetch(sums + first[i - start]);
         }
         for (size_t i = start; i < end; i++) {
             const uint64_t *key = keys + 4 * i;
@@ -226,15 +227,16 @@ EXPORT size_t kv_probe(const uint64_t *table, const table_params *p, uint64_t ns
                 at = (int64_t)second[i - start];
             slot_out[i] = at;
             if (at < 0) {
-                version[i] = loc[i] = length[i] = sum[i] = 0;
+                version[i] = loc[i] = length[i] = 0;
                 if (prefix == n)
                     prefix = i;
-                continue;
+            } else {
+                version[i] = got[0];
+                loc[i] = got[1];
+                length[i] = got[2];
             }
-            version[i] = got[0];
-            loc[i] = got[1];
-            length[i] = got[2];
-            sum[i] = got[3];
+            if (sum)
+                sum[i] = at < 0 ? 0 : got[3];
         }
     }
     return prefix;
