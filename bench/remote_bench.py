@@ -214,9 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dram-bytes", default="1GiB")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 5 repeats, 1 warm-up (figures too noisy to judge)")
     parser.add_argument("--json", nargs="?", const=True, default=None, type=Path)
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup = 5, 1
     if args.serve is not None:
         _serve(args.serve, [int(s) for s in args.sizes.split(",")])
         return 0
