@@ -248,6 +248,34 @@ def test_round_trips_over_tls_with_attach_tickets(tls: Daemon, pki: Pki) -> None
         ds.close()
 
 
+def test_many_threads_share_one_data_socket(plain_socket: DataSocket) -> None:
+    """Eight threads put and read their own blocks at once through one pooled DataSocket:
+    every byte each reads back is its own."""
+    ns = f"threads-{os.urandom(4).hex()}"
+    failures: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(15):
+                sizes = [rng.choice(SIZES[:8]) for _ in range(rng.randrange(1, 6))]
+                keys = [secrets.token_bytes(32) for _ in sizes]
+                values = [rng.randbytes(size) for size in sizes]
+                put = plain_socket.put(pb.PutRequest(namespace=ns, keys=keys, sizes=sizes,
+                                                     independent=True), values)
+                assert put.stored == len(sizes)
+                assert plain_socket.get(ns, keys, verify=True).payloads == values
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures
+
+
 def test_limits_offer_the_port_only_when_it_is_on(plain: Daemon,
                                                   tmp_path: Path) -> None:
     assert limits(plain).data_port > 0
