@@ -288,7 +288,7 @@ class TableReads:
         args, segment = self._table_args(), self.segment
         copied = lib.kv_table_read(
             args.table, args.params, namespace_hash(namespace), joined, n, segment.address,
-            segment.size_bytes, at, at + 8 * n, verify, args.piece_bytes,
+            segment.size_bytes, at, at + 8 * n, verify,
             *(at + 8 * n * row for row in range(2, _IO_ROWS)))
         got = io[_IO_ROWS - 1]
         self.hits += copied

@@ -4,8 +4,8 @@
  * client/_segment.py). Loaded with ctypes (kvstore/native/__init__.py), which releases the GIL
  * for each call; no Python headers. Every function works on a whole batch in one call.
  *
- * A copy and its checksum are one pass over memory: each span is cut into pieces that fit the
- * CPU's L1/L2 cache, every piece is copied and then hashed from the destination while it is
+ * A copy and its checksum are one pass over memory: a block is copied one xxh3 block (1 KiB) at
+ * a time, and each is hashed from the destination right after it is copied, while it is
  * still in cache, so what is hashed is what the caller got. The hash is xxh3-64 with seed 0,
  * the same as python-xxhash's xxh3_64_intdigest (tests/unit/test_native.py checks both agree).
  *
@@ -103,23 +103,55 @@ static void copy_update(unsigned char *dst, const unsigned char *src, size_t n, 
     }
 }
 
-/* Copy one span piece by piece, hashing each piece from dst; the xxh3-64 of the bytes. */
-static uint64_t copy_hash_one(unsigned char *dst, const unsigned char *src, size_t n,
-                              size_t piece, XXH3_state_t *state) {
-    if (n <= piece) {
-        copy_bytes(dst, src, n);
-        return XXH3_64bits(dst, n);
-    }
-    XXH3_64bits_reset(state);
-    copy_update(dst, src, n, piece, state);
-    return XXH3_64bits_digest(state);
+/* Copy up to one xxh3 block (1 KiB) with plain vector loads and stores: no call, and no
+ * `rep movsb` to be slowed by 4 KiB aliasing. */
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+static inline void copy_small(unsigned char *dst, const unsigned char *src, size_t n) {
+    typedef unsigned char v32 __attribute__((vector_size(32), aligned(1), may_alias));
+    size_t at = 0;
+    for (; at + 32 <= n; at += 32)
+        *(v32 *)(dst + at) = *(const v32 *)(src + at);
+    for (; at < n; at++)
+        dst[at] = src[at];
 }
 
 /*
- * Copy n spans: len[i] bytes from src[i] to dst[i], piece bytes at a time (0: the default).
- * With hashes, each block's xxh3-64 as copied (hashed from dst, piece by piece): a block is
- * one span, or, where more[i] is nonzero, span i and the spans after it up to the next whose
- * more is 0, hashed as one stream; hashes[i] is set at a block's last span (0 elsewhere).
+ * Copy one span and return the xxh3-64 of the bytes, hashed from dst. A long span is copied
+ * and hashed one xxh3 block (16 stripes, 1 KiB) at a time, so each block is hashed from the
+ * L1 cache right after it is copied and the copy's loads and stores overlap the hash's
+ * arithmetic. This is XXH3_hashLong_64b_internal of the vendored xxhash.h (default secret,
+ * seed 0) with a copy before each block; tests/unit/test_native.py checks it against
+ * python-xxhash at every boundary. Short spans (up to 240 bytes) are copied, then hashed.
+ */
+static uint64_t copy_hash_fused(unsigned char *dst, const unsigned char *src, size_t n) {
+    enum { SECRET = sizeof(XXH3_kSecret), STRIPES = (SECRET - XXH_STRIPE_LEN) / 8,
+           BLOCK = XXH_STRIPE_LEN * STRIPES };
+    if (n <= XXH3_MIDSIZE_MAX) {
+        copy_bytes(dst, src, n);
+        return XXH3_64bits(dst, n);
+    }
+    XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    const xxh_u8 *secret = XXH3_kSecret;
+    size_t blocks = (n - 1) / BLOCK;
+    for (size_t b = 0; b < blocks; b++) {
+        copy_small(dst + b * BLOCK, src + b * BLOCK, BLOCK);
+        XXH3_accumulate(acc, dst + b * BLOCK, secret, STRIPES);
+        XXH3_scrambleAcc(acc, secret + SECRET - XXH_STRIPE_LEN);
+    }
+    size_t done = blocks * BLOCK;
+    copy_small(dst + done, src + done, n - done);
+    XXH3_accumulate(acc, dst + done, secret, ((n - 1) - done) / XXH_STRIPE_LEN);
+    XXH3_accumulate_512(acc, dst + n - XXH_STRIPE_LEN,
+                        secret + SECRET - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);
+    return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START, (xxh_u64)n * XXH_PRIME64_1);
+}
+
+/*
+ * Copy n spans: len[i] bytes from src[i] to dst[i]. With hashes, each block's xxh3-64 as
+ * copied (hashed from dst): a block is one span (copied and hashed 1 KiB at a time), or, where
+ * more[i] is nonzero, span i and the spans after it up to the next whose more is 0, hashed as
+ * one stream (xxh3's streaming state, piece bytes at a time; 0: the default).
+ * hashes[i] is set at a block's last span (0 elsewhere).
  */
 EXPORT void kv_copy_hash(size_t n, const uint64_t *src, const uint64_t *dst,
                          const uint64_t *len, uint64_t *hashes, size_t piece,
@@ -135,7 +167,7 @@ EXPORT void kv_copy_hash(size_t n, const uint64_t *src, const uint64_t *dst,
         if (!hashes) {
             copy_bytes(d, s, len[i]);
         } else if (!open && !goes_on) {
-            hashes[i] = copy_hash_one(d, s, len[i], piece, &state);
+            hashes[i] = copy_hash_fused(d, s, len[i]);
         } else {
             if (!open)
                 XXH3_64bits_reset(&state);
@@ -269,12 +301,9 @@ EXPORT size_t kv_unchanged(const uint64_t *table, const table_params *p, size_t 
 EXPORT size_t kv_table_read(const uint64_t *table, const table_params *p, uint64_t ns,
                             const uint64_t *keys, size_t n, uint64_t base, uint64_t limit,
                             const uint64_t *dst, const uint64_t *dst_bytes, int verify,
-                            size_t piece, int64_t *slot, uint64_t *version, uint64_t *loc,
+                            int64_t *slot, uint64_t *version, uint64_t *loc,
                             uint64_t *length, uint64_t *sum, int64_t *got) {
-    XXH3_state_t state;
     size_t copied = 0;
-    if (piece == 0)
-        piece = DEFAULT_PIECE;
     kv_probe(table, p, ns, keys, n, slot, version, loc, length, sum);
     for (size_t i = 0; i < n; i++) {
         got[i] = MISS;
@@ -287,7 +316,7 @@ EXPORT size_t kv_table_read(const uint64_t *table, const table_params *p, uint64
         unsigned char *d = (unsigned char *)(uintptr_t)dst[i];
         const unsigned char *s = (const unsigned char *)(uintptr_t)(base + offset);
         if (verify) {
-            if (copy_hash_one(d, s, len, piece, &state) != sum[i])
+            if (copy_hash_fused(d, s, len) != sum[i])
                 continue;
         } else {
             copy_bytes(d, s, len);

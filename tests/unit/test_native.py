@@ -35,8 +35,10 @@ from kvstore.readtable import (
 pytestmark = pytest.mark.skipif(native.load() is None,
                                 reason="the native helper is not built (`make native`)")
 
-SIZES = [0, 1, 7, 4095, native.PIECE_BYTES - 1, native.PIECE_BYTES, native.PIECE_BYTES + 1,
-         300_001, 3 * 2**20 + 5]
+# Around xxh3's own boundaries (240 bytes: short inputs; 1 KiB: a block of stripes; 64: a
+# stripe), the piece size, and several MiB.
+SIZES = [0, 1, 7, 240, 241, 1023, 1024, 1025, 1088, 4095, native.PIECE_BYTES - 1,
+         native.PIECE_BYTES, native.PIECE_BYTES + 1, 300_001, 3 * 2**20 + 5]
 NS = namespace_hash("team-a/llama")
 
 
@@ -116,7 +118,7 @@ class Arena:
         args = native.TableArgs(self.view)
         copied = lib.kv_table_read(args.table, args.params, NS, b"".join(ks), n,
                                    address(self.arena), self.arena.nbytes, at, at + 8 * n,
-                                   verify, args.piece_bytes,
+                                   verify,
                                    *(at + 8 * n * row for row in range(2, 8)))
         got: list[int] = io[7].tolist()
         assert copied == sum(g >= 0 for g in got)
