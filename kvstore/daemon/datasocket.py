@@ -120,9 +120,12 @@ class _DataFrames(_Frames):
     """A session's frames (the local path's reader), and the raw payloads that follow a
     PUT_DATA frame, read by the same deadline, extended for the payload's size."""
 
+    _timeout_s = 0.0  # the socket's timeout as fill_hashed last set it (0: set it anew)
+
     def extend_for(self, payload_bytes: int) -> None:
         """The frame's deadline, extended by a second per PAYLOAD_BYTES_PER_S of payload."""
         self._deadline += payload_bytes / PAYLOAD_BYTES_PER_S
+        self._timeout_s = 0.0
 
     def left_s(self) -> float:
         return max(0.0, self._deadline - self._clock())
@@ -133,15 +136,15 @@ class _DataFrames(_Frames):
         before the deadline (each setting is a system call, and a 2 MiB block arrives in
         tens of reads), so a payload is cut within 1.5x of its deadline at worst."""
         conn, clock, deadline = self._conn, self._clock, self._deadline
-        got, size, timeout_s = 0, len(view), 0.0
+        got, size = 0, len(view)
         try:
             while got < size:
                 left_s = deadline - clock()
                 if left_s <= 0:
                     raise _Broken(f"a frame was not whole within {self._frame_timeout_s:g} s")
-                if left_s < timeout_s / 2 or not timeout_s:
-                    timeout_s = left_s
-                    conn.settimeout(timeout_s)
+                if left_s < self._timeout_s / 2 or not self._timeout_s:
+                    self._timeout_s = left_s
+                    conn.settimeout(left_s)
                 with view[got:] as part:
                     k = conn.recv_into(part)
                 if k == 0:
@@ -156,6 +159,7 @@ class _DataFrames(_Frames):
     def drop(self, length: int) -> None:
         """Read and drop length payload bytes (a key that exists, a refused put)."""
         self._skip(length)
+        self._timeout_s = 0.0  # _skip set the socket's timeout its own way
 
     def _arrival(self) -> None:
         """As the local path's, for a TLS session too (which cannot peek): its socket
