@@ -42,9 +42,7 @@ _U64 = ctypes.c_uint64
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "kv_cpu_level": (ctypes.c_int, []),
     "kv_copy_hash": (None, [_N, _P, _P, _P, _P, _N, _P]),
-    "kv_hash": (None, [_N, _P, _P, _P]),
     "kv_probe": (_N, [_P, _P, _U64, _P, _N, _P, _P, _P, _P, _P]),
-    "kv_unchanged": (_N, [_P, _P, _N, _P, _P, _P]),
     "kv_table_read": (_N, [_P, _P, _U64, _P, _N, _U64, _U64, _P, _P, ctypes.c_int,
                            _P, _P, _P, _P, _P, _P]),
 }

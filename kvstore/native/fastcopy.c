@@ -42,7 +42,8 @@ EXPORT int kv_cpu_level(void) {
     return 0;
 }
 
-/* Bytes of a block hashed from the destination right after they are copied. */
+/* Bytes of a block of several spans (hashed with xxh3's streaming state) hashed at a time,
+ * right after they are copied. */
 #define DEFAULT_PIECE ((size_t)256 * 1024)
 #define PAGE 4096u
 #define ALIAS 64u
@@ -178,12 +179,6 @@ EXPORT void kv_copy_hash(size_t n, const uint64_t *src, const uint64_t *dst,
     }
 }
 
-/* The xxh3-64 of each of n spans, in place. */
-EXPORT void kv_hash(size_t n, const uint64_t *src, const uint64_t *len, uint64_t *hashes) {
-    for (size_t i = 0; i < n; i++)
-        hashes[i] = XXH3_64bits((const void *)(uintptr_t)src[i], len[i]);
-}
-
 /* The hash constants of a table, as the Python side read and checked them at open. */
 typedef struct {
     uint64_t capacity, shift, mult[4], ns_mult, mix;
@@ -272,21 +267,6 @@ EXPORT size_t kv_probe(const uint64_t *table, const table_params *p, uint64_t ns
         }
     }
     return prefix;
-}
-
-/* Per slot: 1 when its version is still the one given (nobody rewrote it meanwhile). */
-EXPORT size_t kv_unchanged(const uint64_t *table, const table_params *p, size_t n,
-                           const int64_t *slot, const uint64_t *version, uint8_t *ok) {
-    const uint64_t *slots = table + HEADER_BYTES / 8;
-    size_t kept = 0;
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    for (size_t i = 0; i < n; i++) {
-        ok[i] = slot[i] >= 0 &&
-                load_version(slots + ((uint64_t)slot[i] & (p->capacity - 1)) * SLOT_WORDS) ==
-                    version[i];
-        kept += ok[i];
-    }
-    return kept;
 }
 
 /*
