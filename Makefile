@@ -45,10 +45,12 @@ $(NATIVE_OUT)/libkvfast.so: $(NATIVE_SRC)
 	$(CC) -O3 -shared -fPIC -fvisibility=hidden -o $@ $<
 $(NATIVE_OUT)/libkvfast-avx2.so: $(NATIVE_SRC)
 	@mkdir -p $(@D)
-	$(CC) -O3 -shared -fPIC -fvisibility=hidden -mavx2 -mbmi2 -o $@ $<
+	$(CC) -O3 -shared -fPIC -fvisibility=hidden -mavx2 -mbmi2 -o $@ $< \
+	  || echo "no AVX2 build of the native helper; the generic one serves" >&2
 $(NATIVE_OUT)/libkvfast-avx512.so: $(NATIVE_SRC)
 	@mkdir -p $(@D)
-	$(CC) -O3 -shared -fPIC -fvisibility=hidden -mavx512f -mavx512bw -mavx2 -mbmi2 -o $@ $<
+	$(CC) -O3 -shared -fPIC -fvisibility=hidden -mavx512f -mavx512bw -mavx2 -mbmi2 -o $@ $< \
+	  || echo "no AVX-512 build of the native helper; the others serve" >&2
 
 $(RUN_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[engine]'
