@@ -53,6 +53,7 @@ from kvstore.daemon.config import load_config
 from kvstore.daemon.datasocket import DataSessions, _bind
 from kvstore.daemon.datasocket import DataSocket as DaemonDataSocket
 from kvstore.daemon.faults import FaultLog
+from kvstore.daemon.localpath import MAX_SESSIONS_PER_CLIENT
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.store import Store
 from kvstore.daemon.verbs import Verbs
@@ -725,6 +726,39 @@ def test_pending_handshakes_are_capped(in_process: tuple[Store, int]) -> None:
     finally:
         for s in silent:
             s.close()
+        listener.close()
+        sessions.close()
+
+
+def test_sessions_past_the_per_client_cap(in_process: tuple[Store, int]) -> None:
+    """One client (auth off: one address) holds at most MAX_SESSIONS_PER_CLIENT sessions: one
+    more is refused TOO_MANY_SESSIONS while all are busy, and admitted once one has been idle
+    for reap_idle_s, by closing that one, as on the Unix socket."""
+    store, _ = in_process
+    config = load_config(env={}, overrides=["server.port=0", "server.data_port=0"])
+    sessions = DataSessions(Verbs(store), store.auth, Tickets(), Metrics(), FaultLog(),
+                            threading.Event(), config.server.max_message_bytes,
+                            idle_limit_s=30.0, reap_idle_s=0.5)
+    listener = DaemonDataSocket(config, sessions, _bind("127.0.0.1", 0))
+    listener.start()
+    held: list[Raw] = []
+    try:
+        for _ in range(MAX_SESSIONS_PER_CLIENT):
+            held.append(Raw(listener.port))
+            assert held[-1].hello["hot"]["version"] == 1
+        assert sessions.open_sessions == MAX_SESSIONS_PER_CLIENT
+        refused = Raw(listener.port)
+        assert refused.hello.get("reason") == "TOO_MANY_SESSIONS", refused.hello
+        refused.close()
+        time.sleep(0.7)  # every held session idle past reap_idle_s
+        admitted = Raw(listener.port)
+        assert admitted.hello["hot"]["version"] == 1
+        held[0].s.settimeout(5)
+        assert held[0].closed()  # the least recently active one made room
+        admitted.close()
+    finally:
+        for raw in held:
+            raw.close()
         listener.close()
         sessions.close()
 
