@@ -184,7 +184,8 @@ class Grants:
         self._worker: threading.Thread | None = None
         self._page_size = ASSUMED_PAGE_BYTES
         self._known_page = False
-        self._largest = 0  # pages of the largest put so far
+        self._largest = 0  # pages of the largest put so far that a grant held
+        self._most = 1 << 62  # pages the daemon grants at most, once it gave fewer than asked
         self.posted = PostedCommits()
 
     def pages_for(self, sizes: list[int]) -> list[int]:
@@ -203,7 +204,12 @@ class Grants:
                 self._changed.wait_for(lambda: not self._refilling, self._wait_s)
                 got = self._from_held(pages, first)
         if got is None:
-            fresh = self._ask(max(pages, self._wanted()))
+            if pages > self._most:
+                return None  # more than the daemon grants at once: no grant can hold it
+            asked = max(pages, self._wanted())
+            fresh = self._ask(asked)
+            if len(fresh.offsets) < asked:
+                self._most = len(fresh.offsets)
             with self._lock:
                 self._retire(self._current)
                 self._current = fresh
@@ -212,7 +218,13 @@ class Grants:
                 return None
         with self._lock:
             current = self._current
-            if (current is not None and current.left < REFILL_PUTS * self._largest
+            if got is not None and not first:
+                self._largest = max(self._largest, pages)  # puts that fit a grant only
+            # The next grant is wanted once fewer than REFILL_PUTS puts fit (once half is
+            # used, when the grant holds fewer than that).
+            low = min(REFILL_PUTS * self._largest, len(current.offsets) // 2 + 1) \
+                if current is not None else 0
+            if (current is not None and current.left < low
                     and self._next is None and not self._refilling):
                 self._refilling = True
                 if self._worker is None:
@@ -295,8 +307,6 @@ class Grants:
             except ResourceExhausted:
                 return None
         needs = self.pages_for(plan.sizes)
-        if sum(needs) <= self._grant_bytes // self._page_size:
-            self._largest = max(self._largest, sum(needs))
         try:
             taken = self.take(sum(needs))
         except ResourceExhausted:
