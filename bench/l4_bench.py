@@ -1,6 +1,11 @@
 """L4 (the shared Redis pool) and its frame codec against their baselines, in one run: a real
 `redis-server` and real `kvstore-server`s (L2 only: `nvme.enabled=false`, `hbm.mode=off`),
-driven from here through `kvstore.client` and redis-py (1 MiB socket reads; hiredis if present).
+driven from here through `kvstore.client` and redis-py (1 MiB socket reads; hiredis parses
+replies if present). The baseline's connections pack commands as the daemon's do
+(`redis_pool.connection_class`: redis-py's own packer, which hands large values to the socket
+as they are); redis-py's default with hiredis installed copies each value into one buffer
+first and SETs at about half the speed, which flattered our put figure until 2026-12-03. That
+default's time stays in the `# stages` line (JSON: `set_hiredis_packer_s`).
 
 - l4_put_<size> (256 KiB, 2 MiB): daemon A's `put` of a fresh 32-block chain, timed until all
   32 are in Redis (the write-through is asynchronous: the bench polls a multi-key EXISTS every
@@ -51,7 +56,7 @@ from figures import Figure, run_main
 from kvstore.client import KVStoreClient
 from kvstore.daemon.blockframe import HEADER_BYTES, decode, encode
 from kvstore.keys import BlockKey
-from kvstore.tiers.redis_pool import block_key
+from kvstore.tiers.redis_pool import block_key, connection_class
 from kvstore.tools.testing import Daemon, start_daemon, start_redis
 from kvstore.units import GiB, KiB, MiB, parse_size
 
@@ -195,9 +200,11 @@ class L4:
     a: KVStoreClient  # NS_IO on daemon A: writes through to Redis
     a_hot: KVStoreClient  # NS_HOT on daemon A
     b: KVStoreClient  # NS_IO on daemon B: reads from Redis
-    r: redis.Redis
+    r: redis.Redis  # the baseline: connections as the daemon's (connection_class)
+    r_default: redis.Redis  # redis-py's defaults (hiredis's packer): the `#` line only
     start_c: Callable[[int], Daemon]  # a fresh daemon C with this much L2
     put_l2_s: list[float] = field(default_factory=list)  # of each put_ours: A's puts alone
+    set_default_s: list[float] = field(default_factory=list)  # put_base on r_default
 
     def wait_in_redis(self, namespace: str, keys: Sequence[BlockKey]) -> None:
         names, deadline = rkeys(namespace, keys), time.monotonic() + 60.0
@@ -219,8 +226,9 @@ class L4:
         self.wait_in_redis(NS_IO, keys)
         return time.perf_counter() - start
 
-    def put_base(self, keys: list[BlockKey], frames: list[bytes]) -> float:
-        pipe = self.r.pipeline(transaction=False)
+    def put_base(self, keys: list[BlockKey], frames: list[bytes],
+                 client: redis.Redis | None = None) -> float:
+        pipe = (client or self.r).pipeline(transaction=False)
         for name, frame in zip(rkeys(NS_IO, keys), frames, strict=True):
             pipe.set(name, frame, px=int(TTL_S * 1000))
         return seconds(pipe.execute)  # the commands go out (and are answered) here
@@ -244,6 +252,8 @@ class L4:
         ours, base = new_keys(len(payloads)), new_keys(len(payloads))
         put_o, put_b = alternate(partial(self.put_ours, ours, payloads),
                                  partial(self.put_base, base, frames), first_ours)
+        self.r.delete(*rkeys(NS_IO, base))
+        self.set_default_s.append(self.put_base(base, frames, self.r_default))
         if self.r.get(rkeys(NS_IO, ours)[0]) != frames[0]:
             raise RuntimeError("A wrote another frame than blockframe.encode makes")
         self.a.evict(ours)
@@ -296,6 +306,7 @@ def l4_figures(args: argparse.Namespace, l4: L4, rng: np.random.Generator) -> li
         frames = encode_all(payloads)
         l4.round(payloads, frames, True)  # warm-up
         l4.put_l2_s.clear()
+        l4.set_default_s.clear()
         rounds = [l4.round(payloads, frames, r % 2 == 0) for r in range(args.rounds)]
         batch_bytes = size * BATCH
         gbps = [batch_bytes / statistics.median(r[i] for r in rounds) / 1e9 for i in range(4)]
@@ -303,12 +314,13 @@ def l4_figures(args: argparse.Namespace, l4: L4, rng: np.random.Generator) -> li
         print(f"# stages {size_label(size)} put: A's {BATCH // PUT_STEP} puts into L2 "
               f"{statistics.median(l4.put_l2_s) * 1e3:.1f} ms, then until all are in Redis "
               f"{statistics.median(tail_s) * 1e3:.1f} ms (medians); redis SET "
-              f"{statistics.median(r[1] for r in rounds) * 1e3:.1f} ms", flush=True)
+              f"{statistics.median(r[1] for r in rounds) * 1e3:.1f} ms (with redis-py's "
+              f"default packer {statistics.median(l4.set_default_s) * 1e3:.1f} ms)", flush=True)
         extra = {"batch": BATCH, "batch_bytes": batch_bytes, "rounds": args.rounds,
                  "dtype": args.dtype, "frame_ratio": sum(map(len, frames)) / batch_bytes,
                  "samples_s": {n: [r[i] for r in rounds]
                                for i, n in enumerate(("put", "set", "get", "get_decode"))},
-                 "put_l2_s": list(l4.put_l2_s)}
+                 "put_l2_s": list(l4.put_l2_s), "set_hiredis_packer_s": list(l4.set_default_s)}
         pairs = (("put", "redis SET", 0), ("get", "redis GET+decode", 2))
         out += shown([Figure(f"l4_{verb}_{size_label(size)}", gbps[i], base, gbps[i + 1],
                              "GB/s", target=">= 0.8x", extra=extra) for verb, base, i in pairs])
@@ -359,11 +371,14 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
 
         a = daemon(args.l2_size, shm_names[0], "remote.popularity_flush_s=0.2")
         b = daemon(args.l2_size, shm_names[1])
-        r = redis.Redis(host="127.0.0.1", port=server.port, socket_read_size=args.redis_read_bytes)
+        r, r_default = (redis.Redis(connection_pool=redis.ConnectionPool(
+            host="127.0.0.1", port=server.port, socket_read_size=args.redis_read_bytes,
+            **kwargs)) for kwargs in ({"connection_class": connection_class()}, {}))
         stack.callback(r.close)
+        stack.callback(r_default.close)
         a_io, a_hot, b_io = (stack.enter_context(KVStoreClient(d.target, ns))
                              for d, ns in ((a, NS_IO), (a, NS_HOT), (b, NS_IO)))
-        l4 = L4(a_io, a_hot, b_io, r, daemon_c)
+        l4 = L4(a_io, a_hot, b_io, r, r_default, daemon_c)
         figures += l4_figures(args, l4, rng)
         figures.append(prewarm_figure(args, l4, rng))
         remote = l4.a.stats().tier("remote")

@@ -167,6 +167,12 @@ class _Replies:
         return value[:size]
 
 
+def connection_class(tls: bool = False) -> type[redis.Connection]:
+    """The redis-py connection class the pool's connections use (redis-py's own packer, which
+    takes frames as parts): what a like-for-like redis-py baseline uses too."""
+    return _SslConnection if tls else _Connection
+
+
 class RemoteUnavailable(OSError):
     """Redis is unreachable, timed out, refused the login or the command, or the cluster is
     down; the message names the host and what failed, never the password."""
