@@ -17,7 +17,9 @@ in batches of 16:
   a remote engine takes without the data socket, against the same floor (for reference).
 
 Every figure is warmed up, then ours and the floor run alternately, repeat by repeat, so
-background load hits both alike; the median per-batch figure is reported. Puts' keys are
+background load hits both alike; the median per-batch figure is reported, and a `#` line
+gives the median (and quartiles) of the repeats' own ratios, which a busy machine moves
+less. Puts' keys are
 evicted outside the timing. Prints `bench <name>: <ours> GB/s vs bare socket <floor> GB/s =
 <ratio>x` per figure and, with --json, one JSON object.
 """
@@ -28,6 +30,7 @@ import argparse
 import os
 import secrets
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -40,7 +43,7 @@ from typing import Any
 import grpc
 import numpy as np
 import numpy.typing as npt
-from figures import Figure, Op, gbps_figure, paired, run_main
+from figures import Figure, Op, gbps_figure, paired, percentile, run_main
 
 from kvstore.client._attach import TicketKeeper
 from kvstore.client._datasocket import DataSocket
@@ -174,7 +177,14 @@ def measure_size(size: int, daemon: Daemon, bare: BareSocket, data: DataSocket,
     for name, ours, base, target in runs:
         ours_s, base_s = paired(ours, base, repeats, warmup)
         figure = gbps_figure(name, batch_bytes, ours_s, "bare socket", base_s, target)
+        # Each repeat times ours and the floor back to back: their ratio, repeat by repeat,
+        # drifts less with the machine's load than the two medians do.
+        pairs = sorted(b / o for o, b in zip(ours_s, base_s, strict=True))
+        figure.extra["paired_ratios"] = pairs
         print(figure.line(), flush=True)
+        print(f"# {name}: paired ratio median {statistics.median(pairs):.2f}x (quartiles "
+              f"{percentile(pairs, 0.25):.2f}-{percentile(pairs, 0.75):.2f}x, "
+              f"{len(pairs)} pairs)", flush=True)
         figures.append(figure)
     return figures
 
