@@ -338,7 +338,7 @@ class ClientBase(ABC):
             return None
         if placed is None:
             return None
-        yield from self._ensure_arena(placed[0].name)
+        yield from self._ensure_arena(placed[0].arena)
         body = yield Offload(partial(grants.write, plan, placed, self._shm.segment_named))
         response = yield Offload(partial(grants.commit, body, wait))
         if response is None:

@@ -69,6 +69,7 @@ class Granted:
 
     grant_id: bytes
     name: str  # the segment (auth off) or arena (auth on) its offsets are in
+    arena: str  # the arena (auth on), else "": what a client must hold (ensure_arena)
     page_size: int
     offsets: np.ndarray  # uint64, one per page
     usable_until: float
@@ -89,8 +90,8 @@ def parse_grant(reply: bytes, now: float) -> Granted:
         raise DataLoss(f"a Grant answer of {len(reply)} bytes does not hold {pages} pages")
     names = reply[GRANT_REPLY.size:at].decode("utf-8", "replace")
     offsets = np.frombuffer(reply, dtype="<u8", count=pages, offset=at).astype(np.uint64)
-    return Granted(grant_id, names[:shm_len] or names[shm_len:], page_size, offsets,
-                   now + expires_ms / 1000 * USABLE_SHARE)
+    return Granted(grant_id, names[:shm_len] or names[shm_len:], names[shm_len:], page_size,
+                   offsets, now + expires_ms / 1000 * USABLE_SHARE)
 
 
 class PostedCommits:
