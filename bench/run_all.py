@@ -86,6 +86,7 @@ SUITE = (
     Script("tier_bench", timeout_s=180),
     Script("l3_pressure", ("--busy",), quick_args=("--quick", "--busy"), timeout_s=300),
     Script("l4_bench", timeout_s=180),
+    Script("remote_bench", timeout_s=180),
     # Their limits are the smoke tests' old ones: on a busy 2-core machine even --quick took
     # 220 s (engine_bench) and 45 s (engine_ttft) with the rest of the suite beside it.
     Script("engine_bench", ("--baseline-requests", "2", "--ttft-reps", "2"), timeout_s=900),
