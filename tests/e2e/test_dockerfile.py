@@ -72,7 +72,7 @@ def test_instructions_are_known_and_stages_are_named() -> None:
 def test_builder_installs_the_project_with_the_gpu_extra_on_cuda() -> None:
     steps = instructions()
     text = DOCKERFILE.read_text()
-    assert 'RUN pip install ".${PIP_EXTRA}"' in text
+    assert 'RUN make native && pip install ".${PIP_EXTRA}"' in text  # the helper shipped
     envs = [args for word, args in steps if word == "ENV"]
     assert 'PIP_EXTRA=""' in envs and 'PIP_EXTRA="[gpu,engine]"' in envs
     cuda = re.search(r"ARG CUDA_IMAGE=nvidia/cuda:\S+-runtime-\S+", text)
