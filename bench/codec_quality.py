@@ -37,8 +37,9 @@ prefill of the whole prompt, so greedy near-ties may flip even without a codec).
       the run's folder; fillers in another namespace push it out of L2 before every rep).
 
 --quick is a smoke run, not a measurement: one instruction and no text window, 4 greedy
-tokens, a 48-token perplexity prefix of a 64-token text, two reps; the model's weights are read once and shared by every engine of
-the run (in both modes: each engine still has its own cache, prefix cache and connector).
+tokens, a 48-token perplexity prefix of a 64-token text, two reps. In both modes the model's
+weights are read once and shared by every engine of the run (each engine still has its own
+cache, prefix cache and connector).
 
 Prints one `bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x` line per figure, `#`
 info lines, and with --json PATH the same as JSON.
