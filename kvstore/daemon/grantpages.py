@@ -59,10 +59,7 @@ class GrantPages:
                 f"grant {grant_id!r} ({len(self.pages)} pages), or is named twice",
                 field=f"blocks[{block}].pages")
         self.used[numbers] = True
-        absolute = self.pages[numbers]
-        starts = np.concatenate(([0], ends[:-1]))
-        return [runs_of(absolute[s:e]) for s, e in zip(starts.tolist(), ends.tolist(),
-                                                       strict=True)]
+        return _block_runs(self.pages[numbers], ends)
 
     def placeholders(self, page_size: int) -> list[PlannedBlock]:
         """One placeholder block a run of the pages not used yet (none when all are)."""
@@ -73,6 +70,20 @@ class GrantPages:
     @property
     def left(self) -> int:
         return int(len(self.pages) - np.count_nonzero(self.used))
+
+
+def _block_runs(absolute: np.ndarray, ends: np.ndarray) -> list[tuple[PageRun, ...]]:
+    """Each block's pages (absolute, block after block; block i ends at ends[i]) as runs,
+    all cut at once: where the pages stop being consecutive, and where a block ends."""
+    cuts = np.union1d(np.flatnonzero(np.diff(absolute) != 1) + 1, ends[:-1])
+    starts = np.concatenate(([0], cuts)).astype(np.int64)
+    lengths = np.diff(np.concatenate((starts, [len(absolute)])))
+    owners = np.searchsorted(ends, starts, side="right")
+    out: list[list[PageRun]] = [[] for _ in range(len(ends))]
+    for owner, first, length in zip(owners.tolist(), absolute[starts].tolist(),
+                                    lengths.tolist(), strict=True):
+        out[owner].append(PageRun(first, length))
+    return [tuple(runs) for runs in out]
 
 
 def pages_of(runs: Sequence[PageRun]) -> np.ndarray:
