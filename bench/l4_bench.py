@@ -3,9 +3,11 @@
 driven from here through `kvstore.client` and redis-py (1 MiB socket reads; hiredis parses
 replies if present). The baseline's connections pack commands as the daemon's do
 (`redis_pool.connection_class`: redis-py's own packer, which hands large values to the socket
-as they are); redis-py's default with hiredis installed copies each value into one buffer
-first and SETs at about half the speed, which flattered our put figure until 2026-12-03. That
-default's time stays in the `# stages` line (JSON: `set_hiredis_packer_s`).
+as they are). redis-py's default with hiredis installed copies each value into one new buffer
+first: in a process with glibc's default malloc settings that SETs 32 x 256 KiB or 2 MiB at
+about half the speed, but this process runs with `kvstore.memory.keep_freed_buffers` (the
+client sets it), where the copy costs no page faults and the two are within ~0-30% of each
+other. The default packer's time stays in the `# stages` line (JSON: `set_hiredis_packer_s`).
 
 - l4_put_<size> (256 KiB, 2 MiB): daemon A's `put` of a fresh 32-block chain, timed until all
   32 are in Redis (the write-through is asynchronous: the bench polls a multi-key EXISTS every
