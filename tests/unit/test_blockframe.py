@@ -360,7 +360,7 @@ def test_a_raw_body_is_a_view_of_the_payload_not_a_copy() -> None:
     """The write-through sends a raw block's body from its L2 pages: encode_parts must hand
     back a view of the payload, so a change to the payload shows in the body."""
     payload = bytearray(random_bytes(4096))
-    header, body = encode_parts(payload, "none")
+    header, body = encode_parts(memoryview(payload), "none")
     assert isinstance(body, memoryview) and header_codec(header) == CODEC_RAW
     payload[0] ^= 0xFF
     assert body[0] == payload[0]
