@@ -15,6 +15,14 @@ family and capacity, `sim_vs_lru_<family>_<pct>pct`, the store's token hit rate 
 `#` lines and in the figure's JSON, and at the end a table of every family and capacity.
 Each trace's `plot hit_rate_<trace> <JSON>` line: every policy's token hit rate by capacity.
 
+With --codecs fp8,int4 (a --trace run of one capacity) it also reports what a lossy block
+codec (docs/codecs.md) buys at equal bytes: the same bytes hold `ratio` times as many
+encoded blocks, so the store at floor(capacity x ratio) blocks (its L3 too, with --l3)
+against the store at the capacity, raw: `trace_sim_codec_<codec>`, the token hit rates and
+their ratio. The ratio is the codec's bytes against bfloat16 for one trace block of 512
+tokens of a Llama-3.1-8B-shaped K/V (32 layers, 8 KV heads of 128; `CODEC_LAYOUT`),
+from kvstore.integrations.codecs (fp8 1.98x, int4 3.20x).
+
 Hit semantics are the store's `Lookup`: a request hits the longest prefix of its hash ids
 that is cached, and only that prefix counts. Then the engine computes the rest and puts it,
 so every block of the request ends up cached (only its first N blocks when it has more than
@@ -66,6 +74,9 @@ from sim_store import StorePolicy
 from trace_families import BLOCK_TOKENS, FAMILIES, SYNTHETIC_TRACE, generate
 
 DEFAULT_TRACE = SYNTHETIC_TRACE
+CODEC_LAYOUT = (32, 2, BLOCK_TOKENS, 8, 128)
+"""One trace block's K/V in the codecs' layout [layers, K/V, tokens, kv heads, head dim]:
+Llama-3.1-8B's shape (a bfloat16 cache), for each codec's bytes ratio."""
 DEFAULT_CAPACITIES = "0.05,0.1,0.2"  # of a --trace's distinct blocks
 FAMILY_CAPACITY_PCTS = "1,2,5,10,20,40"  # of a family's distinct blocks
 
@@ -377,8 +388,41 @@ def run(args: argparse.Namespace,
             setup.update(trace=str(args.trace), requests=len(w.requests),
                          distinct_blocks=num_distinct)
     _table(table)
+    if args.codecs:  # one --trace workload of one capacity (checked in main)
+        figures += codec_figures(workloads[0], table[0][3]["store"], args.codecs, args.l3)
     setup.update(l3_factor=args.l3, **({"seed": args.seed} if args.family else {}))
     return figures, setup
+
+
+def codec_ratio(name: str) -> float:
+    """Raw bfloat16 bytes per encoded byte of one CODEC_LAYOUT block under codec `name`
+    (torch is imported here only: the simulation itself needs none of it)."""
+    import torch
+
+    from kvstore.integrations.codecs import codec_for
+
+    return codec_for(name, CODEC_LAYOUT, torch.bfloat16).ratio
+
+
+def codec_figures(w: Workload, base: Result, codecs: Sequence[str],
+                  l3_factor: float) -> list[Figure]:
+    """trace_sim_codec_<codec>: the store's token hit rate with each codec's blocks in the
+    same bytes (floor(capacity x ratio) blocks) against raw blocks (`base`)."""
+    figures = []
+    [(label, blocks)] = w.capacities
+    for codec in codecs:
+        ratio = codec_ratio(codec)
+        more = int(blocks * ratio)
+        [store] = simulate(w.requests, [more], {"store": POLICIES["store"]}, l3_factor)
+        print(f"# codec {codec}: {ratio:.3f}x the blocks in the same bytes: {more} blocks "
+              f"(capacity {label} = {blocks} raw); store token hit rate "
+              f"{store.token_hit_rate:.4f} vs {base.token_hit_rate:.4f}")
+        figures.append(Figure(f"trace_sim_codec_{codec}", store.token_hit_rate, "none",
+                              base.token_hit_rate, "ratio",
+                              extra={"capacity": label, "bytes_ratio": ratio,
+                                     "capacity_blocks": store.capacity_blocks,
+                                     "raw_capacity_blocks": base.capacity_blocks}))
+    return figures
 
 
 def _workloads(args: argparse.Namespace) -> list[Workload]:
@@ -422,8 +466,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--l3", type=float, default=0.0, metavar="FACTOR",
                         help="give the store an L3 of FACTOR x each capacity below its L2 "
                              "(the other policies get L2 + L3 blocks in one cache)")
+    parser.add_argument("--codecs", default="",
+                        help="comma-separated lossy codecs (fp8, int4): the store's hit rate "
+                             "with that codec's blocks in the same bytes (one capacity)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    args.codecs = [c for c in args.codecs.split(",") if c]
+    bad = [c for c in args.codecs if c not in ("fp8", "int4")]
+    if bad:
+        parser.error(f"--codecs: each must be fp8 or int4, got {bad[0]!r}")
     if args.requests is not None and args.requests <= 0:
         parser.error(f"--requests must be >= 1, got {args.requests}")
     if not 0 <= args.l3 < float("inf"):
@@ -441,6 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         flag = "--capacities" if args.capacities is not None else "--capacity-pcts"
         parser.error(f"{flag}: {exc}")
+    if args.codecs and (args.family or len(workloads[0].capacities) != 1):
+        parser.error("--codecs: give a --trace run (no --family) of one capacity "
+                     "(--capacities 0.1)")
     return run_main(args, lambda args: run(args, workloads))
 
 
