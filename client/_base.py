@@ -284,9 +284,7 @@ class ClientBase(ABC):
     def _put_steps(self, keys: Sequence[BlockKey], values: Sequence[object],
                    parent: BlockKey | None, independent: bool,
                    wait: bool = True) -> Steps[res.PutResult]:
-        grants = self._grants
-        if grants is not None:
-            grants.posted.raise_failure()
+        self._raise_posted()
         plan = rq.put_plan(self.namespace, keys, values, parent, independent)
         if not plan.keys:
             return res.PutResult(stored=0, existing=0, evicted=0)
@@ -304,6 +302,15 @@ class ClientBase(ABC):
         response = yield Retried(lambda: one(Upload(
             self._put, put_frames(header, plan.payloads, chunk), self.timeout_s)))
         return res.put_result(response)
+
+    def _raise_posted(self) -> None:
+        """A data call (put, get, get_into, lookup) first raises the refusal of a commit that
+        an earlier put(..., wait=False) posted, once: the caller learns of it on its next
+        call, as it would have from the put itself. Never blocks: answers not read yet are
+        read by the next call on their session, or by flush()."""
+        grants = self._grants
+        if grants is not None:
+            grants.posted.raise_failure()
 
     def _grants_now(self) -> Grants | None:
         """The grants of the local path open now; None when puts cannot take one (no local
@@ -392,6 +399,7 @@ class ClientBase(ABC):
     # --- get ------------------------------------------------------------------------------
 
     def _get_steps(self, keys: Sequence[BlockKey]) -> Steps[list[bytes | None]]:
+        self._raise_posted()
         key_list = check_keys(keys)
         if not key_list:
             return []
@@ -401,6 +409,7 @@ class ClientBase(ABC):
 
     def _get_into_steps(self, keys: Sequence[BlockKey],
                         buffers: Sequence[object]) -> Steps[list[int | None]]:
+        self._raise_posted()
         key_list = check_keys(keys)
         arrays = rq.into_arrays(key_list, buffers)
         if not key_list:
@@ -525,6 +534,7 @@ class ClientBase(ABC):
 
     def _lookup_steps(self, keys: Sequence[BlockKey],
                       block_tokens: int) -> Steps[res.LookupResult]:
+        self._raise_posted()
         key_list = check_keys(keys)
         if not key_list:
             return res.LookupResult(prefix_length=0, tiers=[])

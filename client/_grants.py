@@ -11,7 +11,8 @@ grants, not while a put waits.
 The commit is waited for (`put`, the default: the result is the daemon's answer) or posted
 (`put(..., wait=False)`: sent, not waited for). A posted commit's answer is read later by
 whichever call next uses its session, or by `flush()`; a refusal (checksum, a grant that
-expired, caps) is raised by the client's next put or `flush()`. Pages a put takes leave the
+expired, the chain rules) is raised by the client's next data call (put, get, get_into,
+lookup) or by `flush()`. Pages a put takes leave the
 grant whatever the answer: the daemon frees those of a refused commit and those of keys
 that were cached already.
 

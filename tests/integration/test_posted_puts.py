@@ -92,7 +92,7 @@ def test_posted_puts_are_provisional_until_flush_and_then_readable(daemon: Daemo
         assert kv.uses_local_path
 
 
-def test_a_refused_posted_commit_is_raised_by_the_next_put_and_by_flush(daemon: Daemon) -> None:
+def test_a_refused_posted_commit_is_raised_by_the_next_call_and_by_flush(daemon: Daemon) -> None:
     with KVStoreClient(daemon.target, "refused") as kv:
         k = keys(1)[0]
         # A chained put naming a block twice is refused when its commit is read.
@@ -107,6 +107,13 @@ def test_a_refused_posted_commit_is_raised_by_the_next_put_and_by_flush(daemon: 
         with pytest.raises(InvalidArgument):
             kv.flush()
         assert kv.flush().stored == 0  # nothing left to report
+
+        # A read is a next call too: it raises the refusal before it reads.
+        assert kv.put([k, k], blocks_of(2, 100, 5), wait=False).posted
+        wait_until(lambda: _settled(kv), "the posted commit's answer")
+        with pytest.raises(InvalidArgument):
+            kv.lookup([k])
+        assert kv.lookup([k]).prefix_length == 0  # raised once; the refused block is absent
 
 
 def _settled(kv: KVStoreClient) -> bool:
