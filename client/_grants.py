@@ -8,8 +8,10 @@ pages it already holds and one commit (COMMIT_GRANTED) that names the keys, the 
 sizes, the checksums as written and the pages each block took. The daemon plans when it
 grants, not while a put waits.
 
-The commit is waited for (`put`, the default: the result is the daemon's answer) or posted
-(`put(..., wait=False)`: sent, not waited for). A posted commit's answer is read later by
+Only posted puts take this path (`put(..., wait=False)`: the commit is sent, not waited
+for); a put that waits reserves, as before (`Grants.commit` can wait, for tests and tools:
+on a 2-core host a waited put from a grant measured no faster, since the daemon plans the
+next grant while the client copies). A posted commit's answer is read later by
 whichever call next uses its session, or by `flush()`; a refusal (checksum, a grant that
 expired, the chain rules) is raised by the client's next data call (put, get, get_into,
 lookup) or by `flush()`. Pages a put takes leave the
@@ -187,6 +189,7 @@ class Grants:
         self._page_size = ASSUMED_PAGE_BYTES
         self._known_page = False
         self._largest = 0  # pages of the largest put so far that a grant held
+        self._block_pages = 0  # pages of the largest block so far: the grants' runs
         self._most = 1 << 62  # pages the daemon grants at most, once it gave fewer than asked
         self.posted = PostedCommits()
 
@@ -266,7 +269,8 @@ class Grants:
                    min(PUTS_AHEAD * self._largest, self._grant_bytes // page))
 
     def _ask(self, pages: int) -> Granted:
-        reply = self.local.call_bytes(GRANT, grant_request(self._namespace, pages))
+        reply = self.local.call_bytes(GRANT, grant_request(self._namespace, pages,
+                                                           run_pages=self._block_pages))
         granted = parse_grant(reply, self._clock())
         self._page_size = granted.page_size
         self._known_page = True
@@ -304,11 +308,13 @@ class Grants:
         the put now (too large, or the arena cannot make a grant's room: the caller reserves
         instead, and gets the daemon's exact answer)."""
         if not self._known_page:
+            self._block_pages = max(self.pages_for(plan.sizes))  # at the page size assumed
             try:
                 self.take(1, first=True)
             except ResourceExhausted:
                 return None
         needs = self.pages_for(plan.sizes)
+        self._block_pages = max(self._block_pages, max(needs))
         try:
             taken = self.take(sum(needs))
         except ResourceExhausted:

@@ -104,10 +104,10 @@ class KVStoreClient(ClientBase):
         independent=True they are unrelated. Existing keys are acknowledged, unchanged.
 
         wait=False, on the daemon's host: the blocks are written into pages the client holds
-        and their commit is posted, not waited for; the result is provisional (`posted`,
-        every key counted as stored). A refused commit is raised by the next put, get,
-        get_into or lookup, or by `flush()`, which waits for every posted commit. Elsewhere
-        (no local path) it is a put that waits."""
+        ahead (a grant) and their commit is posted, not waited for; the result is
+        provisional (`posted`, every key counted as stored). A refused commit is raised by
+        the next put, get, get_into or lookup, or by `flush()`, which waits for every posted
+        commit. Elsewhere (no local path) it is a put that waits."""
         return self._run(self._put_steps(keys, values, parent, independent, wait))
 
     def flush(self) -> res.PutResult:

@@ -55,11 +55,14 @@ def hello(ticket: str) -> bytes:
 # post the commit (send it and read the answer later) or wait for it. What it has not used
 # goes back with RELEASE (ids=[the grant id as 32 hex digits]) or when the grant expires.
 # Bodies are struct-packed, little-endian; strings are UTF-8.
-GRANT = 8  #: GRANT_REQUEST + namespace -> GRANT_REPLY + names + u64 offset per page
-COMMIT_GRANTED = 9  #: COMMITTED head + namespace + [parent] + blocks + pages -> PutResponse
+# (8 and 9 stay unassigned: clients and tests use 9 as a verb no daemon knows.)
+GRANT = 10  #: GRANT_REQUEST + namespace -> GRANT_REPLY + names + u64 offset per page
+COMMIT_GRANTED = 11  #: COMMITTED head + namespace + [parent] + blocks + pages -> PutResponse
 
-#: Pages wanted, timeout in ms (0: leases.reservation_timeout_s), then the namespace.
-GRANT_REQUEST = struct.Struct("<II")
+#: Pages wanted, timeout in ms (0: leases.reservation_timeout_s), pages a block of the
+#: client's takes (0: any; the daemon plans the grant in runs of that many pages, as it
+#: would plan those blocks), then the namespace.
+GRANT_REQUEST = struct.Struct("<III")
 #: Grant id, expires in ms, page size, pages, length of shm_name, length of arena; then
 #: shm_name, arena (one of them empty, as in a ReserveResponse) and one u64 per page: its
 #: offset in that segment or arena, in the order the commit's page numbers count.
@@ -76,9 +79,10 @@ PAGE_NUMBER = struct.Struct("<I")
 VERB_NAMES.update({GRANT: "Grant", COMMIT_GRANTED: "CommitGranted"})
 
 
-def grant_request(namespace: str, pages: int, timeout_ms: int = 0) -> bytes:
-    """A GRANT body: pages wanted in namespace's arena, held for timeout_ms."""
-    return GRANT_REQUEST.pack(pages, timeout_ms) + namespace.encode()
+def grant_request(namespace: str, pages: int, timeout_ms: int = 0, run_pages: int = 0) -> bytes:
+    """A GRANT body: pages wanted in namespace's arena, held for timeout_ms, planned in runs
+    of run_pages (the client's blocks' size in pages; 0: the daemon's choice)."""
+    return GRANT_REQUEST.pack(pages, timeout_ms, run_pages) + namespace.encode()
 
 
 def grant_reply(grant_id: bytes, expires_in_ms: int, page_size: int, shm_name: str,

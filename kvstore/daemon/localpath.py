@@ -151,15 +151,15 @@ def _verbs(v: Verbs) -> dict[int, tuple[str, Callable[[bytes], Any], Handler]]:
     return named
 
 
-def _grant_asked(body: bytes) -> tuple[int, int, str] | Undecodable:
+def _grant_asked(body: bytes) -> tuple[int, int, int, str] | Undecodable:
     """A GRANT body (localframe.GRANT_REQUEST, then the namespace): pages, timeout in ms,
-    namespace."""
+    pages a run, namespace."""
     if len(body) < GRANT_REQUEST.size:
         return Undecodable(f"a Grant request is {GRANT_REQUEST.size} bytes and a namespace; "
                            f"got {len(body)} bytes")
-    pages, timeout_ms = GRANT_REQUEST.unpack_from(body)
+    pages, timeout_ms, run_pages = GRANT_REQUEST.unpack_from(body)
     try:
-        return pages, timeout_ms, body[GRANT_REQUEST.size:].decode("utf-8")
+        return pages, timeout_ms, run_pages, body[GRANT_REQUEST.size:].decode("utf-8")
     except UnicodeDecodeError:
         return Undecodable("a Grant request's namespace is not UTF-8")
 
@@ -447,8 +447,8 @@ class LocalSessions:
                                         Reason.MESSAGE_TOO_LARGE, limit=self.max_frame_bytes,
                                         setting="server.max_message_bytes")
             if entry is None:
-                raise InvalidArgument(f"verb {verb} is not a local verb (1..{max(self._verbs)})",
-                                      field="verb")
+                raise InvalidArgument(f"verb {verb} is not a local verb (one of "
+                                      f"{sorted(self._verbs)})", field="verb")
             if self._draining.is_set() and method != "Release":
                 raise Unavailable("the daemon is draining (it is stopping): retry on another "
                                   "replica or after its restart", Reason.DRAINING)

@@ -183,15 +183,16 @@ class Verbs:
         return pb.PutResponse(stored=result.stored, existing=result.existing,
                               evicted=result.evicted)
 
-    def grant(self, caller: Caller, request: tuple[int, int, str]) -> Reply:
+    def grant(self, caller: Caller, request: tuple[int, int, int, str]) -> Reply:
         """Free pages of the caller's namespace's arena, held for its puts (the local path's
         GRANT): the grant id, and where each page lies in the client's mapping."""
-        pages, timeout_ms, namespace = request
+        pages, timeout_ms, run_pages, namespace = request
         caller.data(namespace)
         if timeout_ms > MAX_LEASE_S * 1000:
             raise InvalidArgument(f"timeout_ms {timeout_ms} exceeds {MAX_LEASE_S * 1000}",
                                   field="timeout_ms", limit=MAX_LEASE_S * 1000)
-        g = self.store.writer.grant(namespace, pages, timeout_ms / 1000 or None, caller.client)
+        g = self.store.writer.grant(namespace, pages, timeout_ms / 1000 or None, caller.client,
+                                    run_pages)
         offsets = g.pages * g.page_size
         first = int(offsets[0])
         # Every page lies in one arena (the tenant's): its offsets there are the tier's

@@ -334,12 +334,15 @@ class Writer:
     # --- grants ----------------------------------------------------------------------------
 
     def grant(self, namespace: str, pages: int, timeout_s: float | None = None,
-              client: str = "") -> Grant:
+              client: str = "", run_pages: int = 0) -> Grant:
         """Free L2 pages of namespace's arena held for client until timeout_s (default
         leases.reservation_timeout_s): made room for now as a put's would be (demotion,
         eviction), checked against client's caps as a reservation of that many bytes. A
         grant holds at most MAX_GRANT_SHARE of the arena (and server.max_batch_keys pages):
-        more asked gets that many."""
+        more asked gets that many. run_pages: the pages one of the client's blocks takes;
+        the grant is planned in runs that long (PLACEHOLDER_PAGES when 0), so that it takes
+        the pages its blocks' Reserve would have taken (the pages just freed are reused
+        first), not only longer free runs."""
         check_namespace(namespace)
         tier = self._l2()
         timeout_s = timeout_s or self._state.config.leases.reservation_timeout_s
@@ -357,9 +360,10 @@ class Writer:
             index.holdings.check(client, self._state.caps, reservations=1,
                                  reserved_bytes=pages * page)
             grant_id = secrets.token_hex(16)
-            sizes = [PLACEHOLDER_PAGES * page] * (pages // PLACEHOLDER_PAGES)
-            if pages % PLACEHOLDER_PAGES:
-                sizes.append(pages % PLACEHOLDER_PAGES * page)
+            run = min(run_pages, pages) if run_pages > 0 else PLACEHOLDER_PAGES
+            sizes = [run * page] * (pages // run)
+            if pages % run:
+                sizes.append(pages % run * page)
             keys = [BlockKey(secrets.token_bytes(KEY_BYTES)) for _ in sizes]
             plan = self._prepare(grant_id, namespace, keys, sizes, [None] * len(sizes),
                                  timeout_s, client)

@@ -85,7 +85,7 @@ def test_posted_puts_are_provisional_until_flush_and_then_readable(daemon: Daemo
         assert kv.flush().stored == 0  # counted once
         for ks, blocks in batches:
             assert kv.get(ks) == [b.tobytes() for b in blocks]
-        # A waited put from a grant answers as the daemon does, existing keys too.
+        # A put that waits (it reserves) answers as the daemon does, existing keys too.
         ks, blocks = batches[0]
         waited = kv.put(ks, blocks)
         assert not waited.posted and (waited.stored, waited.existing) == (0, len(ks))
@@ -128,7 +128,8 @@ def test_a_commit_whose_bytes_changed_is_refused_with_its_checksum_named(daemon:
     """The writer's checksum is what the daemon checks (dram.verify_commits=all): bytes that
     changed in the pages after they were hashed are caught, reported, and not stored."""
     with KVStoreClient(daemon.target, "corrupt") as kv:
-        kv.put(keys(1), blocks_of(1, 100, 0))  # the first grant and the mapping
+        kv.put(keys(1), blocks_of(1, 100, 0), wait=False)  # the first grant, the mapping
+        kv.flush()
         grants = kv._grants
         assert grants is not None
         from kvstore.client import _requests as rq
@@ -174,7 +175,8 @@ _HOLDER = """
 import sys, numpy as np
 from kvstore.client import KVStoreClient
 kv = KVStoreClient(sys.argv[1], "killed")
-kv.put([bytes([7]) * 32], [np.ones(5000, np.uint8)])
+kv.put([bytes([7]) * 32], [np.ones(5000, np.uint8)], wait=False)
+kv.flush()
 print("held", flush=True)
 sys.stdin.read()
 """
