@@ -41,8 +41,9 @@ class PutResult:
     existing: int
     """Blocks already present (unchanged: values are immutable)."""
     evicted: int
-    """Entries the daemon evicted to make room (a put from a grant: 0, the room was made
-    when the grant was taken)."""
+    """Entries the daemon evicted to make room. Posted puts write into a grant, whose room
+    was made when it was taken: those evictions are counted by the first commit from it
+    (in `flush()`'s totals)."""
     posted: bool = False
     """True for `put(..., wait=False)` when its commit was posted: the counts are then
     provisional (every key counted as stored), and `flush()` gives the daemon's answers or
