@@ -28,6 +28,8 @@ from kvstore.integrations.vllm_codec import RowCodec
 from kvstore.keys import prefix_keys
 from tests.vllm.conftest import StoreView
 from tests.vllm.harness import vllm_config
+from tests.vllm.test_hybrid import gemma_dir  # noqa: F401  (the tiny Gemma-3 fixture)
+from tests.vllm.test_mla import mla_dir  # noqa: F401  (the tiny DeepSeek-V2 fixture)
 
 BLOCK = 128  # vLLM's CPU default
 PROMPT = [3 + (i * 7 + i // 5) % 500 for i in range(700)]  # 5 full blocks and 60 tokens
@@ -180,3 +182,48 @@ def test_codec_namespaces_never_mix_and_fp8_and_int4_loads_generate(
     assert int4_loaded["cached_tokens"] == [STORED * BLOCK]
     assert int4_loaded["stats"]["loaded_blocks"] == STORED
     assert len(int4_loaded["tokens"][0]) == 8
+
+
+def test_a_hybrid_model_stores_each_group_through_fp8_and_a_fresh_engine_loads_it(
+        store: StoreView, gemma_dir: Path, llm_run: Run) -> None:  # noqa: F811
+    """Gemma-3 under vLLM's hybrid manager (sliding and full-attention groups): each group's
+    blocks go through its own codec, and a fresh engine loads and decodes them."""
+    from tests.vllm.test_hybrid import MAX_TOKENS, PROMPTS
+    from tests.vllm.test_hybrid import STORED as HYBRID_STORED
+
+    args = {"model": str(gemma_dir), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "connector": store.options(codec="fp8", load_policy="always")}
+    first, _ = llm_run(args)
+    store.evict_at_end(first["namespace"])
+    assert first["namespace"].endswith("-codec.fp8.v1") and first["groups"] > 1
+    second, _ = llm_run(args)
+    assert second["cached_tokens"] == [HYBRID_STORED * BLOCK] * len(PROMPTS)
+    groups = second["group_names"]
+    needed = [HYBRID_STORED if window == 0 else 1 for _, window, _ in groups]
+    assert second["stats"]["loaded_blocks"] == sum(needed) * len(PROMPTS)
+    # What each group's loads moved: encoded blocks, 65 bytes per 64 float32 values + 16.
+    encoded = [16 + raw // 4 // 64 * 65 for raw in second["group_block_bytes"]]
+    assert second["group_bytes"] == [n * size * len(PROMPTS)
+                                     for n, size in zip(needed, encoded, strict=True)]
+    assert all(len(t) == MAX_TOKENS for t in second["tokens"])
+
+
+def test_an_mla_model_stores_its_latent_cache_through_fp8_and_a_fresh_engine_loads_it(
+        store: StoreView, mla_dir: Path, llm_run: Run) -> None:  # noqa: F811
+    from tests.vllm.test_mla import CPU_BLOCK, LATENT_WIDTH
+    from tests.vllm.test_mla import PROMPT as MLA_PROMPT
+    from tests.vllm.test_mla import STORED as MLA_STORED
+
+    args = {"model": str(mla_dir), "prompts": [MLA_PROMPT], "max_tokens": 4,
+            "connector": store.options(codec="fp8", load_policy="always")}
+    first, _ = llm_run(args)
+    store.evict_at_end(first["namespace"])
+    assert "/latent/" in first["namespace"]
+    assert first["namespace"].endswith("-codec.fp8.v1")
+    assert first["stats"]["offloaded_blocks"] == MLA_STORED
+    second, _ = llm_run(args)
+    assert second["cached_tokens"] == [MLA_STORED * CPU_BLOCK]
+    assert second["stats"]["loaded_blocks"] == MLA_STORED
+    # 2 layers x 16 tokens x 576 latent values, one scale byte per token and layer.
+    assert second["group_bytes"] == [MLA_STORED * (16 + 2 * CPU_BLOCK * (LATENT_WIDTH + 1))]
+    assert len(second["tokens"][0]) == 4
