@@ -33,6 +33,7 @@ from kvstore.proto.localframe import COMMIT, GET, LOOKUP, RELEASE, RESERVE
 from . import _requests as rq
 from . import results as res
 from ._buffers import ByteArray
+from ._datasocket import DataPath, DataSocket
 from ._effects import Call, Next, Offload, Open, Report, Retried, Steps, Upload, one
 from ._grants import Grants
 from ._localpath import NoSession
@@ -145,6 +146,9 @@ class ClientBase(ABC):
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._shm = ShmState(shared_memory, socket_path, timeout_s, read_table=read_table)
         self._daemon_limits: res.Limits | None = None  # the daemon's, asked once (Limits)
+        # Inline Gets and Puts over the daemon's data socket when its Limits offer one
+        # (client/_datasocket.py), gRPC otherwise.
+        self._data = DataPath(self.target, settings, timeout_s)
         # Puts from a grant (client/_grants.py), on the local path it was made on; off for
         # good when the daemon does not know the verb.
         self._grants: Grants | None = None
@@ -301,6 +305,13 @@ class ClientBase(ABC):
             except FailedPrecondition as exc:
                 self._shm.fall_back(exc)
         header = plan.inline_header()
+        data = yield from self._data_socket()
+        if data is not None:
+            try:
+                return res.put_result((yield Retried(lambda: one(Offload(
+                    partial(data.put, header, plan.payloads))))))
+            except NoSession as exc:
+                self._data.failed(exc)
         chunk = self._put_chunk(header, (yield from self._limits_steps()))
         response = yield Retried(lambda: one(Upload(
             self._put, put_frames(header, plan.payloads, chunk), self.timeout_s)))
@@ -487,8 +498,23 @@ class ClientBase(ABC):
                 return through_shm
             except FailedPrecondition as exc:
                 self._shm.fall_back(exc)
+        data = yield from self._data_socket()
+        if data is not None:
+            try:
+                remote: Fetched = yield Retried(lambda: one(Offload(partial(
+                    data.get_into, self.namespace, keys, arrays, self.verify_checksums))))
+                return remote
+            except NoSession as exc:
+                self._data.failed(exc)
         inline: Fetched = yield Retried(lambda: self._get_inline(keys, arrays))
         return inline
+
+    def _data_socket(self) -> Steps[DataSocket | None]:
+        """The daemon's data socket for an inline Get or Put, when its Limits offer one and
+        it takes this client now; None: gRPC."""
+        if self._data.undecided:
+            yield from self._limits_steps()
+        return self._data.socket(self._blocking(self._fetch_attach))
 
     def _get_shm(self, keys: list[bytes], arrays: list[ByteArray] | None,
                  again: bool = False) -> Steps[Fetched]:
@@ -599,6 +625,7 @@ class ClientBase(ABC):
         receive the inline Get messages it sends."""
         if self._daemon_limits is None:
             response = yield from self._unary(self._stub.Limits, pb.LimitsRequest())
+            self._data.offered(response)
             limits = res.limits_result(response)
             if limits.chunk_bytes + FRAME_SLACK_BYTES > self.max_message_bytes:
                 logger.warning(
@@ -656,12 +683,20 @@ class ClientBase(ABC):
         tried again after a pause of at most a few seconds)."""
         return self._shm.local is not None
 
+    @property
+    def uses_data_socket(self) -> bool:
+        """Whether inline Gets and Puts go over the daemon's data socket (server.data_port,
+        offered in Limits: docs/protocol.md) rather than gRPC: known after the first inline
+        Get or Put; False after a refusal that does not pass."""
+        return self._data.in_use
+
     def _begin_close(self) -> bool:
         """Mark the client closed and drop the segment; False when it already was."""
         if self._closed:
             return False
         self._closed = True
         self._shm.close()
+        self._data.close()
         return True
 
     def __repr__(self) -> str:

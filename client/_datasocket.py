@@ -108,6 +108,11 @@ class DataPath:
         """Whether Limits still has to be seen (the caller asks it first)."""
         return self._port is None and not self._off
 
+    @property
+    def in_use(self) -> bool:
+        """Whether a data socket was made and is not off for good."""
+        return self._socket is not None and not self._off
+
     def offered(self, limits: pb.LimitsResponse) -> None:
         """Take in the daemon's Limits: its data_port (0: none), and whether tickets are
         needed (auth_mode not "off")."""

@@ -24,7 +24,6 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +33,13 @@ import pytest
 import xxhash
 from google.rpc import status_pb2
 
-from kvstore.client import _requests as rq
-from kvstore.client import results as res
 from kvstore.client._attach import TicketKeeper
 from kvstore.client._datasocket import (
-    DataPath,
     DataSocket,
     NoSession,
     NoSessionNow,
     tls_context,
 )
-from kvstore.client._effects import Offload, Retried, Steps, one
 from kvstore.client.credentials import TLS
 from kvstore.client.errors import PermissionDenied
 from kvstore.client.sync import KVStoreClient
@@ -302,82 +297,35 @@ def test_a_client_with_no_data_socket_falls_back(plain: Daemon) -> None:
 # --- through a client --------------------------------------------------------------------------
 
 
-class RemoteClient(KVStoreClient):  # type: ignore[misc]
-    """KVStoreClient with the hook this module's report asks client/_base.py for, applied as
-    a subclass: inline Gets and Puts over the data socket when Limits offers it, gRPC when
-    it does not or refuses (DataPath.failed). `via` counts which path served each call."""
-
-    def __init__(self, target: str, namespace: str, **kwargs: Any) -> None:
-        super().__init__(target, namespace, shared_memory=False, **kwargs)
-        tls = kwargs.get("tls")  # _base.py has it as resolve_tls(tls): `settings`
-        self._data = DataPath(self.target, tls if isinstance(tls, TLS) else None,
-                              self.timeout_s)
-        self.via: dict[str, int] = {"socket": 0, "grpc": 0}
-
-    def _data_socket(self) -> Steps[DataSocket | None]:
-        if self._data.undecided:
-            self._data.offered((yield from self._unary(self._stub.Limits, pb.LimitsRequest())))
-        return self._data.socket(self._blocking(self._fetch_attach))
-
-    def _fetch(self, keys: list[bytes], arrays: Any, again: bool = False) -> Steps[Any]:
-        data = yield from self._data_socket()
-        if data is not None:
-            try:
-                remote = yield Retried(lambda: one(Offload(partial(
-                    data.get_into, self.namespace, keys, arrays, self.verify_checksums))))
-                self.via["socket"] += 1
-                return remote
-            except NoSession as exc:
-                self._data.failed(exc)
-        self.via["grpc"] += 1
-        return (yield from super()._fetch(keys, arrays, again))
-
-    def _put_steps(self, keys: Any, values: Any, parent: Any, independent: bool,
-                   wait: bool = True) -> Steps[Any]:
-        data = yield from self._data_socket()
-        if data is not None:
-            plan = rq.put_plan(self.namespace, keys, values, parent, independent)
-            header = plan.inline_header()
-            try:
-                response = yield Retried(lambda: one(Offload(partial(
-                    data.put, header, plan.payloads))))
-                self.via["socket"] += 1
-                return res.put_result(response)
-            except NoSession as exc:
-                self._data.failed(exc)
-        self.via["grpc"] += 1
-        return (yield from super()._put_steps(keys, values, parent, independent, wait))
-
-
 def test_through_a_client_and_back_to_grpc(plain: Daemon, tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     ns = f"client-{os.urandom(4).hex()}"
     keys = [secrets.token_bytes(32) for _ in SIZES]
     values = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in SIZES]
-    with RemoteClient(plain.target, ns) as kv:
+    with KVStoreClient(plain.target, ns, shared_memory=False) as kv:
         assert kv.put(keys, values, independent=True).stored == len(SIZES)
         assert kv.get(keys) == values
         arrays = [np.zeros(size, dtype=np.uint8) for size in SIZES]
         assert kv.get_into(keys, arrays) == SIZES
         assert [a.tobytes() for a in arrays] == values
-        assert kv.via == {"socket": 3, "grpc": 0}
+        assert kv.uses_data_socket
     off = start_daemon(tmp_path, "dram.capacity_bytes=16MiB", "nvme.enabled=false")
     try:  # no data socket offered: every call over gRPC, the same answers
-        with RemoteClient(off.target, ns) as kv:
+        with KVStoreClient(off.target, ns, shared_memory=False) as kv:
             assert kv.put(keys[:3], values[:3], independent=True).stored == 3
             assert kv.get(keys[:3]) == values[:3]
-            assert kv.via == {"socket": 0, "grpc": 2}
+            assert not kv.uses_data_socket
     finally:
         off.stop()
 
 
 def test_through_a_client_over_tls_with_a_token(tls: Daemon, pki: Pki) -> None:
     key, value = secrets.token_bytes(32), os.urandom(300 * KiB)
-    with RemoteClient(tls.target, A_NS + "/client", token=TOKENS["team-a"],
-                      tls=TLS(ca_file=str(pki.ca))) as kv:
+    with KVStoreClient(tls.target, A_NS + "/client", shared_memory=False,
+                       token=TOKENS["team-a"], tls=TLS(ca_file=str(pki.ca))) as kv:
         assert kv.put([key], [value]).stored == 1
         assert kv.get([key]) == [value]
-        assert kv.via == {"socket": 2, "grpc": 0}
+        assert kv.uses_data_socket
 
 
 # --- tickets, TLS and tenants ------------------------------------------------------------------
