@@ -348,12 +348,15 @@ class Grants:
         the COMMIT_GRANTED body that makes them entries."""
         grant, first, needs = placed
         segment = segment_of(grant.name)
-        blocks = []
+        spanned = []
         at = first
-        for key, payload, pages in zip(plan.keys, plan.payloads, needs, strict=True):
-            spans = _spans(grant, at, pages, payload.nbytes, segment.size_bytes)
-            blocks.append((key, payload.nbytes, segment.write(spans, payload), pages))
+        for payload, pages in zip(plan.payloads, needs, strict=True):
+            spanned.append((_spans(grant, at, pages, payload.nbytes, segment.size_bytes),
+                            payload))
             at += pages
+        sums = segment.write_many(spanned)  # every block in one native call
+        blocks = [(key, payload.nbytes, checksum, pages) for key, payload, checksum, pages
+                  in zip(plan.keys, plan.payloads, sums, needs, strict=True)]
         numbers = np.arange(first, at, dtype="<u4").tobytes()  # the places taken, in order
         body: bytes = commit_granted(grant.grant_id, plan.namespace, plan.parent_key,
                                      plan.independent, blocks, numbers)
