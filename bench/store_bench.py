@@ -9,6 +9,9 @@ For each object size (default 256 KiB and 2 MiB), in batches of 16:
   256 KiB); shm_get_into_noverify: the same without verifying (>= 0.9x, >= 0.7x); and
   shm_get_into_asked: the same read asking the daemon (the Get over its Unix socket, the
   local path; `read_table=False`), the path before the table, in the same run;
+- shm_put_posted: four batches put with `wait=False` (copied into a grant of pages, each
+  commit posted without waiting) and one `flush()` for their answers, vs a memcpy of the same
+  four batches (no target of its own; the issue's put targets are shm_put's);
 - shm_put: `put` through the segment (Reserve, copy + checksum, commit) vs the same memcpy
   (target >= 0.75x at 2 MiB, >= 0.4x at 256 KiB: issue 36's);
 - inline_get: `get` in the gRPC stream, returning bytes, vs redis-py GET x 16 in one
@@ -76,6 +79,7 @@ LOOKUP_KEYS = 1024
 PAGE_BYTES = 64 * KiB
 SLACK_BYTES = 64 * MiB
 PAGE_ALIGN = 4096
+POSTED_BATCHES = 4  # shm_put_posted: batches posted before one flush()
 
 
 # --- processes -------------------------------------------------------------------------------
@@ -219,6 +223,10 @@ class Bench:
         ours, base = paired(self._put_op(self.shm, blocks), memcpy, self.repeats, self.warmup)
         out.append(gbps_figure(f"shm_put_{label}", nbytes, ours, "memcpy", base,
                                target=">= 0.75x" if big else ">= 0.4x"))
+        ours, base = paired(self._posted_op(blocks), Op(lambda _: [
+            blocks.memcpy() for _ in range(POSTED_BATCHES)]), self.repeats, self.warmup)
+        out.append(gbps_figure(f"shm_put_posted_{label}", nbytes * POSTED_BATCHES, ours,
+                               "memcpy", base))
         self._stages(blocks, keys)
 
         ours, base = paired(Op(lambda _: self.inline.get(keys)),
@@ -314,6 +322,24 @@ class Bench:
 
         return Op(run, setup=lambda: new_keys(len(blocks.payloads)), teardown=self._evict)
 
+    def _posted_op(self, blocks: Blocks) -> Op:
+        """POSTED_BATCHES puts posted (put(..., wait=False), from a grant) and one flush()
+        that waits for their answers, timed together."""
+        def run(batches: list[list[bytes]]) -> None:
+            for keys in batches:
+                self.shm.put(keys, blocks.payloads, wait=False)
+            stored = self.shm.flush().stored
+            if stored != POSTED_BATCHES * len(blocks.payloads):
+                raise RuntimeError(f"posted puts stored {stored} of "
+                                   f"{POSTED_BATCHES * len(blocks.payloads)} new keys")
+
+        def evict(batches: list[list[bytes]]) -> None:
+            for keys in batches:
+                self._evict(keys)
+
+        return Op(run, setup=lambda: [new_keys(len(blocks.payloads))
+                                      for _ in range(POSTED_BATCHES)], teardown=evict)
+
     def _check_reads(self, keys: list[bytes], blocks: Blocks) -> None:
         """Every path returns the bytes that were put, so no figure measures misses."""
         if self.inline.get(keys) != blocks.payloads or self._redis_get(keys) != blocks.payloads:
@@ -405,12 +431,13 @@ def auth_cost(off: KVStoreClient, token: KVStoreClient, batch: int, repeats: int
 
 
 def capacity_for(sizes: list[int], batch: int) -> int:
-    """L2 bytes for every size's read set, one put batch in flight, the lookup chain."""
+    """L2 bytes for every size's read set, the posted batches and a grant ahead in flight,
+    the lookup chain."""
     def pages(size: int) -> int:
         return -(-size // PAGE_BYTES) * PAGE_BYTES
 
     reads = sum(pages(s) * batch for s in sizes)
-    puts = 2 * max(pages(s) for s in sizes) * batch
+    puts = (POSTED_BATCHES + 2) * max(pages(s) for s in sizes) * batch
     return reads + puts + LOOKUP_KEYS * PAGE_BYTES + SLACK_BYTES
 
 
