@@ -969,3 +969,18 @@ def test_a_daemon_serves_the_engine_token_as_a_client_and_the_admin_token_as_adm
             engine.drain()
     with KVStoreClient(d.target, "vllm/model/tp0", token=admin_token) as admin:
         assert admin.stats().tiers  # daemon-wide figures: an admin's
+
+
+def test_the_data_port_is_configured_exposed_and_allowed_only_when_set(chart: Any) -> None:
+    off = render(chart, {"networkPolicy": {"enabled": True}})
+    assert daemon_config(off).server.data_port == -1
+    assert [p["name"] for p in container(workload(off))["ports"]] == ["grpc", "metrics"]
+    on = render(chart, {"server": {"dataPort": 50052}, "networkPolicy": {"enabled": True}})
+    assert daemon_config(on).server.data_port == 50052
+    assert {"name": "data", "containerPort": 50052, "protocol": "TCP"} in (
+        container(workload(on))["ports"])
+    service = on.one("Service", FULLNAME)["spec"]["ports"]
+    assert {"name": "data", "port": 50052, "targetPort": "data", "protocol": "TCP"} in service
+    [rule] = [r for r in on.one("NetworkPolicy")["spec"]["ingress"]
+              if {"port": 50052, "protocol": "TCP"} in r["ports"]]
+    assert {"port": 50051, "protocol": "TCP"} in rule["ports"]  # beside gRPC's, same peers

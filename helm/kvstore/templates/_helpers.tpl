@@ -331,6 +331,9 @@ filesystem (10% of it, at least 1Gi): (file + manifest) x 10/9, plus 1Gi. */}}
       "max_response_bytes" (include "kvstore.daemonSize" $v.server.maxResponseSize)
       "max_batch_keys" (int $v.server.maxBatchKeys) "grace_s" $v.server.graceSeconds
       "drain_notice_s" $v.server.drainNoticeSeconds -}}
+{{- if $v.server.dataPort -}}
+{{- $_ := set $server "data_port" (int $v.server.dataPort) -}}
+{{- end -}}
 {{- if $v.tls.enabled -}}
 {{- $_ := set $server "tls_cert_file" "/etc/kvstore-tls/tls.crt" -}}
 {{- $_ := set $server "tls_key_file" "/etc/kvstore-tls/tls.key" -}}

@@ -147,6 +147,11 @@ spec:
         - name: grpc
           containerPort: {{ .Values.server.grpcPort }}
           protocol: TCP
+        {{- if .Values.server.dataPort }}
+        - name: data
+          containerPort: {{ .Values.server.dataPort }}
+          protocol: TCP
+        {{- end }}
         {{- if .Values.metrics.enabled }}
         - name: metrics
           containerPort: {{ .Values.metrics.port }}
