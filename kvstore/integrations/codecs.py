@@ -234,18 +234,22 @@ class BlockCodec:
             for name in ("key_scale", "key_zero", "value_scale", "value_zero"):
                 params = self._field(encoded, name).view(torch.float16)
                 ok &= torch.isfinite(params).all(dim=1)
-            for name in ("key_scale", "value_scale"):
-                ok &= (self._field(encoded, name).view(torch.float16) >= 0).all(dim=1)
+                if name.endswith("scale"):  # a scale is never negative
+                    ok &= (params >= 0).all(dim=1)
         return ok
+
+    def _check_rows(self, encoded: torch.Tensor) -> None:
+        """Rows of another size or dtype are the caller's error (valid() judges the rest)."""
+        if encoded.dtype != torch.uint8 or encoded.dim() != 2 \
+                or encoded.shape[1] != self.encoded_bytes:
+            raise CodecError(f"decode: encoded rows must be [n, {self.encoded_bytes}] uint8, "
+                             f"got {list(encoded.shape)} {encoded.dtype}")
 
     def decode(self, encoded: torch.Tensor) -> torch.Tensor:
         """[n, encoded_bytes] uint8 -> [n, *block_shape] of the codec's dtype, on the rows'
         device. Raises CodecError for rows of the wrong size; check `valid` first for the
         rest (decode does not look at the header, so it stays free of host syncs)."""
-        if encoded.dtype != torch.uint8 or encoded.dim() != 2 \
-                or encoded.shape[1] != self.encoded_bytes:
-            raise CodecError(f"decode: encoded rows must be [n, {self.encoded_bytes}] uint8, "
-                             f"got {list(encoded.shape)} {encoded.dtype}")
+        self._check_rows(encoded)
         n = encoded.shape[0]
         if self.name == "none":
             return encoded.contiguous().view(self.dtype).reshape(n, *self.block_shape)
@@ -258,10 +262,7 @@ class BlockCodec:
         """decode() a few rows at a time on a CPU (all at once on a GPU): (first row, its
         decoded rows) each, so a caller that scatters each chunk where it goes never holds
         the whole batch decoded (on a CPU, 2-4x faster than decode() and a copy)."""
-        if encoded.dtype != torch.uint8 or encoded.dim() != 2 \
-                or encoded.shape[1] != self.encoded_bytes:
-            raise CodecError(f"decode: encoded rows must be [n, {self.encoded_bytes}] uint8, "
-                             f"got {list(encoded.shape)} {encoded.dtype}")
+        self._check_rows(encoded)
         n = encoded.shape[0]
         if self.name == "none":
             yield 0, self.decode(encoded)
