@@ -364,7 +364,9 @@ class BlockManager:
     def window_start(self, next_write: int) -> int:
         """The first block (past the sink blocks) that a write at token index next_write,
         and every later one, attends to: 0 without a window."""
-        return self._window_start(next_write)
+        if self._window is None:
+            return 0
+        return max(0, next_write - self._window + 1) // self._block_size
 
     def release_out_of_window(self, seq_id: int) -> list[int]:
         """Release now the blocks of seq_id that a write at the end of its table (where its
@@ -432,7 +434,7 @@ class BlockManager:
         hit_tokens = len(hit_blocks) * self._block_size
         # The hit's blocks before the window of its first write (at hit_tokens), sinks
         # aside, are never read: they are not taken.
-        first = self._window_start(hit_tokens)
+        first = self.window_start(hit_tokens)
         table = [FREED if self._sink_blocks <= i < first else b
                  for i, b in enumerate(hit_blocks)]
         kept = [b for b in table if b != FREED]
@@ -464,7 +466,7 @@ class BlockManager:
             raise StaleHitError(
                 f"hit covers {hit.num_tokens} tokens, more than the {num_tokens} allocated"
             )
-        unread = range(self._sink_blocks, self._window_start(hit.num_tokens))
+        unread = range(self._sink_blocks, self.window_start(hit.num_tokens))
         for i, (block_id, key) in enumerate(zip(hit.block_ids, hit.keys, strict=True)):
             if block_id == FREED and i in unread:
                 continue  # out of the window: not needed, not taken
@@ -486,25 +488,18 @@ class BlockManager:
             if found[c - 1] is None:
                 run_start = c
                 continue
-            start = self._window_start(c * self._block_size)
+            start = self.window_start(c * self._block_size)
             if run_start <= start and lead >= min(self._sink_blocks, start):
                 best = c
-        start = self._window_start(best * self._block_size)
+        start = self.window_start(best * self._block_size)
         ids = [FREED if self._sink_blocks <= i < start else found[i] for i in range(best)]
         return [FREED if b is None else b for b in ids]  # (None never remains: typing)
-
-    def _window_start(self, next_write: int) -> int:
-        """The first block a write at token index next_write (and every later one) attends
-        to, sinks aside: 0 without a window."""
-        if self._window is None:
-            return 0
-        return max(0, next_write - self._window + 1) // self._block_size
 
     def _slide(self, seq: _SeqState) -> None:
         """Release seq's blocks that its next write (at index seq.num_tokens, the previous
         allocate's end) and every later one cannot attend to: those wholly before
         seq.num_tokens - window + 1, sink blocks kept (see the module docstring)."""
-        first = min(self._window_start(seq.num_tokens), len(seq.table))
+        first = min(self.window_start(seq.num_tokens), len(seq.table))
         for i in range(max(self._sink_blocks, seq.slid), first):
             block_id = seq.table[i]
             seq.table[i] = FREED
