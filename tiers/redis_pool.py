@@ -220,7 +220,7 @@ class RedisPool:
         self._kwargs: dict[str, Any] = {
             "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
             "retry": Retry(NoBackoff(), 0),
-            "connection_class": _SslConnection if tls else _Connection,
+            "connection_class": connection_class(tls),
         }
         if username:
             self._kwargs["username"] = username

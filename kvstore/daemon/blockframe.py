@@ -183,13 +183,8 @@ def frame_checksum(frame: bytes | memoryview) -> int:
 
 def header_codec(header: bytes | memoryview) -> int:
     """The codec byte of a frame's header alone (as ``encode_parts`` returns it), unchecked:
-    for the writer that made it, not for frames read back (``frame_codec`` checks those)."""
+    for the writer that made it, not for frames read back (``decode_view`` checks those)."""
     return _bytes_view(header)[5]
-
-
-def frame_codec(frame: bytes | memoryview) -> int:
-    """The codec the header records (CODEC_RAW, ...), without decoding the body."""
-    return _parse(frame)[0]
 
 
 def decode(frame: bytes | memoryview) -> bytes:
