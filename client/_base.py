@@ -298,7 +298,7 @@ class ClientBase(ABC):
                 # 2-core host a waited put from a grant was no faster, since the daemon plans
                 # the grant while the client copies; docs/local-path.md).
                 granted: res.PutResult | None = None if wait else (yield Retried(
-                    lambda: self._put_granted(plan, wait)))
+                    lambda: self._put_granted(plan)))
                 if granted is not None:
                     return granted
                 return res.put_result((yield Retried(lambda: self._put_shm(plan))))
@@ -339,10 +339,10 @@ class ClientBase(ABC):
             grants = self._grants = Grants(local, self.namespace, wait_s=self.timeout_s)
         return grants
 
-    def _put_granted(self, plan: rq.PutPlan, wait: bool) -> Steps[res.PutResult | None]:
-        """A put into granted pages (client/_grants.py): written, then its commit waited for
-        or posted (a posted put's result counts every key as stored, provisionally: flush()
-        gives the daemon's answers). None when no grant can take it: the caller reserves."""
+    def _put_granted(self, plan: rq.PutPlan) -> Steps[res.PutResult | None]:
+        """A put into granted pages (client/_grants.py): written, then its commit posted (the
+        result counts every key as stored, provisionally: flush() gives the daemon's
+        answers). None when no grant can take it: the caller reserves."""
         grants = self._grants_now()
         if grants is None:
             return None
@@ -361,10 +361,8 @@ class ClientBase(ABC):
             return None
         yield from self._ensure_arena(placed[0].arena)
         body = yield Offload(partial(grants.write, plan, placed, self._shm.segment_named))
-        response = yield Offload(partial(grants.commit, body, wait))
-        if response is None:
-            return res.PutResult(stored=len(plan.keys), existing=0, evicted=0, posted=True)
-        return res.put_result(response)
+        yield Offload(partial(grants.commit, body))
+        return res.PutResult(stored=len(plan.keys), existing=0, evicted=0, posted=True)
 
     def _flush_steps(self) -> Steps[res.PutResult]:
         """Wait for every posted commit's answer: what they stored, or the first failure."""

@@ -9,13 +9,12 @@ sizes, the checksums as written and the pages each block took. The daemon plans 
 grants, not while a put waits.
 
 Only posted puts take this path (`put(..., wait=False)`: the commit is sent, not waited
-for); a put that waits reserves, as before (`Grants.commit` can wait, for tests and tools:
-on a 2-core host a waited put from a grant measured no faster, since the daemon plans the
-next grant while the client copies). A posted commit's answer is read later by
-whichever call next uses its session, or by `flush()`; a refusal (checksum, a grant that
-expired, the chain rules) is raised by the client's next data call (put, get, get_into,
-lookup) or by `flush()`. Pages a put takes leave the
-grant whatever the answer: the daemon frees those of a refused commit and those of keys
+for); a put that waits reserves, as before (on a 2-core host a waited put from a grant
+measured no faster, since the daemon plans the next grant while the client copies). A
+posted commit's answer is read later by whichever call next uses its session, or by
+`flush()`; a refusal (checksum, a grant that expired, the chain rules) is raised by the
+client's next data call (put, get, get_into, lookup) or by `flush()`. Pages a put takes
+leave the grant whatever the answer: the daemon frees those of a refused commit and those of keys
 that were cached already.
 
 A grant is used until a third of its lifetime is left (its pages are the daemon's again at
@@ -362,17 +361,14 @@ class Grants:
                                      plan.independent, blocks, numbers)
         return body
 
-    def commit(self, body: bytes, wait: bool) -> pb.PutResponse | None:
-        """Send a commit: its answer (wait), else None once it is posted."""
-        if wait:
-            return pb.PutResponse.FromString(self.local.call_bytes(COMMIT_GRANTED, body))
+    def commit(self, body: bytes) -> None:
+        """Post a commit: its answer is read later (`PostedCommits`)."""
         self.posted.sent()
         try:
             self.local.post_bytes(COMMIT_GRANTED, body, self.posted.answer)
         except BaseException:
             self.posted.unsent()
             raise
-        return None
 
     def flush(self, timeout_s: float) -> tuple[int, int, int]:
         """Wait for every posted commit's answer; raise the first failure not raised yet,

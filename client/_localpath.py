@@ -127,11 +127,6 @@ class _Session:
         self.reply_bytes = 0  # bytes of the awaited reply read so far
         self._head = bytearray(REPLY.size)
 
-    @property
-    def posted(self) -> int:
-        """How many posted requests are not answered yet."""
-        return len(self.waiting)
-
     def send(self, verb: int, body: bytes, ahead: bytes = b"") -> None:
         """Send one request, preceded by ahead: whole frames the daemon does not answer."""
         self.reply_bytes = 0

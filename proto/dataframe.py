@@ -35,7 +35,6 @@ from __future__ import annotations
 
 GET_DATA = 16  #: an INLINE Get whose payloads follow the reply raw, then a trailer byte
 PUT_DATA = 17  #: a Put whose payloads follow the request frame raw
-DATA_VERB_NAMES = {GET_DATA: "Get", PUT_DATA: "Put"}
 
 TRAILER_OK = 0  #: a Get's payloads are the blocks' bytes
 TRAILER_VOID = 1  #: a Get's payloads are not the blocks': drop them, ask again

@@ -67,7 +67,6 @@ GRANT_REQUEST = struct.Struct("<III")
 #: shm_name, arena (one of them empty, as in a ReserveResponse) and one u64 per page: its
 #: offset in that segment or arena, in the order the commit's page numbers count.
 GRANT_REPLY = struct.Struct("<16sIIIHH")
-GRANT_ID_BYTES = 16
 #: Grant id, blocks, flags (INDEPENDENT, HAS_PARENT), length of the namespace; then the
 #: namespace, the 32-byte parent key when HAS_PARENT, one BLOCK per block, and the blocks'
 #: page numbers (u32 each, places in the grant), block after block.

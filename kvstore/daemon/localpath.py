@@ -463,7 +463,8 @@ class LocalSessions:
             self._faults.fault(method, caller.client, code, status.message)
             return status.code, status.SerializeToString()
         self._metrics.observe_local(method, "OK", time.perf_counter() - started)
-        return 0, response.SerializeToString()
+        # A protobuf message, or a struct-packed reply already in bytes (Grant's).
+        return 0, response if isinstance(response, bytes) else response.SerializeToString()
 
 
 _BAD_TICKET = "unknown, used or expired ticket (call Attach again, and redeem it within 30 s)"

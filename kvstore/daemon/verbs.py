@@ -37,11 +37,6 @@ Extents = list[list[tuple[int, int]]]
 GrantedCommit = tuple[bytes, str, bytes, bool, list[GrantedBlock], np.ndarray]
 
 
-class Reply(bytes):
-    """A reply body that is no protobuf message (the local path's struct-packed ones)."""
-
-    def SerializeToString(self) -> bytes:  # noqa: N802 (the messages' name for it)
-        return bytes(self)
 
 
 def locations(extents: Extents) -> list[pb.BlockLocation]:
@@ -183,7 +178,7 @@ class Verbs:
         return pb.PutResponse(stored=result.stored, existing=result.existing,
                               evicted=result.evicted)
 
-    def grant(self, caller: Caller, request: tuple[int, int, int, str]) -> Reply:
+    def grant(self, caller: Caller, request: tuple[int, int, int, str]) -> bytes:
         """Free pages of the caller's namespace's arena, held for its puts (the local path's
         GRANT): the grant id, and where each page lies in the client's mapping."""
         pages, timeout_ms, run_pages, namespace = request
@@ -199,8 +194,9 @@ class Verbs:
         # less what the first one's is.
         shm_name, arena, where = self.shared([[(first, g.page_size)]])
         offsets += where[0][0][0] - first
-        return Reply(grant_reply(bytes.fromhex(g.grant_id), int(g.expires_in_s * 1000),
-                                 g.page_size, shm_name, arena, offsets))
+        reply: bytes = grant_reply(bytes.fromhex(g.grant_id), int(g.expires_in_s * 1000),
+                                   g.page_size, shm_name, arena, offsets)
+        return reply
 
     def commit_granted(self, caller: Caller, request: GrantedCommit) -> pb.PutResponse:
         """Blocks written into pages of the caller's grant, made entries (the local path's

@@ -141,7 +141,7 @@ def test_a_commit_whose_bytes_changed_is_refused_with_its_checksum_named(daemon:
         body = grants.write(plan, placed, kv._shm.segment_named)
         offset = int(placed[0].offsets[placed[1] + 3])  # block 1's first page
         segment.array[offset] ^= 0xFF  # a byte flipped after the writer hashed it
-        grants.commit(body, wait=False)
+        grants.commit(body)
         with pytest.raises(InvalidArgument) as raised:
             kv.flush()
         assert raised.value.reason == "CHECKSUM_MISMATCH"
