@@ -33,7 +33,7 @@ from typing import Any
 
 import xxhash
 
-from kvstore.proto.dataframe import GET_DATA, PUT_DATA, TRAILER_OK, TRAILER_VOID
+from kvstore.proto.dataframe import GET_DATA, MAX_IOV, PUT_DATA, TRAILER_OK, TRAILER_VOID
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.localframe import CLOSING, REPLY, REQUEST
 
@@ -47,7 +47,6 @@ from .errors import EntryVanished, InvalidArgument, Unavailable
 
 logger = logging.getLogger("kvstore.client")
 
-MAX_IOV = 512  # buffers per sendmsg call (Linux takes up to 1024)
 
 __all__ = ["DataPath", "DataSocket", "NoSession", "NoSessionNow", "data_socket_for",
            "tls_context"]

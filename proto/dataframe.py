@@ -42,3 +42,4 @@ TRAILER_VOID = 1  #: a Get's payloads are not the blocks': drop them, ask again
 #: A payload's deadline grows by one second per this many bytes over the frame's own
 #: (FRAME_TIMEOUT_S, 10 s): a 1 GiB put has 26 s, which a 400 Mbit/s link meets.
 PAYLOAD_BYTES_PER_S = 64 * 1024 * 1024
+MAX_IOV = 512  #: buffers per sendmsg call, either side (Linux takes up to 1024)

@@ -70,6 +70,7 @@ from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.verbs import MAX_LEASE_S, Verbs
 from kvstore.proto.dataframe import (
     GET_DATA,
+    MAX_IOV,
     PAYLOAD_BYTES_PER_S,
     PUT_DATA,
     TRAILER_OK,
@@ -84,7 +85,6 @@ DATA_VERBS = (LOOKUP, RELEASE, GET_DATA, PUT_DATA)
 #: handed to another writer while this session still writes into them.
 RESERVE_MARGIN_S = 5.0
 #: Buffers per sendmsg call (Linux takes up to 1024, IOV_MAX).
-MAX_IOV = 512
 ACCEPT_POLL_S = 0.5  #: how often the accept loop looks whether the daemon stops
 
 #: A Get's reply must be sent whole this long (at most a quarter of the lease) before its
@@ -617,7 +617,7 @@ class DataSocket:
             if self._tls is not None:
                 conn.settimeout(self._timeout_s)
                 conn = self._tls.current().wrap_socket(conn, server_side=True)
-            line = _read_line(conn, deadline)
+            line = _read_line(conn, deadline, self._timeout_s)
             verb, _, rest = line.partition(" ")
             if verb != "HOT":
                 _refuse(conn, "the data socket opens sessions only: send `HOT <ticket>`",
@@ -640,19 +640,20 @@ class _LineError(Exception):
     """A handshake line that cannot be one."""
 
 
-def _read_line(conn: socket.socket, deadline: float) -> str:
+def _read_line(conn: socket.socket, deadline: float, timeout_s: float) -> str:
     """The handshake's line, a byte at a time (nothing past its newline is consumed), by
-    the deadline; _LineError when it is not a line of ASCII under MAX_TICKET_LINE bytes."""
+    the deadline (timeout_s after accept, named in the error); _LineError when it is not a
+    line of ASCII under MAX_TICKET_LINE bytes."""
     data = bytearray()
     while True:
         left_s = deadline - time.monotonic()
         if left_s <= 0:
-            raise _LineError(f"no ticket line within {EXCHANGE_TIMEOUT_S:g} s of connecting")
+            raise _LineError(f"no ticket line within {timeout_s:g} s of connecting")
         conn.settimeout(left_s)
         try:
             b = conn.recv(1)
         except TimeoutError:
-            raise _LineError(f"no ticket line within {EXCHANGE_TIMEOUT_S:g} s of "
+            raise _LineError(f"no ticket line within {timeout_s:g} s of "
                              "connecting") from None
         if not b:
             raise OSError("the connection ended before the ticket line's newline")
