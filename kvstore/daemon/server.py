@@ -357,6 +357,9 @@ def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
         store.start(worker_failed)
         if store.state.remote is not None and config.remote.prewarm_bytes:
             _prewarm(store, config.remote.prewarm_bytes, stop)
+        # The banner first: whoever sees SERVING finds it in the log already.
+        print(banner(config, listener.port, listener.tls, metrics_port, store,
+                     attach.path if attach else "", data.port if data else 0), flush=True)
         set_health(SERVING)
         threads = [
             threading.Thread(target=_sweep_forever, name="lease-sweeper", daemon=True,
@@ -366,8 +369,6 @@ def _serve(config: Config, listener: Listener, store: Store, metrics: Metrics,
         ]
         for thread in threads:
             thread.start()
-        print(banner(config, listener.port, listener.tls, metrics_port, store,
-                     attach.path if attach else "", data.port if data else 0), flush=True)
         # Poll, not wait(): the kernel may hand SIGTERM to any thread, and CPython runs the
         # handler only when the main thread runs bytecode again; a wait without a timeout
         # would then never wake, and the daemon would ignore the signal.
