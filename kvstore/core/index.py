@@ -312,20 +312,63 @@ class Index:
             return CommitResult(0, 0)
         if checksums is None or len(checksums) != len(plan.blocks):
             raise ValueError(f"a commit needs one checksum per planned block ({len(plan.blocks)})")
-        stored = 0
-        for block, checksum in zip(plan.blocks, checksums, strict=True):
-            if block.key in self._entries.get(plan.namespace, {}):
-                allocator.free(block.pages)  # stored meanwhile by another plan
-                continue
-            entry = Entry(
-                plan.namespace, block.key, block.size_bytes, {plan.tier: block.pages}, checksum,
-                block.parent, plan.arena,
-            )
-            self._insert(entry)
-            stored += 1
+        stored = self._store_blocks(plan, plan.blocks, checksums)
         return CommitResult(
             stored, len(plan.existing) + len(plan.blocks) - stored, len(plan.evicted)
         )
+
+    def commit_part(
+        self, plan_id: str, blocks: list[PlannedBlock], checksums: Sequence[int] | None,
+        rest: list[PlannedBlock],
+    ) -> CommitResult:
+        """Commit part of a plan that holds pages ahead of their blocks (a grant: its
+        blocks are placeholders): blocks, on pages the plan held, become entries with
+        checksums (checksums None: refused, their pages are freed), and the plan holds on to
+        rest (placeholders of the pages not used yet), same id and deadline; with rest empty
+        it ends. Its client's reserved bytes follow what it holds. A key stored meanwhile
+        keeps its entry, and this commit's pages for it are freed. The entries evicted to make
+        the plan's room are counted in the first commit's result."""
+        plan = self._plans.get(plan_id)
+        if plan is None:
+            raise KeyError(f"unknown or expired plan {plan_id!r}")
+        if checksums is not None and len(checksums) != len(blocks):
+            raise ValueError(f"a commit needs one checksum per block ({len(blocks)})")
+        held = plan.size_bytes
+        evicted, plan.evicted = len(plan.evicted), []
+        plan.blocks = rest
+        if rest:
+            self.holdings.change(plan.client, reserved_bytes=plan.size_bytes - held)
+        else:
+            del self._plans[plan_id]
+            self._release(plan.anchors)
+            self.holdings.change(plan.client, reservations=-1, reserved_bytes=-held)
+        if checksums is None:
+            allocator = self._pages[plan.tier].arenas[plan.arena]
+            for block in blocks:
+                allocator.free(block.pages)
+            return CommitResult(0, 0, evicted)
+        stored = self._store_blocks(plan, blocks, checksums)
+        return CommitResult(stored, len(blocks) - stored, evicted)
+
+    def _store_blocks(self, plan: StorePlan, blocks: list[PlannedBlock],
+                      checksums: Sequence[int]) -> int:
+        """Make blocks (on pages of plan's arena) entries; how many were new (a key that
+        another plan stored meanwhile keeps that entry, and its pages here are freed)."""
+        allocator = self._pages[plan.tier].arenas[plan.arena]
+        cached = self._entries.get(plan.namespace, {})
+        stored = 0
+        for block, checksum in zip(blocks, checksums, strict=True):
+            if block.key in cached:
+                allocator.free(block.pages)  # stored meanwhile by another plan
+                continue
+            self._insert(Entry(
+                plan.namespace, block.key, block.size_bytes, {plan.tier: block.pages}, checksum,
+                block.parent, plan.arena,
+            ))
+            if not stored:
+                cached = self._entries[plan.namespace]  # made by the first insert if new
+            stored += 1
+        return stored
 
     def _release(self, held: list[Entry]) -> None:
         """A put no longer holds these entries: each is queued for eviction again."""

@@ -43,14 +43,21 @@ class GrantPages:
                                   field="blocks")
         if not len(numbers):
             return []
-        bad = numbers >= len(self.pages)
-        if not bad.any():
-            bad = self.used[numbers]
-        if not bad.any():
+        if int(numbers.max()) >= len(self.pages) or self.used[numbers].any():
+            self._refuse(numbers, numbers >= len(self.pages), ends, grant_id)
+            self._refuse(numbers, self.used[numbers], ends, grant_id)
+        before = int(np.count_nonzero(self.used))
+        self.used[numbers] = True
+        if int(np.count_nonzero(self.used)) - before != len(numbers):  # a place named twice
+            self.used[numbers] = False  # none was used before
             order = np.sort(numbers)
-            repeated = np.flatnonzero(order[1:] == order[:-1])
-            if len(repeated):
-                bad = numbers == order[repeated[0]]
+            twice = order[np.flatnonzero(order[1:] == order[:-1])[0]]
+            self._refuse(numbers, numbers == twice, ends, grant_id)
+        return _block_runs(self.pages[numbers], ends)
+
+    def _refuse(self, numbers: np.ndarray, bad: np.ndarray, ends: np.ndarray,
+                grant_id: str) -> None:
+        """InvalidArgument naming the block of the first bad place, if any is bad."""
         if bad.any():
             at = int(np.argmax(bad))
             block = int(np.searchsorted(ends, at, side="right"))
@@ -58,8 +65,6 @@ class GrantPages:
                 f"blocks[{block}].pages: page {int(numbers[at])} is not an unused page of "
                 f"grant {grant_id!r} ({len(self.pages)} pages), or is named twice",
                 field=f"blocks[{block}].pages")
-        self.used[numbers] = True
-        return _block_runs(self.pages[numbers], ends)
 
     def placeholders(self, page_size: int) -> list[PlannedBlock]:
         """One placeholder block a run of the pages not used yet (none when all are)."""
@@ -75,14 +80,16 @@ class GrantPages:
 def _block_runs(absolute: np.ndarray, ends: np.ndarray) -> list[tuple[PageRun, ...]]:
     """Each block's pages (absolute, block after block; block i ends at ends[i]) as runs,
     all cut at once: where the pages stop being consecutive, and where a block ends."""
-    cuts = np.union1d(np.flatnonzero(np.diff(absolute) != 1) + 1, ends[:-1])
-    starts = np.concatenate(([0], cuts)).astype(np.int64)
-    lengths = np.diff(np.concatenate((starts, [len(absolute)])))
+    first = np.ones(len(absolute), dtype=bool)  # where a run starts: no sort needed
+    first[1:] = np.diff(absolute) != 1
+    first[ends[:-1]] = True
+    starts = np.flatnonzero(first)
+    lengths = np.diff(np.append(starts, len(absolute)))
     owners = np.searchsorted(ends, starts, side="right")
     out: list[list[PageRun]] = [[] for _ in range(len(ends))]
-    for owner, first, length in zip(owners.tolist(), absolute[starts].tolist(),
+    for owner, page, length in zip(owners.tolist(), absolute[starts].tolist(),
                                     lengths.tolist(), strict=True):
-        out[owner].append(PageRun(first, length))
+        out[owner].append(PageRun(page, length))
     return [tuple(runs) for runs in out]
 
 

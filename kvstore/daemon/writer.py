@@ -9,14 +9,13 @@ clients that write shared memory themselves, and imports of blocks fetched from 
                                                   free pages held ahead for one client; each
                                                   commit names its keys and which pages
 
-A grant is a plan in the index whose blocks are placeholders of one page each, held until
+A grant is a plan in the index whose blocks are placeholders (one a run of its pages), held until
 its deadline like a reservation: its pages are planned (eviction, demotion) when it is taken,
 it counts in the client's holdings (clients.max_reservations, reserved bytes), and the
 sweeper or a Release abandons what is left of it. A commit from a grant turns the pages it
-names into blocks under the store's lock at once: the placeholders leave the grant's plan,
-the plan is committed with the real blocks (index.complete_store, as any put: quotas are the
-arena's pages, the chain rules and the read tables are the index's), and the plan is made
-again, same id and deadline, with the placeholders left.
+names into blocks under the store's lock at once (index.commit_part, as any put: quotas are
+the arena's pages, the chain rules and the read tables are the index's), and the grant's plan
+holds on to placeholders of the pages left, same id and deadline.
 
 Every put lands in L2. When L2 is full a put waits (at most movers.put_wait_s) for the mover
 to demote to L3, then evicts instead. The Store builds one Writer over its StoreState
@@ -397,8 +396,7 @@ class Writer:
             runs = held.take([b[3] for b in blocks], numbers, grant_id)
             planned = [PlannedBlock(i, key, size, r, p) for i, (key, size, r, p)
                        in enumerate(zip(keys, sizes, runs, parents, strict=True))]
-            result = self._commit_pages(tier, plan, held, planned, [b[2] for b in blocks],
-                                        len(numbers))
+            result = self._commit_pages(tier, plan, held, planned, [b[2] for b in blocks])
         remote = self._state.remote
         if remote is not None and result.stored:
             remote.offer(namespace, [(b.key, b.size_bytes) for b in planned])
@@ -419,27 +417,17 @@ class Writer:
         return plan, held
 
     def _commit_pages(self, tier: DramTier, plan: StorePlan, held: GrantPages,
-                      planned: list[PlannedBlock], checksums: list[int],
-                      used: int) -> CommitResult:
-        """Commit planned (on `used` pages just taken from plan's grant) as entries, the rest
-        of the grant held on under the same id and deadline. Called under the lock."""
-        index = self._state.index
-        page = tier.page_size_bytes
-        plan.blocks = planned
+                      planned: list[PlannedBlock], checksums: list[int]) -> CommitResult:
+        """Commit planned (on pages just taken from plan's grant) as entries, the rest of the
+        grant held on under the same id and deadline. Called under the lock."""
         wrong = next((j for j in commits_to_verify(len(planned),
                                                     self._state.config.dram.verify_commits)
                       if tier.checksum(tier.extents(planned[j].pages, planned[j].size_bytes))
                       != checksums[j]), None)
-        result = index.complete_store(plan.plan_id, checksums if wrong is None else None,
-                                      success=wrong is None)
-        # complete_store let go of the blocks' bytes; the grant held whole pages for them.
-        index.holdings.change(plan.client, reserved_bytes=plan.size_bytes - used * page)
-        if held.left:
-            again = index.prepare_store(plan.plan_id, plan.namespace, [], [], [], Tier.DRAM,
-                                        plan.deadline, evict=False, client=plan.client)
-            assert again is not None, "an empty plan always fits"
-            again.blocks = held.placeholders(page)  # still counted: the change above kept them
-        else:
+        result = self._state.index.commit_part(
+            plan.plan_id, planned, checksums if wrong is None else None,
+            held.placeholders(tier.page_size_bytes))
+        if not held.left:
             del self._grants[plan.plan_id]
         if wrong is not None:
             raise InvalidArgument(
