@@ -23,10 +23,11 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvstore.core.holdings import Holding
 from kvstore.core.index import Index
 from kvstore.core.order import eviction_rank
 from kvstore.core.pages import PageAllocator
-from kvstore.core.records import CommitResult, Entry, StorePlan
+from kvstore.core.records import CommitResult, Entry, PlannedBlock, StorePlan
 from kvstore.extents import PageRun
 from kvstore.keys import BlockKey
 from kvstore.tier import Tier
@@ -520,6 +521,62 @@ def test_when_another_plan_commits_a_key_first_the_losers_pages_are_freed() -> N
     assert b is not None and b.checksum == 1 and b.copies[Tier.DRAM] == second.blocks[0].pages
     # b names a as its parent and was cached before a: a counts it.
     assert index.get(NS, key("a")).children == 1  # type: ignore[union-attr]
+
+
+def checksum_of(index: Index, n: str) -> int:
+    entry = index.get(NS, key(n))
+    assert entry is not None, f"{n} is not stored"
+    return entry.checksum
+
+
+def _held_ahead(index: Index, pages: int, client: str = "c") -> StorePlan:
+    """A plan holding `pages` pages ahead of their blocks, as a grant does: one placeholder
+    a page."""
+    plan = index.prepare_store("grant", NS, [key(f"_{i}") for i in range(pages)],
+                               [PAGE_BYTES] * pages, [None] * pages, Tier.DRAM, FAR,
+                               client=client)
+    assert plan is not None
+    return plan
+
+
+def test_commit_part_stores_blocks_and_keeps_the_rest_held() -> None:
+    index, _ = make_index(num_pages=6)
+    plan = _held_ahead(index, 4)
+    placeholders = list(plan.blocks)
+    assert index.holdings.of("c").reserved_bytes == 4 * PAGE_BYTES
+
+    # Two real blocks on the first two pages; the other two pages stay the plan's.
+    first = [PlannedBlock(i, key(n), 60, placeholders[i].pages, None)
+             for i, n in enumerate("ab")]
+    result = index.commit_part("grant", first, [1, 2], placeholders[2:])
+    assert result == CommitResult(2, 0, 0)
+    assert stored(index) == {"a", "b"} and checksum_of(index, "b") == 2
+    assert index.plan("grant") is plan and plan.blocks == placeholders[2:]
+    assert (index.holdings.of("c").reservations, index.holdings.of("c").reserved_bytes) == \
+        (1, 2 * PAGE_BYTES)
+    assert used(index) == 4  # nothing freed: two entries, two pages still held
+
+    # A refused commit (no checksums) frees its pages; a key stored meanwhile keeps its
+    # entry, and the last commit ends the plan and its holding.
+    refused = [PlannedBlock(0, key("c"), 60, placeholders[2].pages, None)]
+    assert index.commit_part("grant", refused, None, placeholders[3:]) == CommitResult(0, 0)
+    assert "c" not in stored(index) and used(index) == 3
+    again = [PlannedBlock(0, key("a"), 60, placeholders[3].pages, None)]
+    assert index.commit_part("grant", again, [9], []) == CommitResult(0, 1, 0)
+    assert checksum_of(index, "a") == 1 and used(index) == 2
+    assert index.plan("grant") is None and index.holdings.of("c") == Holding()
+    with pytest.raises(KeyError):
+        index.commit_part("grant", [], [], [])
+
+
+def test_commit_part_checks_the_checksums_before_changing_anything() -> None:
+    index, _ = make_index(num_pages=4)
+    plan = _held_ahead(index, 2)
+    block = PlannedBlock(0, key("a"), 60, plan.blocks[0].pages, None)
+    with pytest.raises(ValueError, match="one checksum per block"):
+        index.commit_part("grant", [block], [1, 2], plan.blocks[1:])
+    assert index.plan("grant") is plan and len(plan.blocks) == 2 and stored(index) == set()
+    assert index.holdings.of("c").reserved_bytes == 2 * PAGE_BYTES
 
 
 # --- queries ---------------------------------------------------------------------------------
