@@ -1,13 +1,15 @@
 """L4 (the shared Redis pool) and its frame codec against their baselines, in one run: a real
-`redis-server` and real `kvstore-server`s (L2 only: `nvme.enabled=false`, `hbm.mode=off`),
-driven from here through `kvstore.client` and redis-py (1 MiB socket reads; hiredis parses
-replies if present). The baseline's connections pack commands as the daemon's do
-(`redis_pool.connection_class`: redis-py's own packer, which hands large values to the socket
-as they are). redis-py's default with hiredis installed copies each value into one new buffer
-first: in a process with glibc's default malloc settings that SETs 32 x 256 KiB or 2 MiB at
-about half the speed, but this process runs with `kvstore.memory.keep_freed_buffers` (the
-client sets it), where the copy costs no page faults and the two are within ~0-30% of each
-other. The default packer's time stays in the `# stages` line (JSON: `set_hiredis_packer_s`).
+`redis-server` and real `kvstore-server`s (L2 only: `nvme.enabled=false`, `hbm.mode=off`; each
+with its Unix socket, as the Helm chart deploys it: this process's clients take the local
+path, as a co-located engine does), driven from here through `kvstore.client` and redis-py (1
+MiB socket reads; hiredis parses replies if present). The baseline's connections pack commands
+as the daemon's do (`redis_pool.connection_class`: redis-py's own packer, which hands large
+values to the socket as they are). redis-py's default with hiredis installed copies each value
+into one new buffer first: in a process with glibc's default malloc settings that SETs 32 x
+256 KiB or 2 MiB at about half the speed, but this process runs with
+`kvstore.memory.keep_freed_buffers` (the client sets it), where the copy costs no page faults
+and the two are within ~0-30% of each other. The default packer's time stays in the `# stages`
+line (JSON: `set_hiredis_packer_s`).
 
 - l4_put_<size> (256 KiB, 2 MiB): daemon A's `put` of a fresh 32-block chain, timed until all
   32 are in Redis (the write-through is asynchronous: the bench polls a multi-key EXISTS every
@@ -225,6 +227,8 @@ class L4:
                     keys[step]):
                 raise RuntimeError("A did not store every new key")
         self.put_l2_s.append(time.perf_counter() - start)
+        if not self.a.uses_local_path:
+            raise RuntimeError("A's client is not on the local path (its Unix socket)")
         self.wait_in_redis(NS_IO, keys)
         return time.perf_counter() - start
 
@@ -363,7 +367,8 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
             started = start_daemon(
                 workdir, f"dram.capacity_bytes={capacity}", f"dram.page_size_bytes={PAGE_BYTES}",
                 f"dram.shm_name={shm_name}", "nvme.enabled=false", "hbm.mode=off",
-                f"remote.url={server.url}", f"remote.ttl_s={TTL_S}", "log_level=WARNING", *settings)
+                f"remote.url={server.url}", f"remote.ttl_s={TTL_S}", "log_level=WARNING",
+                f"server.unix_socket={workdir / (shm_name + '.sock')}", *settings)
             stack.callback(started.stop)
             return started
 
