@@ -34,7 +34,6 @@ encryption) may choose.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
@@ -52,7 +51,6 @@ from kvstore.core.errors import (
     Reason,
     ResourceExhausted,
     StartupError,
-    Unavailable,
 )
 from kvstore.core.tenants import OPEN
 from kvstore.daemon.attach import (
@@ -64,8 +62,16 @@ from kvstore.daemon.attach import (
 )
 from kvstore.daemon.auth import Auth, Caller
 from kvstore.daemon.config import Config
-from kvstore.daemon.faults import FaultLog, code_of, decoder, described, parsed
-from kvstore.daemon.localpath import SESSION_MAX_S, LocalSessions, _Broken, _Frames, _Session
+from kvstore.daemon.faults import FaultLog, decoder, parsed
+from kvstore.daemon.localpath import (
+    SESSION_MAX_S,
+    LocalSessions,
+    _Broken,
+    _Frames,
+    _Session,
+    send_line,
+    send_reply,
+)
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.verbs import MAX_LEASE_S, Verbs
 from kvstore.proto.dataframe import (
@@ -76,7 +82,7 @@ from kvstore.proto.dataframe import (
     TRAILER_OK,
 )
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.proto.localframe import CLOSING, LOOKUP, RELEASE, REPLY, STATUS_BODY, VERSION
+from kvstore.proto.localframe import CLOSING, LOOKUP, RELEASE, REPLY, VERSION
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +214,7 @@ class DataSessions(LocalSessions):
         hot: dict[str, object] = {"version": VERSION, "max_frame_bytes": self.max_frame_bytes}
         if tables:
             hot["tables"] = []
-        conn.sendall((json.dumps({"hot": hot}) + "\n").encode())
+        send_line(conn, {"hot": hot})
 
     def _run(self, session: _Session, caller: Caller) -> None:
         born = self._clock()
@@ -232,7 +238,7 @@ class DataSessions(LocalSessions):
                     status, reply = self._refuse_verb(caller, verb)
                 else:
                     status, reply = self._answer(caller, verb, body)
-                _send_reply(conn, status, reply, closing)
+                send_reply(conn, status, reply, closing)
             if closing:
                 return
 
@@ -241,30 +247,15 @@ class DataSessions(LocalSessions):
             f"verb {verb} is not a data-socket verb ({', '.join(map(str, DATA_VERBS))})",
             field="verb"), time.perf_counter())
 
-    def _checked(self, caller: Caller, body: bytes | None, message: Any,
+    def _checked(self, caller: Caller, body: bytes | None, method: str, message: Any,
                  request: Any = None) -> tuple[Caller, Any]:
-        """As the local path's answer checks every request: the frame's size, the drain,
-        the tenant as the tenants file says now; then the message parsed (unless it was:
+        """As the local path's answer checks every request (the frame's size, the drain,
+        the tenant as the tenants file says now); then the message parsed (unless it was:
         request)."""
         if body is None:
-            raise ResourceExhausted(f"the frame is over max_frame_bytes "
-                                    f"({self.max_frame_bytes}, server.max_message_bytes)",
-                                    Reason.MESSAGE_TOO_LARGE, limit=self.max_frame_bytes,
-                                    setting="server.max_message_bytes")
-        if self._draining.is_set():
-            raise Unavailable("the daemon is draining (it is stopping): retry on another "
-                              "replica or after its restart", Reason.DRAINING)
-        if self._auth.on:
-            caller = self._current(caller.tenant.name)
+            raise self._too_large()
+        caller = self._admitted(caller, method)
         return caller, request if request is not None else parsed(decoder(message)(body))
-
-    def _failed(self, method: str, caller: Caller, exc: Exception,
-                started: float) -> tuple[int, bytes]:
-        status = described(exc)
-        code = code_of(status)
-        self.counted.observe_local(method, code.name, time.perf_counter() - started)
-        self._faults.fault(method, caller.client, code, status.message)
-        return status.code, status.SerializeToString()
 
     # --- GET_DATA -------------------------------------------------------------------------
 
@@ -278,7 +269,7 @@ class DataSessions(LocalSessions):
         started = time.perf_counter()
         clock = self._store.state.clock
         try:
-            caller, request = self._checked(caller, body, pb.GetRequest)
+            caller, request = self._checked(caller, body, "Get", pb.GetRequest)
             caller.data(request.namespace)
             shared, timeout_s, _ = self._data.get_options(request)
             if shared:
@@ -289,7 +280,7 @@ class DataSessions(LocalSessions):
             result = self._store.reader.read(request.namespace, request.keys, timeout_s, True,
                                              caller.client, inline=True)
         except Exception as exc:
-            _send_reply(conn, *self._failed("Get", caller, exc, started), closing)
+            send_reply(conn, *self._failed("Get", caller, exc, started), closing)
             return
         head = self._data.header(result).SerializeToString()
         held = any(e is not None for e in result.entries)
@@ -326,11 +317,11 @@ class DataSessions(LocalSessions):
         try:
             request, total = self._payload_bytes(body)
         except Exception as exc:
-            _send_reply(conn, *self._failed("Put", caller, exc, started), True)
+            send_reply(conn, *self._failed("Put", caller, exc, started), True)
             return True
         frames.extend_for(total)
         try:
-            caller, request = self._checked(caller, body, pb.PutRequest, request)
+            caller, request = self._checked(caller, body, "Put", pb.PutRequest, request)
             caller.data(request.namespace)
             if request.reservation_id or request.data:
                 field = "reservation_id" if request.reservation_id else "data"
@@ -338,17 +329,17 @@ class DataSessions(LocalSessions):
                                       "its frame; commits are the local path's", field=field)
         except Exception as exc:
             frames.drop(total)
-            _send_reply(conn, *self._failed("Put", caller, exc, started), closing)
+            send_reply(conn, *self._failed("Put", caller, exc, started), closing)
             return False
         try:
             response = self._receive_put(frames, caller, request, total)
         except _Broken:
             raise
         except Exception as exc:
-            _send_reply(conn, *self._failed("Put", caller, exc, started), closing)
+            send_reply(conn, *self._failed("Put", caller, exc, started), closing)
             return False
         reply = response.SerializeToString()
-        _send_reply(conn, 0, reply, closing)
+        send_reply(conn, 0, reply, closing)
         self.counted.observe_local("Put", "OK", time.perf_counter() - started)
         return False
 
@@ -356,10 +347,7 @@ class DataSessions(LocalSessions):
         """A PUT_DATA frame's payload size, sum(sizes); an error when it cannot be known or
         is over server.max_response_bytes (the session then closes)."""
         if body is None:
-            raise ResourceExhausted(f"the frame is over max_frame_bytes "
-                                    f"({self.max_frame_bytes}, server.max_message_bytes)",
-                                    Reason.MESSAGE_TOO_LARGE, limit=self.max_frame_bytes,
-                                    setting="server.max_message_bytes")
+            raise self._too_large()
         request = parsed(decoder(pb.PutRequest)(body))
         total = sum(request.sizes)
         if total > self._max_payload:
@@ -431,11 +419,6 @@ def _check_sums(given: Sequence[int], sums: Sequence[int], exists: Sequence[bool
         if not exists[i] and want != got:
             raise InvalidArgument(f"checksums[{i}] does not match the bytes received",
                                   Reason.CHECKSUM_MISMATCH, field=f"checksums[{i}]")
-
-
-def _send_reply(conn: socket.socket, status: int, reply: bytes, closing: bool) -> None:
-    flags = (CLOSING if closing else 0) | (STATUS_BODY if status else 0)
-    conn.sendall(REPLY.pack(len(reply), status, flags) + reply)
 
 
 def _send_by(conn: socket.socket, views: list[memoryview], deadline: float,
@@ -669,9 +652,11 @@ def _read_line(conn: socket.socket, deadline: float, timeout_s: float) -> str:
 
 
 def _refuse(conn: socket.socket, message: str, reason: str) -> None:
+    """Refuse a handshake (as the sessions' refusals are sent), best effort: the connection
+    is closed next either way."""
     with contextlib.suppress(OSError):
         conn.settimeout(0.2)
-        conn.sendall((json.dumps({"error": message, "reason": reason}) + "\n").encode())
+        send_line(conn, {"error": message, "reason": reason})
 
 
 def bind_data_port(config: Config) -> socket.socket | None:

@@ -290,7 +290,7 @@ class LocalSessions:
             caller = self._caller(conn, ticket)
             session = self._admit(conn, caller.client, ticket)
         except (Unauthenticated, ResourceExhausted) as exc:
-            _send_line(conn, {"error": str(exc), "reason": exc.reason})
+            send_line(conn, {"error": str(exc), "reason": exc.reason})
             return False
         try:
             self._welcome(conn, caller, TABLES_OPTION in words[1:])
@@ -308,13 +308,13 @@ class LocalSessions:
         (an empty list when the daemon publishes none: dram.read_table off)."""
         hot: dict[str, object] = {"version": VERSION, "max_frame_bytes": self.max_frame_bytes}
         if not tables:
-            _send_line(conn, {"hot": hot})
+            send_line(conn, {"hot": hot})
             return
         published = self._store.read_tables
         given = published.fds(caller.tenant.name) if published is not None else []
         hot["tables"] = [{"arena": name, "size_bytes": size} for name, _, size in given]
         try:
-            payload = (json.dumps({"hot": hot}) + "\n").encode()
+            payload = _line({"hot": hot})
             if given:
                 socket.send_fds(conn, [payload], [fd for _, fd, _ in given])
             else:
@@ -429,8 +429,7 @@ class LocalSessions:
             if verb in NO_REPLY:  # a posted report: nobody waits, nothing is sent
                 continue
             closing = self._clock() - born >= SESSION_MAX_S
-            flags = (CLOSING if closing else 0) | (STATUS_BODY if status else 0)
-            session.conn.sendall(REPLY.pack(len(reply), status, flags) + reply)
+            send_reply(session.conn, status, reply, closing)
             if closing:
                 return
 
@@ -442,29 +441,42 @@ class LocalSessions:
         method = entry[0] if entry else "Unknown"
         try:
             if body is None:
-                raise ResourceExhausted(f"the frame is over max_frame_bytes "
-                                        f"({self.max_frame_bytes}, server.max_message_bytes)",
-                                        Reason.MESSAGE_TOO_LARGE, limit=self.max_frame_bytes,
-                                        setting="server.max_message_bytes")
+                raise self._too_large()
             if entry is None:
                 raise InvalidArgument(f"verb {verb} is not a local verb (one of "
                                       f"{sorted(self._verbs)})", field="verb")
-            if self._draining.is_set() and method != "Release":
-                raise Unavailable("the daemon is draining (it is stopping): retry on another "
-                                  "replica or after its restart", Reason.DRAINING)
-            if self._auth.on:
-                caller = self._current(caller.tenant.name)
+            caller = self._admitted(caller, method)
             request = parsed(entry[1](body))
             response = entry[2](caller, request)
         except Exception as exc:
-            status = described(exc)
-            code = code_of(status)
-            self._metrics.observe_local(method, code.name, time.perf_counter() - started)
-            self._faults.fault(method, caller.client, code, status.message)
-            return status.code, status.SerializeToString()
+            return self._failed(method, caller, exc, started)
         self._metrics.observe_local(method, "OK", time.perf_counter() - started)
         # A protobuf message, or a struct-packed reply already in bytes (Grant's).
         return 0, response if isinstance(response, bytes) else response.SerializeToString()
+
+    def _too_large(self) -> ResourceExhausted:
+        """The error of a frame over max_frame_bytes (its bytes were read and dropped)."""
+        return ResourceExhausted(f"the frame is over max_frame_bytes ({self.max_frame_bytes}, "
+                                 "server.max_message_bytes)", Reason.MESSAGE_TOO_LARGE,
+                                 limit=self.max_frame_bytes, setting="server.max_message_bytes")
+
+    def _admitted(self, caller: Caller, method: str) -> Caller:
+        """What every request passes before it is parsed: a daemon not draining (a Release
+        still goes), and the caller's tenant as the tenants file says now."""
+        if self._draining.is_set() and method != "Release":
+            raise Unavailable("the daemon is draining (it is stopping): retry on another "
+                              "replica or after its restart", Reason.DRAINING)
+        return self._current(caller.tenant.name) if self._auth.on else caller
+
+    def _failed(self, method: str, caller: Caller, exc: Exception,
+                started: float) -> tuple[int, bytes]:
+        """A request's failure counted (metrics, the fault log) and answered: (status, a
+        serialized google.rpc.Status)."""
+        status = described(exc)
+        code = code_of(status)
+        self._metrics.observe_local(method, code.name, time.perf_counter() - started)
+        self._faults.fault(method, caller.client, code, status.message)
+        return status.code, status.SerializeToString()
 
 
 _BAD_TICKET = "unknown, used or expired ticket (call Attach again, and redeem it within 30 s)"
@@ -600,5 +612,18 @@ def _hang_up(conn: socket.socket) -> None:
         conn.shutdown(socket.SHUT_RDWR)
 
 
-def _send_line(conn: socket.socket, message: dict[str, object]) -> None:
-    conn.sendall((json.dumps(message) + "\n").encode())
+def _line(message: dict[str, object]) -> bytes:
+    """A handshake answer: one line of JSON."""
+    return (json.dumps(message) + "\n").encode()
+
+
+def send_line(conn: socket.socket, message: dict[str, object]) -> None:
+    """Send a handshake answer (a session, or a refusal)."""
+    conn.sendall(_line(message))
+
+
+def send_reply(conn: socket.socket, status: int, reply: bytes, closing: bool) -> None:
+    """Send one reply frame: its status, whether the session ends after it (closing), and
+    whether its bytes are an error's google.rpc.Status."""
+    flags = (CLOSING if closing else 0) | (STATUS_BODY if status else 0)
+    conn.sendall(REPLY.pack(len(reply), status, flags) + reply)
