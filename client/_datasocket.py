@@ -33,13 +33,20 @@ from typing import Any
 
 import xxhash
 
-from kvstore.proto.dataframe import GET_DATA, MAX_IOV, PUT_DATA, TRAILER_OK, TRAILER_VOID
+from kvstore.proto.dataframe import (
+    GET_DATA,
+    MAX_IOV,
+    PUT_DATA,
+    TRAILER_OK,
+    TRAILER_VOID,
+    advanced,
+)
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.localframe import CLOSING, REPLY, REQUEST
 
 from ._attach import FetchAttach, TicketKeeper
 from ._buffers import ByteArray
-from ._localpath import LocalPath, NoSession, NoSessionNow, _error, _read_line, _Session
+from ._localpath import LocalPath, NoSession, NoSessionNow, _error, _Session
 from ._pause import TryLater
 from ._wire import Fetched, capacities, parse_get_header
 from .credentials import TLS
@@ -172,6 +179,9 @@ class DataSocket(LocalPath):
     daemon's certificate must carry, by default host), None for plaintext. timeout_s bounds
     each operation of a call."""
 
+    kind = "data"
+    passes_fds = False  # a TCP connection passes no descriptors (and TLS cannot peek)
+
     def __init__(self, host: str, port: int, tickets: TicketKeeper, timeout_s: float,
                  tls: ssl.SSLContext | None = None, server_hostname: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -298,35 +308,6 @@ class DataSocket(LocalPath):
         session = super()._session_of(reply, sock)
         return _DataSession(session.sock, session.max_frame_bytes, session.timeout_s)
 
-    def _handshake(self, line: bytes
-                   ) -> tuple[dict[str, Any], socket.socket | None, list[int]]:
-        """As LocalPath's, over a TCP (and TLS) connection to host:port."""
-        import json
-        sock = self._connect()
-        try:
-            sock.sendall(line)
-            text = _read_line(sock)
-        except OSError as exc:
-            sock.close()
-            raise TryLater(f"no data session on {self.path}: {exc}",
-                           ticket_unused=True) from None
-        if not text:
-            sock.close()
-            raise TryLater(f"no data session on {self.path}: the daemon closed the "
-                           "connection without an answer", ticket_unused=True)
-        try:
-            reply = json.loads(text)
-        except ValueError:
-            reply = None
-        if not isinstance(reply, dict):
-            sock.close()
-            raise NoSession(f"no data session on {self.path}: the daemon answered the "
-                            f"handshake with {text[:200]!r}")
-        if isinstance(reply.get("hot"), dict):
-            return reply, sock, []
-        sock.close()
-        return reply, None, []
-
     def _connect(self) -> socket.socket:
         """A connection to the daemon's data port, TLS on it when asked: TryLater when
         nothing answers now, NoSession when TLS fails (a certificate this client does not
@@ -417,15 +398,7 @@ def _send(sock: socket.socket, views: list[memoryview]) -> None:
         return
     pending = [v for v in views if v.nbytes]
     while pending:
-        sent = sock.sendmsg(pending[:MAX_IOV])
-        while sent and pending:
-            head = pending[0]
-            if sent >= head.nbytes:
-                sent -= head.nbytes
-                pending.pop(0)
-            else:
-                pending[0] = head[sent:]
-                sent = 0
+        pending = advanced(pending, sock.sendmsg(pending[:MAX_IOV]))
 
 
 def _flat(payload: Any) -> memoryview:

@@ -208,6 +208,11 @@ class LocalPath:
     redeemed; auth off: "-"). timeout_s bounds each call. clock is time.monotonic unless a
     test passes its own."""
 
+    #: What this path's sessions are called in its errors ("no local session on ...").
+    kind = "local"
+    #: Whether the handshake's answer may carry descriptors (read tables): a Unix socket's.
+    passes_fds = True
+
     def __init__(self, path: str, tickets: TicketKeeper, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
@@ -409,9 +414,9 @@ class LocalPath:
             raise
         except KVStoreError as exc:  # a refusal, or the Attach call for a ticket failed
             if not passes(exc):
-                raise NoSession(f"no local session on {self.path}: {exc}") from None
+                raise NoSession(f"no {self.kind} session on {self.path}: {exc}") from None
             self._refused(exc)
-            raise NoSessionNow(f"no local session on {self.path} for now: {exc}") from None
+            raise NoSessionNow(f"no {self.kind} session on {self.path} for now: {exc}") from None
         finally:
             if paused:
                 with self._lock:
@@ -470,7 +475,7 @@ class LocalPath:
             return _Session(sock, hot["max_frame_bytes"], self._timeout_s)
         if sock is not None:
             sock.close()
-        why = f"no local session on {self.path}: {reply.get('error') or reply}"
+        why = f"no {self.kind} session on {self.path}: {reply.get('error') or reply}"
         reason = reply.get("reason")
         if reason == BAD_TICKET_REASON:
             raise TicketRefused(why)
@@ -480,24 +485,25 @@ class LocalPath:
 
     def _handshake(self, line: bytes
                    ) -> tuple[dict[str, Any], socket.socket | None, list[int]]:
-        """The daemon's JSON answer to line on a new connection, and the connection when
-        the answer opens a session (else it is closed). TryLater when no answer comes (the
-        socket not there, the connection closed or timed out first); NoSession when the
-        answer is not a JSON object."""
-        sock = connect(self.path, self._timeout_s, "no local session")
+        """The daemon's JSON answer to line on a new connection (`_connect`), and the
+        connection when the answer opens a session (else it is closed), with the descriptors
+        passed with the answer. TryLater when no answer comes (the socket not there, the
+        connection closed or timed out first); NoSession when the answer is not a JSON
+        object."""
+        sock = self._connect()
         fds: list[int] = []
         try:
             sock.sendall(line)
-            text = _read_line(sock, fds)
+            text = _read_line(sock, fds if self.passes_fds else None)
         except OSError as exc:
             sock.close()
             _close_fds(fds)
-            raise TryLater(f"no local session on {self.path}: {exc}",
+            raise TryLater(f"no {self.kind} session on {self.path}: {exc}",
                            ticket_unused=True) from None
         if not text:
             sock.close()
             _close_fds(fds)
-            raise TryLater(f"no local session on {self.path}: the daemon closed the "
+            raise TryLater(f"no {self.kind} session on {self.path}: the daemon closed the "
                            "connection without an answer (its handshakes may all be taken)",
                            ticket_unused=True)
         try:
@@ -507,13 +513,17 @@ class LocalPath:
         if not isinstance(reply, dict):
             sock.close()
             _close_fds(fds)
-            raise NoSession(f"no local session on {self.path}: the daemon answered the "
+            raise NoSession(f"no {self.kind} session on {self.path}: the daemon answered the "
                             f"handshake with {text[:200]!r}")
         if isinstance(reply.get("hot"), dict):
             return reply, sock, fds
         sock.close()
         _close_fds(fds)
         return reply, None, []
+
+    def _connect(self) -> socket.socket:
+        """A connection to the daemon's Unix socket: TryLater when nothing answers now."""
+        return connect(self.path, self._timeout_s, "no local session")
 
     def probe(self) -> None:
         """Open one session and keep it idle: NoSession (or NoSessionNow, the path then

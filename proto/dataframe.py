@@ -43,3 +43,16 @@ TRAILER_VOID = 1  #: a Get's payloads are not the blocks': drop them, ask again
 #: (FRAME_TIMEOUT_S, 10 s): a 1 GiB put has 26 s, which a 400 Mbit/s link meets.
 PAYLOAD_BYTES_PER_S = 64 * 1024 * 1024
 MAX_IOV = 512  #: buffers per sendmsg call, either side (Linux takes up to 1024)
+
+
+def advanced(views: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of views, sent in order (sendmsg, up to MAX_IOV at a time, either
+    side), once sent bytes of them went out: the views not sent whole, the first cut."""
+    i = 0
+    while i < len(views) and sent >= views[i].nbytes:
+        sent -= views[i].nbytes
+        i += 1
+    rest = views[i:]
+    if sent and rest:
+        rest[0] = rest[0][sent:]
+    return rest

@@ -80,6 +80,7 @@ from kvstore.proto.dataframe import (
     PAYLOAD_BYTES_PER_S,
     PUT_DATA,
     TRAILER_OK,
+    advanced,
 )
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.localframe import CLOSING, LOOKUP, RELEASE, REPLY, VERSION
@@ -442,21 +443,9 @@ def _send_by(conn: socket.socket, views: list[memoryview], deadline: float,
         while pending:
             conn.settimeout(wait_s())
             sent = conn.sendmsg(pending[:MAX_IOV])
-            pending = _advanced(pending, sent)
+            pending = advanced(pending, sent)
     except TimeoutError:
         raise _Broken("a Get's reply was not sent whole within its lease") from None
-
-
-def _advanced(views: list[memoryview], sent: int) -> list[memoryview]:
-    """What is left of views once sent bytes of them went out."""
-    i = 0
-    while i < len(views) and sent >= views[i].nbytes:
-        sent -= views[i].nbytes
-        i += 1
-    rest = views[i:]
-    if sent and rest:
-        rest[0] = rest[0][sent:]
-    return rest
 
 
 def tcp_client(conn: socket.socket) -> str:
