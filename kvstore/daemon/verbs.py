@@ -97,12 +97,8 @@ class Verbs:
         if shared and self.store.state.dram is None:
             raise FailedPrecondition("mode SHARED_MEMORY needs the dram tier (dram.enabled)",
                                      field="mode", setting="dram.enabled")
-        timeout_s = (request.lease_timeout_ms / 1000) if request.lease_timeout_ms else (
+        timeout_s = held_s(request.lease_timeout_ms, "lease_timeout_ms") or (
             self.config.leases.lease_timeout_s)
-        if timeout_s > MAX_LEASE_S:
-            raise InvalidArgument(
-                f"lease_timeout_ms {request.lease_timeout_ms} exceeds {MAX_LEASE_S * 1000}",
-                field="lease_timeout_ms", limit=MAX_LEASE_S * 1000)
         leased = not (shared and request.no_lease)  # inline reads lease while streaming
         return shared, timeout_s, leased
 
@@ -149,13 +145,9 @@ class Verbs:
         """L2 pages for the client to write itself, as extents of its shared memory (the
         Reserve verb)."""
         caller.data(request.namespace)
-        timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
-        if timeout_s is not None and timeout_s > MAX_LEASE_S:
-            raise InvalidArgument(f"timeout_ms {request.timeout_ms} exceeds {MAX_LEASE_S * 1000}",
-                                  field="timeout_ms", limit=MAX_LEASE_S * 1000)
         r = self.store.writer.reserve(request.namespace, request.keys, request.sizes,
-                                      request.parent_key, request.independent, timeout_s,
-                                      caller.client)
+                                      request.parent_key, request.independent,
+                                      held_s(request.timeout_ms, "timeout_ms"), caller.client)
         shm_name, arena, extents = self.shared(r.extents)
         return pb.ReserveResponse(
             reservation_id=r.reservation_id, exists=r.exists, locations=locations(extents),
@@ -183,11 +175,8 @@ class Verbs:
         GRANT): the grant id, and where each page lies in the client's mapping."""
         pages, timeout_ms, run_pages, namespace = request
         caller.data(namespace)
-        if timeout_ms > MAX_LEASE_S * 1000:
-            raise InvalidArgument(f"timeout_ms {timeout_ms} exceeds {MAX_LEASE_S * 1000}",
-                                  field="timeout_ms", limit=MAX_LEASE_S * 1000)
-        g = self.store.writer.grant(namespace, pages, timeout_ms / 1000 or None, caller.client,
-                                    run_pages)
+        g = self.store.writer.grant(namespace, pages, held_s(timeout_ms, "timeout_ms"),
+                                    caller.client, run_pages)
         offsets = g.pages * g.page_size
         first = int(offsets[0])
         # Every page lies in one arena (the tenant's): its offsets there are the tier's
@@ -213,6 +202,15 @@ class Verbs:
         may release only its own."""
         owner = caller.client if self.store.auth.on else None
         return pb.ReleaseResponse(released=self.store.reader.release(request.ids, owner))
+
+
+def held_s(timeout_ms: int, field: str) -> float | None:
+    """A lease's or reservation's asked length in seconds (None: 0 asked, the setting's
+    default); InvalidArgument naming field past MAX_LEASE_S."""
+    if timeout_ms > MAX_LEASE_S * 1000:
+        raise InvalidArgument(f"{field} {timeout_ms} exceeds {MAX_LEASE_S * 1000}",
+                              field=field, limit=MAX_LEASE_S * 1000)
+    return timeout_ms / 1000 if timeout_ms else None
 
 
 def _ms(seconds: float) -> int:
