@@ -118,6 +118,7 @@ class PostedCommits:
 
     def answer(self, reply: bytes | KVStoreError) -> None:
         """A posted commit's reply (its receiver: see LocalPath.post_bytes)."""
+        response: pb.PutResponse | None = None
         failure: KVStoreError | None = None
         if isinstance(reply, KVStoreError):
             failure = reply
@@ -126,17 +127,16 @@ class PostedCommits:
                 response = pb.PutResponse.FromString(reply)
             except Exception as exc:  # noqa: BLE001 (kept, and raised by the next call)
                 failure = DataLoss(f"a posted commit's answer does not parse: {exc}")
-            else:
-                with self._cond:
-                    self._totals[0] += response.stored
-                    self._totals[1] += response.existing
-                    self._totals[2] += response.evicted
+        if failure is not None:
+            logger.warning("kvstore: a posted put's commit failed: %s", failure)
         with self._cond:
             self.awaited -= 1
-            if failure is not None:
-                logger.warning("kvstore: a posted put's commit failed: %s", failure)
-                if self._failure is None:
-                    self._failure = failure
+            if response is not None:
+                self._totals[0] += response.stored
+                self._totals[1] += response.existing
+                self._totals[2] += response.evicted
+            elif self._failure is None:
+                self._failure = failure
             self._cond.notify_all()
 
     def raise_failure(self) -> None:
