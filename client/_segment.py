@@ -78,16 +78,9 @@ class SharedSegment:
         """Copy the spans into dst; with digest, return the xxh3-64 of the bytes copied
         (hashed from dst as it is copied, so what is verified is what the caller got)."""
         lib = native_lib()
-        if lib is not None and spans:
-            base, at = self.address, address(dst)
-            src, dst_at, lengths = [], [], []
-            for offset, length in spans:
-                src.append(base + offset)
-                dst_at.append(at)
-                lengths.append(length)
-                at += length
-            hashes = native_copy_hash(lib, src, dst_at, lengths, _more(len(spans)), digest)
-            return None if hashes is None else hashes[-1]
+        if lib is not None:
+            got = self._native(lib, [(spans, address(dst))], False, digest)
+            return None if got is None else got[0]
         arr = self.array
         skew_base = address(dst) - self.address
         hasher = xxhash.xxh3_64() if digest else None
@@ -105,24 +98,8 @@ class SharedSegment:
         if lib is None:
             got = [self.read_into(spans, dst, digest=digest) for spans, dst in blocks]
             return [g for g in got if g is not None] if digest else None
-        src_at: list[int] = []
-        dst_at: list[int] = []
-        lengths: list[int] = []
-        more = bytearray()
-        ends: list[int] = []
-        base = self.address
-        for spans, dst in blocks:
-            at = address(dst)
-            for offset, length in spans or [(0, 0)]:
-                src_at.append(base + offset)
-                dst_at.append(at)
-                lengths.append(length)
-                more.append(1)
-                at += length
-            more[-1] = 0
-            ends.append(len(lengths) - 1)
-        hashes = native_copy_hash(lib, src_at, dst_at, lengths, bytes(more), digest)
-        return None if hashes is None else [hashes[end] for end in ends]
+        return self._native(lib, [(spans, address(dst)) for spans, dst in blocks], False,
+                            digest)
 
     def write(self, spans: Spans, src: memoryview) -> int:
         """Copy src into the spans; the xxh3-64 of what was written (hashed from the segment
@@ -135,27 +112,36 @@ class SharedSegment:
         lib = native_lib()
         if lib is None:
             return [self._write_numpy(spans, src) for spans, src in blocks]
-        src_at: list[int] = []
-        dst_at: list[int] = []
+        hashes = self._native(lib, [
+            (spans, address(np.frombuffer(src, dtype=np.uint8)) if src.nbytes else 0)
+            for spans, src in blocks], True, True)
+        assert hashes is not None
+        return hashes
+
+    def _native(self, lib: Any, blocks: Sequence[tuple[Spans, int]], into_segment: bool,
+                digest: bool) -> list[int] | None:
+        """Copy blocks in one call of the native helper: each block's spans of this segment
+        and the buffer at the address paired with them (its source when into_segment, else
+        its destination), laid end to end; with digest, each block's xxh3-64 as copied. A
+        block without spans copies nothing (its hash is the empty input's)."""
+        seg_at: list[int] = []
+        buf_at: list[int] = []
         lengths: list[int] = []
-        more = bytearray()
+        more = bytearray()  # 1: the next span continues this block's hash
         ends: list[int] = []
         base = self.address
-        for spans, src in blocks:
-            at = address(np.frombuffer(src, dtype=np.uint8)) if src.nbytes else 0
-            if not spans:  # an empty payload: its hash is the empty input's
-                spans = [(0, 0)]
-            for offset, length in spans:
-                src_at.append(at)
-                dst_at.append(base + offset)
+        for spans, at in blocks:
+            for offset, length in spans or [(0, 0)]:
+                seg_at.append(base + offset)
+                buf_at.append(at)
                 lengths.append(length)
                 more.append(1)
                 at += length
             more[-1] = 0
             ends.append(len(lengths) - 1)
-        hashes = native_copy_hash(lib, src_at, dst_at, lengths, bytes(more), True)
-        assert hashes is not None
-        return [hashes[end] for end in ends]
+        src, dst = (buf_at, seg_at) if into_segment else (seg_at, buf_at)
+        hashes = native_copy_hash(lib, src, dst, lengths, bytes(more), digest)
+        return None if hashes is None else [hashes[end] for end in ends]
 
     def _write_numpy(self, spans: Spans, src: memoryview) -> int:
         hasher = xxhash.xxh3_64()
@@ -196,11 +182,6 @@ def _copy(dst: ByteArray, dst_at: int, src: ByteArray, src_at: int, length: int,
         piece = dst[dst_at + at : dst_at + at + n]
         copy_bytes(piece, src[src_at + at : src_at + at + n], skew)
         hasher.update(piece.data)
-
-
-def _more(n: int) -> bytes:
-    """The native helper's `more` flags for n spans hashed as one stream."""
-    return b"\x01" * (n - 1) + b"\x00"
 
 
 def attach(name: str) -> SharedSegment:
