@@ -61,7 +61,7 @@ from kvstore.proto.localframe import (
     VERB_NAMES,
     hello,
 )
-from kvstore.readtable import TABLES_OPTION
+from kvstore.readtable import NO_REPLY, TABLES_OPTION
 
 from ._attach import TicketKeeper, connect
 from ._pause import (
@@ -264,12 +264,13 @@ class LocalPath:
             raise _error(status, reply)
         return reply
 
-    def post(self, verb: int, request: Any, *, answered: bool = True) -> bool:
+    def post(self, verb: int, request: Any) -> bool:
         """Send a request without waiting for its reply (a Release): its reply is read and
-        dropped before the session's next one; answered=False for a verb the daemon never
-        answers (the read table's reports). Sent once more on a fresh session when a reused
-        one is found closed; any failure is logged, never raised. Whether it was sent."""
+        dropped before the session's next one (the read table's reports, NO_REPLY, have
+        none). Sent once more on a fresh session when a reused one is found closed; any
+        failure is logged, never raised. Whether it was sent."""
         body = request.SerializeToString()
+        answered = verb not in NO_REPLY
         try:
             session, reused = self._take()
             if self._post_on(session, verb, body, answered):
@@ -306,10 +307,6 @@ class LocalPath:
                 session.close()
                 continue
             self._give_back(session)
-
-    def report(self, verb: int, request: Any) -> bool:
-        """Post a report the daemon never answers (see post)."""
-        return self.post(verb, request, answered=False)
 
     def open_tables(self) -> list[tuple[str, int, int]]:
         """As probe, with the session opened asking for the read tables (`HOT <ticket>
@@ -456,8 +453,7 @@ class LocalPath:
     def _open_asking(self, ticket: str) -> tuple[_Session, list[tuple[str, int, int]]]:
         """As _open, asking for the read tables too: the session, and the tables passed
         (arena, descriptor, size)."""
-        line = f"{hello(ticket).decode().rstrip()} {TABLES_OPTION}\n".encode()
-        reply, sock, fds = self._handshake(line)
+        reply, sock, fds = self._handshake(hello(ticket, TABLES_OPTION))
         try:
             session = self._session_of(reply, sock)
             listed = reply["hot"].get("tables")

@@ -326,7 +326,7 @@ class ShmState:
         """How reports of reads through the table reach the daemon: the local path's
         unanswered posts; None while it is off."""
         local = self._local
-        return local.report if local is not None else None
+        return local.post if local is not None else None
 
     def local_off(self, exc: NoSession) -> None:
         """A local session could not be had: for this call only when that passes

@@ -44,9 +44,10 @@ STATUS_BODY = 2  #: flags bit 1: the error reply's bytes are a serialized google
 HELLO = "HOT"  #: the handshake line's first word
 
 
-def hello(ticket: str) -> bytes:
-    """The handshake line that opens a session with ticket ("-" with auth off)."""
-    return f"{HELLO} {ticket}\n".encode()
+def hello(ticket: str, *options: str) -> bytes:
+    """The handshake line that opens a session with ticket ("-" with auth off), asking for
+    options (kvstore.readtable.TABLES_OPTION: the read tables with the answer)."""
+    return " ".join((HELLO, ticket, *options)).encode() + b"\n"
 
 # --- grants: puts that never wait (docs/local-path.md, "Puts from a grant") ----------------
 #
