@@ -118,16 +118,25 @@ class Writer:
         tier = self._l2()
         plan_id = secrets.token_hex(12)
         with self._state.lock:
-            self._state.index.holdings.check(client, self._state.caps, reservations=1,
-                                             reserved_bytes=sum(sizes))
-            plan = self._prepare(plan_id, namespace, checked, sizes, parents, timeout_s, client)
-            if plan is None:
-                raise self._no_room(namespace, sizes, tier.page_size_bytes,
-                                    tier.capacity_bytes)
+            plan = self._held(tier, plan_id, namespace, checked, sizes, parents, timeout_s,
+                              client)
             targets: list[list[Extent] | None] = [None] * len(checked)
             for block in plan.blocks:
                 targets[block.index] = tier.extents(block.pages, block.size_bytes)
         return plan_id, checked, sizes, targets
+
+    def _held(self, tier: DramTier, plan_id: str, namespace: str, keys: list[BlockKey],
+              sizes: list[int], parents: list[BlockKey | None], timeout_s: float,
+              client: str) -> StorePlan:
+        """A plan of L2 pages for keys, held for client (checked against its caps as one
+        reservation of sum(sizes) bytes): ResourceExhausted when its caps or the arena
+        cannot take it. Called under the lock."""
+        self._state.index.holdings.check(client, self._state.caps, reservations=1,
+                                         reserved_bytes=sum(sizes))
+        plan = self._prepare(plan_id, namespace, keys, sizes, parents, timeout_s, client)
+        if plan is None:
+            raise self._no_room(namespace, sizes, tier.page_size_bytes, tier.capacity_bytes)
+        return plan
 
     def _no_room(self, namespace: str, sizes: list[int], page_size: int,
                  capacity_bytes: int) -> ResourceExhausted:
@@ -356,18 +365,14 @@ class Writer:
                 if arena is not None else 1
             pages = min(pages, most, self._state.config.server.max_batch_keys)
             self._grants = {g: s for g, s in self._grants.items() if index.plan(g) is not None}
-            index.holdings.check(client, self._state.caps, reservations=1,
-                                 reserved_bytes=pages * page)
             grant_id = secrets.token_hex(16)
             run = min(run_pages, pages) if run_pages > 0 else PLACEHOLDER_PAGES
             sizes = [run * page] * (pages // run)
             if pages % run:
                 sizes.append(pages % run * page)
             keys = [BlockKey(secrets.token_bytes(KEY_BYTES)) for _ in sizes]
-            plan = self._prepare(grant_id, namespace, keys, sizes, [None] * len(sizes),
-                                 timeout_s, client)
-            if plan is None:
-                raise self._no_room(namespace, sizes, page, tier.capacity_bytes)
+            plan = self._held(tier, grant_id, namespace, keys, sizes, [None] * len(sizes),
+                              timeout_s, client)
             held = self._grants[grant_id] = GrantPages(plan.blocks)
             plan.blocks = held.placeholders(page)
         return Grant(grant_id, timeout_s, page, held.pages.copy())
