@@ -51,7 +51,6 @@ Project Gutenberg eBook #1342), bench/data/pride_and_prejudice_ch1.txt.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import platform
 import shutil
@@ -71,11 +70,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_ttft  # noqa: E402
+from engine_bench import share_weights  # noqa: E402
 from engine_ttft import evict_all, info, push_to_l3, shown, wait_tiers  # noqa: E402
 from figures import Figure, Op, gbps_figure, paired, run_main  # noqa: E402
 
 from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.engine import llm as engine_llm  # noqa: E402
 from kvstore.engine.demo import smollm2_path  # noqa: E402
 from kvstore.engine.errors import EngineError  # noqa: E402
 from kvstore.engine.llm import LLM  # noqa: E402
@@ -382,20 +381,11 @@ def ttft_l3_figure(stack: ExitStack, workdir: Path, engine: Callable[..., LLM],
                          extra={"runs_ms": ms}))]
 
 
-def _shared_weights() -> None:
-    """Every engine of this run reads the model's checkpoint once (dequantising SmolLM2's
-    GGUF costs seconds per engine): the engine's loader, memoised for this process. The
-    weights are only read by inference, so the engines share them safely."""
-    load = engine_llm.load_checkpoint
-    if not hasattr(load, "cache_info"):
-        engine_llm.load_checkpoint = functools.lru_cache(maxsize=2)(load)
-
-
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
     model = args.model or smollm2_path()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     figures: list[Figure] = []
-    _shared_weights()
+    share_weights()
     prefix = args.prefix
     setup: dict[str, Any] = {"model": model, "text": TEXT.name, "prefix_tokens": prefix,
                              "max_tokens": args.max_tokens, "machine": platform.machine(),

