@@ -23,6 +23,7 @@ raises ``FrameError`` and never yields wrong bytes.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import lz4.block
 import numpy as np
@@ -192,11 +193,29 @@ def decode(frame: bytes | memoryview) -> bytes:
     return bytes(decode_view(frame))
 
 
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A payload decoded from its frame (``data``: maybe a view into the frame) and its
+    xxh3-64, which the frame's header records and the payload was found to match: whoever
+    keeps the payload keeps the checksum without hashing it again."""
+
+    data: bytes | memoryview
+    checksum: int
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
 def decode_view(frame: bytes | memoryview) -> bytes | memoryview:
     """The raw payload of ``frame``, verified against its checksum, without a copy where it
     can: a view into ``frame`` itself when the frame is stored raw (the frame must then stay
     unchanged while the view is used), new bytes when it was compressed. The store imports
     L4 blocks from these views straight into L2, one copy fewer per block than ``decode``."""
+    return decode_verified(frame).data
+
+
+def decode_verified(frame: bytes | memoryview) -> Verified:
+    """As ``decode_view``, with the checksum the payload matched."""
     codec, raw_bytes, checksum, body = _parse(frame)
     payload: bytes | memoryview = body
     if codec != CODEC_RAW:
@@ -210,4 +229,4 @@ def decode_view(frame: bytes | memoryview) -> bytes | memoryview:
     actual = xxhash.xxh3_64_intdigest(payload)
     if actual != checksum:
         raise FrameError(f"checksum mismatch: header {checksum:#018x}, payload {actual:#018x}")
-    return payload
+    return Verified(payload, checksum)

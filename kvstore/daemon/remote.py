@@ -44,7 +44,8 @@ from kvstore.core.records import Entry, PrewarmState
 from kvstore.daemon.blockframe import (
     CODEC_RAW,
     FrameError,
-    decode_view,
+    Verified,
+    decode_verified,
     encode_parts,
     header_codec,
 )
@@ -58,7 +59,6 @@ from kvstore.tiers.redis_pool import HOT_MAX_MEMBERS, RedisPool, RemoteUnavailab
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Payload = bytes | memoryview  # a block's verified bytes, maybe a view into its L4 frame
 
 BATCH_BLOCKS = 64  # blocks per write-through or fetch round trip
 BATCH_BYTES = 32 << 20
@@ -299,11 +299,12 @@ class Remote:
         return self._guard(lambda: self.pool.exists([(namespace, k) for k in keys]),
                            [False] * len(keys))
 
-    def fetch(self, namespace: str, keys: Sequence[BlockKey]) -> list[Payload | None]:
+    def fetch(self, namespace: str, keys: Sequence[BlockKey]) -> list[Verified | None]:
         """Each key's payload from L4, verified; None for a miss (or a damaged frame, which
         is deleted from Redis and counted). A payload stored raw is a view into the frame
-        Redis sent (blockframe.decode_view): the importer copies it into L2 once."""
-        out: list[Payload | None] = []
+        Redis sent (blockframe.decode_verified): the importer copies it into L2 once, and
+        keeps the checksum its frame was checked against."""
+        out: list[Verified | None] = []
         for start in range(0, len(keys), BATCH_BLOCKS):
             chunk = [(namespace, bytes(k)) for k in keys[start : start + BATCH_BLOCKS]]
             missed: list[bytes | memoryview | None] = [None] * len(chunk)
@@ -314,8 +315,8 @@ class Remote:
         return out
 
     def _decoded(self, namespace: str, keys: list[bytes],
-                 frames: list[bytes | memoryview | None]) -> list[Payload | None]:
-        out: list[Payload | None] = []
+                 frames: list[bytes | memoryview | None]) -> list[Verified | None]:
+        out: list[Verified | None] = []
         damaged: list[tuple[str, bytes]] = []
         for key, frame in zip(keys, frames, strict=True):
             if frame is None:
@@ -323,7 +324,7 @@ class Remote:
                 out.append(None)
                 continue
             try:
-                payload = decode_view(frame)
+                payload = decode_verified(frame)
             except FrameError as exc:
                 log.warning("L4 block %s is damaged (%s); deleted, a miss", key.hex()[:16], exc)
                 self._count(checksum_failures=1)
@@ -370,7 +371,7 @@ class Remote:
 
     def prewarm(
         self, target_bytes: int, missing: Callable[[str, Sequence[BlockKey]], list[BlockKey]],
-        import_blocks: Callable[[str, Sequence[BlockKey], Sequence[Payload]], int],
+        import_blocks: Callable[[str, Sequence[BlockKey], Sequence[Verified]], int],
         namespaces: Sequence[str] = (),
     ) -> Iterator[PrewarmState]:
         """Fetch the hottest blocks of namespaces (all of them when none are named; ranked
@@ -400,17 +401,17 @@ class Remote:
         yield progress
 
     def _runs(self, ahead: Executor, namespace: str, keys: Sequence[BlockKey]
-              ) -> Iterator[list[tuple[BlockKey, Payload]]]:
+              ) -> Iterator[list[tuple[BlockKey, Verified]]]:
         """The hits among keys (fetched as fetch does), in order, in runs of about
         RUN_BYTES, with the next run's fetch already under way on ahead's thread while the
         caller copies this one into L2: the copies, and the first-touch page faults of a new
         daemon's L2, overlap Redis sending the next run, where fetching all first left them
         one after the other. The first run is one key; later ones are sized by the hits so
         far."""
-        def fetch(start: int, num_keys: int) -> tuple[int, list[Payload | None]]:
+        def fetch(start: int, num_keys: int) -> tuple[int, list[Verified | None]]:
             return start, self.fetch(namespace, keys[start : start + num_keys])
 
-        pending: Future[tuple[int, list[Payload | None]]] | None = (
+        pending: Future[tuple[int, list[Verified | None]]] | None = (
             ahead.submit(fetch, 0, 1) if keys else None)
         hit_bytes = hit_blocks = 0
         try:
@@ -468,11 +469,11 @@ class Remote:
             self.on_failure(f"L4 worker: {type(exc).__name__}: {exc}")
 
 
-def _groups(items: list[tuple[BlockKey, Payload]],
-            max_bytes: int) -> Iterator[list[tuple[BlockKey, Payload]]]:
+def _groups(items: list[tuple[BlockKey, Verified]],
+            max_bytes: int) -> Iterator[list[tuple[BlockKey, Verified]]]:
     """The items in order, cut into runs of at most max_bytes of payload; an item larger
     than that goes alone."""
-    group: list[tuple[BlockKey, Payload]] = []
+    group: list[tuple[BlockKey, Verified]] = []
     size = 0
     for item in items:
         if group and size + len(item[1]) > max_bytes:

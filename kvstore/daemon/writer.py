@@ -43,6 +43,7 @@ from kvstore.core.errors import (
 )
 from kvstore.core.placement import RoomStep
 from kvstore.core.records import CommitResult, PlannedBlock, PutSession, Reservation, StorePlan
+from kvstore.daemon.blockframe import Verified
 from kvstore.daemon.grantpages import PLACEHOLDER_PAGES, GrantPages
 from kvstore.daemon.storestate import StoreState
 from kvstore.extents import Extent
@@ -196,15 +197,17 @@ class Writer:
     def begin_put(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
         parent: bytes = b"", independent: bool = False, client: str = "",
+        hashed: bool = True,
     ) -> PutSession:
         """Plan an inline put: L2 pages for each key not stored yet, held until
         leases.reservation_timeout_s. Its bytes then come with write(), and commit() makes
-        them entries (or abort() gives the pages back)."""
+        them entries (or abort() gives the pages back). hashed=False: the bytes are not
+        hashed as they are written, and commit() is given their checksums."""
         plan_id, _, sizes, targets = self._plan(
             namespace, keys, sizes, parent, independent,
             self._state.config.leases.reservation_timeout_s, client,
         )
-        hashers = [xxhash.xxh3_64() if t is not None else None for t in targets]
+        hashers = [xxhash.xxh3_64() if t is not None and hashed else None for t in targets]
         return PutSession(plan_id, namespace, sizes, targets, hashers, sum(sizes))
 
     def write(self, session: PutSession, data: memoryview) -> None:
@@ -229,10 +232,11 @@ class Writer:
             i = session.block
             n = min(session.sizes[i] - session.block_offset, len(data) - done)
             targets, hasher = session.targets[i], session.hashers[i]
-            if targets is not None and hasher is not None:
+            if targets is not None:
                 chunk = data[done : done + n]
                 tier.write_at(targets, session.block_offset, chunk)
-                hasher.update(chunk)
+                if hasher is not None:
+                    hasher.update(chunk)
             done += n
             session.block_offset += n
             if session.block_offset == session.sizes[i]:
@@ -240,17 +244,22 @@ class Writer:
                 session.block_offset = 0
         session.received_bytes += len(data)
 
-    def commit(self, session: PutSession, to_remote: bool = True) -> CommitResult:
-        """Make the put's blocks entries, with the checksums hashed as they were written;
-        with to_remote they are also offered to L4. A put short of its bytes is aborted."""
+    def commit(self, session: PutSession, to_remote: bool = True,
+               checksums: Sequence[int] = ()) -> CommitResult:
+        """Make the put's blocks entries, with the checksums hashed as they were written
+        (or, for a put begun with hashed=False, the ones given, one per key); with
+        to_remote they are also offered to L4. A put short of its bytes is aborted."""
         if session.received_bytes != session.total_bytes:
             self.abort(session.plan_id)
             raise InvalidArgument(
                 f"data: received {session.received_bytes} bytes; sizes add up to "
                 f"{session.total_bytes}", field="data")
-        checksums = [h.intdigest() for h in session.hashers if h is not None]
+        if checksums:
+            sums = [c for c, t in zip(checksums, session.targets, strict=True) if t is not None]
+        else:
+            sums = [h.intdigest() for h in session.hashers if h is not None]
         written = sum(s for s, t in zip(session.sizes, session.targets, strict=True) if t)
-        return self._complete(session.plan_id, checksums, written, to_remote)
+        return self._complete(session.plan_id, sums, written, to_remote)
 
     def abort(self, plan_id: str) -> None:
         """Give back a plan's pages; a no-op for a plan already committed, aborted or expired."""
@@ -273,16 +282,20 @@ class Writer:
         return result
 
     def import_blocks(self, namespace: str, keys: Sequence[BlockKey],
-                      payloads: Sequence[bytes | memoryview]) -> int:
+                      blocks: Sequence[Verified]) -> int:
         """Store blocks fetched from L4 in L2 (as unrelated blocks: L4 keeps no chains), not
-        offered back to L4; returns how many were new here."""
+        offered back to L4; returns how many were new here. Their bytes were checked against
+        their checksums when their frames were decoded, so they are copied, not hashed
+        again."""
         if not keys:
             return 0
-        session = self.begin_put(namespace, keys, [len(p) for p in payloads], independent=True)
+        session = self.begin_put(namespace, keys, [len(b) for b in blocks], independent=True,
+                                 hashed=False)
         try:
-            for payload in payloads:
-                self.write(session, memoryview(payload))
-            stored = self.commit(session, to_remote=False).stored
+            for block in blocks:
+                self.write(session, memoryview(block.data))
+            stored = self.commit(session, to_remote=False,
+                                 checksums=[b.checksum for b in blocks]).stored
         finally:
             self.abort(session.plan_id)  # a no-op once committed
         self._state.stats[Tier.DRAM].promotions += stored

@@ -22,6 +22,7 @@ from kvstore.daemon.blockframe import (
     VERSION,
     FrameError,
     decode,
+    decode_verified,
     decode_view,
     encode,
     encode_parts,
@@ -254,6 +255,18 @@ def test_decode_view_of_a_compressed_frame_is_its_payload(name: str) -> None:
     frame = frames_by_codec()[name]
     assert codec_of(frame) != CODEC_RAW
     assert decode_view(frame) == decode(frame) == bf16_values(1024)
+
+
+@pytest.mark.parametrize("name", ["raw", "lz4", "lz4_shuffle2"])
+def test_decode_verified_keeps_the_checksum_the_payload_matched(name: str) -> None:
+    frame = frames_by_codec()[name]
+    got = decode_verified(frame)
+    assert got.data == bf16_values(1024) and len(got) == len(got.data)
+    assert got.checksum == xxhash.xxh3_64_intdigest(bf16_values(1024)) == frame_checksum(frame)
+    damaged = bytearray(frame)
+    damaged[-1] ^= 0x01
+    with pytest.raises(FrameError):
+        decode_verified(bytes(damaged))
 
 
 def test_short_frame_says_truncated() -> None:
