@@ -34,7 +34,12 @@ Exit status:
   3  every script ended ok, but a figure missed its target or has a target the runner does not
      understand (a full run, or a --quick run with --strict).
 
-    python bench/run_all.py [--only NAME ...] [--quick] [--strict] [--out DIR]
+By default the scripts run one at a time, each alone on the machine, as a measurement wants.
+--jobs N runs up to N at once (each still in suite order of starting, the report in suite
+order): for a run that checks the scripts rather than measures, such as the test suite's one
+quick run (tests/e2e/bench_run.py), which otherwise kept a core idle while tests waited on it.
+
+    python bench/run_all.py [--only NAME ...] [--quick] [--strict] [--jobs N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -326,26 +332,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true",
                         help="with --quick: exit 3 when a figure missed its target, as a "
                              "full run does")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="run up to N scripts at once (default 1: each alone; more for "
+                             "a run that checks the scripts rather than measures)")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     gpu = cuda_available()
     suite = [s for s in SUITE if (not args.only or s.name in args.only) and (gpu or not s.gpu)]
-    return run_suite(suite, args.quick, args.strict, args.out, gpu)
+    return run_suite(suite, args.quick, args.strict, args.out, gpu, args.jobs)
 
 
 def run_suite(suite: list[Script], quick: bool, strict: bool, out: Path,
-              gpu: bool = False) -> int:
-    """Run the scripts in turn, write the JSON and Markdown reports and the plots under
-    out, and return the runner's exit status."""
+              gpu: bool = False, jobs: int = 1) -> int:
+    """Run the scripts, up to `jobs` at once (started in suite order; each one's figure lines
+    print as it ends), write the JSON and Markdown reports (in suite order) and the plots
+    under out, and return the runner's exit status."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%MZ")
     start = time.monotonic()
-    outcomes = []
-    for script, files in zip(suite, files_of(suite, out / stamp), strict=True):
-        outcome = run_script(script, quick, files)
-        for figure in outcome.figures.values():
-            print(figure["line"], flush=True)
-        print(f"# {script.name}: {outcome.status} in {outcome.seconds:.0f} s", flush=True)
-        outcomes.append(outcome)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        running = [pool.submit(run_script, script, quick, files)
+                   for script, files in zip(suite, files_of(suite, out / stamp), strict=True)]
+        for done in as_completed(running):
+            outcome = done.result()
+            for figure in outcome.figures.values():
+                print(figure["line"], flush=True)
+            print(f"# {outcome.script}: {outcome.status} in {outcome.seconds:.0f} s",
+                  flush=True)
+        outcomes = [run.result() for run in running]
     total_s = time.monotonic() - start
     status = exit_status(outcomes, quick, strict)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ reads what its script printed and its JSON report from the files the runner keep
 report (<out>/<date>/<script>.out, .err and .json). No script runs twice in a session.
 
 The run starts in the background as the session's tests start (`start`), so the other tests
-run meanwhile instead of waiting behind it; a smoke test waits for it to end (`wait`). Under
+run meanwhile instead of waiting behind it, and runs two scripts at once (JOBS); a smoke test
+waits for it to end (`wait`). Under
 pytest-xdist every worker tries to start it, in a folder all workers of the session share:
 the first to claim the folder starts it, and every worker reads the same files. This module
 is also what runs in the background (`python -m tests.e2e.bench_run FOLDER SCRIPT...`): it
@@ -34,6 +35,10 @@ from tests.conftest import REPO
 
 #: What the runner may take beyond the sum of its scripts' time limits (its start, the plots).
 RUNNER_SLACK_S = 120
+#: Scripts the shared run runs at once (run_all --jobs). One at a time, the run was the
+#: session's last thing to end: the workers, done with every other test, waited on it with a
+#: core idle. Its figures are smoke sizes, checked rather than measured, so two may share.
+JOBS = 2
 
 
 def run_all_module() -> ModuleType:
@@ -164,7 +169,7 @@ def _run(folder: Path, scripts: list[str]) -> dict[str, Any]:
     try:
         proc = subprocess.run(
             [sys.executable, str(REPO / "bench" / "run_all.py"), *only, "--quick",
-             "--out", str(folder / "results")],
+             "--jobs", str(JOBS), "--out", str(folder / "results")],
             cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         return {"error": f"bench/run_all.py ran past {timeout_s} s: {exc.stdout!r}"}

@@ -284,3 +284,57 @@ def test_the_help_documents_the_exit_status() -> None:
     assert "Exit status:" in proc.stdout and "--strict" in proc.stdout
     for code in ("0  every script ran", "1  a script failed", "3  every script ended ok"):
         assert code in proc.stdout
+
+
+OVERLAP_SCRIPT = """
+    import argparse, sys, time
+    from pathlib import Path
+    sys.path.insert(0, {bench!r})
+    from figures import Figure, run_main
+
+    def run(args):
+        (args.folder / args.me).touch()
+        deadline = time.monotonic() + 30
+        while not (args.folder / args.other).exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"{{args.me}} ran alone: {{args.other}} never started")
+            time.sleep(0.05)
+        time.sleep(args.linger)
+        return [Figure(f"{{args.me}}_ran", 1.0, "nothing", 1.0, "ratio")], {{}}
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("me")
+    parser.add_argument("other")
+    parser.add_argument("linger", type=float)
+    parser.add_argument("--json", type=Path)
+    sys.exit(run_main(parser.parse_args(), run))
+"""
+
+
+def test_jobs_run_scripts_at_once_and_report_them_in_suite_order(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Each script waits until the other has started: only a run of both at once ends ok.
+    source = tmp_path / "overlap_bench.py"
+    source.write_text(textwrap.dedent(OVERLAP_SCRIPT.format(bench=str(REPO / "bench"))))
+    run_all = run_all_module()
+    first, second = (run_all.Script(me, args=(str(tmp_path), me, other, linger),
+                                    quick_args=(str(tmp_path), me, other, linger),
+                                    timeout_s=60, source=str(source))
+                     for me, other, linger in (("first", "second", "1.0"),
+                                               ("second", "first", "0")))
+    out = tmp_path / "out"
+    assert run_all.run_suite([first, second], quick=True, strict=False, out=out, jobs=2) == 0
+    # The second ended first and printed first; the report keeps the suite's order.
+    printed = capsys.readouterr().out
+    assert printed.index("# second: ok") < printed.index("# first: ok"), printed
+    [report] = out.glob("*.json")
+    scripts = json.loads(report.read_text())["scripts"]
+    assert [(s["script"], s["status"], list(s["figures"])) for s in scripts] == [
+        ("first", "ok", ["first_ran"]), ("second", "ok", ["second_ran"])]
+
+
+def test_jobs_below_one_are_refused_naming_the_flag() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "run_all.py"), "--jobs", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2 and "--jobs must be at least 1, got 0" in proc.stderr, proc
