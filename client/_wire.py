@@ -88,6 +88,8 @@ def check_namespace_arg(namespace: str, field: str) -> str:
 
 def check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
     """keys as a list of 32-byte `bytes`, else InvalidArgument naming the bad entry."""
+    if type(keys) is list and key_rules.all_keys(keys):  # the usual case, with no wrapping
+        return keys
     # list[BlockKey] is a list[bytes]; the cast only undoes list invariance.
     return cast(list[bytes], _checked(lambda: key_rules.check_keys(keys, field)))
 
