@@ -46,7 +46,7 @@ from kvstore.readtable import (
     TableView,
     namespace_hash,
     offsets_of,
-    tiers_of,
+    tier_bytes,
 )
 
 from ._buffers import ByteArray, address, copy_bytes, native_lib, native_module
@@ -69,7 +69,34 @@ _IO_ROWS = 8
 _REJECTED = -2
 
 Post = Callable[[int, Any], bool]  # (verb, request) -> whether it was sent
-_TIER_NAMES = np.array([TIER_NAMES.get(t) for t in range(256)], dtype=object)
+# Each tier number's name (None: not a tier), indexed by a location word's low byte.
+_TIER_NAMES: list[str | None] = [TIER_NAMES.get(t) for t in range(256)]
+#: Keys a lookup's native probe writes into rows kept for the thread (_ProbeRows); a longer
+#: lookup gets rows of its own, so that no thread keeps more than 128 KiB of them.
+PROBE_ROWS_KEPT = 4096
+
+
+class _ProbeRows(threading.local):
+    """Per thread: the rows kv_probe writes (slot, version, location and length, a u64 each
+    per key), kept from one lookup to the next with their addresses: a fresh array and its
+    address cost about a microsecond a lookup. A lookup reads them before it returns, and a
+    thread runs one lookup at a time, so no two lookups share them."""
+
+    def __init__(self) -> None:
+        self.rows = np.empty((4, PROBE_ROWS_KEPT), dtype=np.uint64)
+        at = self.rows.ctypes.data
+        self.at = tuple(at + 8 * PROBE_ROWS_KEPT * row for row in range(4))
+
+    def take(self, n: int) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Rows for n keys and their four addresses."""
+        if n <= PROBE_ROWS_KEPT:
+            return self.rows, self.at
+        rows = np.empty((4, n), dtype=np.uint64)
+        at = rows.ctypes.data
+        return rows, tuple(at + 8 * n * row for row in range(4))
+
+
+_PROBE_ROWS = _ProbeRows()
 
 
 class MappedTable:
@@ -118,19 +145,27 @@ class Reports:
     def looked(self, namespace: str, found: int, block_tokens: int, post: Post | None) -> None:
         """A lookup found its first `found` keys through the table."""
         if found:
+            now = self._clock()
             with self._lock:
                 key = (namespace, block_tokens)
                 self._found[key] = self._found.get(key, 0) + found
-            self._added(post)
+                due = self._due(now)
+            if due and post is not None:
+                self.flush(post)
 
     def _added(self, post: Post | None) -> None:
         now = self._clock()
         with self._lock:
-            if self._since is None:
-                self._since = now
-            due = self._count >= REPORT_KEYS or now - self._since >= REPORT_EVERY_S
+            due = self._due(now)
         if due and post is not None:
             self.flush(post)
+
+    def _due(self, now: float) -> bool:
+        """Whether what is pending is due to be sent, now that more was added. Under the
+        lock."""
+        if self._since is None:
+            self._since = now
+        return self._count >= REPORT_KEYS or now - self._since >= REPORT_EVERY_S
 
     @property
     def pending(self) -> bool:
@@ -202,22 +237,20 @@ class TableReads:
         """(how many keys from the first the table shows, their tiers' names); None when
         the keys cannot be probed (not all 32 bytes)."""
         lib = native_lib()
+        numbers: bytes | None
         if lib is not None:
-            locs = self._probe_native(lib, namespace, keys)
-            if locs is None:
-                return None
+            numbers = self._probe_native(lib, namespace, keys)
         else:
             probe = self.table.view.probe(namespace_hash(namespace), keys)
-            if probe is None:
-                return None
-            locs = probe.locs[:probe.prefix()]
-        found = len(locs)
-        numbers = tiers_of(locs)
+            numbers = None if probe is None else tier_bytes(probe.locs[:probe.prefix()])
+        if numbers is None:
+            return None
+        found = len(numbers)
         tiers: list[str | None]
-        if found and (numbers == numbers[0]).all():  # one tier (the usual): no object array
-            tiers = [TIER_NAMES.get(int(numbers[0]))] * found
+        if found and numbers.count(numbers[:1]) == found:  # one tier (the usual): one name
+            tiers = [_TIER_NAMES[numbers[0]]] * found
         else:
-            tiers = _TIER_NAMES.take(numbers).tolist()
+            tiers = list(map(_TIER_NAMES.__getitem__, numbers))
         self.reports.looked(namespace, found, block_tokens, post)
         return found, tiers
 
@@ -257,19 +290,19 @@ class TableReads:
         return out
 
     def _probe_native(self, lib: ctypes.CDLL, namespace: str,
-                      keys: Sequence[bytes]) -> np.ndarray | None:
-        """The location words of the keys the table shows from the first on, probed in one
-        native call (kvstore/native fastcopy.c kv_probe); None as TableView.probe says."""
+                      keys: Sequence[bytes]) -> bytes | None:
+        """The tier numbers (tier_bytes) of the keys the table shows from the first on,
+        probed in one native call (kvstore/native fastcopy.c kv_probe); None as
+        TableView.probe says."""
         n = len(keys)
         joined = b"".join(keys)
         if len(joined) != KEY_BYTES * n or not self.table.view.live:
             return None
-        rows = np.empty((4, n), dtype=np.uint64)  # slot, version, location, length; no sums
-        at, args = rows.ctypes.data, self._table_args()
+        rows, (slot, version, loc, length) = _PROBE_ROWS.take(n)  # no sums: not read
+        args = self._table_args()
         found = lib.kv_probe(args.table, args.params, namespace_hash(namespace), joined, n,
-                             at, at + 8 * n, at + 16 * n, at + 24 * n, None)
-        locs: np.ndarray = rows[2, :found]
-        return locs
+                             slot, version, loc, length, None)
+        return tier_bytes(rows[2, :found])
 
     def _read_native(self, lib: ctypes.CDLL, namespace: str, keys: Sequence[bytes],
                      arrays: Sequence[ByteArray], verify: bool, post: Post | None) -> list[Any]:

@@ -340,6 +340,12 @@ def tiers_of(locs: np.ndarray) -> np.ndarray:
     return out
 
 
+def tier_bytes(locs: np.ndarray) -> bytes:
+    """The tier numbers in location words, one byte each (a location word's low byte is its
+    tier): what a lookup names its tiers from, with no array of Python ints made."""
+    return locs.astype(np.uint8).tobytes()
+
+
 def offsets_of(locs: np.ndarray) -> np.ndarray:
     """The arena offsets in location words."""
     out: np.ndarray = (locs >> np.uint64(8)).astype(np.int64)
