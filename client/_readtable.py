@@ -233,15 +233,17 @@ class TableReads:
         self._native: Any = None  # the table's constants for the native helper (_table_args)
 
     def lookup(self, namespace: str, keys: Sequence[bytes], block_tokens: int,
-               post: Post | None) -> tuple[int, list[str | None]] | None:
+               post: Post | None, joined: bytes | None = None
+               ) -> tuple[int, list[str | None]] | None:
         """(how many keys from the first the table shows, their tiers' names); None when
-        the keys cannot be probed (not all 32 bytes)."""
+        the keys cannot be probed (not all 32 bytes). joined: the keys back to back when the
+        caller has them (client/_wire.py check_keys_joined), else they are joined here."""
         lib = native_lib()
         numbers: bytes | None
         if lib is not None:
-            numbers = self._probe_native(lib, namespace, keys)
+            numbers = self._probe_native(lib, namespace, keys, joined)
         else:
-            probe = self.table.view.probe(namespace_hash(namespace), keys)
+            probe = self.table.view.probe(namespace_hash(namespace), keys, joined)
             numbers = None if probe is None else tier_bytes(probe.locs[:probe.prefix()])
         if numbers is None:
             return None
@@ -289,13 +291,14 @@ class TableReads:
         self.reports.read(namespace, read, post)
         return out
 
-    def _probe_native(self, lib: ctypes.CDLL, namespace: str,
-                      keys: Sequence[bytes]) -> bytes | None:
+    def _probe_native(self, lib: ctypes.CDLL, namespace: str, keys: Sequence[bytes],
+                      joined: bytes | None) -> bytes | None:
         """The tier numbers (tier_bytes) of the keys the table shows from the first on,
         probed in one native call (kvstore/native fastcopy.c kv_probe); None as
         TableView.probe says."""
         n = len(keys)
-        joined = b"".join(keys)
+        if joined is None:
+            joined = b"".join(keys)
         if len(joined) != KEY_BYTES * n or not self.table.view.live:
             return None
         rows, (slot, version, loc, length) = _PROBE_ROWS.take(n)  # no sums: not read

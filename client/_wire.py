@@ -94,6 +94,17 @@ def check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
     return cast(list[bytes], _checked(lambda: key_rules.check_keys(keys, field)))
 
 
+def check_keys_joined(keys: Sequence[bytes], field: str = "keys") -> tuple[list[bytes], bytes]:
+    """check_keys, and the keys back to back (for a probe of the read table, which would
+    join them again otherwise)."""
+    if type(keys) is list:
+        joined = key_rules.joined_keys(keys)
+        if joined is not None:  # the usual case: checked by the join
+            return keys, joined
+    key_list = check_keys(keys, field)
+    return key_list, b"".join(key_list)
+
+
 def check_key(key: bytes, field: str) -> BlockKey:
     """One 32-byte key (parent, ...), else InvalidArgument naming field."""
     return _checked(lambda: key_rules.check_key(key, field))

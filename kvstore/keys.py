@@ -69,7 +69,13 @@ def check_keys(keys: Sequence[object], field: str = "keys") -> list[BlockKey]:
 
 def all_keys(items: Sequence[object]) -> bool:
     """Whether every item is a 32-byte `bytes`, checked at C speed (a 1,024-key Lookup is
-    latency-critical); callers check item by item only to name the bad one.
+    latency-critical); callers check item by item only to name the bad one. See joined_keys."""
+    return joined_keys(items) is not None
+
+
+def joined_keys(items: Sequence[object]) -> bytes | None:
+    """The items back to back when every one is a 32-byte `bytes` (what a probe of the read
+    table takes), else None; callers check item by item only to name the bad one.
 
     One pass over the items and one join, not a type and a length per item: `bytes.__sizeof__`
     (the method of `bytes` itself, which a subclass cannot override here) raises TypeError
@@ -83,10 +89,11 @@ def all_keys(items: Sequence[object]) -> bool:
     n = len(items)
     try:
         if list(map(_SIZEOF, items)).count(_KEY_SIZEOF) != n:
-            return False
+            return None
     except TypeError:  # not a bytes: the caller's item-by-item check names it
-        return False
-    return len(b"".join(items)) == KEY_BYTES * n  # type: ignore[arg-type]
+        return None
+    joined = b"".join(items)  # type: ignore[arg-type]
+    return joined if len(joined) == KEY_BYTES * n else None
 
 
 def namespace_root(namespace: str) -> BlockKey:

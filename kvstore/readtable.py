@@ -283,10 +283,12 @@ class TableView:
         self.params = (capacity, int(self._shift), *(int(m) for m in self._dot),
                        self._ns_mult, int(self._mix))
 
-    def probe(self, ns: int, keys: Sequence[bytes]) -> Probe | None:
+    def probe(self, ns: int, keys: Sequence[bytes], joined: bytes | None = None) -> Probe | None:
         """Every key's slot, probed at once; None when the keys are not all 32 bytes, or
-        the table is retired (ask the daemon)."""
-        joined = b"".join(keys)
+        the table is retired (ask the daemon). joined: the keys back to back, when the
+        caller has them."""
+        if joined is None:
+            joined = b"".join(keys)
         if len(joined) != KEY_BYTES * len(keys) or not self.live:
             return None
         words = np.frombuffer(joined, _U64).reshape(-1, 4)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from kvstore.client._wire import check_keys as client_check_keys
+from kvstore.client._wire import check_keys_joined
 from kvstore.client.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES, InvalidKeyError, all_keys, check_keys
+from kvstore.keys import KEY_BYTES, InvalidKeyError, all_keys, check_keys, joined_keys
 
 
 class WithDict(bytes):
@@ -34,6 +35,21 @@ def test_a_list_of_keys_is_taken_as_it_is() -> None:
     assert check_keys(ks) is ks
     assert client_check_keys(ks) is ks
     assert check_keys([]) == [] and client_check_keys([]) == []
+    assert joined_keys(ks) == b"".join(ks) and joined_keys([]) == b""
+    checked, joined = check_keys_joined(ks)
+    assert checked is ks and joined == b"".join(ks)
+    assert check_keys_joined([]) == ([], b"")
+
+
+def test_keys_joined_after_a_conversion_are_the_converted_ones() -> None:
+    ks = keys(3)
+    checked, joined = check_keys_joined((bytearray(ks[0]), memoryview(ks[1]), ks[2]))
+    assert checked == ks and [type(k) for k in checked] == [bytes] * 3
+    assert joined == b"".join(ks)
+    with pytest.raises(InvalidArgument, match=r"^prefix\[1\] is 31 bytes"):
+        check_keys_joined([ks[0], ks[1][:31]], "prefix")
+    assert joined_keys([ks[0], ks[1][:31], ks[1][31:] + ks[2]]) is None
+    assert joined_keys([ks[0], bytearray(ks[1])]) is None
 
 
 @pytest.mark.parametrize(("bad", "name"), [
@@ -47,7 +63,7 @@ def test_a_list_of_keys_is_taken_as_it_is() -> None:
 ])
 def test_a_bad_key_is_named_by_its_index(bad: object, name: str) -> None:
     ks: list[object] = [*keys(5), bad, *keys(2)]
-    assert not all_keys(ks)
+    assert not all_keys(ks) and joined_keys(ks) is None
     with pytest.raises(InvalidKeyError, match=rf"^keys\[5\] {name}"):
         check_keys(ks)
     with pytest.raises(InvalidArgument, match=rf"^keys\[5\] {name}"):

@@ -91,6 +91,16 @@ def test_a_cached_chain_is_found_whole_with_its_tier(helper: str, table: Table) 
     assert table.reads.reports.pending  # the lookup's count waits to be reported
 
 
+def test_keys_joined_by_the_caller_are_probed_as_given(helper: str, table: Table) -> None:
+    ks = keys(40)
+    table.put(ks[:30])
+    joined = b"".join(ks)
+    assert table.reads.lookup(NAMESPACE, ks, 16, None, joined) == (30, [TIER_NAMES[DRAM]] * 30)
+    # The probe reads the joined bytes, not the list: a caller's join is what it answers.
+    others = b"".join(keys(40, salt="never put"))
+    assert table.reads.lookup(NAMESPACE, ks, 16, None, others) == (0, [])
+
+
 def test_the_prefix_stops_at_the_first_key_the_table_does_not_show(helper: str,
                                                                     table: Table) -> None:
     ks = keys(50)
