@@ -50,6 +50,7 @@ from ._wire import (
     InlineAssembler,
     check_client_args,
     check_keys,
+    check_keys_joined,
     chunk_of,
     decode_get_response,
     finish_get,
@@ -562,14 +563,14 @@ class ClientBase(ABC):
     def _lookup_steps(self, keys: Sequence[BlockKey],
                       block_tokens: int) -> Steps[res.LookupResult]:
         self._raise_posted()
-        key_list = check_keys(keys)
+        key_list, joined = check_keys_joined(keys)  # the join: the table's probe reads it
         if not key_list:
             return res.LookupResult(prefix_length=0, tiers=[])
         tables = self._shm.tables if self._shm.read_table else None
         if tables is None:
             return (yield from self._lookup_asked(key_list, block_tokens))
         local = yield Offload(partial(tables.lookup, self.namespace, key_list, block_tokens,
-                                      self._shm.report_post()))
+                                      self._shm.report_post(), joined))
         if local is None:
             return (yield from self._lookup_asked(key_list, block_tokens))
         found, tiers = local
