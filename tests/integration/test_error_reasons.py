@@ -80,8 +80,13 @@ def expect(call: Callable[[], object], code: grpc.StatusCode, reason: str,
 
 
 def shared_get(stub: rpc.KVStoreStub, keys: list[bytes]) -> pb.GetResponse:
-    return next(stub.Get(pb.GetRequest(namespace=NS, keys=keys,
-                                       mode=pb.GET_MODE_SHARED_MEMORY), timeout=10))
+    """The reply of a SHARED_MEMORY Get, read to the stream's end: the daemon then holds no
+    stream for it (reading only the first message left the stream open a moment, and the
+    next call on the connection could find it still counted: TOO_MANY_STREAMS)."""
+    replies = list(stub.Get(pb.GetRequest(namespace=NS, keys=keys,
+                                          mode=pb.GET_MODE_SHARED_MEMORY), timeout=10))
+    assert len(replies) == 1, replies
+    return replies[0]
 
 
 @pytest.fixture
