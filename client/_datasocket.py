@@ -42,7 +42,7 @@ from kvstore.proto.dataframe import (
     advanced,
 )
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.proto.localframe import CLOSING, REPLY, REQUEST
+from kvstore.proto.localframe import REQUEST
 
 from ._attach import FetchAttach, TicketKeeper
 from ._buffers import ByteArray
@@ -294,7 +294,7 @@ class DataSocket(LocalPath):
                 digests.append(hasher.intdigest())
             if arrays is None:
                 payloads.append(bytes(target))
-        trailer = _exact(session, 1)[0]
+        trailer = session.read(1)[0]
         if trailer == TRAILER_VOID:
             raise _DaemonError(EntryVanished(
                 "the daemon's lease on the blocks ended while it sent them; ask again"))
@@ -359,20 +359,12 @@ class _DaemonError(Exception):
 
 
 def _reply(session: _Session) -> bytes:
-    """The next reply's message; a daemon error raised (_DaemonError), the closing flag
-    kept on the session."""
-    length, status, flags = REPLY.unpack(_exact(session, REPLY.size))
-    body = _exact(session, length) if length else b""
-    session.closing = session.closing or bool(flags & CLOSING)
+    """The next reply's message, read as the local path reads one (the closing flag kept on
+    the session); a daemon error raised (_DaemonError)."""
+    status, body = session.next_reply()
     if status:
         raise _DaemonError(_error(status, body))
     return body
-
-
-def _exact(session: _Session, n: int) -> bytes:
-    buffer = bytearray(n)
-    _fill(session, memoryview(buffer))
-    return bytes(buffer)
 
 
 def _fill(session: _Session, view: memoryview, hasher: Any = None) -> None:

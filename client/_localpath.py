@@ -135,7 +135,7 @@ class _Session:
     def receive(self) -> tuple[int, bytes]:
         """(status, body) of the next reply not posted; an error's body is raised."""
         while True:
-            status, body = self._next_reply()
+            status, body = self.next_reply()
             if not self.waiting:
                 return status, body
             self._hand_on(status, body)
@@ -143,11 +143,13 @@ class _Session:
     def settle(self) -> None:
         """Read the replies of every posted request and hand them on."""
         while self.waiting:
-            self._hand_on(*self._next_reply())
+            self._hand_on(*self.next_reply())
 
-    def _next_reply(self) -> tuple[int, bytes]:
+    def next_reply(self) -> tuple[int, bytes]:
+        """(status, body) of the next reply on the socket, posted or not; its closing flag
+        kept on the session."""
         length, status, flags = REPLY.unpack(self._read_into(self._head))
-        body = self._read(length)
+        body = self.read(length)
         self.closing = self.closing or bool(flags & CLOSING)
         return status, body
 
@@ -186,7 +188,8 @@ class _Session:
                 self.reply_bytes += k
         return buffer
 
-    def _read(self, n: int) -> bytes:
+    def read(self, n: int) -> bytes:
+        """The next n bytes of the socket (ConnectionError when the daemon closed it)."""
         return bytes(self._read_into(bytearray(n))) if n else b""
 
     def close(self) -> None:
