@@ -54,14 +54,15 @@ from kvstore.proto.localframe import (
     COMMIT,
     GET,
     LOOKUP,
+    NO_REPLY,
     RELEASE,
     REPLY,
     REQUEST,
     RESERVE,
+    TABLES_OPTION,
     VERB_NAMES,
     hello,
 )
-from kvstore.readtable import NO_REPLY, TABLES_OPTION
 
 from ._attach import TicketKeeper, connect
 from ._pause import (

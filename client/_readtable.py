@@ -38,11 +38,8 @@ import xxhash
 
 from kvstore.keys import KEY_BYTES
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.proto.localframe import REQUEST
+from kvstore.proto.localframe import LOOKED, LOOKUPS_READ, READS, REQUEST
 from kvstore.readtable import (
-    LOOKED,
-    LOOKUPS_READ,
-    READS,
     TableView,
     namespace_hash,
     offsets_of,
@@ -208,10 +205,10 @@ class Reports:
 
 
 class _Looked:
-    """Verb 7's body (kvstore.readtable.LOOKED and the namespace), as a message is posted."""
+    """Verb 7's body (localframe.LOOKED and the namespace), as a message is posted."""
 
     def __init__(self, found: int, block_tokens: int, namespace: str) -> None:
-        self._body = LOOKED.pack(found, block_tokens) + namespace.encode("utf-8")
+        self._body: bytes = LOOKED.pack(found, block_tokens) + namespace.encode("utf-8")
 
     def SerializeToString(self) -> bytes:  # noqa: N802 (posted as the protobuf messages are)
         return self._body

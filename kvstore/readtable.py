@@ -42,16 +42,6 @@ import xxhash
 
 from kvstore.keys import KEY_BYTES
 
-# The local path's verbs for reports (kvstore/proto/localframe.py has the others): the
-# daemon sends no reply, so a client posts them and never waits.
-READS = 6  #: a LookupRequest of keys read through the table: touched, counted as hits
-LOOKUPS_READ = 7  #: how many keys Lookups found through the table: prefix hits (LOOKED)
-NO_REPLY = frozenset({READS, LOOKUPS_READ})
-TABLES_OPTION = "tables"  #: `HOT <ticket> tables`: the handshake's answer carries the tables
-#: Verb 7's body, not a protobuf: the keys found (u64) and the tokens each covers (u32),
-#: then the namespace in UTF-8. Only counts: a lookup's keys are not needed to count it.
-LOOKED = struct.Struct("<QI")
-
 MAGIC = 0x3130_5442_5452_564B  # b"KVRTBT01" read as a little-endian u64
 HEADER_BYTES = 4096  # the slots start on their own page
 SLOT_WORDS = 8

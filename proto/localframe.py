@@ -41,12 +41,22 @@ REPLY = struct.Struct("<IBB")  #: length, status, flags
 CLOSING = 1  #: flags bit 0: the daemon ends the session after this reply
 STATUS_BODY = 2  #: flags bit 1: the error reply's bytes are a serialized google.rpc.Status
 
+# The read table's reports (docs/local-path.md, "Reads through the table"): the daemon sends
+# no reply, so a client posts them and never waits.
+READS = 6  #: a LookupRequest of keys read through the table: touched, counted as hits
+LOOKUPS_READ = 7  #: how many keys Lookups found through the table: prefix hits (LOOKED)
+NO_REPLY = frozenset({READS, LOOKUPS_READ})
+#: Verb 7's body, not a protobuf: the keys found (u64) and the tokens each covers (u32),
+#: then the namespace in UTF-8. Only counts: a lookup's keys are not needed to count it.
+LOOKED = struct.Struct("<QI")
+
 HELLO = "HOT"  #: the handshake line's first word
+TABLES_OPTION = "tables"  #: `HOT <ticket> tables`: the handshake's answer carries the tables
 
 
 def hello(ticket: str, *options: str) -> bytes:
     """The handshake line that opens a session with ticket ("-" with auth off), asking for
-    options (kvstore.readtable.TABLES_OPTION: the read tables with the answer)."""
+    options (TABLES_OPTION: the read tables with the answer)."""
     return " ".join((HELLO, ticket, *options)).encode() + b"\n"
 
 # --- grants: puts that never wait (docs/local-path.md, "Puts from a grant") ----------------

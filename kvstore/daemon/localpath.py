@@ -75,17 +75,21 @@ from kvstore.proto.localframe import (
     GRANT_REQUEST,
     HAS_PARENT,
     INDEPENDENT,
+    LOOKED,
     LOOKUP,
+    LOOKUPS_READ,
+    NO_REPLY,
     PAGE_NUMBER,
+    READS,
     RELEASE,
     REPLY,
     REQUEST,
     RESERVE,
     STATUS_BODY,
+    TABLES_OPTION,
     VERB_NAMES,
     VERSION,
 )
-from kvstore.readtable import LOOKED, LOOKUPS_READ, NO_REPLY, READS, TABLES_OPTION
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +195,7 @@ def _granted_commit(body: bytes) -> GrantedCommit | Undecodable:
 
 
 def _looked(body: bytes) -> tuple[int, int, str] | Undecodable:
-    """Verb 7's body (kvstore.readtable.LOOKED, then the namespace): keys found, tokens each
+    """Verb 7's body (localframe.LOOKED, then the namespace): keys found, tokens each
     covers, namespace."""
     if len(body) < LOOKED.size:
         return Undecodable(f"a lookups report is {LOOKED.size} bytes and a namespace; got "

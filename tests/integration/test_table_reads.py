@@ -28,8 +28,8 @@ from kvstore.client import KVStoreClient
 from kvstore.client._readtable import TableReads
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
-from kvstore.proto.localframe import LOOKUP
-from kvstore.readtable import READS, TableView, namespace_hash
+from kvstore.proto.localframe import LOOKUP, READS
+from kvstore.readtable import TableView, namespace_hash
 from kvstore.tools.testing import Daemon
 from tests.helpers import keys, metric
 from tests.integration.test_auth import A_NS, B_NS, TOKENS, md
