@@ -132,12 +132,15 @@ class Reports:
         """Keys read through the table; what is due is sent with post (None: the local path
         is off, so they wait)."""
         if keys:
+            now = self._clock()
             with self._lock:
                 self._reads.setdefault(namespace, []).extend(keys)
                 self._count += len(keys)
                 if self._count > MAX_PENDING_KEYS:
                     self._trim()
-            self._added(post)
+                due = self._due(now)
+            if due and post is not None:
+                self.flush(post)
 
     def looked(self, namespace: str, found: int, block_tokens: int, post: Post | None) -> None:
         """A lookup found its first `found` keys through the table."""
@@ -149,13 +152,6 @@ class Reports:
                 due = self._due(now)
             if due and post is not None:
                 self.flush(post)
-
-    def _added(self, post: Post | None) -> None:
-        now = self._clock()
-        with self._lock:
-            due = self._due(now)
-        if due and post is not None:
-            self.flush(post)
 
     def _due(self, now: float) -> bool:
         """Whether what is pending is due to be sent, now that more was added. Under the

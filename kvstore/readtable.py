@@ -326,12 +326,6 @@ class TableView:
         return Probe(np.where(ok, slots, -1), before, locs, rows[:, W_LENGTH], sums)
 
 
-def tiers_of(locs: np.ndarray) -> np.ndarray:
-    """The tier numbers in location words."""
-    out: np.ndarray = (locs & np.uint64(0xFF)).astype(np.intp)
-    return out
-
-
 def tier_bytes(locs: np.ndarray) -> bytes:
     """The tier numbers in location words, one byte each (a location word's low byte is its
     tier): what a lookup names its tiers from, with no array of Python ints made."""

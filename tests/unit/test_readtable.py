@@ -24,7 +24,7 @@ from kvstore.readtable import (
     namespace_hash,
     offsets_of,
     table_bytes,
-    tiers_of,
+    tier_bytes,
 )
 
 NS = namespace_hash("team-a/llama")
@@ -55,7 +55,7 @@ def test_every_key_put_is_found_with_its_record_and_the_prefix_stops_at_a_miss()
     assert offsets_of(probe.locs).tolist() == [i * 65536 for i in range(400)]
     assert probe.lengths.tolist() == [1000 + i for i in range(400)]
     assert probe.sums.tolist() == [0xABC000 + i for i in range(400)]
-    assert set(tiers_of(probe.locs).tolist()) == {2}
+    assert set(tier_bytes(probe.locs)) == {2}
     writer.remove((NS, ks[7]))
     again = view.probe(NS, ks)
     assert again is not None and again.prefix() == 7
