@@ -8,11 +8,11 @@ report (<out>/<date>/<script>.out, .err and .json). No script runs twice in a se
 
 The run starts in the background as the session's tests start (`start`), so the other tests
 run meanwhile instead of waiting behind it, and runs two scripts at once (JOBS); a smoke test
-waits for it to end (`wait`). Under
-pytest-xdist every worker tries to start it, in a folder all workers of the session share:
-the first to claim the folder starts it, and every worker reads the same files. This module
-is also what runs in the background (`python -m tests.e2e.bench_run FOLDER SCRIPT...`): it
-runs the runner and writes how it ended to FOLDER/run.json.
+waits for it to end (`wait`). Under pytest-xdist every worker tries to start it, in a folder
+all workers of the session share: the first to claim the folder starts it, and every worker
+reads the same files. This module is also what runs in the background (`python -m
+tests.e2e.bench_run FOLDER SCRIPT...`): it runs the runner and writes how it ended to
+FOLDER/run.json.
 """
 
 from __future__ import annotations
