@@ -46,7 +46,7 @@ def test_engine_demo_loads_history_from_the_store_and_answers_the_same() -> None
         # asserted is that history loads and answers match; whether auto judges a load faster
         # than computing depends on this machine's timings (once, in the full suite, a rep's
         # batch did not load it all). The rule itself: test_engine_store.py, test_cost.py.
-        [sys.executable, "-m", "kvstore.engine.demo", "--max-tokens", "8", "--reps", "2",
+        [sys.executable, "-m", "kvstore.engine.demo", "--max-tokens", "2", "--reps", "2",
          "--port", "0", "--metrics-port", "0", "--load-policy", "always"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
