@@ -46,7 +46,7 @@ from kvstore.proto.localframe import REQUEST
 
 from ._attach import FetchAttach, TicketKeeper
 from ._buffers import ByteArray
-from ._localpath import LocalPath, NoSession, NoSessionNow, _error, _Session
+from ._localpath import LocalPath, NoSession, NoSessionNow, _error, _Session, _Unanswered
 from ._pause import TryLater
 from ._wire import Fetched, capacities, parse_get_header
 from .credentials import TLS
@@ -57,14 +57,6 @@ logger = logging.getLogger("kvstore.client")
 
 __all__ = ["DataPath", "DataSocket", "NoSession", "NoSessionNow", "data_socket_for",
            "tls_context"]
-
-
-class _Broke(Exception):
-    """A session broke; unanswered says whether any byte of the reply had arrived."""
-
-    def __init__(self, message: str, unanswered: bool) -> None:
-        super().__init__(message)
-        self.unanswered = unanswered
 
 
 def tls_context(ca_file: str | None = None, cert_file: str | None = None,
@@ -230,31 +222,22 @@ class DataSocket(LocalPath):
 
     def _data_call(self, verb: int, body: bytes, payloads: Sequence[memoryview],
                    receive: Callable[[_Session], Any], resend: bool) -> Any:
-        session, reused = self._take()
-        if len(body) > session.max_frame_bytes:
-            self._give_back(session)
-            raise NoSessionNow(f"the request ({len(body)} bytes) is over the data socket's "
-                               f"{session.max_frame_bytes}-byte frames")
-        try:
-            result = self._exchange(session, verb, body, payloads, receive)
-        except _Broke as exc:
-            if not (exc.unanswered and reused and resend):
-                raise Unavailable(f"the data session broke: {exc}") from None
-            logger.debug("kvstore: an idle data session broke (%s); asking again on a fresh "
-                         "one", exc)
-            session = self._new()
-            try:
-                result = self._exchange(session, verb, body, payloads, receive)
-            except _Broke as again:
-                raise Unavailable(f"the data session broke: {again}") from None
-        self._give_back(session)
-        return result
+        """One request on a pooled session (`LocalPath.exchange`: asked once more on a fresh
+        one when a reused one broke unanswered and resend allows it)."""
+        return self.exchange(lambda s: self._exchange(s, verb, body, payloads, receive),
+                             resend, "Get" if verb == GET_DATA else "Put")
 
     def _exchange(self, session: _Session, verb: int, body: bytes,
                   payloads: Sequence[memoryview], receive: Callable[[_Session], Any]) -> Any:
         """Send one request (its payloads after it) and take its reply. A daemon error is
-        raised with the session kept when the stream is still in step (pooled again by the
-        caller's finally), else the session is closed."""
+        raised with the session pooled again when the stream is still in step, else the
+        session is closed: _Unanswered when it broke before any byte of the reply arrived,
+        Unavailable when later or on a timeout; NoSessionNow (pooled again) for a request
+        over the frame size."""
+        if len(body) > session.max_frame_bytes:
+            self._give_back(session)
+            raise NoSessionNow(f"the request ({len(body)} bytes) is over the data socket's "
+                               f"{session.max_frame_bytes}-byte frames")
         session.reply_bytes = 0
         try:
             _send(session.sock, [memoryview(REQUEST.pack(len(body), verb) + body), *payloads])
@@ -267,7 +250,9 @@ class DataSocket(LocalPath):
             if isinstance(exc, TimeoutError):
                 raise Unavailable(f"the data session timed out after {self._timeout_s} s") \
                     from None
-            raise _Broke(str(exc), unanswered=not session.reply_bytes) from None
+            if not session.reply_bytes:
+                raise _Unanswered(str(exc)) from None
+            raise Unavailable(f"the data session broke: {exc}") from None
         except BaseException:
             session.close()
             raise

@@ -92,6 +92,7 @@ RESENDABLE = frozenset({LOOKUP, GET, RESERVE, RELEASE})
 assert COMMIT not in RESENDABLE
 
 M = TypeVar("M")
+T = TypeVar("T")
 
 
 class NoSession(FailedPrecondition):
@@ -250,23 +251,37 @@ class LocalPath:
     def call_bytes(self, verb: int, body: bytes, ahead: bytes = b"") -> bytes:
         """As call, with the request's and the reply's bytes as they are (the struct-packed
         verbs of kvstore.proto.localframe)."""
-        session, reused = self._take()
-        try:
-            status, reply = self._round_trip(session, verb, body, ahead)
-        except _Unanswered as exc:
-            if not reused or verb not in RESENDABLE:
-                raise Unavailable(f"the local session broke: {exc}") from None
-            logger.debug("kvstore: an idle local session broke under a %s (%s); sending it "
-                         "on a fresh one", VERB_NAMES[verb], exc)
-            session = self._new()
-            try:
-                status, reply = self._round_trip(session, verb, body)
-            except _Unanswered as again:
-                raise Unavailable(f"the local session broke: {again}") from None
-        self._give_back(session)
+        sends = [ahead]  # the first send's frames ahead; a resend on a fresh session has none
+
+        def exchange(session: _Session) -> tuple[int, bytes]:
+            return self._round_trip(session, verb, body, sends.pop() if sends else b"")
+
+        status, reply = self.exchange(exchange, verb in RESENDABLE, VERB_NAMES[verb])
         if status:
             raise _error(status, reply)
         return reply
+
+    def exchange(self, exchange: Callable[[_Session], T], resend: bool, what: str) -> T:
+        """exchange(session) on a pooled session (pooled again after it; it closes a session
+        it breaks). When a reused session broke before any byte of the reply arrived
+        (_Unanswered: closed by the daemon while it sat idle, say) and resend allows it, once
+        more on a fresh session; else, and when that one breaks too, Unavailable. what: the
+        request, for the log."""
+        session, reused = self._take()
+        try:
+            result = exchange(session)
+        except _Unanswered as exc:
+            if not (reused and resend):
+                raise Unavailable(f"the {self.kind} session broke: {exc}") from None
+            logger.debug("kvstore: an idle %s session broke under a %s (%s); sending it on a "
+                         "fresh one", self.kind, what, exc)
+            session = self._new()
+            try:
+                result = exchange(session)
+            except _Unanswered as again:
+                raise Unavailable(f"the {self.kind} session broke: {again}") from None
+        self._give_back(session)
+        return result
 
     def post(self, verb: int, request: Any) -> bool:
         """Send a request without waiting for its reply (a Release): its reply is read and

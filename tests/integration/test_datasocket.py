@@ -38,10 +38,11 @@ from kvstore.client._datasocket import (
     DataSocket,
     NoSession,
     NoSessionNow,
+    _DataSession,
     tls_context,
 )
 from kvstore.client.credentials import TLS
-from kvstore.client.errors import PermissionDenied
+from kvstore.client.errors import PermissionDenied, Unavailable
 from kvstore.client.sync import KVStoreClient
 from kvstore.daemon.attach import Tickets
 from kvstore.daemon.config import load_config
@@ -234,6 +235,36 @@ def test_round_trips_of_many_sizes_are_bit_exact(plain_socket: DataSocket) -> No
     round_trip(plain_socket, f"rt-{os.urandom(4).hex()}")
     for _ in range(3):  # one session, reused
         round_trip(plain_socket, f"rt-{os.urandom(4).hex()}")
+
+
+def test_a_reused_session_broken_unanswered_resends_a_get_never_a_put(
+        plain: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's end of an idle session goes away between the client's look at it and its
+    request (the look is made to miss it): a Get is asked again on a fresh session, a Put
+    fails Unavailable instead (it may have been stored) and is the caller's to retry."""
+    ds = DataSocket("127.0.0.1", limits(plain).data_port, TicketKeeper(), 10.0)
+    try:
+        ns = f"resend-{os.urandom(4).hex()}"
+        keys = [secrets.token_bytes(32) for _ in range(2)]
+        header = pb.PutRequest(namespace=ns, keys=keys, sizes=[3, 3], independent=True)
+        assert ds.put(header, [b"abc", b"def"]).stored == 2
+        monkeypatch.setattr(_DataSession, "alive", lambda self: True)
+
+        def break_idle() -> None:
+            assert ds._idle, "no pooled session to break"
+            for session in ds._idle:
+                session.sock.shutdown(socket.SHUT_RDWR)
+
+        break_idle()
+        assert ds.get(ns, keys, verify=True).payloads == [b"abc", b"def"]
+        break_idle()
+        again = pb.PutRequest(namespace=ns, keys=[secrets.token_bytes(32)], sizes=[3],
+                              independent=True)
+        with pytest.raises(Unavailable, match="data session broke"):
+            ds.put(again, [b"ghi"])
+        assert ds.put(again, [b"ghi"]).stored == 1  # on a fresh session, stored once
+    finally:
+        ds.close()
 
 
 def test_round_trips_over_tls_with_attach_tickets(tls: Daemon, pki: Pki) -> None:
