@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from kvstore.keys import BlockKey, prefix_keys
 
+from ._readtable import InPlace
 from .aio import AsyncKVStoreClient
 from .credentials import TLS
 from .errors import (
@@ -95,6 +96,7 @@ __all__ = [
     "FailedPrecondition",
     "FeatureOff",
     "HotResult",
+    "InPlace",
     "InvalidArgument",
     "KVStoreClient",
     "KVStoreError",

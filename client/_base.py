@@ -37,6 +37,7 @@ from ._datasocket import DataPath, DataSocket
 from ._effects import Call, Next, Offload, Open, Report, Retried, Steps, Upload, one
 from ._grants import Grants
 from ._localpath import NoSession
+from ._readtable import InPlace
 from ._segment import SharedSegment, only_header
 from ._shm import ShmState
 from ._target import with_default_port
@@ -435,6 +436,21 @@ class ClientBase(ABC):
             return finish_get_into(keys_read, fetched, arrays_read, verify)
 
         return (yield from self._read(key_list, arrays, finish))
+
+    def _get_in_place_steps(self, keys: Sequence[BlockKey]) -> Steps[InPlace]:
+        self._raise_posted()
+        key_list = check_keys(keys)
+        if not key_list or not self._shm.read_table or len(set(key_list)) != len(key_list):
+            return InPlace([])
+        if (yield from self._segment()) is None:
+            return InPlace([])
+        tables = self._shm.tables
+        if tables is None:
+            return InPlace([])
+        in_place: InPlace = yield Offload(partial(
+            tables.in_place, self.namespace, key_list, self.verify_checksums,
+            self._shm.report_post()))
+        return in_place
 
     def _read(
         self, keys: list[bytes], arrays: list[ByteArray] | None,

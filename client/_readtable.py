@@ -210,6 +210,35 @@ class _Looked:
         return self._body
 
 
+class InPlace:
+    """Blocks read where they lie, for a consumer that copies them elsewhere itself (a
+    host-to-device copy): `views[i]` is keys[i]'s block as a read-only view of this client's
+    mapping of the arena, for the leading keys the read table shows (and whose checksums
+    matched, hashed in place, when the client verifies). The daemon may free and reuse those
+    pages at any moment, and nothing here stops it: what the consumer did with a view counts
+    only for the leading `held()` of them, asked once the consumer is done with the bytes.
+    A view keeps the mapping alive (never a dangling pointer), not the block."""
+
+    __slots__ = ("views", "_table", "_slots", "_versions")
+
+    def __init__(self, views: list[np.ndarray], table: TableView | None = None,
+                 slots: np.ndarray | None = None, versions: np.ndarray | None = None) -> None:
+        self.views = views
+        self._table = table
+        self._slots = slots
+        self._versions = versions
+
+    def held(self) -> int:
+        """How many of the views, from the first, still are their blocks: each slot's version
+        read again, as a read through the table does after its copies. Ask it after the
+        bytes were used (a device copy: once it has completed)."""
+        if not self.views or self._table is None:
+            return 0
+        assert self._slots is not None and self._versions is not None
+        kept = self._table.unchanged(self._slots, self._versions)
+        return len(self.views) if kept.all() else int(kept.argmin())
+
+
 class TableReads:
     """Lookups and reads of one arena through its read table, copying from `segment` (the
     arena, or the named segment, the table describes)."""
@@ -283,6 +312,37 @@ class TableReads:
         self.rejected += hits.size - len(read)
         self.reports.read(namespace, read, post)
         return out
+
+    def in_place(self, namespace: str, keys: Sequence[bytes], verify: bool,
+                 post: Post | None) -> InPlace:
+        """The leading keys' blocks as read-only views of the arena where the table shows
+        them (see InPlace), each hashed in place and checked against its slot's checksum
+        when verify; the first a view cannot be had for (not shown, out of the mapping's
+        bounds, a checksum that does not match) ends them."""
+        probe = self.table.view.probe(namespace_hash(namespace), keys)
+        if probe is None:
+            return InPlace([])
+        n = probe.prefix()
+        offsets = offsets_of(probe.locs[:n]).tolist()
+        lengths = probe.lengths[:n].tolist()
+        sums = probe.sums[:n].tolist()
+        arena, limit = self.segment.array, self.segment.size_bytes
+        views: list[np.ndarray] = []
+        for offset, length, checksum in zip(offsets, lengths, sums, strict=True):
+            if offset + length > limit:
+                break
+            view = arena[offset:offset + length]
+            if verify and xxhash.xxh3_64_intdigest(view.data) != checksum:
+                break
+            view = view.view()
+            view.flags.writeable = False
+            views.append(view)
+        found = len(views)
+        self.hits += found
+        self.rejected += n - found
+        self.reports.read(namespace, keys[:found], post)
+        return InPlace(views, self.table.view, probe.slots[:found].copy(),
+                       probe.versions[:found].copy())
 
     def _probe_native(self, lib: ctypes.CDLL, namespace: str, keys: Sequence[bytes],
                       joined: bytes | None) -> bytes | None:

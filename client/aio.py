@@ -25,6 +25,7 @@ from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from . import results as res
 from ._base import ClientBase
 from ._effects import Call, Effect, Next, Offload, Open, Report, Retried, Steps, Upload
+from ._readtable import InPlace
 from ._wire import HEALTH_SERVICE, channel_options
 from .credentials import ChannelSecurity
 from .errors import from_rpc_error
@@ -122,6 +123,10 @@ class AsyncKVStoreClient(ClientBase):
     ) -> list[int | None]:
         """See KVStoreClient.get_into."""
         return await self._run(self._get_into_steps(keys, buffers))
+
+    async def get_in_place(self, keys: Sequence[BlockKey]) -> InPlace:
+        """See KVStoreClient.get_in_place."""
+        return await self._run(self._get_in_place_steps(keys))
 
     # --- control verbs --------------------------------------------------------------------
 

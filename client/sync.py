@@ -27,6 +27,7 @@ from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from . import results as res
 from ._base import ClientBase
 from ._effects import Call, Effect, Next, Offload, Open, Report, Retried, Steps, Upload
+from ._readtable import InPlace
 from ._wire import HEALTH_SERVICE, channel_options
 from .credentials import ChannelSecurity
 from .errors import from_rpc_error
@@ -123,6 +124,16 @@ class KVStoreClient(ClientBase):
         """Copy each found block into buffers[i] (writable, contiguous, CPU, at least the
         block's size); return the block's size, or None for a miss."""
         return self._run(self._get_into_steps(keys, buffers))
+
+    def get_in_place(self, keys: Sequence[BlockKey]) -> InPlace:
+        """The leading keys' blocks where they lie in shared memory, with no copy: read-only
+        views of this client's mapping of L2, for a caller that copies them elsewhere
+        itself (to a GPU, from pinned pages). Only blocks the read table shows come this way
+        (a co-located client with the read table on; none otherwise, and then `get_into`
+        is the way); each is checked against its checksum in place when the client
+        verifies. The daemon may reuse the pages at any time: once done with the bytes,
+        `held()` says how many of the views, from the first, were still their blocks."""
+        return self._run(self._get_in_place_steps(keys))
 
     # --- control verbs --------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ pages reused) never accept a wrong byte (TABLE_SOAK_S sets how long, 10 s here).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import mmap
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 
 from kvstore import native
-from kvstore.client import KVStoreClient
+from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.client._readtable import TableReads
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.proto.kvstore.v1 import kvstore_pb2_grpc as rpc
@@ -119,6 +120,56 @@ def test_reads_and_lookups_through_the_table_match_the_daemon_and_skip_it(
             assert kv.lookup(chain) == asked.lookup(chain)
             assert kv.get(chain) == asked.get(chain)
         assert local_requests(daemon, "Lookup") > before["Lookup"]
+
+
+def test_blocks_read_in_place_are_their_bytes_until_their_slots_move(
+        daemon: Daemon, ns: str) -> None:
+    rng = np.random.default_rng(11)
+    blocks = [rng.integers(0, 256, size, dtype=np.uint8) for size in (4096, 70_000, 300_000, 5)]
+    ks, [absent] = keys(4), keys(1)
+    with KVStoreClient(daemon.target, ns) as kv, \
+            KVStoreClient(daemon.target, ns, verify_checksums=False) as unverified, \
+            KVStoreClient(daemon.target, ns, shared_memory=False) as remote:
+        kv.put(ks, blocks)
+        before = local_requests(daemon, "Get")
+        got = kv.get_in_place([*ks, absent])  # the four the table shows, then a miss
+        assert [v.tobytes() for v in got.views] == [b.tobytes() for b in blocks]
+        assert not any(v.flags.writeable for v in got.views)
+        with pytest.raises(ValueError, match="read-only"):
+            got.views[0][0] = 1
+        assert got.held() == 4 and local_requests(daemon, "Get") == before
+        assert table_reads(kv).hits == 4
+        assert kv.get_in_place([absent, *ks]).views == []  # the leading keys only
+        assert remote.get_in_place(ks).views == []  # no shared memory: nothing in place
+        # A byte of the second block damaged where it lies: a verifying client's views stop
+        # before it; one that does not verify is shown it (its copy would be wrong too).
+        segment = kv._shm.segment
+        assert segment is not None
+        at = got.views[1].ctypes.data - segment.address
+        segment.array[at] ^= 0xFF
+        try:
+            assert len(kv.get_in_place(ks).views) == 1
+            assert len(unverified.get_in_place(ks).views) == 4
+        finally:
+            segment.array[at] ^= 0xFF
+        # The third block leaves (and the fourth, its descendant): their slots move, so
+        # the views taken before count only up to them.
+        assert kv.evict(keys=[ks[2]]).evicted == 2
+        assert got.held() == 2
+        assert len(kv.get_in_place(ks).views) == 2
+
+
+def test_the_async_client_reads_in_place_too(daemon: Daemon, ns: str) -> None:
+    ks = keys(2)
+
+    async def run() -> list[bytes]:
+        async with AsyncKVStoreClient(daemon.target, ns) as kv:
+            await kv.put(ks, [b"one", b"two"])
+            got = await kv.get_in_place(ks)
+            assert got.held() == 2
+            return [v.tobytes() for v in got.views]
+
+    assert asyncio.run(run()) == [b"one", b"two"]
 
 
 def test_the_table_cannot_be_written_through_any_descriptor(daemon: Daemon, ns: str) -> None:
