@@ -1,5 +1,5 @@
-"""Process memory for bulk copies, the daemon's and a client's alike: the C allocator's policy
-and pre-faulting a shared mapping.
+"""Process memory for bulk copies, the daemon's and a client's alike: the C allocator's policy,
+pre-faulting a shared mapping, and registering one as CUDA pinned memory.
 
 Both ends of the data path copy multi-MiB buffers. glibc serves each buffer over 128 KiB with
 a fresh mmap and returns it to the OS on free, so every copy into a new buffer page-faults
@@ -18,6 +18,7 @@ import ctypes
 import logging
 import os
 import threading
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +82,35 @@ def prefault(address: int, size_bytes: int, name: str) -> threading.Thread | Non
     thread = threading.Thread(target=run, name=f"prefault-{name}", daemon=True)
     thread.start()
     return thread
+
+
+def register_pinned(buf: Any, what: str) -> bool:
+    """cudaHostRegister buf (a numpy array over a mapping) when cupy and a CUDA device are
+    present, so that copies between it and a device run by DMA without waiting for the host;
+    False (logged, never raised: a driver error must not stop a CPU-only process) otherwise.
+    what: the memory, for the log."""
+    try:
+        import cupy
+    except ImportError:
+        log.info("%s is plain memory: cupy is not installed", what)
+        return False
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            log.info("%s is plain memory: no CUDA device", what)
+            return False
+        cupy.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, 0)
+    except Exception as exc:
+        log.warning("%s is plain memory: cudaHostRegister failed: %s", what, exc)
+        return False
+    log.info("%s registered as CUDA pinned memory (%d bytes)", what, buf.nbytes)
+    return True
+
+
+def unregister_pinned(address: int) -> None:
+    """Undo register_pinned of the memory at address (before its mapping goes)."""
+    import cupy
+
+    try:
+        cupy.cuda.runtime.hostUnregister(address)
+    except Exception as exc:
+        log.warning("cudaHostUnregister failed: %s", exc)

@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from kvstore.extents import Arena, Extent, PageRun
+from kvstore.memory import register_pinned, unregister_pinned
 from kvstore.shm import Segment, create_segment, list_segments, remove_stale_segments
 from kvstore.tiers.base import Transfer, padded_size
 
@@ -64,7 +65,8 @@ class DramTier:
             for arena in arenas:
                 self._parts.append(_memfd_part(arena, page_size_bytes))
         self._bases = [part.base for part in self._parts]
-        self.pinned = pin_memory and all(_register_pinned(p.array) for p in self._parts)
+        self.pinned = pin_memory and all(register_pinned(p.array, "L2 segment")
+                                         for p in self._parts)
 
     def arena_fds(self, name: str) -> list[tuple[str, int, int]]:
         """(arena name, descriptor, size in bytes) of the named tenant's arenas: what its
@@ -189,7 +191,7 @@ class DramTier:
         a descriptor keep it until they close it)."""
         for part in self._parts:
             if self.pinned:
-                _unregister_pinned(part.array)
+                unregister_pinned(part.array.ctypes.data)
             if part.fd >= 0:
                 os.close(part.fd)
         self._parts = []
@@ -241,31 +243,3 @@ def _copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> None:
             di, d_off = di + 1, 0
         if s_off == len(s):
             si, s_off = si + 1, 0
-
-
-def _register_pinned(buf: np.ndarray) -> bool:
-    """cudaHostRegister the segment when cupy and a CUDA device are present."""
-    try:
-        import cupy
-    except ImportError:
-        log.info("L2 segment is plain memory: cupy is not installed")
-        return False
-    try:
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            log.info("L2 segment is plain memory: no CUDA device")
-            return False
-        cupy.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, 0)
-    except Exception as exc:  # a driver error must not stop a CPU-only daemon
-        log.warning("L2 segment is plain memory: cudaHostRegister failed: %s", exc)
-        return False
-    log.info("L2 segment registered as CUDA pinned memory (%d bytes)", buf.nbytes)
-    return True
-
-
-def _unregister_pinned(buf: np.ndarray) -> None:
-    import cupy
-
-    try:
-        cupy.cuda.runtime.hostUnregister(buf.ctypes.data)
-    except Exception as exc:
-        log.warning("cudaHostUnregister failed: %s", exc)
