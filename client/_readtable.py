@@ -235,8 +235,9 @@ class InPlace:
         if not self.views or self._table is None:
             return 0
         assert self._slots is not None and self._versions is not None
-        kept = self._table.unchanged(self._slots, self._versions)
-        return len(self.views) if kept.all() else int(kept.argmin())
+        n = len(self.views)  # a caller may have dropped views from the end
+        kept = self._table.unchanged(self._slots[:n], self._versions[:n])
+        return n if kept.all() else int(kept.argmin())
 
 
 class TableReads:

@@ -15,7 +15,7 @@ import numpy as np
 import xxhash
 
 from kvstore import shm
-from kvstore.memory import prefault
+from kvstore.memory import prefault, register_pinned, unregister_pinned
 from kvstore.proto.kvstore.v1 import kvstore_pb2 as pb
 
 from ._buffers import ByteArray, address, copy_bytes, native_copy_hash, native_lib
@@ -45,6 +45,15 @@ class SharedSegment:
         # Page tables populated in the background, so a fresh client's first batches do
         # not fault every page in (kvstore.memory).
         self.prefaulting = prefault(self.address, self.size_bytes, self.name)
+        self.pinned = False  # registered as CUDA pinned memory (pin)
+
+    def pin(self) -> bool:
+        """Register the mapping as CUDA pinned memory, once (kvstore.memory.register_pinned:
+        needs cupy and a device), so that host-to-device copies from it run by DMA without
+        waiting for the host; whether it is registered."""
+        if not self.pinned and self._view is not None:
+            self.pinned = register_pinned(self.array, f"shared memory {self.name}")
+        return self.pinned
 
     def spans(self, location: pb.BlockLocation, size: int, field: str) -> Spans:
         """(offset, length) pairs holding exactly `size` bytes, checked against the mapping."""
@@ -159,14 +168,20 @@ class SharedSegment:
     def close(self) -> None:
         # Drop our exports first so the mapping can actually be unmapped. A view another
         # thread still reads through keeps the mapping alive (never a dangling pointer); it
-        # is unmapped when the last one is collected.
+        # is unmapped when the last one is collected, and stays registered as pinned memory
+        # (a device copy may still be reading it).
         self.array = np.empty(0, np.uint8)
         view, self._view = self._view, None
+        in_use = False
         if view is not None:
             try:
                 view.release()
             except BufferError:
+                in_use = True
                 logger.debug("kvstore: segment %s still in use; unmapped later", self.name)
+        if self.pinned and not in_use:
+            unregister_pinned(self.address)
+        self.pinned = False
         self._segment.close()
 
 

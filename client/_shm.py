@@ -107,6 +107,9 @@ class ShmState:
         self._local: LocalPath | None = None
         self.decided = mode is False
         self.segment: SharedSegment | None = None
+        # Register every mapping of the daemon's memory as CUDA pinned memory, those attached
+        # later too (pin_memory).
+        self._pin = False
         # The arena path: the tenant's arenas by name, and the socket they came through
         # (None on the named-segment path).
         self.arenas: dict[str, SharedSegment] = {}
@@ -212,7 +215,7 @@ class ShmState:
         try:
             path = self._route(stats)
             if path is None:
-                segment = attach(stats.shm_name)
+                segment = self._pinned(attach(stats.shm_name))
                 with self._lock:
                     old, self.segment = self.segment, segment
                 if old is not None:
@@ -363,8 +366,21 @@ class ShmState:
             raise elsewhere
         return path
 
+    def pin_memory(self) -> bool:
+        """Register every mapping of the daemon's memory as CUDA pinned memory, now and as
+        each is attached (SharedSegment.pin); whether any mapped now is."""
+        self._pin = True
+        with self._lock:
+            held = [s for s in (self.segment, *self.arenas.values()) if s is not None]
+        return any([s.pin() for s in held])
+
+    def _pinned(self, segment: SharedSegment) -> SharedSegment:
+        if self._pin:
+            segment.pin()
+        return segment
+
     def _take_arenas(self, path: str, arenas: list[Arena]) -> None:
-        fresh = {arena.name: SharedSegment(arena) for arena in arenas}
+        fresh = {arena.name: self._pinned(SharedSegment(arena)) for arena in arenas}
         with self._lock:
             old, self.arenas = self.arenas, fresh
             self._socket_path = path
@@ -460,7 +476,7 @@ class ShmState:
             current = self.segment
             if current is not None and name == current.name:
                 return current
-            fresh = attach(name)
+            fresh = self._pinned(attach(name))
             self.segment = fresh
         if current is not None:
             current.close()
