@@ -44,7 +44,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +65,7 @@ from kvstore.integrations.device_copies import (
     copies_for,
     device_ids,
 )
-from kvstore.integrations.link import ConnectorStats, Hit, StoreLink
+from kvstore.integrations.link import ConnectorStats, Hit, Landed, StoreLink
 from kvstore.kernels import KernelOps
 from kvstore.kernels.reference import staging_shape
 from kvstore.keys import BlockKey
@@ -93,10 +94,31 @@ class Loaded:
 @dataclass(frozen=True)
 class _Landing:
     """A load whose blocks were read and whose copy into the cache is enqueued: reported as
-    `loaded` once `event` completed."""
+    `loaded` once `event` completed, with as many blocks as `held()` says then still were
+    theirs when some were copied straight from their pages in L2 (`Landed.held`)."""
 
     loaded: Loaded
     event: Event
+    held: Callable[[], int] | None = None
+
+    def result(self) -> Loaded:
+        """What landed, asked once event completed."""
+        if self.held is None:
+            return self.loaded
+        held = self.held()
+        if held >= self.loaded.arrived:
+            return self.loaded
+        logger.info("kvstore: %d of %d blocks read in place moved while copied; computing "
+                    "them", self.loaded.arrived - held, self.loaded.arrived)
+        return Loaded(self.loaded.plan, held)
+
+
+def _tensors(sources: list[np.ndarray]) -> list[torch.Tensor]:
+    """Byte tensors over the sources, no copy (views of L2 pages are read-only: torch is told
+    they will only be read)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return [torch.from_numpy(source) for source in sources]
 
 
 def _byte_rows(staging: torch.Tensor) -> list[np.ndarray]:
@@ -167,6 +189,14 @@ class StoreConnector:
                                   tls=tls, unix_socket=unix_socket)
         except KVStoreError as exc:  # a malformed token, an unreadable certificate: config
             raise InvalidRequestError(f"store {target}: {exc}") from None
+        self.in_place = kv_cache.device.type == "cuda"
+        """Whether loads copy the blocks the store's read table shows straight from their
+        pages in L2 into the cache (`StoreLink.read_in_place`), with no staging copy on the
+        host: on a GPU, with the pages registered as pinned memory, the copy is a DMA from
+        them. On the CPU the copy from the pages costs what staging does, so it is off there
+        unless set."""
+        if self.in_place:
+            self.link.client.pin_shared_memory()  # each mapping as the client attaches it
 
     @property
     def stats(self) -> ConnectorStats:
@@ -197,29 +227,49 @@ class StoreConnector:
     def start_load(self, plan: LoadPlan, tier: str = "") -> None:
         """Read plan.keys into plan.block_ids of the KV cache: a loader thread reads them into
         staging and enqueues the copy into the cache; `poll` reports a Loaded event with the
-        blocks that arrived once that copy completed."""
+        blocks that arrived once that copy completed. With `in_place` (and no codec) the
+        blocks the store's read table shows are copied into the cache straight from their
+        pages in L2, not through staging."""
         staging = self.copies.take(len(plan.keys), *self._stored_row())
+        rows = _byte_rows(staging)
 
-        def done(arrived: int) -> None:
-            event: Event = DONE
-            try:
-                arrived = self._decodable(staging, arrived)
-            except Exception:  # a codec bug must not strand the request: compute the blocks
-                logger.exception("kvstore: checking %d loaded blocks failed", arrived)
-                arrived = 0
-            unread = not arrived  # no copy will read the staging: free for the next load now
-            try:
-                if arrived:
-                    rows, ids = staging[:arrived], plan.block_ids[:arrived]
-                    event = self.copies.load(staging, lambda: self._place(rows, ids))
-            except Exception:  # blocks that cannot be placed are blocks to compute
-                logger.exception("kvstore: placing %d loaded blocks failed", arrived)
-                arrived = 0
-            if unread:  # (a failed copy's staging is not pooled: part of it may be in flight)
-                self.copies.give_back(staging, DONE)
-            self._events.put(_Landing(Loaded(plan, arrived), event))
+        def done(landed: Landed) -> None:
+            self._place_landed(plan, staging, landed)
 
-        self.link.read_async(plan.keys, _byte_rows(staging), done, tier=tier)
+        if self.in_place and self.codec is None:
+            self.link.read_in_place_async(plan.keys, rows, done, tier=tier)
+        else:
+            self.link.read_async(plan.keys, rows, lambda arrived: done(Landed(arrived, [])),
+                                 tier=tier)
+
+    def _place_landed(self, plan: LoadPlan, staging: torch.Tensor, landed: Landed) -> None:
+        """On the loader thread: the blocks that arrived into the cache, on the copy stream
+        (from staging, or from the sources landed names when some lay in place), and the
+        Loaded event queued for once that copy completed."""
+        event: Event = DONE
+        try:
+            arrived = self._decodable(staging, landed.arrived)
+        except Exception:  # a codec bug must not strand the request: compute the blocks
+            logger.exception("kvstore: checking %d loaded blocks failed", landed.arrived)
+            arrived = 0
+        unread = not arrived  # no copy will read the staging: free for the next load now
+        held = None
+        try:
+            if arrived and landed.in_place_blocks:
+                sources = _tensors(landed.sources[:arrived])
+                ids = plan.block_ids[:arrived]
+                event = self.copies.load(staging, lambda: self._place_from(sources, ids),
+                                         keep=sources)
+                held = landed.held
+            elif arrived:
+                rows, ids = staging[:arrived], plan.block_ids[:arrived]
+                event = self.copies.load(staging, lambda: self._place(rows, ids))
+        except Exception:  # blocks that cannot be placed are blocks to compute
+            logger.exception("kvstore: placing %d loaded blocks failed", arrived)
+            arrived, held = 0, None
+        if unread:  # (a failed copy's staging is not pooled: part of it may be in flight)
+            self.copies.give_back(staging, DONE)
+        self._events.put(_Landing(Loaded(plan, arrived), event, held))
 
     def _stored_row(self) -> tuple[tuple[int, ...], torch.dtype]:
         """The shape and dtype of one staged row as stored: the cache's block, or its
@@ -255,6 +305,17 @@ class StoreConnector:
             ids = block_ids[start:start + decoded.shape[0]]
             self.ops.scatter_blocks(decoded, self.kv_cache, device_ids(ids, device))
 
+    def _place_from(self, sources: list[torch.Tensor], block_ids: Sequence[int]) -> None:
+        """Blocks into the cache's blocks (on the copy stream) from where they lie: each
+        copied to the device by itself (pages registered as pinned memory are read by DMA,
+        with no staging copy on the host), then the kernels' scatter."""
+        device = self.kv_cache.device
+        rows = torch.empty((len(sources), self.block_bytes), dtype=torch.uint8, device=device)
+        for row, source in zip(rows, sources, strict=True):
+            row.copy_(source, non_blocking=True)
+        typed = rows.view(self.kv_cache.dtype).reshape(len(sources), *self._row_shape)
+        self.ops.scatter_blocks(typed, self.kv_cache, device_ids(block_ids, device))
+
     def poll(self, timeout_s: float = 0.0) -> list[Looked | Loaded]:
         """The lookups and loads that came back (a load once its copy into the cache has
         completed, asked without waiting); waits up to timeout_s for the first. A step loop
@@ -270,7 +331,7 @@ class StoreConnector:
         landed = [landing for landing in self._landing if landing.event.query()]
         if landed:
             self._landing = [landing for landing in self._landing if landing not in landed]
-            events.extend(landing.loaded for landing in landed)
+            events.extend(landing.result() for landing in landed)
         return events
 
     def _landed(self) -> bool:

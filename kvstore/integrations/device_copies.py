@@ -368,10 +368,12 @@ class DeviceCopies:
                         del self._pool[i]
                         break
 
-    def load(self, staging: torch.Tensor, place: Callable[[], object]) -> Event:
+    def load(self, staging: torch.Tensor, place: Callable[[], object],
+             keep: Sequence[torch.Tensor] = ()) -> Event:
         """Run place() (staging rows -> the cache) on the copy stream; staging returns to the
-        pool with the load's event, which the caller reports finished only once complete."""
-        event = self.streams.on_copy(place, keep=(staging,), name="load")
+        pool with the load's event, which the caller reports finished only once complete.
+        keep: other tensors place() reads (blocks read in place), held until then too."""
+        event = self.streams.on_copy(place, keep=(staging, *keep), name="load")
         self.give_back(staging, event)
         return event
 

@@ -39,17 +39,19 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from kvstore.client import TLS, KVStoreClient
+from kvstore.client import TLS, InPlace, KVStoreClient
 from kvstore.client.errors import KVStoreError
 from kvstore.client.retry import Retry
 from kvstore.integrations.cost import TierRates
 from kvstore.keys import BlockKey, namespace_root
 
 logger = logging.getLogger("kvstore.integrations")
+
+R = TypeVar("R")
 
 # Tiers a block must be brought up from before a load reads it at memory speed.
 _BELOW_L2 = ("nvme", "remote")
@@ -67,6 +69,7 @@ class ConnectorStats:
     lookup_hit_blocks: int = 0
     prefetched_blocks: int = 0
     loaded_blocks: int = 0
+    loaded_in_place_blocks: int = 0  #: of loaded_blocks: read where they lay in L2 (no copy)
     loaded_bytes: int = 0
     load_failures: int = 0
     offloaded_blocks: int = 0
@@ -90,6 +93,31 @@ class Hit:
 
 
 _MISS = Hit(0, [])
+
+
+@dataclass(frozen=True)
+class Landed:
+    """What `read_in_place` read: `arrived` leading blocks, each in `sources[i]`: its row
+    (copied there), or a read-only view of its pages in L2 where it lay (the blocks
+    first_in_place .. first_in_place + len(in_place.views) - 1, when in_place has views). The
+    daemon may reuse those pages at any moment: `held()`, asked once the caller has copied
+    the sources elsewhere, is how many of the arrived blocks still are theirs."""
+
+    arrived: int
+    sources: list[np.ndarray]
+    in_place: InPlace | None = None
+    first_in_place: int = 0
+
+    @property
+    def in_place_blocks(self) -> int:
+        return 0 if self.in_place is None else len(self.in_place.views)
+
+    def held(self) -> int:
+        views = self.in_place_blocks
+        if not views:
+            return self.arrived
+        kept = self.in_place.held() if self.in_place is not None else views
+        return self.arrived if kept == views else self.first_in_place + kept
 
 
 def _filled() -> None:
@@ -266,11 +294,38 @@ class StoreLink:
         leading rows arrived whole. The rest must be recomputed by the caller. Waits (at most
         the call timeout) for a Prefetch of these keys started here to bring them up first.
         tier: the slowest tier they were found in; a whole load teaches `rates` its cost."""
+        return self._read(keys, rows, tier, in_place=False).arrived
+
+    def read_in_place(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray], *,
+                      tier: str = "") -> Landed:
+        """As read, but the blocks the store's read table shows in L2 are not copied: their
+        sources are views of their pages (`KVStoreClient.get_in_place`) for the caller to copy
+        from itself (to a device, from pinned memory), then ask `held()`. Offloads still
+        queued here, and blocks the table does not show, are copied into rows as by read."""
+        return self._read(keys, rows, tier, in_place=True)
+
+    def _read(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray], tier: str,
+              in_place: bool) -> Landed:
         if not keys:
-            return 0
+            return Landed(0, [])
         start = time.perf_counter()
         self._await_prefetch(keys)
         arrived = self._from_pending(keys, rows)
+        sources = list(rows[:arrived])
+        got, first = None, arrived
+        if in_place and arrived < len(keys) and self.available:
+            try:
+                got = self.client.get_in_place(keys[arrived:])
+            except KVStoreError as exc:
+                self._failed("Get", exc)
+            for view, row in zip(got.views if got is not None else [], rows[arrived:],
+                                 strict=False):
+                if view.nbytes != row.nbytes:
+                    break
+                sources.append(view)
+                arrived += 1
+            if got is not None and arrived - first < len(got.views):
+                got.views[arrived - first:] = []  # of another size: read again, into rows
         if arrived < len(keys) and self.available:
             try:
                 sizes = self.client.get_into(keys[arrived:], rows[arrived:])
@@ -280,13 +335,16 @@ class StoreLink:
             for row, size in zip(rows[arrived:], sizes, strict=False):
                 if size != row.nbytes:
                     break
+                sources.append(row)
                 arrived += 1
         loaded = sum(r.nbytes for r in rows[:arrived])
+        landed = Landed(arrived, sources, got, first)
         self._count(loaded_blocks=arrived, loaded_bytes=loaded,
+                    loaded_in_place_blocks=landed.in_place_blocks,
                     load_failures=int(arrived < len(keys)))
         if tier and arrived == len(keys):
             self.rates.observe_load(tier, loaded, time.perf_counter() - start)
-        return arrived
+        return landed
 
     def _await_prefetch(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:
@@ -299,14 +357,25 @@ class StoreLink:
                    done: Callable[[int], None], *, tier: str = "") -> Future[None]:
         """read() on a loader thread, then done(arrived) there. done is called exactly once,
         with 0 if the read itself raised."""
+        return self._on_loader(keys, lambda: self.read(keys, rows, tier=tier), done, 0)
 
+    def read_in_place_async(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray],
+                            done: Callable[[Landed], None], *,
+                            tier: str = "") -> Future[None]:
+        """read_in_place() on a loader thread, then done(landed) there, exactly once
+        (nothing landed if the read itself raised)."""
+        return self._on_loader(keys, lambda: self.read_in_place(keys, rows, tier=tier), done,
+                               Landed(0, []))
+
+    def _on_loader(self, keys: Sequence[BlockKey], read: Callable[[], R],
+                   done: Callable[[R], None], nothing: R) -> Future[None]:
         def run() -> None:
-            arrived = 0
+            result = nothing
             try:
-                arrived = self.read(keys, rows, tier=tier)
+                result = read()
             except Exception:  # a bug here must not strand the request waiting for its load
                 logger.exception("kvstore: load of %d blocks failed", len(keys))
-            done(arrived)
+            done(result)
 
         return self._loader.submit(run)
 

@@ -7,7 +7,9 @@ a real daemon and back, bit-exact. No transformers needed."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from kvstore.engine.sequence import Sequence
 from kvstore.kernels import ops_for
 from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
+from tests.conftest import DEFAULT_SETTINGS
 from tests.engine.models import save_random
 
 pytestmark = pytest.mark.gpu
@@ -72,7 +75,7 @@ def test_connector_stages_a_cuda_cache_through_pinned_memory_bit_exact(daemon: D
     kv = kv.view(torch.bfloat16)
     connector = StoreConnector(daemon.target, "gpu-staging", kv, 16, ops_for(dev))
     try:
-        staging = connector._staging(4)
+        staging = connector.copies.take(4, *connector._stored_row())
         assert staging.is_pinned() and staging.device.type == "cpu"
         tokens = [3 + i % 250 for i in range(4 * 16 + 1)]
         seq = Sequence(1, 1, tokens, SamplingParams())
@@ -91,5 +94,39 @@ def test_connector_stages_a_cuda_cache_through_pinned_memory_bit_exact(daemon: D
         torch.cuda.synchronize()
         assert torch.equal(kv[:, :, 8:12].view(torch.int16).cpu(), want)
         assert connector.stats.load_failures == 0 and connector.available
+    finally:
+        connector.close()
+
+
+def test_connector_loads_a_cuda_cache_in_place_from_pinned_pages_bit_exact(
+        shared_daemon: Callable[..., Daemon]) -> None:
+    """Co-located (the daemon's Unix socket, its read table): a CUDA cache's loads copy each
+    block to the device straight from its pages in L2, registered as pinned memory in the
+    client when cupy is installed, bit-exact, with no staging copy."""
+    d = shared_daemon(*DEFAULT_SETTINGS, unix_socket=True)
+    dev = torch.device("cuda")
+    kv = torch.randint(-(2**15), 2**15, (2, 2, 12, 16, 2, 64), dtype=torch.int16, device=dev)
+    kv = kv.view(torch.bfloat16)
+    connector = StoreConnector(d.target, "gpu-in-place", kv, 16, ops_for(dev))
+    try:
+        assert connector.in_place  # on by default on a GPU
+        tokens = [5 + i % 250 for i in range(4 * 16 + 1)]
+        seq = Sequence(1, 1, tokens, SamplingParams())
+        keys = prefix_keys(tokens, 16, "gpu-in-place")
+        want = kv[:, :, [0, 2, 4, 6]].view(torch.int16).cpu()
+        assert connector.offload(keys, [0, 2, 4, 6], None)
+        connector.flush(timeout_s=10.0)
+        kv[:, :, 8:12] = 0.0
+        connector.start_load(LoadPlan(seq, 0, keys, [8, 9, 10, 11]), "dram")
+        [loaded] = connector.poll(timeout_s=10.0)
+        assert isinstance(loaded, Loaded) and loaded.arrived == 4
+        torch.cuda.synchronize()
+        assert torch.equal(kv[:, :, 8:12].view(torch.int16).cpu(), want)
+        assert connector.stats.loaded_in_place_blocks == 4
+        shm = connector.link.client._shm
+        mapped = [s for s in (shm.segment, *shm.arenas.values()) if s is not None]
+        assert mapped
+        if importlib.util.find_spec("cupy") is not None:
+            assert all(s.pinned for s in mapped)
     finally:
         connector.close()

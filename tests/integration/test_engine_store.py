@@ -281,6 +281,58 @@ def test_a_block_lost_before_its_load_is_recomputed(
     assert reader.connector.stats.load_failures == 1
 
 
+@pytest.fixture
+def co_located(shared_daemon: Make) -> Daemon:
+    """The shared daemon with LOCAL settings and its Unix socket: the engine's client reads
+    L2 through the daemon's read table (what loads in place need)."""
+    return shared_daemon(*LOCAL, unix_socket=True)
+
+
+def test_loads_in_place_give_the_tokens_of_loads_through_staging(
+    model: Path, co_located: Daemon, engines: Callable[..., LLM]
+) -> None:
+    prompts = _prompts(3, length=70, seed=21)
+    writer = engines(model, store=co_located.target)
+    want = _tokens(writer.generate(prompts, GREEDY))
+    writer.close()
+    reader = engines(model, store=co_located.target)
+    assert reader.connector is not None and not reader.connector.in_place  # off on a CPU
+    reader.connector.in_place = True
+    outs = reader.generate(prompts, GREEDY)
+    assert _tokens(outs) == want
+    stats = reader.connector.stats
+    assert stats.loaded_blocks == sum(o.metrics.store_prompt_tokens for o in outs) // 16 > 0
+    assert stats.loaded_in_place_blocks == stats.loaded_blocks  # every one from its pages
+
+
+def test_a_block_moved_while_copied_in_place_is_recomputed(
+    model: Path, co_located: Daemon, engines: Callable[..., LLM]
+) -> None:
+    [prompt] = _prompts(1, length=100, seed=23)
+    writer = engines(model, store=co_located.target)
+    want = _tokens(writer.generate([prompt], GREEDY))
+    writer.close()
+    reader = engines(model, store=co_located.target)
+    assert reader.connector is not None
+    reader.connector.in_place = True
+    keys = prefix_keys(prompt, 16, reader.namespace)
+    read_in_place = reader.connector.link.read_in_place
+
+    def evict_third_after_reading(*args: Any, **kw: Any) -> Any:
+        # The six blocks are read in place; then block 2 (and 3.., its descendants) leaves
+        # the store before the engine asks whether they held.
+        landed = read_in_place(*args, **kw)
+        assert landed.in_place_blocks == 6
+        with KVStoreClient(co_located.target, reader.namespace) as kv:
+            assert kv.evict(keys=[keys[2]]).evicted >= 4
+        return landed
+
+    reader.connector.link.read_in_place = evict_third_after_reading  # type: ignore[method-assign]
+    [out] = reader.generate([prompt], GREEDY)
+    assert out.outputs[0].token_ids == want[0]
+    assert out.metrics.store_prompt_tokens == 32  # blocks 0 and 1 held; 2.. recomputed
+
+
 def test_a_daemon_killed_mid_run_costs_only_speed(
     tiny: Path, daemon_factory: Make, engines: Callable[..., LLM],
     caplog: pytest.LogCaptureFixture,
