@@ -44,7 +44,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -64,6 +63,8 @@ from kvstore.integrations.device_copies import (
     Event,
     copies_for,
     device_ids,
+    host_tensors,
+    rows_from,
 )
 from kvstore.integrations.link import ConnectorStats, Hit, Landed, StoreLink
 from kvstore.kernels import KernelOps
@@ -111,14 +112,6 @@ class _Landing:
         logger.info("kvstore: %d of %d blocks read in place moved while copied; computing "
                     "them", self.loaded.arrived - held, self.loaded.arrived)
         return Loaded(self.loaded.plan, held)
-
-
-def _tensors(sources: list[np.ndarray]) -> list[torch.Tensor]:
-    """Byte tensors over the sources, no copy (views of L2 pages are read-only: torch is told
-    they will only be read)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return [torch.from_numpy(source) for source in sources]
 
 
 def _byte_rows(staging: torch.Tensor) -> list[np.ndarray]:
@@ -256,7 +249,7 @@ class StoreConnector:
         held = None
         try:
             if arrived and landed.in_place_blocks:
-                sources = _tensors(landed.sources[:arrived])
+                sources = host_tensors(landed.sources[:arrived])
                 ids = plan.block_ids[:arrived]
                 event = self.copies.load(staging, lambda: self._place_from(sources, ids),
                                          keep=sources)
@@ -307,12 +300,10 @@ class StoreConnector:
 
     def _place_from(self, sources: list[torch.Tensor], block_ids: Sequence[int]) -> None:
         """Blocks into the cache's blocks (on the copy stream) from where they lie: each
-        copied to the device by itself (pages registered as pinned memory are read by DMA,
-        with no staging copy on the host), then the kernels' scatter."""
+        copied to the device by itself (`rows_from`: from pinned pages a DMA, with no
+        staging copy on the host), then the kernels' scatter."""
         device = self.kv_cache.device
-        rows = torch.empty((len(sources), self.block_bytes), dtype=torch.uint8, device=device)
-        for row, source in zip(rows, sources, strict=True):
-            row.copy_(source, non_blocking=True)
+        rows = rows_from(sources, self.block_bytes, device)
         typed = rows.view(self.kv_cache.dtype).reshape(len(sources), *self._row_shape)
         self.ops.scatter_blocks(typed, self.kv_cache, device_ids(block_ids, device))
 

@@ -43,12 +43,14 @@ bytes in the cache, or wrong bytes in a buffer).
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 __all__ = ["DONE", "CudaStreams", "DeviceCopies", "Event", "ImmediateStreams", "SimDevice",
@@ -385,6 +387,25 @@ class DeviceCopies:
         event = self.streams.on_copy(fill, after=after, keep=(staging,), name="save")
         self.streams.forward_waits(event)
         return event
+
+
+def host_tensors(sources: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """uint8 tensors over a load's sources, no copy (staging rows, or blocks' pages in L2
+    read in place, `StoreLink.read_in_place`): what `rows_from` copies from, to be kept
+    (`DeviceCopies.load`'s keep) until its copies completed. Read-only sources are only
+    read: torch's warning about them is not raised."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return [torch.from_numpy(source) for source in sources]
+
+
+def rows_from(host: Sequence[torch.Tensor], row_bytes: int, device: torch.device) -> torch.Tensor:
+    """A load's rows on device, each copied by itself from its host tensor; run on the copy
+    stream, where from pinned memory each copy is a DMA that does not wait for the host."""
+    rows = torch.empty((len(host), row_bytes), dtype=torch.uint8, device=device)
+    for row, source in zip(rows, host, strict=True):
+        row.copy_(source, non_blocking=True)
+    return rows
 
 
 def device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -29,14 +29,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-from kvstore.integrations.device_copies import DONE, DeviceCopies, Event, copies_for
-from kvstore.integrations.link import StoreLink
+from kvstore.integrations.device_copies import (
+    DONE,
+    DeviceCopies,
+    Event,
+    copies_for,
+    host_tensors,
+    rows_from,
+)
+from kvstore.integrations.link import Landed, StoreLink
 from kvstore.integrations.paged import KV, LATENT, PagedKV
 from kvstore.integrations.vllm_codec import RowCodec
 from kvstore.integrations.vllm_steps import (
@@ -60,11 +68,17 @@ logger = logging.getLogger("kvstore.integrations.vllm")
 @dataclass(frozen=True)
 class _Landing:
     """A load whose blocks were read and whose copy into the cache is enqueued: reported
-    finished once `event` completed."""
+    finished once `event` completed, with `failed` and, for blocks copied straight from their
+    pages in L2, those `moved()` says then had moved meanwhile (`Landed.held`)."""
 
     req_id: str
     failed: list[int]
     event: Event
+    moved: Callable[[], list[int]] | None = None
+
+    def all_failed(self) -> list[int]:
+        """The blocks to recompute, asked once event completed."""
+        return self.failed if self.moved is None else [*self.moved(), *self.failed]
 
 
 def _gather(paged: PagedKV, spec: SaveSpec, staging: torch.Tensor,
@@ -99,6 +113,24 @@ def _place(paged: PagedKV, staging: torch.Tensor, ids: list[int],
     return place
 
 
+def _place_from(paged: PagedKV, host: list[torch.Tensor], ids: list[int],
+                row_bytes: int) -> Callable[[], None]:
+    """A load's copy from where its blocks lie (staging rows, or their pages in L2 read in
+    place): each copied to the cache's device by itself (a DMA from pinned pages), then
+    scattered into the cache's blocks ids."""
+
+    def place() -> None:
+        paged.scatter(rows_from(host, row_bytes, paged.device), ids)
+
+    return place
+
+
+def _moved(landed: Landed, ids: list[int]) -> list[int]:
+    """The blocks (of ids, the arrived ones) that moved while copied from their pages in L2,
+    and every one after them: to recompute."""
+    return [b for b in ids[landed.held():] if b >= 0]
+
+
 class WorkerSide:
     """What one worker's connector does and keeps: its loads, saves and timings."""
 
@@ -119,6 +151,10 @@ class WorkerSide:
         """One `PagedKV` per KV-cache group, its layers in model order: what loads and saves
         copy, each group's blocks under its own keys."""
         self.copies = copies
+        self.in_place = False
+        """Whether loads copy the blocks the store's read table shows straight from their
+        pages in L2 to the cache's device (`StoreLink.read_in_place`): on by `register` for
+        a cache on a GPU, whose client pins its mappings of L2; staged otherwise."""
         self.origin = load_origin(link)
         """Names this worker's link in the loads it reports (`vllm_steps.load_origin`)."""
         self._rank = rank
@@ -170,6 +206,9 @@ class WorkerSide:
             for p in self.group_paged]
         if self.copies is None:
             self.copies = copies_for(self.paged.device)
+        self.in_place = self.paged.device.type == "cuda"
+        if self.in_place:
+            self.link.client.pin_shared_memory()  # each mapping as the client attaches it
         if self._rank == 0:  # every rank runs the same steps: one reports them
             self._timer = StepTimer(cuda=self.paged.device.type == "cuda")
         logger.info("kvstore: %d layers, %d-byte blocks (%s), %s%s", len(names),
@@ -219,20 +258,27 @@ class WorkerSide:
         rows = paged.direct_rows(spec.block_ids) if staging is None else paged.rows(staging)
         begun = time.perf_counter()
 
-        def done(arrived: int) -> None:
+        def done(landed: Landed) -> None:
             # From the start of the load to its arrival, as the request waits for it.
             seconds = time.perf_counter() - begun
             event: Event = DONE
+            arrived, moved = landed.arrived, None
             if staging is not None and arrived:
                 arrived = self._accepted(spec.group, staging, arrived)
             unread = not arrived  # no copy will read the staging: free for the next load now
             try:
-                if staging is not None and arrived:
+                if staging is not None and arrived and landed.in_place_blocks:
+                    ids = spec.block_ids[:arrived]
+                    host = host_tensors(landed.sources[:arrived])
+                    event = copies.load(staging, _place_from(paged, host, ids, row_bytes),
+                                        keep=host)
+                    moved = partial(_moved, landed, ids)
+                elif staging is not None and arrived:
                     ids = spec.block_ids[:arrived]
                     event = copies.load(staging, _place(paged, staging, ids, codec))
             except Exception:
                 logger.exception("kvstore: scattering %d loaded blocks failed", arrived)
-                arrived = 0
+                arrived, moved = 0, None
             if staging is not None and unread:  # (a failed copy's staging is not pooled:
                 # part of that copy may still be in flight)
                 copies.give_back(staging, DONE)
@@ -242,14 +288,18 @@ class WorkerSide:
                                              seconds))
                 failed = [b for b in spec.block_ids[arrived:] if b >= 0]
                 self.loaded_group_bytes[spec.group] += arrived * row_bytes
-                self._landing.append(_Landing(spec.req_id, failed, event))
+                self._landing.append(_Landing(spec.req_id, failed, event, moved))
                 self._loads_in_flight -= 1
                 self._load_done.notify_all()
 
         with self._lock:
             self._loads_in_flight += 1
             self._open_loads[spec.req_id] = self._open_loads.get(spec.req_id, 0) + 1
-        self.link.read_async(spec.keys, rows, done, tier=spec.tier)
+        if self.in_place and staging is not None and codec is None:
+            self.link.read_in_place_async(spec.keys, rows, done, tier=spec.tier)
+        else:
+            self.link.read_async(spec.keys, rows, lambda arrived: done(Landed(arrived, [])),
+                                 tier=spec.tier)
 
     def save(self, meta: KVStoreMetadata | None) -> None:
         """After the forward pass (its clock stops): copy the blocks it filled out on the copy
@@ -296,12 +346,13 @@ class WorkerSide:
         with self._lock:
             self._landing = [x for x in self._landing if x not in landed]
             for x in landed:
-                if x.failed and len(self.group_paged) > 1:
+                failed = x.all_failed()
+                if failed and len(self.group_paged) > 1:
                     # Block ids repeat across groups, so vLLM takes a hybrid model's load
                     # failures by request (it recomputes the whole request), never by block.
                     self._short_loads.add(x.req_id)
                 else:
-                    self._load_errors.update(x.failed)
+                    self._load_errors.update(failed)
                 left = self._open_loads.get(x.req_id, 1) - 1
                 if left > 0:  # another group's load of the request is still on its way
                     self._open_loads[x.req_id] = left

@@ -5,15 +5,18 @@ put them, and what cannot arrive is reported for recompute."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from kvstore.client import KVStoreClient
 from kvstore.integrations.vllm import KVStoreConnector
 from kvstore.integrations.vllm_steps import KVStoreMetadata, LoadSpec, SaveSpec
 from kvstore.keys import prefix_keys
 from kvstore.tools.testing import Daemon
-from tests.vllm.conftest import StoreView
+from tests.vllm.conftest import STORE_SETTINGS, StoreView
 from tests.vllm.harness import BLOCK, LAYERS, vllm_config, worker
 
 
@@ -92,6 +95,42 @@ def test_a_gap_in_the_chain_reports_it_and_every_block_after_it(
     assert loader.link.stats.load_failures == 1
     stats = loader.get_kv_connector_stats()
     assert stats is not None and "loads" not in stats.data  # a partial load teaches nothing
+
+
+def test_loads_in_place_arrive_bit_exact_and_blocks_that_moved_are_reported(
+        shared_daemon: Callable[..., Daemon], model_dir: Path, ns: str) -> None:
+    """Co-located (the daemon's Unix socket and read table), a worker whose loads read in
+    place (on by default only on a GPU) copies each block from its pages in L2: bit for bit;
+    a block whose pages moved before the copy landed is reported, with every one after it."""
+    d = shared_daemon(*STORE_SETTINGS, unix_socket=True)
+    config = vllm_config(model_dir, {"target": d.target, "namespace_salt": ns})
+    saver, saved = worker(config, seed=24)
+    keys = prefix_keys(list(range(9, 9 + 4 * BLOCK)), BLOCK, saver.namespace)
+    try:
+        _save(saver, keys, [9, 3, 17, 4])
+        saver.shutdown()
+        loader, loaded = worker(config)
+        assert not loader.worker.in_place and not loader.paged.direct  # CPU, staged layout
+        loader.worker.in_place = True
+        assert _load(loader, "r5", keys, [2, 30, 5, 11], tier="dram") == set()
+        for got, want in zip(_bits(loaded, [2, 30, 5, 11]), _bits(saved, [9, 3, 17, 4]),
+                             strict=True):
+            assert torch.equal(got, want)
+        assert loader.link.stats.loaded_in_place_blocks == 4
+        read_in_place = loader.link.read_in_place
+
+        def evict_third_after_reading(*args: Any, **kw: Any) -> Any:
+            landed = read_in_place(*args, **kw)
+            assert landed.in_place_blocks == 4
+            with KVStoreClient(d.target, loader.namespace) as kv:
+                assert kv.evict(keys=[keys[2]]).evicted == 2
+            return landed
+
+        loader.link.read_in_place = evict_third_after_reading  # type: ignore[method-assign]
+        assert _load(loader, "r6", keys, [20, 21, 22, 23], tier="dram") == {22, 23}
+    finally:
+        with KVStoreClient(d.target, saver.namespace, shared_memory=False) as kv:
+            kv.evict(all=True)
 
 
 def test_a_dead_store_fails_the_whole_load_and_still_finishes_the_request(
