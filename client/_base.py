@@ -685,14 +685,6 @@ class ClientBase(ABC):
 
     # --- state ----------------------------------------------------------------------------
 
-    def pin_shared_memory(self) -> bool:
-        """Register this client's mappings of the daemon's memory as CUDA pinned memory (with
-        cupy and a CUDA device; each mapping attached later too), so that host-to-device
-        copies from `get_in_place` views run by DMA without waiting for the host. Whether a
-        mapping is registered now: False before the first data call attached one, without
-        cupy or a device, or when the driver refused (logged)."""
-        return self._shm.pin_memory()
-
     @property
     def uses_shared_memory(self) -> bool | None:
         """True/False once decided (after the first data call), None before."""

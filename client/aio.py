@@ -128,6 +128,10 @@ class AsyncKVStoreClient(ClientBase):
         """See KVStoreClient.get_in_place."""
         return await self._run(self._get_in_place_steps(keys))
 
+    async def pin_shared_memory(self) -> bool:
+        """See KVStoreClient.pin_shared_memory."""
+        return self._shm.pin_memory()
+
     # --- control verbs --------------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[BlockKey], *,
