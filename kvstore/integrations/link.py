@@ -9,7 +9,10 @@
   Lookup on a loader thread and calls back with the hit.
 - Loads: `read` copies blocks into caller-owned rows (blocking), after any Prefetch of theirs
   started here has brought them up; `read_async` does it on a loader thread and calls back
-  with how many leading blocks arrived whole.
+  with how many leading blocks arrived whole. `read_in_place` (and `read_in_place_async`)
+  leaves the blocks the daemon's read table shows where they lie in L2 and hands back views
+  of their pages, for a connector that copies them to its device itself (from pinned memory:
+  a DMA, no staging copy) and then asks whether they held (`Landed.held`).
 - Costs: `rates` (kvstore.integrations.cost.TierRates) learns what a load from each tier costs
   here: every whole load, end to end, by the slowest tier it read from; the Lookup round trip;
   and, every few seconds while lookups come, the daemon's per-tier read figures (Stats). The
