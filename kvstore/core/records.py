@@ -179,6 +179,9 @@ class PutSession:
     received_bytes: int = 0
     block: int = 0  # request position the next byte belongs to
     block_offset: int = 0
+    # The stored blocks' checksums, given when the put began (bytes verified already); None:
+    # hashed as they arrive (hashers).
+    checksums: list[int] | None = None
 
 
 @dataclass(slots=True)

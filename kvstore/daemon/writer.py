@@ -197,17 +197,23 @@ class Writer:
     def begin_put(
         self, namespace: str, keys: Sequence[bytes], sizes: Sequence[int],
         parent: bytes = b"", independent: bool = False, client: str = "",
-        hashed: bool = True,
+        checksums: Sequence[int] | None = None,
     ) -> PutSession:
         """Plan an inline put: L2 pages for each key not stored yet, held until
         leases.reservation_timeout_s. Its bytes then come with write(), and commit() makes
-        them entries (or abort() gives the pages back). hashed=False: the bytes are not
-        hashed as they are written, and commit() is given their checksums."""
+        them entries (or abort() gives the pages back). checksums: the blocks' checksums, one
+        per key, when the caller has verified the bytes against them already (an L4 import);
+        then nothing is hashed as it is written. Without them each block is hashed as its
+        bytes arrive."""
         plan_id, _, sizes, targets = self._plan(
             namespace, keys, sizes, parent, independent,
             self._state.config.leases.reservation_timeout_s, client,
         )
-        hashers = [xxhash.xxh3_64() if t is not None and hashed else None for t in targets]
+        if checksums is not None:
+            known = [c for c, t in zip(checksums, targets, strict=True) if t is not None]
+            return PutSession(plan_id, namespace, sizes, targets, [None] * len(targets),
+                              sum(sizes), checksums=known)
+        hashers = [xxhash.xxh3_64() if t is not None else None for t in targets]
         return PutSession(plan_id, namespace, sizes, targets, hashers, sum(sizes))
 
     def write(self, session: PutSession, data: memoryview) -> None:
@@ -244,20 +250,17 @@ class Writer:
                 session.block_offset = 0
         session.received_bytes += len(data)
 
-    def commit(self, session: PutSession, to_remote: bool = True,
-               checksums: Sequence[int] = ()) -> CommitResult:
+    def commit(self, session: PutSession, to_remote: bool = True) -> CommitResult:
         """Make the put's blocks entries, with the checksums hashed as they were written
-        (or, for a put begun with hashed=False, the ones given, one per key); with
-        to_remote they are also offered to L4. A put short of its bytes is aborted."""
+        (or those begin_put was given); with to_remote they are also offered to L4. A put
+        short of its bytes is aborted."""
         if session.received_bytes != session.total_bytes:
             self.abort(session.plan_id)
             raise InvalidArgument(
                 f"data: received {session.received_bytes} bytes; sizes add up to "
                 f"{session.total_bytes}", field="data")
-        if checksums:
-            sums = [c for c, t in zip(checksums, session.targets, strict=True) if t is not None]
-        else:
-            sums = [h.intdigest() for h in session.hashers if h is not None]
+        sums = session.checksums if session.checksums is not None else [
+            h.intdigest() for h in session.hashers if h is not None]
         written = sum(s for s, t in zip(session.sizes, session.targets, strict=True) if t)
         return self._complete(session.plan_id, sums, written, to_remote)
 
@@ -290,12 +293,11 @@ class Writer:
         if not keys:
             return 0
         session = self.begin_put(namespace, keys, [len(b) for b in blocks], independent=True,
-                                 hashed=False)
+                                 checksums=[b.checksum for b in blocks])
         try:
             for block in blocks:
                 self.write(session, memoryview(block.data))
-            stored = self.commit(session, to_remote=False,
-                                 checksums=[b.checksum for b in blocks]).stored
+            stored = self.commit(session, to_remote=False).stored
         finally:
             self.abort(session.plan_id)  # a no-op once committed
         self._state.stats[Tier.DRAM].promotions += stored
