@@ -182,14 +182,10 @@ class StoreConnector:
                                   tls=tls, unix_socket=unix_socket)
         except KVStoreError as exc:  # a malformed token, an unreadable certificate: config
             raise InvalidRequestError(f"store {target}: {exc}") from None
-        self.in_place = kv_cache.device.type == "cuda"
+        self.in_place = self.link.loads_in_place(kv_cache.device.type)
         """Whether loads copy the blocks the store's read table shows straight from their
-        pages in L2 into the cache (`StoreLink.read_in_place`), with no staging copy on the
-        host: on a GPU, with the pages registered as pinned memory, the copy is a DMA from
-        them. On the CPU the copy from the pages costs what staging does, so it is off there
+        pages in L2 into the cache (`StoreLink.read_in_place`): on a GPU; off on the CPU
         unless set."""
-        if self.in_place:
-            self.link.client.pin_shared_memory()  # each mapping as the client attaches it
 
     @property
     def stats(self) -> ConnectorStats:

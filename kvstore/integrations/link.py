@@ -116,11 +116,10 @@ class Landed:
         return 0 if self.in_place is None else len(self.in_place.views)
 
     def held(self) -> int:
-        views = self.in_place_blocks
-        if not views:
+        if self.in_place is None or not self.in_place.views:
             return self.arrived
-        kept = self.in_place.held() if self.in_place is not None else views
-        return self.arrived if kept == views else self.first_in_place + kept
+        kept = self.in_place.held()
+        return self.arrived if kept == len(self.in_place.views) else self.first_in_place + kept
 
 
 def _filled() -> None:
@@ -298,6 +297,16 @@ class StoreLink:
         the call timeout) for a Prefetch of these keys started here to bring them up first.
         tier: the slowest tier they were found in; a whole load teaches `rates` its cost."""
         return self._read(keys, rows, tier, in_place=False).arrived
+
+    def loads_in_place(self, device_type: str) -> bool:
+        """Whether a connector whose cache is on device_type reads loads in place
+        (`read_in_place`): on a GPU, where the copy to the device from pinned pages is a DMA
+        with no staging copy on the host; the client then pins its mappings of L2 (each as it
+        attaches). On the CPU a copy from the pages costs what staging does."""
+        if device_type != "cuda":
+            return False
+        self.client.pin_shared_memory()
+        return True
 
     def read_in_place(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray], *,
                       tier: str = "") -> Landed:

@@ -206,9 +206,7 @@ class WorkerSide:
             for p in self.group_paged]
         if self.copies is None:
             self.copies = copies_for(self.paged.device)
-        self.in_place = self.paged.device.type == "cuda"
-        if self.in_place:
-            self.link.client.pin_shared_memory()  # each mapping as the client attaches it
+        self.in_place = self.link.loads_in_place(self.paged.device.type)
         if self._rank == 0:  # every rank runs the same steps: one reports them
             self._timer = StepTimer(cuda=self.paged.device.type == "cuda")
         logger.info("kvstore: %d layers, %d-byte blocks (%s), %s%s", len(names),
